@@ -1,0 +1,34 @@
+# One place for setup: every target installs first, so a fresh machine needs only `make demo` or `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast lint clean
+
+$(STAMP): setup.cfg pyproject.toml scripts/install_system.sh
+	bash scripts/install_system.sh
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch is pinned to the CPU build that ships on this kind of machine; a bare `torch` pulls CUDA wheels.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/python -m restage.demo
+
+test: install
+	$(BIN)/ruff check src tests bench
+	bash scripts/run_tests.sh
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not multirank and not slurm and not e2e"
+
+lint: install
+	$(BIN)/ruff check src tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

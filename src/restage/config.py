@@ -1,0 +1,281 @@
+"""Experiment config: dataclasses, YAML loading, ``key=value`` overrides, validation with clear errors.
+
+A config is plain frozen data. Each section is a dataclass; unknown keys and wrong types are
+refused with the dotted key that is wrong and what it should be. Algorithm-specific
+hyper-parameters live in the free-form ``algo`` mapping, which the algorithm validates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from restage.errors import ConfigError
+
+ALGORITHMS = ("sft", "rm", "dpo", "ppo", "grpo", "remax", "raft")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    lr_schedule: str = "constant"  # constant, linear, cosine
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One named model of the experiment (actor, critic, ref, reward)."""
+
+    path: str  # HF model directory
+    trainable: bool = False
+    dtype: str = "fp32"
+    zero_stage: int = 1
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    gradient_checkpointing: bool = False
+    offload_when_idle: bool = False  # non-trainable models: move to CPU memory between their MFCs
+    init_critic_from_lm: bool = False  # build a scalar head on top of a causal LM checkpoint
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    path: str = ""
+    kind: str = "prompt"  # prompt, sft, preference
+    tokenizer: str = ""  # defaults to the actor's (or first model's) directory
+    max_prompt_tokens: int = 128
+    max_answer_tokens: int = 128
+    eval_fraction: float = 0.0
+    shuffle: bool = True
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 32
+    min_new_tokens: int = 0
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class ClusterRef:
+    name: str = "local-cpu"  # cluster/<name>.yaml
+    nodes: int = 1
+    devices_per_node: int = 0  # 0: as the cluster file says
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    mode: str = "search"  # search, heuristic, manual
+    heuristic: str = "colocated"  # baseline used when mode=heuristic
+    layouts: dict[str, str] = field(default_factory=dict)  # manual: MFC name -> "ranks:0-3 dp2tp2pp1"
+    time_budget_seconds: float = 60.0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int = 10
+    batch_size: int = 8  # prompts (or pairs) per step
+    micro_batches: int = 1
+    save_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    collective_timeout_seconds: float = 60.0
+    nprocs: int = 1
+    results_dir: str = "results"
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    template: str = "generic"  # templates/<template>.sh
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    time_minutes: int = 60
+    mem_gb: int = 0
+    exclusive: bool = False
+    constraint: str = ""
+    launcher: str = "mpirun"  # mpirun or srun
+    requeue: bool = True
+    template_vars: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    experiment: str
+    algorithm: str
+    models: dict[str, ModelSpec]
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    trial: str = "default"
+    seed: int = 1
+    algo: dict[str, Any] = field(default_factory=dict)
+    reward_fn: str = ""  # "module:function" rule-based reward instead of a reward model
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    cluster: ClusterRef = field(default_factory=ClusterRef)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(f"algorithm: {self.algorithm!r} is unknown; use one of {', '.join(ALGORITHMS)}")
+        if not self.models:
+            raise ConfigError("models: at least one model is needed (e.g. models.actor.path)")
+        for name, spec in self.models.items():
+            if spec.dtype not in DTYPES:
+                raise ConfigError(f"models.{name}.dtype: {spec.dtype!r} is not one of {', '.join(DTYPES)}")
+            if spec.zero_stage not in (0, 1, 2, 3):
+                raise ConfigError(f"models.{name}.zero_stage: {spec.zero_stage} must be 0, 1, 2 or 3")
+        if self.run.steps < 1 or self.run.batch_size < 1 or self.run.micro_batches < 1:
+            raise ConfigError("run.steps, run.batch_size and run.micro_batches must be >= 1")
+        if self.plan.mode not in ("search", "heuristic", "manual"):
+            raise ConfigError(f"plan.mode: {self.plan.mode!r} must be search, heuristic or manual")
+
+    @property
+    def trial_dir(self) -> Path:
+        return Path(self.run.results_dir) / self.experiment / self.trial
+
+    def to_dict(self) -> dict:
+        return _to_plain(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _to_plain(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value, tp, key: str):
+    """Check (and gently coerce: int -> float, list -> tuple) ``value`` against the annotation ``tp``."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(tp):
+            if option is type(None) and value is None:
+                return None
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as err:
+                errors.append(err)
+        raise errors[-1]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {_field_names(tp)}, got {value!r}")
+        return build(tp, value, key)
+    if origin is dict:
+        key_tp, value_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return {_coerce(k, key_tp, key): _coerce(v, value_tp, f"{key}.{k}") for k, v in value.items()}
+    if origin in (tuple, list):
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}")
+            return tuple(_coerce(v, a, key) for v, a in zip(value, args))
+        inner = args[0] if args else Any
+        return origin(_coerce(v, inner, key) for v in value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-5 as a string
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, float, str, bool):
+        if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+            return value
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _field_names(cls) -> str:
+    return ", ".join(f.name for f in dataclasses.fields(cls))
+
+
+def build(cls, data: dict, prefix: str = ""):
+    """Build dataclass ``cls`` from a mapping, refusing unknown keys and wrong types."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            where = f"{prefix}.{key}" if prefix else key
+            raise ConfigError(f"{where}: unknown key; known keys here: {_field_names(cls)}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        where = f"{prefix}.{f.name}" if prefix else f.name
+        if f.name in data:
+            kwargs[f.name] = _coerce(data[f.name], hints[f.name], where)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{where}: missing; it is required")
+    return cls(**kwargs)
+
+
+def apply_override(data: dict, override: str) -> None:
+    """Apply ``a.b.c=value`` (value parsed as YAML) to a nested mapping in place."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} is not key=value")
+    dotted, raw = override.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    parts = dotted.strip().split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {part} is not a mapping")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Read a YAML experiment config, apply overrides, validate. Relative paths are resolved from the CWD."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}; fix the syntax") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    for override in overrides:
+        apply_override(data, override)
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict) -> ExperimentConfig:
+    return build(ExperimentConfig, data)

@@ -1,0 +1,29 @@
+"""User-facing errors. Each message says what to change; the CLI prints it on one line and exits 2."""
+
+
+class RestageError(Exception):
+    """Base of every error a user can cause (bad config, paths, layouts, memory)."""
+
+
+class ConfigError(RestageError):
+    """The experiment config is malformed or inconsistent."""
+
+
+class CheckpointError(RestageError):
+    """A checkpoint directory is missing, malformed or of an unsupported architecture."""
+
+
+class LayoutError(RestageError):
+    """A layout does not fit the model or the world (tp vs heads, pp vs layers, ranks outside the world)."""
+
+
+class PlanError(RestageError):
+    """No execution plan fits (memory, device count)."""
+
+
+class LaunchError(RestageError):
+    """Starting ranks locally or on SLURM failed for a reason the user can fix."""
+
+
+class RankFailure(RestageError):
+    """A rank raised or died; the message names the rank and its error."""

@@ -1,0 +1,183 @@
+"""Meshes, strategies and layouts, the rank maps between them, and a cache of process groups.
+
+Rank order inside a mesh is pp-major, then dp, then tp: the rank at mesh index
+``pp * (dp * tp) + d * tp + t`` holds pipeline stage ``pp``, data-parallel replica ``d`` and
+tensor-parallel shard ``t``. TP ranks are therefore adjacent (same node whenever possible).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from restage.errors import LayoutError
+
+
+@dataclass(frozen=True, order=True)
+class Strategy:
+    """Degrees of data, tensor and pipeline parallelism."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"strategy {name}={value!r} must be a positive integer")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def __str__(self) -> str:
+        return f"dp{self.dp}tp{self.tp}pp{self.pp}"
+
+    @classmethod
+    def parse(cls, text: str) -> Strategy:
+        """Parse ``dp2tp2pp1`` (any order, missing degrees are 1)."""
+        import re
+
+        parts = dict(re.findall(r"(dp|tp|pp)(\d+)", text))
+        if not parts or re.sub(r"(dp|tp|pp)\d+", "", text):
+            raise LayoutError(f"cannot read strategy {text!r}; write it like dp2tp2pp1")
+        return cls(**{k: int(v) for k, v in parts.items()})
+
+
+@dataclass(frozen=True, order=True)
+class Coord:
+    """Position of one rank inside a layout."""
+
+    pp: int
+    dp: int
+    tp: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A mesh (global ranks, in mesh order) and a strategy over it."""
+
+    mesh: tuple[int, ...]
+    strategy: Strategy
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mesh", tuple(int(r) for r in self.mesh))
+        if len(set(self.mesh)) != len(self.mesh):
+            raise LayoutError(f"mesh {list(self.mesh)} repeats a rank; list each rank once")
+        if any(r < 0 for r in self.mesh):
+            raise LayoutError(f"mesh {list(self.mesh)} has a negative rank")
+        if len(self.mesh) != self.strategy.world_size:
+            raise LayoutError(
+                f"mesh of {len(self.mesh)} ranks cannot hold {self.strategy} "
+                f"({self.strategy.world_size} ranks); make dp*tp*pp equal the mesh size"
+            )
+
+    @classmethod
+    def contiguous(cls, start: int, strategy: Strategy) -> Layout:
+        """The layout over ranks ``start .. start + world_size - 1``."""
+        return cls(tuple(range(start, start + strategy.world_size)), strategy)
+
+    @property
+    def size(self) -> int:
+        return len(self.mesh)
+
+    def check_world(self, world_size: int) -> None:
+        """Refuse a layout that names ranks outside a world of ``world_size`` ranks."""
+        outside = [r for r in self.mesh if r >= world_size]
+        if outside:
+            raise LayoutError(
+                f"layout {self} uses ranks {outside} but only {world_size} ranks exist; "
+                f"start more ranks or shrink the mesh"
+            )
+
+    def rank_at(self, pp: int, dp: int, tp: int) -> int:
+        s = self.strategy
+        if not (0 <= pp < s.pp and 0 <= dp < s.dp and 0 <= tp < s.tp):
+            raise IndexError(f"coordinate pp={pp} dp={dp} tp={tp} outside {s}")
+        return self.mesh[pp * s.dp * s.tp + dp * s.tp + tp]
+
+    def coord(self, rank: int) -> Coord | None:
+        """Coordinates of a global rank in this layout, or None if the rank is not in the mesh."""
+        try:
+            index = self.mesh.index(rank)
+        except ValueError:
+            return None
+        s = self.strategy
+        return Coord(pp=index // (s.dp * s.tp), dp=(index // s.tp) % s.dp, tp=index % s.tp)
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self.mesh
+
+    def coords(self) -> Iterator[tuple[int, Coord]]:
+        for rank in self.mesh:
+            coord = self.coord(rank)
+            assert coord is not None
+            yield rank, coord
+
+    def tp_groups(self) -> list[tuple[int, ...]]:
+        s = self.strategy
+        return [tuple(self.rank_at(p, d, t) for t in range(s.tp)) for p in range(s.pp) for d in range(s.dp)]
+
+    def dp_groups(self) -> list[tuple[int, ...]]:
+        s = self.strategy
+        return [tuple(self.rank_at(p, d, t) for d in range(s.dp)) for p in range(s.pp) for t in range(s.tp)]
+
+    def pp_groups(self) -> list[tuple[int, ...]]:
+        s = self.strategy
+        return [tuple(self.rank_at(p, d, t) for p in range(s.pp)) for d in range(s.dp) for t in range(s.tp)]
+
+    def group_of(self, rank: int, kind: str) -> tuple[int, ...]:
+        """The ``kind`` ("tp", "dp", "pp") group of ``rank``."""
+        groups = {"tp": self.tp_groups, "dp": self.dp_groups, "pp": self.pp_groups}[kind]()
+        for group in groups:
+            if rank in group:
+                return group
+        raise LayoutError(f"rank {rank} is not in layout {self}")
+
+    def all_groups(self) -> list[tuple[int, ...]]:
+        """Every group a model in this layout needs: tp, dp and pp groups and the whole mesh."""
+        groups = self.tp_groups() + self.dp_groups() + self.pp_groups() + [tuple(self.mesh)]
+        return [g for g in groups if len(g) > 1]
+
+    def to_json(self) -> dict:
+        s = self.strategy
+        return {"mesh": list(self.mesh), "dp": s.dp, "tp": s.tp, "pp": s.pp}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Layout:
+        return cls(tuple(data["mesh"]), Strategy(dp=data["dp"], tp=data["tp"], pp=data["pp"]))
+
+    def __str__(self) -> str:
+        m = self.mesh
+        ranks = f"{m[0]}-{m[-1]}" if m == tuple(range(m[0], m[0] + len(m))) else ",".join(map(str, m))
+        return f"[{ranks}]{self.strategy}"
+
+
+class ProcessGroups:
+    """Cache of torch.distributed groups keyed by their (sorted) ranks.
+
+    ``torch.distributed.new_group`` must be called by every rank of the world in the same
+    order, so groups are created collectively up front from the full list a schedule needs
+    (sorted, deduplicated), never lazily on a subset of ranks.
+    """
+
+    def __init__(self, groups: Iterable[Iterable[int]], backend: str | None = None):
+        import torch.distributed as dist
+
+        self._rank = dist.get_rank()
+        self._groups: dict[tuple[int, ...], object] = {}
+        for ranks in sorted({tuple(sorted(g)) for g in groups if len(tuple(g)) > 1}):
+            group = dist.new_group(list(ranks), backend=backend)
+            if self._rank in ranks:
+                self._groups[ranks] = group
+
+    def get(self, ranks: Iterable[int]):
+        """The group over ``ranks``; None for a single rank. The caller must be a member."""
+        key = tuple(sorted(ranks))
+        if len(key) <= 1:
+            return None
+        try:
+            return self._groups[key]
+        except KeyError:
+            raise KeyError(f"rank {self._rank} has no group over {key}; it was not requested up front") from None

@@ -1,0 +1,139 @@
+"""Architecture description of a decoder, read from a HF ``config.json``.
+
+One dataclass covers both supported families: the LLaMA family (LLaMA, Mistral, Qwen2) and
+GPT-2. Everything downstream (the decoder, sharding, the estimator) reads only this.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from restage.errors import CheckpointError
+
+# HF architecture name -> (family, is_critic). Critic and reward models are saved as
+# XForSequenceClassification with num_labels=1, which transformers loads directly.
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "LlamaForCausalLM": ("llama", False),
+    "MistralForCausalLM": ("llama", False),
+    "Qwen2ForCausalLM": ("llama", False),
+    "GPT2LMHeadModel": ("gpt2", False),
+    "LlamaForSequenceClassification": ("llama", True),
+    "MistralForSequenceClassification": ("llama", True),
+    "Qwen2ForSequenceClassification": ("llama", True),
+    "GPT2ForSequenceClassification": ("gpt2", True),
+}
+_MODEL_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gpt2": "GPT2"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and options of one decoder; ``family`` is ``llama`` or ``gpt2``."""
+
+    family: str
+    model_type: str  # HF model_type: llama, mistral, qwen2, gpt2
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_positions: int
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tied_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2, GPT-2, LLaMA with attention_bias
+    o_bias: bool = False  # GPT-2, LLaMA with attention_bias (not Qwen2)
+    is_critic: bool = False  # scalar head (critic, reward) instead of the LM head
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def hf_architecture(self) -> str:
+        suffix = "ForSequenceClassification" if self.is_critic else (
+            "LMHeadModel" if self.family == "gpt2" else "ForCausalLM")
+        return _MODEL_TYPES[self.model_type] + suffix
+
+    def as_critic(self) -> ModelConfig:
+        """The same backbone with a scalar head."""
+        return ModelConfig(**{**asdict(self), "is_critic": True, "tied_embeddings": False})
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> ModelConfig:
+        return cls(**data)
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict, source: str = "config") -> ModelConfig:
+        """Read a HF config dict; raise CheckpointError naming the supported architectures."""
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+            raise CheckpointError(f"{source}: architecture {arch!r} is not supported; use one of: {supported}")
+        family, is_critic = SUPPORTED_ARCHITECTURES[arch]
+        if is_critic and hf.get("num_labels", len(hf.get("id2label", {}) or {0: 0})) not in (1, None):
+            raise CheckpointError(f"{source}: a critic/reward model needs num_labels=1")
+        try:
+            if family == "gpt2":
+                hidden = hf["n_embd"]
+                return cls(
+                    family=family, model_type="gpt2", vocab_size=hf["vocab_size"], hidden_size=hidden,
+                    intermediate_size=hf.get("n_inner") or 4 * hidden, num_layers=hf["n_layer"],
+                    num_heads=hf["n_head"], num_kv_heads=hf["n_head"], max_positions=hf["n_positions"],
+                    norm_eps=hf.get("layer_norm_epsilon", 1e-5), tied_embeddings=not is_critic,
+                    qkv_bias=True, o_bias=True, is_critic=is_critic, bos_token_id=hf.get("bos_token_id"),
+                    eos_token_id=_first(hf.get("eos_token_id")), pad_token_id=hf.get("pad_token_id"),
+                )
+            model_type = hf.get("model_type", "llama")
+            if model_type not in ("llama", "mistral", "qwen2"):
+                raise CheckpointError(f"{source}: model_type {model_type!r} is not llama, mistral or qwen2")
+            num_heads = hf["num_attention_heads"]
+            if hf.get("head_dim") not in (None, hf["hidden_size"] // num_heads):
+                raise CheckpointError(f"{source}: head_dim != hidden_size / num_attention_heads is not supported")
+            if hf.get("mlp_bias"):
+                raise CheckpointError(f"{source}: mlp_bias=true is not supported")
+            rope_theta = hf.get("rope_theta")
+            if rope_theta is None:  # transformers 5 nests it under rope_parameters
+                rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+            return cls(
+                family=family, model_type=model_type, vocab_size=hf["vocab_size"],
+                hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
+                num_layers=hf["num_hidden_layers"], num_heads=num_heads,
+                num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+                max_positions=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-6),
+                rope_theta=float(rope_theta), tied_embeddings=bool(hf.get("tie_word_embeddings", False)) and not is_critic,
+                qkv_bias=(model_type == "qwen2") or bool(hf.get("attention_bias", False)),
+                o_bias=bool(hf.get("attention_bias", False)), is_critic=is_critic,
+                bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
+                pad_token_id=hf.get("pad_token_id"),
+            )
+        except KeyError as missing:
+            raise CheckpointError(f"{source}: config.json lacks {missing}; is it a HF model config?") from None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """Read ``<path>/config.json``."""
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint directory {path} does not exist; point the model's path at a HF model directory")
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise CheckpointError(f"{path} has no config.json; point the model's path at a HF model directory")
+        try:
+            hf = json.loads(config_file.read_text())
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{config_file} is not valid JSON ({err.msg} at line {err.lineno}); fix or replace it") from None
+        return cls.from_hf_dict(hf, source=str(path))
+
+
+def _first(value):
+    return value[0] if isinstance(value, list) and value else value

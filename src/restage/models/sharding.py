@@ -1,0 +1,215 @@
+"""How a decoder is sharded: canonical parameter names, their TP split and their PP stage.
+
+This is the one contract the decoder, the HF adapter, parameter reallocation and the memory
+estimator share. Parameters use canonical names (``layers.3.attn.q.weight``) with weights in
+``[out, in]`` order and q, k, v separate; ``models/hf_adapter.py`` maps HF names to these.
+
+TP: column-parallel weights split dim 0, row-parallel weights split dim 1, the embedding and
+LM head split the vocabulary (dim 0). Head dimensions split by whole heads (tp must divide the
+head and KV-head counts); the vocabulary and the MLP width split into near-equal contiguous
+chunks (the first ``n % tp`` chunks one larger), so any tp works for them.
+
+PP: contiguous layer ranges balanced by parameter count, stage 0 also holding the embeddings
+and the last stage the final norm and head. With tied embeddings and pp > 1 the last stage
+holds its own copy of ``embed.weight`` (gradients are summed over the two copies).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from restage.errors import LayoutError
+from restage.layout import Strategy
+from restage.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One full (unsharded) parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    split_dim: int | None  # None: replicated over TP
+    unit: int  # split granularity along split_dim (head_dim for head-sharded dims, else 1)
+    layer: int | None  # transformer block index, None for embeddings / final norm / head
+    where: str  # "layer", "first" (embeddings), "last" (final norm, head)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """The piece of one parameter a (pp stage, tp rank) holds: ``[start, stop)`` along ``split_dim``."""
+
+    param: ParamSpec
+    start: int
+    stop: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.param.split_dim is None:
+            return self.param.shape
+        shape = list(self.param.shape)
+        shape[self.param.split_dim] = self.stop - self.start
+        return tuple(shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def index(self) -> tuple[slice, ...]:
+        """Index into the full tensor that selects this shard."""
+        if self.param.split_dim is None:
+            return tuple(slice(None) for _ in self.param.shape)
+        return tuple(
+            slice(self.start, self.stop) if d == self.param.split_dim else slice(None)
+            for d in range(len(self.param.shape))
+        )
+
+
+def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
+    """Every parameter of the model in canonical order."""
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    gpt2 = cfg.family == "gpt2"
+    specs = [ParamSpec("embed.weight", (cfg.vocab_size, h), 0, 1, None, "first")]
+    if gpt2:
+        specs.append(ParamSpec("pos_embed.weight", (cfg.max_positions, h), None, 1, None, "first"))
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+
+        def add(name, shape, split_dim, unit=1, _p=p, _i=i):
+            specs.append(ParamSpec(_p + name, shape, split_dim, unit, _i, "layer"))
+
+        add("attn_norm.weight", (h,), None)
+        if gpt2:
+            add("attn_norm.bias", (h,), None)
+        for proj, out in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+            add(f"attn.{proj}.weight", (out, h), 0, hd)
+            if cfg.qkv_bias:
+                add(f"attn.{proj}.bias", (out,), 0, hd)
+        add("attn.o.weight", (h, q_out), 1, hd)
+        if cfg.o_bias:
+            add("attn.o.bias", (h,), None)
+        add("mlp_norm.weight", (h,), None)
+        if gpt2:
+            add("mlp_norm.bias", (h,), None)
+            add("mlp.up.weight", (inter, h), 0)
+            add("mlp.up.bias", (inter,), 0)
+            add("mlp.down.weight", (h, inter), 1)
+            add("mlp.down.bias", (h,), None)
+        else:
+            add("mlp.gate.weight", (inter, h), 0)
+            add("mlp.up.weight", (inter, h), 0)
+            add("mlp.down.weight", (h, inter), 1)
+    specs.append(ParamSpec("final_norm.weight", (h,), None, 1, None, "last"))
+    if gpt2:
+        specs.append(ParamSpec("final_norm.bias", (h,), None, 1, None, "last"))
+    if cfg.is_critic:
+        specs.append(ParamSpec("score.weight", (1, h), None, 1, None, "last"))
+    elif not cfg.tied_embeddings:
+        specs.append(ParamSpec("lm_head.weight", (cfg.vocab_size, h), 0, 1, None, "last"))
+    return specs
+
+
+def validate_strategy(cfg: ModelConfig, strategy: Strategy, name: str = "model") -> None:
+    """Raise LayoutError, saying what to change, if the model cannot take this tp / pp."""
+    tp, pp = strategy.tp, strategy.pp
+    if cfg.num_heads % tp or cfg.num_kv_heads % tp:
+        ok = [t for t in range(1, cfg.num_heads + 1) if cfg.num_heads % t == 0 and cfg.num_kv_heads % t == 0]
+        raise LayoutError(
+            f"{name}: tp={tp} does not divide {cfg.num_heads} attention heads and {cfg.num_kv_heads} "
+            f"KV heads; use tp in {ok}"
+        )
+    if pp > cfg.num_layers:
+        raise LayoutError(f"{name}: pp={pp} is larger than its {cfg.num_layers} layers; use pp <= {cfg.num_layers}")
+    if tp > cfg.vocab_size or tp > cfg.intermediate_size:
+        raise LayoutError(f"{name}: tp={tp} exceeds the vocabulary or MLP width")
+
+
+def split_range(total: int, parts: int, index: int, unit: int = 1) -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``index`` when ``total`` (in multiples of ``unit``) is cut into ``parts``."""
+    units, rem = divmod(total // unit, parts)
+    start = index * units + min(index, rem)
+    stop = start + units + (1 if index < rem else 0)
+    return start * unit, stop * unit
+
+
+@lru_cache(maxsize=256)
+def stage_layers(cfg: ModelConfig, pp: int) -> tuple[tuple[int, int], ...]:
+    """Layer ranges ``[start, stop)`` of each pipeline stage, minimising the largest stage's parameters.
+
+    Stage 0 also carries the embeddings and the last stage the final norm and head, so on
+    small models they get fewer layers. Every stage gets at least one layer.
+    """
+    if pp > cfg.num_layers:
+        validate_strategy(cfg, Strategy(tp=1, pp=pp))
+    specs = param_specs(cfg)
+    per_layer = sum(s.numel for s in specs if s.layer == 0)
+    first = sum(s.numel for s in specs if s.where == "first")
+    last = sum(s.numel for s in specs if s.where == "last")
+    if cfg.tied_embeddings and pp > 1:
+        last += cfg.vocab_size * cfg.hidden_size
+    n = cfg.num_layers
+
+    def cost(stage: int, count: int) -> int:
+        return count * per_layer + (first if stage == 0 else 0) + (last if stage == pp - 1 else 0)
+
+    # Exact minimax contiguous partition by dynamic programming: best[s][k] is the smallest
+    # achievable maximum stage cost when stages s.. hold the last k layers.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]
+    choice = [[0] * (n + 1) for _ in range(pp + 1)]
+    best[pp][0] = 0
+    for s in range(pp - 1, -1, -1):
+        for k in range(1, n + 1):
+            for take in range(1, k - (pp - 1 - s) + 1):
+                value = max(cost(s, take), best[s + 1][k - take])
+                if value < best[s][k]:
+                    best[s][k], choice[s][k] = value, take
+    ranges, start, left = [], 0, n
+    for s in range(pp):
+        take = choice[s][left]
+        ranges.append((start, start + take))
+        start, left = start + take, left - take
+    return tuple(ranges)
+
+
+def stage_params(cfg: ModelConfig, pp: int, stage: int) -> list[ParamSpec]:
+    """The full parameters whose shards live on pipeline stage ``stage``."""
+    lo, hi = stage_layers(cfg, pp)[stage]
+    out = []
+    for spec in param_specs(cfg):
+        if spec.where == "layer":
+            keep = lo <= spec.layer < hi
+        elif spec.where == "first":
+            keep = stage == 0
+        else:
+            keep = stage == pp - 1
+        if keep:
+            out.append(spec)
+    if cfg.tied_embeddings and not cfg.is_critic and stage == pp - 1 and pp > 1:
+        out.append(next(s for s in param_specs(cfg) if s.name == "embed.weight"))
+    return out
+
+
+def shard_specs(cfg: ModelConfig, strategy: Strategy, pp_stage: int, tp_rank: int) -> list[ShardSpec]:
+    """What the rank at (pp_stage, tp_rank) of a layout with this strategy holds, in canonical order."""
+    validate_strategy(cfg, strategy)
+    out = []
+    for spec in stage_params(cfg, strategy.pp, pp_stage):
+        if spec.split_dim is None or strategy.tp == 1:
+            out.append(ShardSpec(spec, 0, spec.shape[spec.split_dim or 0]))
+        else:
+            start, stop = split_range(spec.shape[spec.split_dim], strategy.tp, tp_rank, spec.unit)
+            out.append(ShardSpec(spec, start, stop))
+    return out
+
+
+def shard_bytes(cfg: ModelConfig, strategy: Strategy, pp_stage: int, tp_rank: int, bytes_per_element: int) -> int:
+    """Bytes of parameters one rank holds."""
+    return sum(s.numel for s in shard_specs(cfg, strategy, pp_stage, tp_rank)) * bytes_per_element

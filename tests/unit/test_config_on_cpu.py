@@ -1,0 +1,42 @@
+import pytest
+
+from restage.config import ConfigError, load_config
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("experiment: x\nalgorithm: ppo\nmodels:\n  actor: {path: a, trainable: true, optim: {lr: 1e-5}}\n")
+    return path
+
+
+def test_load_with_overrides(config_file):
+    cfg = load_config(config_file, ["run.batch_size=4", "models.actor.dtype=bf16", "algo.kl_coef=0.05"])
+    assert cfg.run.batch_size == 4
+    assert cfg.models["actor"].dtype == "bf16"
+    assert cfg.models["actor"].optim.lr == pytest.approx(1e-5)
+    assert cfg.algo == {"kl_coef": 0.05}
+    assert str(cfg.trial_dir) == "results/x/default"
+
+
+@pytest.mark.parametrize("override,message", [
+    ("run.foo=1", "run.foo: unknown key; known keys here: steps,"),
+    ("run.steps=abc", "run.steps: expected int, got 'abc'"),
+    ("models.actor.dtype=f8", "models.actor.dtype: 'f8' is not one of fp32, bf16, fp16"),
+    ("algorithm=ppx", "algorithm: 'ppx' is unknown"),
+    ("models.actor.optim.betas=[0.9]", "models.actor.optim.betas: expected 2 values, got 1"),
+])
+def test_bad_config_gets_one_line_naming_the_key(config_file, override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(config_file, [override])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
