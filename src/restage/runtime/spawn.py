@@ -1,0 +1,101 @@
+"""Run a function on N real processes joined by torch.distributed (gloo on CPU, NCCL on GPUs).
+
+Used by the multi-rank tests and the benchmarks; the production entry point is
+``restage.runtime.spmd`` under mpirun. Each process gets a fresh interpreter (spawn), so no
+state leaks between ranks. A rank that raises makes ``spawn`` raise RankFailure naming it;
+a rank that hangs past ``timeout_seconds`` gets every process killed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from restage.errors import RankFailure
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(rank: int, world_size: int, port: int, backend: str | None = None,
+                       timeout_seconds: float = 120.0) -> None:
+    """Join the default group; backend is NCCL when CUDA is available, gloo otherwise."""
+    import torch
+    import torch.distributed as dist
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}",
+                            timeout=datetime.timedelta(seconds=timeout_seconds))
+
+
+def _worker(rank, world_size, port, fn, args, results, env):
+    os.environ.update(env)
+    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        init_process_group(rank, world_size, port)
+        value = fn(rank, world_size, *args)
+        results.put((rank, "ok", value))
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as err:  # report every failure, including SystemExit, to the parent
+        results.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_seconds: float = 300.0,
+          env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the values by rank.
+
+    ``fn`` must be importable (a module-level function) and its return value picklable.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, env), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_seconds
+    try:
+        while len(values) < world_size:
+            try:
+                rank, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in values]
+                if dead:
+                    raise RankFailure(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise RankFailure(f"ranks {sorted(set(range(world_size)) - set(values))} did not finish "
+                                      f"within {timeout_seconds:.0f} s") from None
+                continue
+            if status == "error":
+                raise RankFailure(f"rank {rank} failed: {value}")
+            values[rank] = value
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return [values[r] for r in range(world_size)]
