@@ -1,0 +1,152 @@
+"""The reallocation planner, checked by applying its pieces to real tensors in one process."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from realloc_cases import PAIRS_8, L, node_of_3, reference_state, shard_of, tiny
+
+from restage.errors import LayoutError, PlanError
+from restage.models.sharding import param_specs, shard_specs
+from restage.runtime.realloc_plan import plan_reallocation, realloc_groups, schedule_transfers
+
+
+def _view(t: torch.Tensor, dim: int, rng: tuple[int, int]) -> torch.Tensor:
+    return t.narrow(dim, rng[0], rng[1] - rng[0])
+
+
+def _masks(cfg, layout, rank):
+    """Boolean masks over the full parameters: which elements ``rank`` holds in ``layout``."""
+    coord = layout.coord(rank)
+    out = {s.name: torch.zeros(s.shape, dtype=torch.bool) for s in param_specs(cfg)}
+    if coord is not None:
+        for shard in shard_specs(cfg, layout.strategy, coord.pp, coord.tp):
+            out[shard.param.name][shard.index()] = True
+    return out
+
+
+def _brute_lower_bound(cfg, src, dst, bytes_per_element):
+    total = 0
+    for rank in dst.mesh:
+        have, want = _masks(cfg, src, rank), _masks(cfg, dst, rank)
+        names = {s.param.name for s in shard_specs(cfg, dst.strategy, dst.coord(rank).pp, dst.coord(rank).tp)}
+        total += sum(int((want[n] & ~have[n]).sum()) for n in names)
+    return total * bytes_per_element
+
+
+def _apply(plan, full):
+    """Run the plan on one process: every destination shard built from the source shards only."""
+    cfg, src, dst = plan.cfg, plan.src, plan.dst
+    shards = {r: shard_of(cfg, src, r, full) for r in src.mesh}
+    out, hits = {}, {}
+    for r in dst.mesh:
+        c = dst.coord(r)
+        out[r] = {s.param.name: torch.full(s.shape, float("nan")) for s in shard_specs(cfg, dst.strategy, c.pp, c.tp)}
+        hits[r] = {n: torch.zeros(t.shape, dtype=torch.int32) for n, t in out[r].items()}
+    for p in plan.local_pieces + plan.pieces:
+        block = _view(shards[p.src_rank][p.name], p.dim, p.src_range)
+        assert block.shape == _view(torch.empty(p.dst_shape), p.dim, p.dst_range).shape
+        for r in p.dst_ranks:
+            _view(out[r][p.name], p.dim, p.dst_range).copy_(block)
+            _view(hits[r][p.name], p.dim, p.dst_range).add_(1)
+    return out, hits
+
+
+@pytest.mark.parametrize("kind,src,dst,what", PAIRS_8, ids=[c[3] for c in PAIRS_8])
+def test_plan_builds_every_destination_shard_exactly_once(kind, src, dst, what):
+    cfg = tiny(kind)
+    full = reference_state(cfg)
+    for a, b in ((src, dst), (dst, src)):
+        plan = plan_reallocation(cfg, a, b, bytes_per_element=4, node_of=node_of_3, world_size=8)
+        out, hits = _apply(plan, full)
+        for r in b.mesh:
+            expected = shard_of(cfg, b, r, full)
+            assert out[r].keys() == expected.keys()
+            for name, tensor in expected.items():
+                assert torch.equal(out[r][name], tensor), (r, name)
+                assert bool((hits[r][name] == 1).all()), (r, name)
+        assert plan.total_bytes == plan.lower_bound_bytes == _brute_lower_bound(cfg, a, b, 4)
+        assert sum(p.numel for p in plan.pieces if plan.dst.coord(p.src_rank) is None) * 4 <= plan.total_bytes
+        for p in plan.pieces:
+            assert p.src_rank not in p.dst_ranks and p.src_rank in a.mesh
+            assert all(node_of_3(r) == node_of_3(p.src_rank) for r in p.dst_ranks) or not any(
+                node_of_3(h) == node_of_3(p.dst_ranks[0]) for h in _holders(cfg, a, p))
+
+
+def _holders(cfg, layout, piece):
+    return [r for r in layout.mesh
+            if any(s.param.name == piece.name and (s.param.split_dim is None or
+                                                   s.start <= piece.full_range[0] < s.stop)
+                   for s in shard_specs(cfg, layout.strategy, layout.coord(r).pp, layout.coord(r).tp))]
+
+
+def test_equal_layouts_move_nothing():
+    cfg = tiny()
+    layout = L(range(4), dp=2, tp=2)
+    plan = plan_reallocation(cfg, layout, layout, bytes_per_element=2)
+    assert plan.pieces == () and plan.total_bytes == plan.lower_bound_bytes == 0
+    assert plan.local_bytes == sum(sum(t.numel() for t in shard_of(cfg, layout, r, reference_state(cfg)).values())
+                                   for r in layout.mesh) * 2
+
+
+def test_dp_replicas_share_the_sending():
+    cfg = tiny()
+    plan = plan_reallocation(cfg, L(range(4), dp=4), L(range(4, 8), dp=4), bytes_per_element=4)
+    sent = plan.sent_bytes_by_rank()
+    # Four replicas, four receivers on one node: every sender serves one receiver per piece.
+    assert sorted(sent) == [0, 1, 2, 3]
+    assert max(sent.values()) == min(sent.values()) == plan.total_bytes // 4
+    assert all(len(p.dst_ranks) == 1 for p in plan.pieces)
+    # Two replicas, one receiver: the pieces alternate between the replicas.
+    plan = plan_reallocation(cfg, L(range(2), dp=2), L((2,)), bytes_per_element=4)
+    sent = plan.sent_bytes_by_rank()
+    assert sorted(sent) == [0, 1] and abs(sent[0] - sent[1]) <= max(p.numel for p in plan.pieces) * 4
+
+
+def test_senders_on_the_same_node_are_preferred():
+    cfg = tiny()
+    node_of = {0: 0, 1: 1, 2: 0, 3: 1, 4: 0, 5: 1}.__getitem__  # odd ranks on node 1, even on node 0
+    plan = plan_reallocation(cfg, L((0, 1), dp=2), L((2, 3, 4, 5), dp=4), bytes_per_element=4, node_of=node_of)
+    assert plan.bytes_by_link.keys() == {(0, 2), (0, 4), (1, 3), (1, 5)}
+    # A node without any holder takes every piece once from a remote sender, as one broadcast.
+    plan = plan_reallocation(cfg, L((0,)), L((2, 4), dp=2), bytes_per_element=4, node_of=lambda r: r // 2)
+    assert all(p.dst_ranks == (2,) for p in plan.pieces if 2 in p.dst_ranks)
+
+
+def test_tp_that_does_not_divide_heads_is_refused_in_one_line():
+    with pytest.raises(LayoutError) as err:
+        plan_reallocation(tiny("qwen2"), L(range(2), tp=2), L(range(4), tp=4), bytes_per_element=2)
+    assert "tp=4 does not divide 12 attention heads and 6 KV heads" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(LayoutError, match="pp=5 is larger than its 4 layers"):
+        plan_reallocation(tiny(), L(range(2), tp=2), L(range(5), pp=5), bytes_per_element=2)
+
+
+def test_ranks_outside_the_world_are_refused_in_one_line():
+    with pytest.raises(LayoutError) as err:
+        plan_reallocation(tiny(), L(range(2), tp=2), L(range(6, 10), tp=4), bytes_per_element=2, world_size=8)
+    assert "uses ranks [8, 9] but only 8 ranks exist" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("bucket_bytes,direct_min_bytes", [(1024, 1 << 30), (4096, 2048), (1 << 20, 0)])
+def test_transfers_fit_the_bucket_and_cover_each_piece(bucket_bytes, direct_min_bytes):
+    cfg = tiny("gpt2")
+    plan = plan_reallocation(cfg, L(range(4), tp=4), L(range(2, 8), dp=2, tp=3), bytes_per_element=4)
+    transfers = schedule_transfers(plan, bucket_bytes, direct_min_bytes)
+    covered = defaultdict(int)
+    for t in transfers:
+        assert t.packed or (len(t.pieces) == 1 and t.pieces[0].src_contiguous() and t.pieces[0].dst_contiguous())
+        if t.packed:
+            assert t.numel * 4 <= bucket_bytes
+        for p in t.pieces:
+            assert (p.src_rank, p.dst_ranks, p.unit) == (t.src_rank, t.dst_ranks, t.unit)
+            covered[(p.name, p.src_rank, p.dst_ranks)] += p.numel
+    expected = defaultdict(int)
+    for p in plan.pieces:
+        expected[(p.name, p.src_rank, p.dst_ranks)] += p.numel
+    assert covered == expected
+    assert [t.unit for t in transfers] == sorted(t.unit for t in transfers)
+    assert set(realloc_groups(plan)) == {t.group for t in transfers if len(t.dst_ranks) > 1}
+    with pytest.raises(PlanError, match="exceeds the bucket"):
+        schedule_transfers(plan, 64, 1 << 30)
