@@ -27,3 +27,7 @@ class LaunchError(RestageError):
 
 class RankFailure(RestageError):
     """A rank raised or died; the message names the rank and its error."""
+
+
+class LogError(RestageError):
+    """A run log (log.h5) is missing, unreadable, of another format version, or would be overwritten."""

@@ -1,0 +1,158 @@
+"""A run's report as one JSON-ready dict (``summarize``) and the same numbers as a text table (``format_text``)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from restage.errors import LogError
+from restage.report.log import RunLog
+from restage.report.throughput import (
+    mfc_table,
+    movement_totals,
+    peak_flops_per_device,
+    predictions_from_schedule,
+    rank_shares,
+    step_flops,
+    throughput,
+)
+
+GIB = 2**30
+
+
+def status_line(log: RunLog) -> str:
+    """Whether the run closed its log, or up to which step a crashed (or running) run's log is reported."""
+    if log.closed:
+        return f"complete: the run closed its log after step {log.last_complete_step}"
+    dropped = f"; {log.dropped_rows} rows of the step in flight dropped" if log.dropped_rows else ""
+    return (f"log not closed (the run crashed or is still running): reported up to its last complete step "
+            f"{log.last_complete_step}{dropped}")
+
+
+def _stat_summary(log: RunLog, last_n: int) -> dict[str, dict]:
+    out = {}
+    for name, (steps, values) in log.stat_series().items():
+        out[name] = {"count": len(values), "first_step": int(steps[0]), "last": float(values[-1]),
+                     "mean": float(values.mean()), f"mean_last_{last_n}": float(values[-last_n:].mean()),
+                     "min": float(values.min()), "max": float(values.max())}
+    return out
+
+
+def summarize(log: RunLog, last_n: int = 20) -> dict:
+    """Every number of the report. ``last_n``: the window of the recent-throughput column."""
+    if len(log.steps) == 0:
+        raise LogError(f"{log.path} has no complete step; the run stopped before finishing its first step")
+    if last_n < 1:
+        raise LogError(f"--last {last_n}: give a positive number of steps")
+    order = np.argsort(log.steps["step"], kind="stable")
+    rows, flops = log.steps[order], step_flops(log)[order]
+    peak, dtype_or_reason = peak_flops_per_device(log.cluster, log.dtype)
+    overall = throughput(log, rows, flops, peak)
+    shares, warnings = rank_shares(log, overall["wall_seconds"])
+    predictions = predictions_from_schedule(log.schedule)
+    if not predictions:
+        warnings.append("the schedule carries no per-MFC predictions; predicted against measured is skipped")
+    if peak is None:
+        warnings.append(f"MFU skipped: {dtype_or_reason}")
+    return {
+        "log": str(log.path), "format_version": log.format_version, "world_size": log.world_size,
+        "closed": log.closed, "crashed": log.crashed, "status": status_line(log),
+        "last_complete_step": log.last_complete_step, "resumed_at_steps": log.resumed_at_steps,
+        "peak_flops_per_device": peak, "mfu_dtype": dtype_or_reason if peak is not None else None,
+        "throughput": {"all": overall, "last": throughput(log, rows[-last_n:], flops[-last_n:], peak)},
+        "last_n": last_n,
+        "mfcs": mfc_table(log, predictions),
+        "movements": movement_totals(log, overall["wall_seconds"]),
+        "shares": {str(rank): entry for rank, entry in sorted(shares.items())},
+        "stats": _stat_summary(log, last_n),
+        "warnings": warnings,
+    }
+
+
+def json_ready(value):
+    """NaN and infinities become null, so the output is strict JSON."""
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2,5``."""
+    parts, start = [], None
+    for i, rank in enumerate(ranks):
+        if start is None:
+            start = rank
+        if i + 1 == len(ranks) or ranks[i + 1] != rank + 1:
+            parts.append(str(start) if start == rank else f"{start}-{rank}")
+            start = None
+    return ",".join(parts)
+
+
+def _f(value, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return format(value, fmt)
+
+
+def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    def line(cells):
+        return indent + "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return [line(header)] + [line(r) for r in rows]
+
+
+def format_text(summary: dict) -> str:
+    """The report as text: the same numbers as the JSON, rounded for reading."""
+    out = [f"restage report: {summary['log']}", f"status: {summary['status']}"]
+    alls, last = summary["throughput"]["all"], summary["throughput"]["last"]
+    out.append(f"steps {alls['first_step']}..{alls['last_step']} ({alls['steps']} complete), world size "
+               f"{summary['world_size']}, log format {summary['format_version']}"
+               + (f", resumed at steps {summary['resumed_at_steps']}" if summary["resumed_at_steps"] else ""))
+    mfu_label = "MFU"
+    if summary["peak_flops_per_device"]:
+        mfu_label = f"MFU ({summary['mfu_dtype']}, peak {summary['peak_flops_per_device'] / 1e12:.1f} TFLOP/s)"
+    rows = [["steps", str(alls["steps"]), str(last["steps"])]]
+    for label, key, fmt in (("wall seconds", "wall_seconds", ".3f"), ("samples/s", "samples_per_second", ".4f"),
+                            ("tokens/s", "tokens_per_second", ".2f"), ("TFLOP/s per device", "tflops_per_device", ".4f"),
+                            ("step seconds (mean)", "step_seconds_mean", ".4f")):
+        rows.append([label, _f(alls[key], fmt), _f(last[key], fmt)])
+    rows.append([mfu_label, _f(None if alls["mfu"] is None else 100 * alls["mfu"], ".3f") + "%",
+                 _f(None if last["mfu"] is None else 100 * last["mfu"], ".3f") + "%"])
+    out += ["", "throughput"] + _table(["", "all steps", f"last {summary['last_n']}"], rows)
+
+    rows = []
+    for m in summary["mfcs"]:
+        rows.append([m["name"], m["model"], m["kind"], ranks_text(m["ranks"]), _f(m["measured_seconds"], ".4f"),
+                     _f(m["predicted_seconds"], ".4f"), _f(m["error_percent"], "+.1f"),
+                     _f(m["peak_memory_bytes"] / GIB, ".2f"),
+                     _f(None if m["predicted_peak_memory_bytes"] is None else m["predicted_peak_memory_bytes"] / GIB, ".2f"),
+                     _f(m["memory_error_percent"], "+.1f")])
+    out += ["", "MFCs (measured: median over steps of the span over its ranks; error: predicted vs measured)"]
+    out += _table(["mfc", "model", "kind", "ranks", "measured s", "predicted s", "error %", "peak mem GiB",
+                   "pred mem GiB", "mem error %"], rows)
+
+    rows = [[kind, str(v["count"]), _f(100 * v["share"], ".3f"), _f(v["seconds_per_step"], ".4f"),
+             _f(v["bytes_per_step"] / 1e9, ".4f")] for kind, v in summary["movements"].items()]
+    out += ["", "reallocations and data transfers (share: of wall time, any in flight)"]
+    out += _table(["kind", "rows", "share %", "s/step", "GB/step"], rows)
+
+    names = [m["name"] for m in summary["mfcs"]]
+    rows = [[rank, *(_f(100 * s["mfcs"].get(n, 0.0), ".2f") for n in names), _f(100 * s["realloc"], ".2f"),
+             _f(100 * s["transfer"], ".2f"), _f(100 * s["total"], ".2f"), _f(100 * s["idle"], ".2f")]
+            for rank, s in summary["shares"].items()]
+    out += ["", "time share per rank (% of wall time)"]
+    out += _table(["rank", *names, "realloc", "transfer", "total", "idle"], rows)
+
+    if summary["stats"]:
+        key = f"mean_last_{summary['last_n']}"
+        rows = [[name, str(s["count"]), _f(s["last"], ".5g"), _f(s["mean"], ".5g"), _f(s[key], ".5g"),
+                 _f(s["min"], ".5g"), _f(s["max"], ".5g")] for name, s in summary["stats"].items()]
+        out += ["", "statistics"] + _table(["name", "steps", "last", "mean", f"mean last {summary['last_n']}", "min", "max"], rows)
+    if summary["warnings"]:
+        out += [""] + [f"warning: {w}" for w in summary["warnings"]]
+    return "\n".join(out)
