@@ -162,20 +162,23 @@ class ProcessGroups:
     (sorted, deduplicated), never lazily on a subset of ranks.
     """
 
-    def __init__(self, groups: Iterable[Iterable[int]], backend: str | None = None):
+    def __init__(self, groups: Iterable[Iterable[int]], backend: str | None = None, singletons: bool = False):
         import torch.distributed as dist
 
         self._rank = dist.get_rank()
         self._groups: dict[tuple[int, ...], object] = {}
-        for ranks in sorted({tuple(sorted(g)) for g in groups if len(tuple(g)) > 1}):
+        wanted = {tuple(sorted(g)) for g in groups if len(tuple(g)) > 1}
+        if singletons:  # DeepSpeed wants a real group even where a degree is 1
+            wanted |= {(r,) for r in range(dist.get_world_size())}
+        for ranks in sorted(wanted):
             group = dist.new_group(list(ranks), backend=backend)
             if self._rank in ranks:
                 self._groups[ranks] = group
 
     def get(self, ranks: Iterable[int]):
-        """The group over ``ranks``; None for a single rank. The caller must be a member."""
+        """The group over ``ranks``; None for a single rank unless singletons were made. The caller must be a member."""
         key = tuple(sorted(ranks))
-        if len(key) <= 1:
+        if len(key) <= 1 and key not in self._groups:
             return None
         try:
             return self._groups[key]

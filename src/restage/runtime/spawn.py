@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -51,7 +52,9 @@ def _worker(rank, world_size, port, fn, args, results, env):
 
         torch.set_num_threads(1)
         init_process_group(rank, world_size, port)
-        value = fn(rank, world_size, *args)
+        # Plain pickle copies tensor data; the queue's own pickler would share it through
+        # shared memory that disappears when this process exits.
+        value = pickle.dumps(fn(rank, world_size, *args))
         results.put((rank, "ok", value))
         import torch.distributed as dist
 
@@ -91,7 +94,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_seconds: 
                 continue
             if status == "error":
                 raise RankFailure(f"rank {rank} failed: {value}")
-            values[rank] = value
+            values[rank] = pickle.loads(value)
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:

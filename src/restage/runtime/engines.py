@@ -1,0 +1,155 @@
+"""One DeepSpeed ZeRO engine per trainable model, over the model's training layout.
+
+ZeRO partitions over the layout's DP group; the TP x PP ranks that share a DP index form the
+"model parallel" group DeepSpeed uses for the global gradient norm and overflow checks. Our own
+pipeline schedule (not DeepSpeed's PipelineEngine) runs the stages, so DeepSpeed sees each stage
+as a model-parallel shard.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from restage.config import ModelSpec
+from restage.layout import Layout, ProcessGroups
+from restage.runtime.control import local_rank
+
+_DTYPE_CONFIG = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
+                 "fp16": {"fp16": {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 100}}}
+
+
+class LayoutMPU:
+    """DeepSpeed's ``mpu`` interface over one layout: data-parallel and model-parallel (tp x pp) groups."""
+
+    def __init__(self, layout: Layout, rank: int, groups: ProcessGroups):
+        coord = layout.coord(rank)
+        if coord is None:
+            raise ValueError(f"rank {rank} is not in {layout}")
+        s = layout.strategy
+        self._dp_ranks = layout.group_of(rank, "dp")
+        self._mp_ranks = tuple(layout.rank_at(p, coord.dp, t) for p in range(s.pp) for t in range(s.tp))
+        self._tp_ranks = layout.group_of(rank, "tp")
+        self._groups = groups
+        self.coord = coord
+        self.strategy = s
+
+    def _group(self, ranks):
+        group = self._groups.get(ranks)
+        if group is None:
+            raise ValueError(f"no process group over {ranks}; build ProcessGroups(..., singletons=True)")
+        return group
+
+    def get_data_parallel_group(self):
+        return self._group(self._dp_ranks)
+
+    def get_data_parallel_rank(self) -> int:
+        return self.coord.dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.strategy.dp
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self._dp_ranks)
+
+    def get_model_parallel_group(self):
+        return self._group(self._mp_ranks)
+
+    def get_model_parallel_rank(self) -> int:
+        return self.coord.pp * self.strategy.tp + self.coord.tp
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.strategy.tp * self.strategy.pp
+
+    def get_tensor_model_parallel_group(self):
+        return self._group(self._tp_ranks)
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.coord.tp
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.strategy.tp
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self._tp_ranks[0]
+
+
+def mark_norm_ownership(module: torch.nn.Module, tp_rank: int, replicated_names: set[str],
+                        duplicate_names: set[str] = frozenset()) -> None:
+    """Make DeepSpeed count each parameter exactly once in the global gradient norm.
+
+    DeepSpeed counts a parameter if it is marked ``model_parallel`` or if this rank is model-parallel
+    rank 0. We mark every parameter this rank owns for the norm: sharded ones everywhere, TP-replicated
+    ones on tp rank 0 only; ``duplicate_names`` (the tied embedding copy on the last stage) nowhere.
+    """
+    for name, param in module.named_parameters():
+        owned = name not in duplicate_names and (name not in replicated_names or tp_rank == 0)
+        param.model_parallel = owned
+
+
+def lr_lambda(spec: ModelSpec, total_steps: int):
+    """Multiplier of the base LR at optimizer step ``i``: linear warmup, then constant / linear / cosine."""
+    optim = spec.optim
+    warmup = optim.warmup_steps
+    floor = optim.min_lr_ratio
+
+    def multiplier(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if optim.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        if optim.lr_schedule == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+def deepspeed_config(spec: ModelSpec, dp: int, micro_batches: int) -> dict:
+    """The DeepSpeed config dict for one trainable model."""
+    optim = spec.optim
+    zero: dict = {"stage": spec.zero_stage}
+    if spec.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if spec.offload_params and spec.zero_stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    on_cpu = not torch.cuda.is_available()
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": micro_batches,
+        "train_batch_size": micro_batches * dp,
+        "gradient_clipping": optim.grad_clip,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": optim.lr, "betas": list(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay,
+            # DeepSpeed's fused Adam needs CUDA; on CPU (and with offload) torch's implementation runs.
+            **({"torch_adam": True} if on_cpu and not spec.offload_optimizer else {}),
+        }},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        **_DTYPE_CONFIG[spec.dtype],
+    }
+    return config
+
+
+def build_engine(module: torch.nn.Module, spec: ModelSpec, layout: Layout, rank: int, groups: ProcessGroups,
+                 micro_batches: int, total_optimizer_steps: int):
+    """Wrap ``module`` (this rank's shard) in a DeepSpeed engine with an LR schedule from the config."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    os.environ.setdefault("LOCAL_RANK", str(local_rank()))  # DeepSpeed asserts it is set
+    import deepspeed
+
+    mpu = LayoutMPU(layout, rank, groups)
+    schedule = lr_lambda(spec, total_optimizer_steps)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module,
+        model_parameters=[p for p in module.parameters() if p.requires_grad],
+        config=deepspeed_config(spec, layout.strategy.dp, micro_batches),
+        mpu=mpu,
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+        dist_init_required=False,
+    )
+    return engine

@@ -1,0 +1,74 @@
+"""Turning any rank's failure into a fast, named, whole-job exit.
+
+A rank that raises writes its error to ``<trial>/failures/rank<N>.txt`` and aborts the MPI job,
+so mpirun kills every other rank at once (no rank waits in a collective for a dead peer). A rank
+killed outright (SIGKILL, OOM killer) is noticed by mpirun itself, which names it in its output.
+The launcher turns either into one last line: ``rank N failed: <error>``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def failure_dir(trial_dir: str | Path) -> Path:
+    return Path(trial_dir) / "failures"
+
+
+@contextmanager
+def abort_on_error(rank: int, trial_dir: str | Path):
+    """Run the body; on any exception record it for the launcher and abort the whole MPI job."""
+    try:
+        yield
+    except BaseException as err:  # SystemExit and KeyboardInterrupt must take the job down too
+        if isinstance(err, SystemExit) and not err.code:
+            raise
+        summary = f"{type(err).__name__}: {err}".splitlines()[0] if str(err) else type(err).__name__
+        try:
+            folder = failure_dir(trial_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"rank{rank}.txt").write_text(summary + "\n" + traceback.format_exc())
+        finally:
+            print(f"[rank {rank}] {summary}", file=sys.stderr, flush=True)
+            traceback.print_exc(file=sys.stderr)
+            sys.stderr.flush()
+            _abort()
+
+
+def _abort() -> None:
+    try:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and MPI.COMM_WORLD.Get_size() > 1:
+            MPI.COMM_WORLD.Abort(1)
+    finally:
+        os._exit(1)
+
+
+_MPIRUN_DEATH = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on\s+signal (\d+)", re.S)
+
+
+def describe_failure(trial_dir: str | Path, launcher_output: str = "") -> str:
+    """One line naming the failed rank and its error, from the failure files or mpirun's output."""
+    folder = failure_dir(trial_dir)
+    recorded = sorted(folder.glob("rank*.txt"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+    if recorded:
+        first = recorded[0]
+        rank = first.stem.removeprefix("rank")
+        return f"rank {rank} failed: {first.read_text().splitlines()[0]}"
+    match = _MPIRUN_DEATH.search(" ".join(launcher_output.split()))
+    if match:
+        return f"rank {match.group(1)} died from signal {match.group(2)}"
+    return "a rank exited abnormally without a recorded error (see the launcher output above)"
+
+
+def clear_failures(trial_dir: str | Path) -> None:
+    folder = failure_dir(trial_dir)
+    if folder.is_dir():
+        for path in folder.glob("rank*.txt"):
+            path.unlink()

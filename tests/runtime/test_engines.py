@@ -1,0 +1,59 @@
+import pytest
+import torch
+
+from restage.config import ModelSpec, OptimConfig
+from restage.layout import Layout, ProcessGroups, Strategy
+from restage.runtime.spawn import spawn
+
+pytestmark = pytest.mark.multirank
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+
+
+def _data(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
+
+
+def _train_dp(rank, world_size, zero_stage):
+    from restage.runtime.engines import build_engine
+
+    layout = Layout.contiguous(0, Strategy(dp=world_size))
+    groups = ProcessGroups(layout.all_groups(), singletons=True)
+    spec = ModelSpec(path="-", trainable=True, zero_stage=zero_stage, optim=OptimConfig(lr=0.1, grad_clip=0.5))
+    engine = build_engine(_model(), spec, layout, rank, groups, micro_batches=1, total_optimizer_steps=2)
+    for _ in range(2):
+        x, y = _data(rank)
+        loss = ((engine(x) - y) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+    if zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            return [p.detach().clone() for p in engine.module.parameters()]
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def _reference(world_size):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    for _ in range(2):
+        opt.zero_grad()
+        loss = sum(((model(x) - y) ** 2).mean() for x, y in map(_data, range(world_size))) / world_size
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_zero_engine_over_dp_matches_plain_adamw_on_the_mean_gradient(zero_stage):
+    results = spawn(_train_dp, 2, zero_stage, env={"DS_ACCELERATOR": "cpu"})
+    expected = _reference(2)
+    for params in results:
+        for got, want in zip(params, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
