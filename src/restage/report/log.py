@@ -85,6 +85,7 @@ def _check_version(handle: h5py.File, path: Path) -> None:
 class LogWriter:
     """Append-only writer of ``log.h5``, used by the master rank only.
 
+    ``path`` is the log file (``*.h5``) or the run directory that gets ``log.h5``.
     Record the rows of a step with ``mfc``, ``realloc``, ``transfer`` and ``stats``, then call
     ``end_step``, which writes them and flushes. ``resume_step=k`` reopens an existing log
     (a run resumed from its checkpoint at step k): rows of steps after k are dropped first.
@@ -95,7 +96,7 @@ class LogWriter:
                  resume_step: int | None = None, overwrite: bool = False):
         self.path = Path(path)
         self.world_size = int(world_size)
-        if self.path.is_dir():
+        if self.path.suffix != ".h5":  # a run directory
             self.path = self.path / LOG_NAME
         self._pending: dict[str, list[tuple]] = {name: [] for name in TABLES}
         if resume_step is not None and self.path.exists():

@@ -93,13 +93,17 @@ def ranks_text(ranks: list[int]) -> str:
     return ",".join(parts)
 
 
-def _f(value, fmt: str) -> str:
+def fmt_number(value, spec: str) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
-    return format(value, fmt)
+    return format(value, spec)
 
 
-def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+def _scaled(value, factor: float):
+    return None if value is None else value * factor
+
+
+def text_table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     def line(cells):
         return indent + "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -120,39 +124,40 @@ def format_text(summary: dict) -> str:
     for label, key, fmt in (("wall seconds", "wall_seconds", ".3f"), ("samples/s", "samples_per_second", ".4f"),
                             ("tokens/s", "tokens_per_second", ".2f"), ("TFLOP/s per device", "tflops_per_device", ".4f"),
                             ("step seconds (mean)", "step_seconds_mean", ".4f")):
-        rows.append([label, _f(alls[key], fmt), _f(last[key], fmt)])
-    rows.append([mfu_label, _f(None if alls["mfu"] is None else 100 * alls["mfu"], ".3f") + "%",
-                 _f(None if last["mfu"] is None else 100 * last["mfu"], ".3f") + "%"])
-    out += ["", "throughput"] + _table(["", "all steps", f"last {summary['last_n']}"], rows)
+        rows.append([label, fmt_number(alls[key], fmt), fmt_number(last[key], fmt)])
+    rows.append([mfu_label, fmt_number(_scaled(alls["mfu"], 100), ".3f") + "%",
+                 fmt_number(_scaled(last["mfu"], 100), ".3f") + "%"])
+    out += ["", "throughput"] + text_table(["", "all steps", f"last {summary['last_n']}"], rows)
 
     rows = []
     for m in summary["mfcs"]:
-        rows.append([m["name"], m["model"], m["kind"], ranks_text(m["ranks"]), _f(m["measured_seconds"], ".4f"),
-                     _f(m["predicted_seconds"], ".4f"), _f(m["error_percent"], "+.1f"),
-                     _f(m["peak_memory_bytes"] / GIB, ".2f"),
-                     _f(None if m["predicted_peak_memory_bytes"] is None else m["predicted_peak_memory_bytes"] / GIB, ".2f"),
-                     _f(m["memory_error_percent"], "+.1f")])
+        rows.append([m["name"], m["model"], m["kind"], ranks_text(m["ranks"]), fmt_number(m["measured_seconds"], ".4f"),
+                     fmt_number(m["predicted_seconds"], ".4f"), fmt_number(m["error_percent"], "+.1f"),
+                     fmt_number(m["peak_memory_bytes"] / GIB, ".2f"),
+                     fmt_number(_scaled(m["predicted_peak_memory_bytes"], 1 / GIB), ".2f"),
+                     fmt_number(m["memory_error_percent"], "+.1f")])
     out += ["", "MFCs (measured: median over steps of the span over its ranks; error: predicted vs measured)"]
-    out += _table(["mfc", "model", "kind", "ranks", "measured s", "predicted s", "error %", "peak mem GiB",
+    out += text_table(["mfc", "model", "kind", "ranks", "measured s", "predicted s", "error %", "peak mem GiB",
                    "pred mem GiB", "mem error %"], rows)
 
-    rows = [[kind, str(v["count"]), _f(100 * v["share"], ".3f"), _f(v["seconds_per_step"], ".4f"),
-             _f(v["bytes_per_step"] / 1e9, ".4f")] for kind, v in summary["movements"].items()]
+    rows = [[kind, str(v["count"]), fmt_number(100 * v["share"], ".3f"), fmt_number(v["seconds_per_step"], ".4f"),
+             fmt_number(v["bytes_per_step"] / 1e9, ".4f")] for kind, v in summary["movements"].items()]
     out += ["", "reallocations and data transfers (share: of wall time, any in flight)"]
-    out += _table(["kind", "rows", "share %", "s/step", "GB/step"], rows)
+    out += text_table(["kind", "rows", "share %", "s/step", "GB/step"], rows)
 
     names = [m["name"] for m in summary["mfcs"]]
-    rows = [[rank, *(_f(100 * s["mfcs"].get(n, 0.0), ".2f") for n in names), _f(100 * s["realloc"], ".2f"),
-             _f(100 * s["transfer"], ".2f"), _f(100 * s["total"], ".2f"), _f(100 * s["idle"], ".2f")]
+    rows = [[rank, *(fmt_number(100 * s["mfcs"].get(n, 0.0), ".2f") for n in names), fmt_number(100 * s["realloc"], ".2f"),
+             fmt_number(100 * s["transfer"], ".2f"), fmt_number(100 * s["total"], ".2f"), fmt_number(100 * s["idle"], ".2f")]
             for rank, s in summary["shares"].items()]
     out += ["", "time share per rank (% of wall time)"]
-    out += _table(["rank", *names, "realloc", "transfer", "total", "idle"], rows)
+    out += text_table(["rank", *names, "realloc", "transfer", "total", "idle"], rows)
 
     if summary["stats"]:
         key = f"mean_last_{summary['last_n']}"
-        rows = [[name, str(s["count"]), _f(s["last"], ".5g"), _f(s["mean"], ".5g"), _f(s[key], ".5g"),
-                 _f(s["min"], ".5g"), _f(s["max"], ".5g")] for name, s in summary["stats"].items()]
-        out += ["", "statistics"] + _table(["name", "steps", "last", "mean", f"mean last {summary['last_n']}", "min", "max"], rows)
+        rows = [[name, str(s["count"]), fmt_number(s["last"], ".5g"), fmt_number(s["mean"], ".5g"), fmt_number(s[key], ".5g"),
+                 fmt_number(s["min"], ".5g"), fmt_number(s["max"], ".5g")] for name, s in summary["stats"].items()]
+        header = ["name", "steps", "last", "mean", f"mean last {summary['last_n']}", "min", "max"]
+        out += ["", "statistics"] + text_table(header, rows)
     if summary["warnings"]:
         out += [""] + [f"warning: {w}" for w in summary["warnings"]]
     return "\n".join(out)

@@ -1,0 +1,194 @@
+"""PNG plots of a run (headless: matplotlib's Agg backend). Pixel sizes are fixed by the data, never by "tight" boxes.
+
+* ``timeline.png``: one iteration, a row per rank, MFCs coloured, reallocations and transfers hatched;
+  1200 x min(1600, 160 + 40 * ranks) px.
+* ``throughput.png``: samples/s and tokens/s per step, then one panel per key statistic (up to 5);
+  1200 x 300 * ceil((2 + statistics) / 2) px.
+* ``predicted.png``: predicted against measured seconds and peak memory per MFC; 1200 x 500 px.
+* ``sweep.png``: throughput of each trial of a sweep; 1000 x 500 px.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen before pyplot loads)
+import numpy as np  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from restage.report.log import RunLog  # noqa: E402
+from restage.report.throughput import layout_ranks  # noqa: E402
+
+DPI = 100
+KEY_STATS = ("reward", "kl", "loss")  # statistics whose names contain these come first, in this order
+MAX_STAT_PANELS = 5
+MOVE_STYLE = {"realloc": ("#555555", "////"), "transfer": ("#c8a060", "xxxx")}
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def _margins(fig, left: float, right: float, top: float, bottom: float, hspace: float = 0.2, wspace: float = 0.2) -> None:
+    """Fixed margins in inches; a layout engine would cost half the plotting time and vary the layout run to run."""
+    width, height = fig.get_size_inches()
+    fig.subplots_adjust(left=left / width, right=1 - right / width, top=1 - top / height, bottom=bottom / height,
+                        hspace=hspace, wspace=wspace)
+
+
+def mfc_colors(names: list[str]) -> dict[str, tuple]:
+    cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    return {name: cmap(i % cmap.N) for i, name in enumerate(names)}
+
+
+def plot_timeline(log: RunLog, path: Path, step: int | None = None) -> Path:
+    """Gantt chart of one iteration (default: the last complete step), times from the step's start."""
+    step = log.last_complete_step if step is None else step
+    row = log.steps[log.steps["step"] == step]
+    if len(row) == 0:
+        raise ValueError(f"step {step} is not a complete step of {log.path}")
+    origin, wall = float(row["start_seconds"][0]), float(row["end_seconds"][0] - row["start_seconds"][0])
+    ranks = log.world_size
+    fig, ax = plt.subplots(figsize=(12, min(16.0, 1.6 + 0.4 * ranks)))
+    _margins(fig, left=0.7, right=0.2, top=0.35, bottom=0.95)
+    names = list(dict.fromkeys(log.mfcs["name"].tolist()))
+    colors = mfc_colors(names)
+    mfcs = log.mfcs[log.mfcs["step"] == step]
+    for name in names:
+        rows = mfcs[mfcs["name"] == name]
+        for rank in np.unique(rows["rank"]):
+            mine = rows[rows["rank"] == rank]
+            spans = [(s - origin, e - s) for s, e in zip(mine["start_seconds"], mine["end_seconds"])]
+            ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=colors[name], edgecolor="black", linewidth=0.4)
+            for start, width in spans:
+                if width > 0.07 * wall and ranks <= 32:
+                    ax.text(start + width / 2, rank, name, ha="center", va="center", fontsize=7, clip_on=True)
+    moves = log.transfers[log.transfers["step"] == step]
+    for move in moves:
+        occupied = [int(move["rank"])] if move["rank"] >= 0 else sorted(
+            set(layout_ranks(move["src"]) or ()) | set(layout_ranks(move["dst"]) or ()))
+        color, hatch = MOVE_STYLE.get(move["kind"], ("red", ".."))
+        span = [(move["start_seconds"] - origin, move["end_seconds"] - move["start_seconds"])]
+        for rank in occupied:
+            # Thin bars along the lower edge of the row, so an overlap with an MFC would stay visible.
+            ax.broken_barh(span, (rank + 0.05, 0.35), facecolors="white", edgecolor=color, hatch=hatch, linewidth=0.8)
+    ax.set_ylim(ranks - 0.5, -0.5)
+    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)], fontsize=8 if ranks <= 32 else 5)
+    ax.set_xlim(0, wall * 1.01)
+    ax.axvline(wall, color="black", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("seconds since the start of the step")
+    ax.set_title(f"{log.path.parent.name}: iteration timeline of step {step} ({wall:.3f} s wall, dashed line = step end)")
+    handles = [Patch(facecolor=colors[n], edgecolor="black", label=n) for n in names]
+    handles += [Patch(facecolor="white", edgecolor=c, hatch=h, label=k) for k, (c, h) in MOVE_STYLE.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=min(8, len(handles)), fontsize=8, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def key_stats(names: list[str]) -> list[str]:
+    """Statistics to plot: reward, KL and loss series first, then the others, at most MAX_STAT_PANELS."""
+    ranked = sorted(names, key=lambda n: next((i for i, k in enumerate(KEY_STATS) if k in n.lower()), len(KEY_STATS)))
+    return ranked[:MAX_STAT_PANELS]
+
+
+def _rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
+    window = max(1, min(window, len(values)))
+    sums = np.cumsum(np.insert(values, 0, 0.0))
+    counts = np.minimum(np.arange(1, len(values) + 1), window)
+    return (sums[1:] - sums[np.maximum(0, np.arange(1, len(values) + 1) - window)]) / counts
+
+
+def plot_throughput(log: RunLog, path: Path, window: int = 10) -> Path:
+    """Samples/s and tokens/s per step (thin) with a ``window``-step trailing mean (thick), then key statistics."""
+    series = log.stat_series()
+    chosen = key_stats(list(series))
+    panels = 2 + len(chosen)
+    nrows = math.ceil(panels / 2)
+    fig, axes = plt.subplots(nrows, 2, figsize=(12, 3 * nrows), squeeze=False)
+    _margins(fig, left=0.8, right=0.3, top=0.6, bottom=0.5, hspace=0.45 * 3 / 3, wspace=0.18)
+    order = np.argsort(log.steps["step"])
+    steps = log.steps[order]
+    wall = steps["end_seconds"] - steps["start_seconds"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rates = {"samples/s": steps["samples"] / wall, "tokens/s": steps["tokens"] / wall}
+    for ax, (label, values), color in zip(axes.flat, rates.items(), ("tab:blue", "tab:orange")):
+        ax.plot(steps["step"], values, color=color, linewidth=0.8, alpha=0.5, label="per step")
+        ax.plot(steps["step"], _rolling_mean(values, window), color=color, linewidth=2, label=f"mean of last {window}")
+        ax.set_title(f"{label} per step")
+        ax.legend(fontsize=7, loc="lower right")
+    for ax, name in zip(axes.flat[2:], chosen):
+        xs, ys = series[name]
+        ax.plot(xs, ys, linewidth=1, color="tab:green")
+        ax.set_title(name)
+    for ax in axes.flat[:panels]:
+        ax.set_xlabel("step", labelpad=1)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[panels:]:
+        ax.set_visible(False)
+    fig.suptitle(f"{log.path.parent.name}: steps {int(steps['step'][0])}..{int(steps['step'][-1])}"
+                 + ("" if log.closed else f" (log not closed: up to step {log.last_complete_step})"))
+    return _save(fig, path)
+
+
+def _bars_with_error(ax, labels: list[str], predicted: list[float], measured: list[float], scale: float, unit: str) -> None:
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, [p / scale for p in predicted], 0.4, label="predicted", color="tab:gray")
+    ax.bar(x + 0.2, [m / scale for m in measured], 0.4, label="measured", color="tab:blue")
+    for i, (p, m) in enumerate(zip(predicted, measured)):
+        ax.annotate(f"{100 * (p - m) / m:+.0f}%", (i, max(p, m) / scale), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(unit)
+    ax.legend(fontsize=8)
+    ax.margins(y=0.15)
+
+
+def plot_predicted(summary: dict, path: Path, title: str = "") -> Path | None:
+    """Predicted against measured seconds (left) and peak memory (right) per MFC; None if the schedule predicts nothing."""
+    timed = [m for m in summary["mfcs"] if m["predicted_seconds"] and m["measured_seconds"] > 0]
+    sized = [m for m in summary["mfcs"] if m["predicted_peak_memory_bytes"] and m["peak_memory_bytes"] > 0]
+    if not timed and not sized:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+    _margins(fig, left=0.7, right=0.2, top=0.6, bottom=1.0, wspace=0.2)
+    _bars_with_error(left, [m["name"] for m in timed], [m["predicted_seconds"] for m in timed],
+                     [m["measured_seconds"] for m in timed], 1.0, "seconds per step (measured: median span)")
+    left.set_title("time per MFC (label: prediction error)")
+    _bars_with_error(right, [m["name"] for m in sized], [m["predicted_peak_memory_bytes"] for m in sized],
+                     [m["peak_memory_bytes"] for m in sized], 2**30, "peak memory per rank, GiB")
+    right.set_title("peak memory per MFC (label: prediction error)")
+    fig.suptitle(title or "estimator: predicted against measured")
+    return _save(fig, path)
+
+
+def plot_sweep(rows: list[dict], path: Path, metric: str = "samples_per_second") -> Path:
+    """One bar per trial (trials without a log get no bar), labelled with the trial name."""
+    fig, ax = plt.subplots(figsize=(10, 5))
+    _margins(fig, left=0.8, right=0.2, top=0.4, bottom=1.3)
+    names = [r["name"] for r in rows]
+    values = [r.get(metric) or 0.0 for r in rows]
+    bars = ax.bar(np.arange(len(rows)), values, color=["tab:blue" if r.get(metric) else "tab:red" for r in rows])
+    for bar, row in zip(bars, rows):
+        label = f"{row[metric]:.3g}" if row.get(metric) else row.get("status", "no log")
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(np.arange(len(rows)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(metric.replace("_per_second", "/s").replace("_", " "))
+    ax.set_title("sweep: throughput per trial")
+    ax.margins(y=0.12)
+    return _save(fig, path)
+
+
+def write_plots(log: RunLog, summary: dict, out_dir: Path, step: int | None = None) -> list[Path]:
+    """Every plot of one run into ``out_dir``; return the files written."""
+    out_dir = Path(out_dir)
+    written = [plot_timeline(log, out_dir / "timeline.png", step), plot_throughput(log, out_dir / "throughput.png")]
+    predicted = plot_predicted(summary, out_dir / "predicted.png", f"{log.path.parent.name}: estimator against the run")
+    return written + ([predicted] if predicted else [])
