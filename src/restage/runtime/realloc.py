@@ -1,0 +1,279 @@
+"""Execute a reallocation plan over torch.distributed (NCCL on GPUs, gloo on CPU).
+
+Every rank of the world that appears in the plan calls :func:`execute_reallocation` with the
+same plan; ranks walk the transfers in one global order (see ``schedule_transfers``), so the
+blocking broadcasts and send/recv pairs cannot deadlock. A broadcast runs on a cached group
+(create them up front with :func:`realloc_groups`); one receiver means send/recv.
+
+Memory: the destination shard, plus at most one bucket buffer (reused), plus, for a ZeRO-3
+source, the parameters of one unit (embeddings, one layer, or the head) gathered at a time.
+Every allocation goes through a meter, so the stats report the measured peak.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from restage.errors import LayoutError
+from restage.layout import ProcessGroups
+from restage.models.sharding import shard_specs
+from restage.runtime.realloc_plan import (
+    Piece,
+    ReallocPlan,
+    Transfer,
+    check_layouts,
+    realloc_groups,
+    schedule_transfers,
+)
+
+DEFAULT_BUCKET_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class ReallocStats:
+    """What one rank measured during one reallocation."""
+
+    seconds: float
+    sent_bytes_by_link: dict[tuple[int, int], int] = field(hash=False)  # counted by this rank as sender
+    received_bytes_by_link: dict[tuple[int, int], int] = field(hash=False)  # counted by this rank as receiver
+    local_bytes: int  # copied inside this rank
+    destination_shard_bytes: int
+    peak_buffer_bytes: int  # largest bucket buffer held at once
+    peak_gathered_bytes: int  # largest ZeRO-3 unit gathered at once (0 for other sources)
+    peak_extra_bytes: int  # destination shard + buffers + gathered parameters, at their joint peak
+    transfers: int  # communications this rank took part in
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(self.sent_bytes_by_link.values())
+
+    @property
+    def received_bytes(self) -> int:
+        return sum(self.received_bytes_by_link.values())
+
+
+@dataclass
+class _Meter:
+    """Bytes the executor holds right now and at its peak, by kind."""
+
+    now: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    peak: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    peak_total: int = 0
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.now[kind] += nbytes
+        self.peak[kind] = max(self.peak[kind], self.now[kind])
+        self.peak_total = max(self.peak_total, sum(self.now.values()))
+
+    def sub(self, kind: str, nbytes: int) -> None:
+        self.now[kind] -= nbytes
+
+
+@dataclass(frozen=True)
+class ReallocResult:
+    """The destination shard this rank now holds (empty if none) and what was measured."""
+
+    state: dict[str, torch.Tensor]
+    stats: ReallocStats
+
+
+def source_state(source) -> dict[str, torch.Tensor]:
+    """Parameters by canonical name from a shard dict, an ``nn.Module`` or a DeepSpeed engine."""
+    if source is None:
+        return {}
+    if isinstance(source, Mapping):
+        return dict(source)
+    module = getattr(source, "module", source)  # a DeepSpeed engine wraps the model as ``.module``
+    if isinstance(module, torch.nn.Module):
+        return dict(module.named_parameters())
+    raise TypeError(f"cannot read parameters from {type(source).__name__}; pass a dict, a module or an engine")
+
+
+def _is_zero3(tensor: torch.Tensor) -> bool:
+    return hasattr(tensor, "ds_status")
+
+
+def _view(tensor: torch.Tensor, dim: int, rng: tuple[int, int]) -> torch.Tensor:
+    return tensor.detach().narrow(dim, rng[0], rng[1] - rng[0])
+
+
+def _block_shape(piece: Piece) -> tuple[int, ...]:
+    shape = list(piece.src_shape)
+    shape[piece.dim] = piece.full_range[1] - piece.full_range[0]
+    return tuple(shape)
+
+
+def default_device() -> torch.device:
+    """The device tensors travel on for the default group's backend."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dtype: torch.dtype,
+                         destination: dict[str, torch.Tensor] | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                         direct_min_bytes: int = 1 << 18, device: torch.device | None = None) -> ReallocResult:
+    """Move the parameters as ``plan`` says; call on every rank of the world with the same plan.
+
+    ``source``: this rank's shard in the source layout (dict by canonical name, module, or
+    DeepSpeed engine of any ZeRO stage; None if the rank holds none). ``destination``: tensors
+    to fill in place (e.g. the parameters of the destination model); allocated when None.
+    Raises LayoutError before any communication if a layout does not fit the model or world.
+    """
+    started = time.perf_counter()
+    check_layouts(plan.cfg, plan.src, plan.dst, dist.get_world_size())
+    if torch.empty((), dtype=dtype).element_size() != plan.bytes_per_element:
+        raise LayoutError(f"dtype {dtype} does not have the plan's {plan.bytes_per_element} bytes per element; "
+                          f"plan with bytes_per_element={torch.empty((), dtype=dtype).element_size()}")
+    me = dist.get_rank()
+    device = device or default_device()
+    src = source_state(source) if me in plan.src else {}
+    transfers = [t for t in schedule_transfers(plan, bucket_bytes, direct_min_bytes)
+                 if t.src_rank == me or me in t.dst_ranks]
+    local = [p for p in plan.local_pieces if p.src_rank == me]
+    _check_inputs(plan, me, src, transfers, local, groups, dtype)
+
+    meter = _Meter()
+    dst = _destination(plan, me, destination, dtype, device, meter)
+    shard_bytes = meter.now["destination"]
+    buffer_numel = max((t.numel for t in transfers if t.packed), default=0)
+    buffer = torch.empty(buffer_numel, dtype=dtype, device=device) if buffer_numel else None
+    meter.add("buffer", buffer_numel * plan.bytes_per_element)
+
+    sent: dict[tuple[int, int], int] = defaultdict(int)
+    received: dict[tuple[int, int], int] = defaultdict(int)
+    bpe = plan.bytes_per_element
+    zero3 = any(_is_zero3(t) for t in src.values())
+    needs = _units_needed_by_my_dp_group(plan, me) if zero3 else {}
+    missing = sorted({n for names in needs.values() for n in names} - set(src))
+    if missing:
+        raise KeyError(f"rank {me}: the ZeRO-3 source has no parameters {missing[:4]}")
+    units = sorted({t.unit for t in transfers} | {p.unit for p in local} | set(needs))
+    for unit in units:
+        with _gathered(src, needs.get(unit, ()), meter, bpe):
+            for p in (p for p in local if p.unit == unit):
+                _view(dst[p.name], p.dim, p.dst_range).copy_(_view(src[p.name], p.dim, p.src_range))
+            for t in (t for t in transfers if t.unit == unit):
+                _run(t, me, src, dst, buffer, groups)
+                nbytes = t.numel * bpe
+                if t.src_rank == me:
+                    for r in t.dst_ranks:
+                        sent[(me, r)] += nbytes
+                else:
+                    received[(t.src_rank, me)] += nbytes
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    del buffer
+    meter.sub("buffer", buffer_numel * bpe)
+    stats = ReallocStats(
+        seconds=time.perf_counter() - started, sent_bytes_by_link=dict(sent), received_bytes_by_link=dict(received),
+        local_bytes=sum(p.numel for p in local) * bpe, destination_shard_bytes=shard_bytes,
+        peak_buffer_bytes=meter.peak["buffer"], peak_gathered_bytes=meter.peak["gathered"],
+        peak_extra_bytes=meter.peak_total, transfers=len(transfers))
+    return ReallocResult(dst, stats)
+
+
+def _check_inputs(plan: ReallocPlan, me: int, src: dict, transfers: list[Transfer], local: list[Piece],
+                  groups: ProcessGroups, dtype: torch.dtype) -> None:
+    """Fail on this rank before it communicates: missing parameters, wrong shapes or dtypes, missing groups."""
+    for p in [p for t in transfers if t.src_rank == me for p in t.pieces] + local:
+        tensor = src.get(p.name)
+        if tensor is None:
+            raise KeyError(f"rank {me}: the source has no parameter {p.name!r}; it holds {sorted(src)[:4]}...")
+        shape = tuple(tensor.ds_shape) if _is_zero3(tensor) else tuple(tensor.shape)
+        if shape != p.src_shape or tensor.dtype != dtype:
+            raise ValueError(f"rank {me}: source {p.name} is {tuple(shape)} {tensor.dtype}, "
+                             f"the plan expects {p.src_shape} {dtype}")
+    for t in transfers:
+        if len(t.dst_ranks) > 1:
+            groups.get(t.group)
+
+
+def _destination(plan: ReallocPlan, me: int, given: dict[str, torch.Tensor] | None, dtype: torch.dtype,
+                 device: torch.device, meter: _Meter) -> dict[str, torch.Tensor]:
+    coord = plan.dst.coord(me)
+    if coord is None:
+        return {}
+    specs = shard_specs(plan.cfg, plan.dst.strategy, coord.pp, coord.tp)
+    out = {}
+    for s in specs:
+        if given is not None:
+            tensor = given[s.param.name]
+            if tuple(tensor.shape) != s.shape or tensor.dtype != dtype:
+                raise ValueError(f"destination {s.param.name} is {tuple(tensor.shape)} {tensor.dtype}, "
+                                 f"expected {s.shape} {dtype}")
+            out[s.param.name] = tensor.detach()
+        else:
+            out[s.param.name] = torch.empty(s.shape, dtype=dtype, device=device)
+        meter.add("destination", s.numel * plan.bytes_per_element)
+    return out
+
+
+def _units_needed_by_my_dp_group(plan: ReallocPlan, me: int) -> dict[int, tuple[str, ...]]:
+    """Per unit, the parameters any rank of my source DP group sends or copies (the ones to gather)."""
+    coord = plan.src.coord(me)
+    if coord is None:
+        return {}
+    group = set(plan.src.group_of(me, "dp"))
+    need: dict[int, set[str]] = defaultdict(set)
+    for p in plan.pieces + plan.local_pieces:
+        if p.src_rank in group:
+            need[p.unit].add(p.name)
+    return {u: tuple(sorted(names)) for u, names in need.items()}
+
+
+@contextmanager
+def _gathered(src: dict[str, torch.Tensor], names: tuple[str, ...], meter: _Meter, bpe: int) -> Iterator[None]:
+    """Gather the ZeRO-3 partitions of ``names`` over their DP group for the duration of the block."""
+    if not names:
+        yield
+        return
+    import deepspeed
+
+    params = [src[n] for n in names]
+    nbytes = sum(math.prod(p.ds_shape) for p in params) * bpe
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        meter.add("gathered", nbytes)
+        try:
+            yield
+        finally:
+            meter.sub("gathered", nbytes)
+
+
+def _run(t: Transfer, me: int, src: dict, dst: dict, buffer: torch.Tensor | None, groups: ProcessGroups) -> None:
+    """One transfer: pack (sender), broadcast or send/recv, unpack (receivers)."""
+    sending = t.src_rank == me
+    if t.packed:
+        payload = buffer[: t.numel]
+        if sending:
+            offset = 0
+            for p in t.pieces:
+                payload[offset: offset + p.numel].view(_block_shape(p)).copy_(_view(src[p.name], p.dim, p.src_range))
+                offset += p.numel
+    else:
+        (p,) = t.pieces
+        payload = _view(src[p.name], p.dim, p.src_range) if sending else _view(dst[p.name], p.dim, p.dst_range)
+    if len(t.dst_ranks) > 1:
+        dist.broadcast(payload, src=t.src_rank, group=groups.get(t.group))
+    elif sending:
+        dist.send(payload, dst=t.dst_ranks[0])
+    else:
+        dist.recv(payload, src=t.src_rank)
+    if t.packed and not sending:
+        offset = 0
+        for p in t.pieces:
+            _view(dst[p.name], p.dim, p.dst_range).copy_(payload[offset: offset + p.numel].view(_block_shape(p)))
+            offset += p.numel
+
+
+def groups_for(*plans: ReallocPlan) -> list[tuple[int, ...]]:
+    """Every group the given plans broadcast on, for ``ProcessGroups`` to create collectively up front."""
+    return sorted({g for plan in plans for g in realloc_groups(plan)})
