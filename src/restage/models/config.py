@@ -24,6 +24,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "Qwen2ForSequenceClassification": ("llama", True),
     "GPT2ForSequenceClassification": ("gpt2", True),
 }
+# GPT-2 activation_function -> our activation name.
+_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
+                     "silu": "silu", "swish": "silu"}
 _MODEL_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gpt2": "GPT2"}
 
 
@@ -49,6 +52,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` tokens only
+    activation: str = ""  # "" is the family's default: silu (SwiGLU) for llama, gelu_tanh for gpt2
 
     @property
     def head_dim(self) -> int:
@@ -85,6 +90,12 @@ class ModelConfig:
         try:
             if family == "gpt2":
                 hidden = hf["n_embd"]
+                activation = _GPT2_ACTIVATIONS.get(hf.get("activation_function", "gelu_new"))
+                if activation is None:
+                    raise CheckpointError(f"{source}: activation_function {hf.get('activation_function')!r} is not "
+                                          f"supported; use one of {sorted(_GPT2_ACTIVATIONS)}")
+                if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("scale_attn_weights", True) is False:
+                    raise CheckpointError(f"{source}: only GPT-2's default attention scaling is supported")
                 return cls(
                     family=family, model_type="gpt2", vocab_size=hf["vocab_size"], hidden_size=hidden,
                     intermediate_size=hf.get("n_inner") or 4 * hidden, num_layers=hf["n_layer"],
@@ -92,6 +103,7 @@ class ModelConfig:
                     norm_eps=hf.get("layer_norm_epsilon", 1e-5), tied_embeddings=not is_critic,
                     qkv_bias=True, o_bias=True, is_critic=is_critic, bos_token_id=hf.get("bos_token_id"),
                     eos_token_id=_first(hf.get("eos_token_id")), pad_token_id=hf.get("pad_token_id"),
+                    activation=activation,
                 )
             model_type = hf.get("model_type", "llama")
             if model_type not in ("llama", "mistral", "qwen2"):
@@ -101,6 +113,15 @@ class ModelConfig:
                 raise CheckpointError(f"{source}: head_dim != hidden_size / num_attention_heads is not supported")
             if hf.get("mlp_bias"):
                 raise CheckpointError(f"{source}: mlp_bias=true is not supported")
+            if hf.get("hidden_act", "silu") != "silu":
+                raise CheckpointError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported; only silu")
+            rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+            rope_type = rope.get("rope_type", rope.get("type", "default"))
+            if rope_type != "default":
+                raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported; only the default RoPE")
+            sliding_window = hf.get("sliding_window") if model_type == "mistral" else None
+            if model_type == "qwen2" and hf.get("use_sliding_window"):
+                raise CheckpointError(f"{source}: Qwen2 use_sliding_window=true is not supported; set it to false")
             rope_theta = hf.get("rope_theta")
             if rope_theta is None:  # transformers 5 nests it under rope_parameters
                 rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
@@ -114,7 +135,7 @@ class ModelConfig:
                 qkv_bias=(model_type == "qwen2") or bool(hf.get("attention_bias", False)),
                 o_bias=bool(hf.get("attention_bias", False)), is_critic=is_critic,
                 bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
-                pad_token_id=hf.get("pad_token_id"),
+                pad_token_id=hf.get("pad_token_id"), sliding_window=sliding_window, activation="silu",
             )
         except KeyError as missing:
             raise CheckpointError(f"{source}: config.json lacks {missing}; is it a HF model config?") from None

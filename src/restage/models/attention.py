@@ -1,0 +1,114 @@
+"""Causal attention over packed variable-length sequences, and the KV cache for generation.
+
+Two real implementations, chosen per call at run time: flash-attn's varlen kernels when the
+package imports and the tensors are fp16/bf16 on CUDA; PyTorch's scaled_dot_product_attention
+otherwise. The SDPA path runs one call per distinct sequence length (sequences of equal length
+are stacked), so no compute goes to padding.
+
+Shapes: ``q`` is ``[T, H, D]``, ``k``/``v`` are ``[T, H_kv, D]`` (grouped-query attention when
+``H_kv < H``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from restage.models.packing import PackedBatch
+
+try:  # optional: only on GPU machines with flash-attn installed
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_varlen_func = flash_attn_with_kvcache = None
+
+
+def use_flash(q: torch.Tensor) -> bool:
+    """Whether flash-attn serves this call (installed, CUDA tensor, half precision)."""
+    return flash_attn_varlen_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _window_pair(window: int | None) -> tuple[int, int]:
+    # flash-attn's window is inclusive of the query position: left = window - 1 keeps `window` keys.
+    return (-1, -1) if window is None else (window - 1, 0)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch,
+                     window: int | None = None) -> torch.Tensor:
+    """Causal attention inside each packed sequence; returns ``[T, H, D]``."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if use_flash(q):
+        cu = batch.cu_seqlens.to(device=q.device, dtype=torch.int32)
+        return flash_attn_varlen_func(q, k, v, cu, cu, batch.max_seqlen, batch.max_seqlen, softmax_scale=scale,
+                                      causal=True, window_size=_window_pair(window))
+    return _sdpa_varlen(q, k, v, batch, scale, window)
+
+
+def _sdpa_varlen(q, k, v, batch: PackedBatch, scale: float, window: int | None) -> torch.Tensor:
+    out = torch.empty_like(q)
+    starts = batch.cu_seqlens[:-1].tolist()
+    by_length: dict[int, list[int]] = {}
+    for start, length in zip(starts, batch.seqlens):
+        by_length.setdefault(length, []).append(start)
+    for length, group_starts in by_length.items():
+        offsets = torch.arange(length, device=q.device)
+        index = (torch.tensor(group_starts, device=q.device).unsqueeze(1) + offsets).reshape(-1)
+        # [n, L, H, D] -> [n, H, L, D], the layout SDPA wants.
+        qs, ks, vs = (t.index_select(0, index).unflatten(0, (len(group_starts), length)).transpose(1, 2)
+                      for t in (q, k, v))
+        mask = None
+        if window is not None and length > window:
+            distance = offsets.unsqueeze(1) - offsets.unsqueeze(0)
+            mask = (distance >= 0) & (distance < window)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=ks.shape[1] != qs.shape[1])
+        out.index_copy_(0, index, o.transpose(1, 2).reshape(-1, *q.shape[1:]))
+    return out
+
+
+class KVCache:
+    """Keys and values of the layers one stage holds, ``[B, L_max, H_kv_local, D]`` per layer.
+
+    Sequences are stored left-aligned: sequence ``b`` holds ``lengths[b]`` tokens at slots
+    ``0 .. lengths[b] - 1``. ``decoding`` switches the attention from "prefill a packed batch
+    into an empty cache" to "one new token per sequence against everything cached".
+    """
+
+    def __init__(self, layers, batch_size: int, max_len: int, kv_heads: int, head_dim: int, dtype, device):
+        shape = (batch_size, max_len, kv_heads, head_dim)
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        self.max_len = max_len
+        self.decoding = False
+
+    def prefill(self, layer: int, batch: PackedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a packed batch's keys/values (one sequence per cache row, at their positions)."""
+        seq, pos = batch.seq_index(), batch.positions
+        self.k[layer][seq, pos] = k
+        self.v[layer][seq, pos] = v
+
+    def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         window: int | None = None) -> torch.Tensor:
+        """Append one token per sequence (``q`` ``[B, H, D]``) and attend to the cache; ``[B, H, D]``."""
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        k_cache, v_cache = self.k[layer], self.v[layer]
+        if use_flash(q):
+            out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, k=k.unsqueeze(1), v=v.unsqueeze(1),
+                                          cache_seqlens=self.lengths.to(torch.int32), softmax_scale=scale,
+                                          causal=True, window_size=_window_pair(window))
+            return out.squeeze(1)
+        rows = torch.arange(q.shape[0], device=q.device)
+        k_cache[rows, self.lengths] = k
+        v_cache[rows, self.lengths] = v
+        used = int(self.lengths.max()) + 1  # only attend over slots some sequence has filled
+        slots = torch.arange(used, device=q.device)
+        mask = slots.unsqueeze(0) <= self.lengths.unsqueeze(1)
+        if window is not None:
+            mask &= slots.unsqueeze(0) > self.lengths.unsqueeze(1) - window
+        keys = k_cache[:, :used].transpose(1, 2)
+        values = v_cache[:, :used].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
+                                             scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
+        return out.squeeze(2)

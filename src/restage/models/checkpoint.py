@@ -1,0 +1,255 @@
+"""HF checkpoints in and out, no conversion step.
+
+Loading: every rank reads only the slices its shard needs (``safe_open(...).get_slice``; for
+``pytorch_model.bin`` a memory-mapped ``torch.load(weights_only=True)``), so with tp*pp > 1 no
+rank materialises the whole model. Saving: the TP ranks of data-parallel replica 0 gather each
+parameter, and TP rank 0 of every pipeline stage writes that stage's safetensors file; stage 0
+writes ``config.json`` (and the index when pp > 1). transformers loads the result unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from restage.errors import CheckpointError
+from restage.layout import Layout, ProcessGroups, Strategy
+from restage.models.config import ModelConfig
+from restage.models.decoder import StageModule
+from restage.models.hf_adapter import BASE_PREFIXES, hf_config_dict, hf_source, to_hf_tensors
+from restage.models.parallel import ParallelContext
+from restage.models.sharding import ShardSpec, shard_specs, split_range, stage_params
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "generation_config.json", "chat_template.jinja")
+
+
+class WeightReader:
+    """Reads whole tensors or slices from a HF model directory, counting the bytes it fetches."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.bytes_read = 0
+        self._handles: dict[str, object] = {}
+        files = self._weight_map()
+        self._file_of = files
+        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    def _weight_map(self) -> dict[str, str]:
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index = self.path / index_name
+            if index.is_file():
+                try:
+                    return dict(json.loads(index.read_text())["weight_map"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise CheckpointError(f"{index} is not a valid HF weight index; fix or replace it") from None
+        for single in ("model.safetensors", "pytorch_model.bin"):
+            if (self.path / single).is_file():
+                return {key: single for key in self._open(single).keys()}
+        raise CheckpointError(f"{self.path} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin; "
+                              f"point the model's path at a HF model directory")
+
+    def _open(self, file: str):
+        if file not in self._handles:
+            full = self.path / file
+            try:
+                if file.endswith(".safetensors"):
+                    from safetensors import safe_open
+
+                    self._handles[file] = safe_open(str(full), framework="pt")
+                else:  # memory-mapped, so slicing touches only the bytes it needs
+                    self._handles[file] = torch.load(full, map_location="cpu", weights_only=True, mmap=True)
+            except FileNotFoundError:
+                raise CheckpointError(f"{full} is named by the weight index but missing; re-download the model") from None
+            except Exception as err:  # safetensors and torch raise assorted types for a corrupt file
+                raise CheckpointError(f"{full} cannot be read ({type(err).__name__}: {err}); re-download or re-save it") from None
+        return self._handles[file]
+
+    def keys(self) -> set[str]:
+        return set(self._file_of)
+
+    def resolve(self, key: str) -> str | None:
+        """``key`` or, for checkpoints saved without the base-model prefix, its unprefixed form."""
+        if key in self._file_of:
+            return key
+        for prefix in BASE_PREFIXES:
+            if key.startswith(prefix) and key[len(prefix):] in self._file_of:
+                return key[len(prefix):]
+        return None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        if key not in self._shapes:
+            handle = self._open(self._file_of[key])
+            if isinstance(handle, dict):
+                self._shapes[key] = tuple(handle[key].shape)
+            else:
+                self._shapes[key] = tuple(handle.get_slice(key).get_shape())
+        return self._shapes[key]
+
+    def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor ``key`` (or ``tensor[index]``), fetching only the selected elements."""
+        handle = self._open(self._file_of[key])
+        if isinstance(handle, dict):
+            tensor = handle[key] if index is None else handle[key][index]
+            tensor = tensor.clone()
+        else:
+            tensor = handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def total_bytes(self) -> int:
+        """Bytes of every tensor in the checkpoint (from the headers; reads no data)."""
+        total = 0
+        for key, file in self._file_of.items():
+            handle = self._open(file)
+            if isinstance(handle, dict):
+                total += handle[key].numel() * handle[key].element_size()
+            else:
+                piece = handle.get_slice(key)
+                numel = 1
+                for n in piece.get_shape():
+                    numel *= n
+                total += numel * _SAFETENSORS_ITEMSIZE[piece.get_dtype()]
+        return total
+
+
+_SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def load_checkpoint(module: StageModule, path: str | Path, reader: WeightReader | None = None) -> WeightReader:
+    """Fill ``module`` with its shard of the HF checkpoint at ``path``; returns the reader (``bytes_read``)."""
+    cfg, ctx = module.cfg, module.ctx
+    reader = reader or WeightReader(path)
+    params = dict(module.named_parameters())
+    for shard in shard_specs(cfg, Strategy(tp=ctx.tp_size, pp=ctx.pp_size), ctx.pp_stage, ctx.tp_rank):
+        name, param = shard.param.name, params[shard.param.name]
+        source = hf_source(cfg, name)
+        key = reader.resolve(source.key)
+        if key is None and name == "score.weight":
+            _init_score(param)  # a critic started from a causal LM gets a fresh scalar head
+            continue
+        if key is None:
+            raise CheckpointError(f"{path}: tensor {source.key} is missing; is this really a {cfg.hf_architecture} checkpoint?")
+        _check_full_shape(cfg, reader, key, shard, source, path)
+        value = source.to_canonical(reader.read(key, source.hf_index(shard.param, shard.index())))
+        with torch.no_grad():
+            param.copy_(value)
+    return reader
+
+
+def _check_full_shape(cfg, reader: WeightReader, key: str, shard: ShardSpec, source, path) -> None:
+    expected = list(shard.param.shape)
+    if source.offset or key.endswith("c_attn.weight") or key.endswith("c_attn.bias"):
+        expected[0] = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim  # the fused q/k/v tensor
+    expected = tuple(reversed(expected)) if source.transpose else tuple(expected)
+    if reader.shape(key) != expected:
+        raise CheckpointError(f"{path}: tensor {key} has shape {list(reader.shape(key))}, config.json implies "
+                              f"{list(expected)}; the weights do not match the config")
+
+
+def _init_score(param: torch.nn.Parameter) -> None:
+    # Seeded so every TP rank (the head is replicated) starts from the same values.
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(param.shape, generator=generator) / (param.shape[-1] + 1) ** 0.5
+    with torch.no_grad():
+        param.copy_(values)
+
+
+def load_stage(path: str | Path, layout: Layout, groups: ProcessGroups | None, rank: int,
+               dtype: torch.dtype = torch.float32, device=None, critic: bool = False) -> StageModule:
+    """Build this rank's StageModule for ``layout`` and load its shard of the checkpoint at ``path``.
+
+    ``groups`` must hold the layout's groups (``ProcessGroups(layout.all_groups())``); it may be
+    None for a one-rank layout. ``critic=True`` gives a causal LM checkpoint a scalar head.
+    """
+    hf = _read_hf_config(path)
+    cfg = ModelConfig.from_hf_dict(hf, source=str(path))
+    if critic and not cfg.is_critic:
+        cfg = cfg.as_critic()
+    ctx = ParallelContext.from_layout(layout, groups, rank)
+    module = StageModule(cfg, ctx, dtype=dtype, device=device)
+    load_checkpoint(module, path)
+    module.hf_config = hf  # kept so a save writes the same config keys back
+    return module
+
+
+def _read_hf_config(path: str | Path) -> dict:
+    ModelConfig.from_pretrained(path)  # validates the directory and config with one-line errors
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def _gather_full(tensor: torch.Tensor, shard: ShardSpec, ctx: ParallelContext) -> torch.Tensor:
+    """The full parameter from its TP shards (unequal widths allowed)."""
+    dim = shard.param.split_dim
+    if dim is None or ctx.tp_size == 1:
+        return tensor
+    full = shard.param.shape[dim]
+    widths = [hi - lo for lo, hi in (split_range(full, ctx.tp_size, r, shard.param.unit) for r in range(ctx.tp_size))]
+    moved = tensor.movedim(dim, 0)
+    padded = torch.zeros((max(widths), *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    padded[: moved.shape[0]] = moved
+    parts = [torch.empty_like(padded) for _ in widths]
+    dist.all_gather(parts, padded, group=ctx.tp_group)
+    return torch.cat([p[:w] for p, w in zip(parts, widths)], dim=0).movedim(0, dim)
+
+
+def _stage_file(stage: int, pp: int) -> str:
+    return "model.safetensors" if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
+
+
+def save_checkpoint(module: StageModule, path: str | Path, dtype: torch.dtype | None = None,
+                    hf_config: dict | None = None, tokenizer_from: str | Path | None = None) -> None:
+    """Write the model as a HF directory at ``path`` (collective over data-parallel replica 0).
+
+    Every rank of the model's layout may call it; ranks of other replicas return at once.
+    ``hf_config`` defaults to the config the module was loaded from; ``tokenizer_from`` copies
+    tokenizer files from another model directory.
+    """
+    cfg, ctx = module.cfg, module.ctx
+    if ctx.dp_rank != 0:
+        return
+    path = Path(path)
+    dtype = dtype or module.dtype
+    strategy = Strategy(tp=ctx.tp_size, pp=ctx.pp_size)
+    shards = {s.param.name: s for s in shard_specs(cfg, strategy, ctx.pp_stage, ctx.tp_rank)}
+    full = {}
+    for name, param in module.named_parameters():
+        if name == "embed.weight" and not ctx.is_first_stage:
+            continue  # the last stage's copy of a tied embedding; stage 0 saves the original
+        full[name] = _gather_full(param.detach(), shards[name], ctx).to(dtype=dtype, device="cpu")
+    if ctx.tp_rank == 0:
+        from safetensors.torch import save_file
+
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(to_hf_tensors(cfg, full), str(path / _stage_file(ctx.pp_stage, ctx.pp_size)), metadata={"format": "pt"})
+        if ctx.is_first_stage:
+            _write_metadata(module, path, dtype, hf_config, tokenizer_from)
+    for group, size in ((ctx.pp_group, ctx.pp_size), (ctx.tp_group, ctx.tp_size)):
+        if size > 1:  # nobody returns before every stage's file is on disk
+            dist.barrier(group=group)
+
+
+def _write_metadata(module: StageModule, path: Path, dtype, hf_config, tokenizer_from) -> None:
+    cfg, pp = module.cfg, module.ctx.pp_size
+    base = hf_config if hf_config is not None else getattr(module, "hf_config", None)
+    (path / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype, base), indent=2, sort_keys=True))
+    if pp > 1:
+        weight_map, total = {}, 0
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        for stage in range(pp):
+            for spec in stage_params(cfg, pp, stage):
+                if spec.name == "embed.weight" and stage > 0:
+                    continue
+                weight_map.setdefault(hf_source(cfg, spec.name).key, _stage_file(stage, pp))
+                total += spec.numel * itemsize
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if tokenizer_from is not None:
+        for name in TOKENIZER_FILES:
+            source = Path(tokenizer_from) / name
+            if source.is_file():
+                shutil.copyfile(source, path / name)

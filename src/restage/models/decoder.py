@@ -1,0 +1,227 @@
+"""The decoder: one pipeline stage's shard of a LLaMA-family or GPT-2 model, as plain PyTorch.
+
+``StageModule`` holds exactly the parameters ``sharding.shard_specs`` assigns to its
+(pp stage, tp rank), under their canonical names (``layers.3.attn.q.weight``), so parameter
+reallocation and checkpoints address them without a translation table. Activations are packed
+``[T, hidden]`` (see ``packing.py``). The first stage takes token ids, the others the previous
+stage's hidden states; the last stage returns its vocabulary slice of the logits
+(``[T, V_local]``) or, for a critic, one value per token (``[T]``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from restage.errors import LayoutError
+from restage.layout import Strategy
+from restage.models.attention import KVCache, varlen_attention
+from restage.models.config import ModelConfig
+from restage.models.packing import PackedBatch
+from restage.models.parallel import (
+    ColumnParallelLinear,
+    ParallelContext,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    lm_logits,
+)
+from restage.models.sharding import shard_specs, split_range, stage_layers, validate_strategy
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+
+class Weight(nn.Module):
+    """A module that only holds ``.weight`` (position embedding, LM head, score head)."""
+
+    def __init__(self, shape, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale after casting back, as transformers does, so fp16/bf16 agree.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, dtype, device):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(hidden, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def _norm(cfg: ModelConfig, dtype, device) -> nn.Module:
+    cls = LayerNorm if cfg.family == "gpt2" else RMSNorm
+    return cls(cfg.hidden_size, cfg.norm_eps, dtype, device)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, head_dim]`` cos and sin of the rotary embedding (computed in fp32, then cast)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]`` (half-split convention of the HF LLaMA checkpoints)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layer: int, dtype, device):
+        super().__init__()
+        self.ctx, self.layer, self.head_dim = ctx, layer, cfg.head_dim
+        self.window = cfg.sliding_window
+        heads, kv_heads, hidden = cfg.num_heads // ctx.tp_size, cfg.num_kv_heads // ctx.tp_size, cfg.hidden_size
+        self.q = ColumnParallelLinear(hidden, heads * cfg.head_dim, cfg.qkv_bias, dtype, device)
+        self.k = ColumnParallelLinear(hidden, kv_heads * cfg.head_dim, cfg.qkv_bias, dtype, device)
+        self.v = ColumnParallelLinear(hidden, kv_heads * cfg.head_dim, cfg.qkv_bias, dtype, device)
+        self.o = RowParallelLinear(heads * cfg.head_dim, hidden, cfg.o_bias, ctx, dtype, device)
+
+    def forward(self, x, batch: PackedBatch, rope, cache: KVCache | None) -> torch.Tensor:
+        tokens = x.shape[0]
+        x = copy_to_tp(x, self.ctx)
+        q = self.q(x).view(tokens, -1, self.head_dim)
+        k = self.k(x).view(tokens, -1, self.head_dim)
+        v = self.v(x).view(tokens, -1, self.head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None and cache.decoding:
+            out = cache.decode_attention(self.layer, q, k, v, self.window)
+        else:
+            if cache is not None:
+                cache.prefill(self.layer, batch, k, v)
+            out = varlen_attention(q, k, v, batch, self.window)
+        return self.o(out.reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU (``gate``, ``up``, ``down``) for the LLaMA family, ``up``/``down`` with GELU for GPT-2."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype, device):
+        super().__init__()
+        self.ctx = ctx
+        lo, hi = split_range(cfg.intermediate_size, ctx.tp_size, ctx.tp_rank)
+        gpt2, hidden = cfg.family == "gpt2", cfg.hidden_size
+        self.act = ACTIVATIONS[cfg.activation or ("gelu_tanh" if gpt2 else "silu")]
+        self.gate = None if gpt2 else ColumnParallelLinear(hidden, hi - lo, False, dtype, device)
+        self.up = ColumnParallelLinear(hidden, hi - lo, gpt2, dtype, device)
+        self.down = RowParallelLinear(hi - lo, hidden, gpt2, ctx, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.ctx)
+        if self.gate is None:
+            return self.down(self.act(self.up(x)))
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layer: int, dtype, device):
+        super().__init__()
+        self.attn_norm = _norm(cfg, dtype, device)
+        self.attn = Attention(cfg, ctx, layer, dtype, device)
+        self.mlp_norm = _norm(cfg, dtype, device)
+        self.mlp = MLP(cfg, ctx, dtype, device)
+
+    def forward(self, h, batch: PackedBatch, rope, cache: KVCache | None) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), batch, rope, cache)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class StageModule(nn.Module):
+    """The shard of one model that one rank holds: its stage's layers, its TP slice of each."""
+
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        strategy = Strategy(tp=ctx.tp_size, pp=ctx.pp_size)
+        validate_strategy(cfg, strategy)
+        self.cfg, self.ctx, self.dtype = cfg, ctx, dtype
+        self.layer_range = stage_layers(cfg, ctx.pp_size)[ctx.pp_stage]
+        first, last, gpt2 = ctx.is_first_stage, ctx.is_last_stage, cfg.family == "gpt2"
+        self.tied_head = cfg.tied_embeddings and not cfg.is_critic
+        if first:
+            self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype, device)
+            if gpt2:
+                self.pos_embed = Weight((cfg.max_positions, cfg.hidden_size), dtype, device)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, ctx, i, dtype, device) for i in range(*self.layer_range)})
+        if last:
+            self.final_norm = _norm(cfg, dtype, device)
+            if cfg.is_critic:
+                self.score = Weight((1, cfg.hidden_size), dtype, device)
+            elif not cfg.tied_embeddings:
+                vocab_lo, vocab_hi = split_range(cfg.vocab_size, ctx.tp_size, ctx.tp_rank)
+                self.lm_head = Weight((vocab_hi - vocab_lo, cfg.hidden_size), dtype, device)
+            elif not first:  # the last stage's own copy of the tied embedding, used as the head
+                self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype, device)
+        self._check_contract(strategy)
+
+    def _check_contract(self, strategy: Strategy) -> None:
+        expected = {s.param.name: s.shape for s in shard_specs(self.cfg, strategy, self.ctx.pp_stage, self.ctx.tp_rank)}
+        actual = {name: tuple(p.shape) for name, p in self.named_parameters()}
+        if expected != actual:
+            raise LayoutError(f"decoder parameters differ from sharding.shard_specs: {set(expected) ^ set(actual)}")
+
+    @property
+    def vocab_start(self) -> int:
+        """First token id of this rank's vocabulary slice of the logits."""
+        return split_range(self.cfg.vocab_size, self.ctx.tp_size, self.ctx.tp_rank)[0]
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight
+
+    def forward(self, inputs: torch.Tensor, batch: PackedBatch, cache: KVCache | None = None,
+                select: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this stage on a packed batch.
+
+        ``inputs``: token ids ``[T]`` on the first stage, hidden states ``[T, hidden]`` elsewhere.
+        ``select``: on the last stage, indices of the tokens whose logits/values are wanted
+        (e.g. each sequence's last token during generation); all tokens when None.
+        """
+        if self.ctx.is_first_stage:
+            h = self.embed(inputs)
+            if self.cfg.family == "gpt2":
+                h = h + F.embedding(batch.positions, self.pos_embed.weight)
+        else:
+            h = inputs
+        rope = None
+        if self.cfg.family != "gpt2":
+            rope = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        for block in self.layers.values():
+            h = block(h, batch, rope, cache)
+        if not self.ctx.is_last_stage:
+            return h
+        if select is not None:
+            h = h.index_select(0, select)
+        h = self.final_norm(h)
+        if self.cfg.is_critic:
+            return F.linear(h, self.score.weight).squeeze(-1)
+        return lm_logits(h, self.head_weight, self.ctx)
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty KV cache for this stage's layers."""
+        kv_heads = self.cfg.num_kv_heads // self.ctx.tp_size
+        device = next(self.parameters()).device
+        return KVCache(range(*self.layer_range), batch_size, max_len, kv_heads, self.cfg.head_dim, self.dtype, device)

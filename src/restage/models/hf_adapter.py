@@ -1,0 +1,113 @@
+"""HF tensor names and layouts <-> canonical parameters (see ``sharding.py``).
+
+LLaMA/Mistral/Qwen2 store ``nn.Linear`` weights ``[out, in]`` like we do, under other names.
+GPT-2 stores ``Conv1D`` weights transposed (``[in, out]``) and fuses q, k, v into one
+``c_attn`` tensor; a canonical parameter therefore maps to a (key, offset, transpose) source,
+from which any slice of it can be read without reading the rest of the HF tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from restage.models.config import ModelConfig
+from restage.models.sharding import ParamSpec
+
+_LLAMA_TOP = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
+              "lm_head.weight": "lm_head.weight", "score.weight": "score.weight"}
+_LLAMA_LAYER = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attn.q": "self_attn.q_proj",
+                "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj", "attn.o": "self_attn.o_proj",
+                "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
+_GPT2_TOP = {"embed.weight": "transformer.wte.weight", "pos_embed.weight": "transformer.wpe.weight",
+             "final_norm.weight": "transformer.ln_f.weight", "final_norm.bias": "transformer.ln_f.bias",
+             "lm_head.weight": "lm_head.weight", "score.weight": "score.weight"}
+_GPT2_LAYER = {"attn_norm": "ln_1", "mlp_norm": "ln_2", "attn.o": "attn.c_proj", "mlp.up": "mlp.c_fc",
+               "mlp.down": "mlp.c_proj"}
+_GPT2_FUSED = ("attn.q", "attn.k", "attn.v")  # slices of attn.c_attn, in this order
+# Prefixes older or headless checkpoints leave out (e.g. the original gpt2 weights: "h.0.ln_1.weight").
+BASE_PREFIXES = ("model.", "transformer.")
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """Where a canonical parameter lives in a HF checkpoint."""
+
+    key: str
+    transpose: bool = False  # HF stores it [in, out] (GPT-2 Conv1D)
+    offset: int = 0  # start along canonical dim 0 inside a fused HF tensor (q/k/v in c_attn)
+
+    def hf_index(self, spec: ParamSpec, index: tuple[slice, ...]) -> tuple[slice, ...]:
+        """The HF-tensor index that holds ``full_param[index]``."""
+        explicit = [slice(s.start or 0, spec.shape[d] if s.stop is None else s.stop) for d, s in enumerate(index)]
+        explicit[0] = slice(explicit[0].start + self.offset, explicit[0].stop + self.offset)
+        return tuple(reversed(explicit)) if self.transpose else tuple(explicit)
+
+    def to_canonical(self, hf_slice: torch.Tensor) -> torch.Tensor:
+        return hf_slice.t() if self.transpose else hf_slice
+
+
+def hf_source(cfg: ModelConfig, name: str) -> HFSource:
+    """The HF tensor a canonical parameter name maps to."""
+    gpt2 = cfg.family == "gpt2"
+    top = _GPT2_TOP if gpt2 else _LLAMA_TOP
+    if name in top:
+        return HFSource(top[name])
+    _, layer, rest = name.split(".", 2)  # layers.<i>.<module>.<weight|bias>
+    module, kind = rest.rsplit(".", 1)
+    if not gpt2:
+        return HFSource(f"model.layers.{layer}.{_LLAMA_LAYER[module]}.{kind}")
+    prefix = f"transformer.h.{layer}."
+    if module in _GPT2_FUSED:
+        offset = (0, cfg.num_heads, cfg.num_heads + cfg.num_kv_heads)[_GPT2_FUSED.index(module)] * cfg.head_dim
+        return HFSource(prefix + f"attn.c_attn.{kind}", transpose=kind == "weight", offset=offset)
+    is_conv = module in ("attn.o", "mlp.up", "mlp.down") and kind == "weight"
+    return HFSource(prefix + f"{_GPT2_LAYER[module]}.{kind}", transpose=is_conv)
+
+
+def to_hf_tensors(cfg: ModelConfig, canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full canonical tensors -> HF tensors (GPT-2: transposed, q/k/v fused). Needs all parts of a fused tensor."""
+    parts: dict[str, list[tuple[int, HFSource, torch.Tensor]]] = {}
+    for name, tensor in canonical.items():
+        source = hf_source(cfg, name)
+        parts.setdefault(source.key, []).append((source.offset, source, tensor))
+    out = {}
+    for key, pieces in parts.items():
+        pieces.sort(key=lambda p: p[0])
+        joined = torch.cat([t for _, _, t in pieces], dim=0) if len(pieces) > 1 else pieces[0][2]
+        out[key] = (joined.t() if pieces[0][1].transpose else joined).contiguous()
+    return out
+
+
+_GPT2_ACTIVATION_NAMES = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:
+    """A ``config.json`` for ``cfg`` that transformers loads; keeps every key of ``base`` it does not own."""
+    out = dict(base or {})
+    out.update(architectures=[cfg.hf_architecture], model_type=cfg.model_type, vocab_size=cfg.vocab_size,
+               bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+               dtype=_DTYPE_NAMES[dtype], tie_word_embeddings=cfg.tied_embeddings)
+    if cfg.is_critic:
+        out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    else:
+        for key in ("num_labels", "id2label", "label2id", "problem_type"):
+            out.pop(key, None)
+    if cfg.family == "gpt2":
+        out.update(n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads, n_positions=cfg.max_positions,
+                   n_inner=cfg.intermediate_size, layer_norm_epsilon=cfg.norm_eps,
+                   activation_function=_GPT2_ACTIVATION_NAMES[cfg.activation or "gelu_tanh"])
+        return out
+    out.update(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+               num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+               max_position_embeddings=cfg.max_positions, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
+               rope_theta=cfg.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+    if cfg.model_type == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    elif cfg.model_type == "qwen2":
+        out["use_sliding_window"] = False
+    else:
+        out["attention_bias"] = cfg.o_bias
+    return out

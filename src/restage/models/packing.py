@@ -1,0 +1,88 @@
+"""Packed variable-length batches: sequences concatenated, no padding anywhere.
+
+``tokens`` is ``[T]`` with ``T`` the total length; sequence ``b`` is
+``tokens[cu_seqlens[b]:cu_seqlens[b+1]]`` and its positions restart at 0 (or continue from a
+KV cache during generation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Attention metadata of a packed batch (the tokens or hidden states travel separately)."""
+
+    cu_seqlens: torch.Tensor  # [B + 1] int32, starts at 0
+    positions: torch.Tensor  # [T] int64, position of each token inside its sequence
+    max_seqlen: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.numel()
+
+    @property
+    def seqlens(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    def seq_index(self) -> torch.Tensor:
+        """``[T]`` index of the sequence each token belongs to."""
+        lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        return torch.repeat_interleave(torch.arange(self.num_seqs, device=lengths.device), lengths.long())
+
+    def last_token_index(self) -> torch.Tensor:
+        """``[B]`` index of every sequence's last token in the packed dimension."""
+        return self.cu_seqlens[1:].long() - 1
+
+    def to(self, device) -> PackedBatch:
+        return PackedBatch(self.cu_seqlens.to(device), self.positions.to(device), self.max_seqlen)
+
+    @classmethod
+    def from_seqlens(cls, seqlens: Sequence[int], device=None, start_positions: Sequence[int] | None = None) -> PackedBatch:
+        """Metadata for sequences of these lengths; positions start at ``start_positions`` (default 0)."""
+        lengths = torch.tensor(list(seqlens), dtype=torch.int64)
+        if (lengths <= 0).any():
+            raise ValueError(f"every packed sequence needs at least one token, got lengths {list(seqlens)}")
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lengths, 0)
+        starts = torch.repeat_interleave(cu[:-1].long(), lengths)
+        positions = torch.arange(int(cu[-1])) - starts
+        if start_positions is not None:
+            positions = positions + torch.repeat_interleave(torch.tensor(list(start_positions)), lengths)
+        return cls(cu.to(device), positions.to(device), int(lengths.max()))
+
+
+def pack(seqs: Sequence[Sequence[int]] | Sequence[torch.Tensor], device=None) -> tuple[torch.Tensor, PackedBatch]:
+    """Concatenate token sequences: ``(tokens [T] int64, PackedBatch)``."""
+    tensors = [torch.as_tensor(s, dtype=torch.int64) for s in seqs]
+    batch = PackedBatch.from_seqlens([t.numel() for t in tensors], device=device)
+    return torch.cat(tensors).to(device), batch
+
+
+def unpack(values: torch.Tensor, batch: PackedBatch) -> list[torch.Tensor]:
+    """Split a packed ``[T, ...]`` tensor back into one tensor per sequence."""
+    return list(torch.split(values, batch.seqlens))
+
+
+def split_micro_batches(seqs: Sequence, n_micro_batches: int) -> list[list[int]]:
+    """Indices of ``seqs`` in ``n`` contiguous groups of near-equal token count (each non-empty)."""
+    n = max(1, min(n_micro_batches, len(seqs)))
+    lengths = [len(s) for s in seqs]
+    total, groups, current, acc = sum(lengths), [], [], 0
+    for i, length in enumerate(lengths):
+        current.append(i)
+        acc += length
+        left_groups, left_seqs = n - len(groups) - 1, len(seqs) - i - 1
+        if left_groups > 0 and (acc >= total * (len(groups) + 1) / n or left_seqs == left_groups):
+            groups.append(current)
+            current = []
+    groups.append(current)
+    return [g for g in groups if g]

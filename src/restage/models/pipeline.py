@@ -1,0 +1,187 @@
+"""Pipeline-parallel execution over micro-batches: forward for inference, 1F1B for training.
+
+Every stage of a pipeline is handed the same list of micro-batches (token ids and packed-batch
+metadata are small); only hidden states and their gradients travel between stages, so a
+receiver always knows the shape it expects (``[tokens, hidden]``).
+
+``train_1f1b`` runs the one-forward-one-backward schedule: stage ``s`` of ``P`` first runs
+``P - s - 1`` warm-up forwards, then alternates one forward and one backward, then drains the
+remaining backwards; at most ``P - s`` micro-batches hold activations at once. The caller
+supplies the loss (``loss_fn``) and may route every backward through its own hook
+(``backward_fn``), e.g. a DeepSpeed engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from restage.models.decoder import StageModule
+from restage.models.packing import PackedBatch
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch: packed token ids, their metadata, and whatever the loss needs."""
+
+    tokens: torch.Tensor  # [T] int64
+    batch: PackedBatch
+    extra: Any = None  # e.g. target ids, advantages, masks; handed to loss_fn / post_fn untouched
+
+
+LossFn = Callable[[torch.Tensor, MicroBatch], Any]  # returns a scalar loss, or (loss, anything)
+BackwardFn = Callable[[torch.Tensor, "torch.Tensor | None"], None]  # (tensor, grad or None for a loss)
+
+
+def default_backward(tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
+    torch.autograd.backward(tensor, grad)
+
+
+def _p2p(ops: list[tuple[str, torch.Tensor, int]]) -> None:
+    """Run sends and receives together, so two neighbours exchanging at once cannot deadlock."""
+    if not ops:
+        return
+    p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer) for kind, tensor, peer in ops]
+    for request in dist.batch_isend_irecv(p2p):
+        request.wait()
+
+
+def _hidden_buffer(module: StageModule, mb: MicroBatch) -> torch.Tensor:
+    return torch.empty(mb.batch.num_tokens, module.cfg.hidden_size, dtype=module.dtype, device=mb.tokens.device)
+
+
+def send_tensor(tensor: torch.Tensor, peer: int) -> None:
+    _p2p([("send", tensor.contiguous(), peer)])
+
+
+def recv_tensor(buffer: torch.Tensor, peer: int) -> torch.Tensor:
+    _p2p([("recv", buffer, peer)])
+    return buffer
+
+
+@torch.no_grad()
+def pipeline_forward(module: StageModule, micro_batches: Sequence[MicroBatch],
+                     post_fn: Callable[[torch.Tensor, MicroBatch], Any] | None = None) -> list[Any] | None:
+    """Forward every micro-batch through the pipeline.
+
+    On the last stage returns ``[post_fn(output, mb)]`` per micro-batch (the raw output — logits
+    slice or values — when ``post_fn`` is None); on other stages returns None.
+    """
+    ctx = module.ctx
+    results = []
+    for mb in micro_batches:
+        x = mb.tokens if ctx.is_first_stage else recv_tensor(_hidden_buffer(module, mb), ctx.prev_rank)
+        out = module(x, mb.batch)
+        if not ctx.is_last_stage:
+            send_tensor(out, ctx.next_rank)
+        else:
+            results.append(post_fn(out, mb) if post_fn is not None else out)
+    return results if ctx.is_last_stage else None
+
+
+def train_1f1b(module: StageModule, micro_batches: Sequence[MicroBatch], loss_fn: LossFn,
+               backward_fn: BackwardFn = default_backward, sync_tied: bool = True) -> list[Any] | None:
+    """Forward and backward every micro-batch with the 1F1B schedule; gradients accumulate in ``.grad``.
+
+    ``loss_fn(output, mb)`` runs on the last stage and returns the micro-batch's loss (scale it
+    as you want it summed, e.g. by 1 / number of micro-batches), or ``(loss, stats)``.
+    ``backward_fn(tensor, grad)`` is called once per micro-batch on every stage: with
+    ``(loss, None)`` on the last stage and ``(stage output, its gradient)`` elsewhere. With tied
+    embeddings and pp > 1, ``sync_tied`` sums the two copies' gradients at the end.
+    Returns the ``loss_fn`` results on the last stage, None elsewhere.
+    """
+    ctx = module.ctx
+    n = len(micro_batches)
+    warmup = min(ctx.pp_size - ctx.pp_stage - 1, n)
+    in_flight: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []  # (micro-batch, input, output)
+    results: list[Any] = []
+
+    def recv_forward(i: int) -> torch.Tensor | None:
+        if ctx.is_first_stage:
+            return None
+        return recv_tensor(_hidden_buffer(module, micro_batches[i]), ctx.prev_rank).requires_grad_()
+
+    def forward(i: int, x: torch.Tensor | None) -> torch.Tensor:
+        mb = micro_batches[i]
+        out = module(mb.tokens if x is None else x, mb.batch)
+        if not ctx.is_last_stage:
+            return out
+        result = loss_fn(out, mb)
+        loss = result[0] if isinstance(result, tuple) else result
+        results.append(_detached(result))
+        return loss
+
+    def backward(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None) -> torch.Tensor | None:
+        backward_fn(out, grad)
+        return None if x is None else x.grad
+
+    def exchange(send_kind: str, tensor: torch.Tensor | None, recv_kind: str | None, recv_like: torch.Tensor | None):
+        """Send to one neighbour and receive from a neighbour in one batch; returns the received tensor."""
+        ops = []
+        peer_out = ctx.next_rank if send_kind == "forward" else ctx.prev_rank
+        if tensor is not None and peer_out is not None:
+            ops.append(("send", tensor.detach().contiguous(), peer_out))
+        received = None
+        if recv_kind is not None:
+            peer_in = ctx.next_rank if recv_kind == "backward" else ctx.prev_rank
+            if peer_in is not None:
+                received = torch.empty_like(recv_like)
+                ops.append(("recv", received, peer_in))
+        _p2p(ops)
+        return received
+
+    for i in range(warmup):
+        x = recv_forward(i)
+        out = forward(i, x)
+        exchange("forward", out, None, None)
+        in_flight.append((i, x, out))
+    steady = n - warmup
+    x = recv_forward(warmup) if steady > 0 else None
+    for j in range(steady):
+        i = warmup + j
+        out = forward(i, x)
+        in_flight.append((i, x, out))
+        oldest, x_old, out_old = in_flight.pop(0)
+        like = _hidden_buffer(module, micro_batches[oldest])
+        grad_out = exchange("forward", None if ctx.is_last_stage else out, None if ctx.is_last_stage else "backward", like)
+        grad_in = backward(out_old, grad_out if not ctx.is_last_stage else None, x_old)
+        if j == steady - 1:
+            exchange("backward", grad_in, None, None)
+        else:
+            nxt = micro_batches[i + 1]
+            x = exchange("backward", grad_in, None if ctx.is_first_stage else "forward", _hidden_buffer(module, nxt))
+            if x is not None:
+                x.requires_grad_()
+    for _ in range(warmup):
+        oldest, x_old, out_old = in_flight.pop(0)
+        grad_out = exchange("forward", None, "backward", _hidden_buffer(module, micro_batches[oldest]))
+        grad_in = backward(out_old, grad_out, x_old)
+        exchange("backward", grad_in, None, None)
+    if sync_tied:
+        sync_tied_embedding_grads(module)
+    return results if ctx.is_last_stage else None
+
+
+def _detached(result):
+    if isinstance(result, torch.Tensor):
+        return result.detach()
+    if isinstance(result, tuple):
+        return tuple(_detached(r) for r in result)
+    return result
+
+
+def sync_tied_embedding_grads(module: StageModule) -> None:
+    """Sum ``embed.weight`` gradients of the first and last stage (tied embeddings, pp > 1)."""
+    ctx = module.ctx
+    if ctx.pp_size == 1 or not module.tied_head or not (ctx.is_first_stage or ctx.is_last_stage):
+        return
+    weight = module.embed.weight
+    mine = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+    peer = ctx.last_stage_rank if ctx.is_first_stage else ctx.first_stage_rank
+    theirs = torch.empty_like(mine)
+    _p2p([("send", mine.contiguous(), peer), ("recv", theirs, peer)])
+    weight.grad = mine + theirs

@@ -1,0 +1,88 @@
+"""Small random HF models of every supported family, built locally (no download) for tests, demos and benchmarks.
+
+The weights come from transformers' own ``from_config`` initialisation, then norms and biases are
+perturbed so that a loader that mixes them up cannot pass a comparison by luck.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+
+# Deliberately awkward sizes: the vocabulary and MLP width do not divide by 2, so TP splits are uneven.
+TINY_SIZES = dict(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=171,
+                  vocab_size=257, max_positions=256)
+# About 30M parameters: a model big enough for a meaningful CPU generation benchmark.
+BENCH_SIZES = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408,
+                   vocab_size=16384, max_positions=1024)
+
+
+def tiny_hf_config(family: str = "llama", tied: bool = False, critic: bool = False, sliding_window: int | None = None,
+                   **sizes):
+    """A transformers config of ``family`` with the given sizes (defaults: TINY_SIZES)."""
+    import transformers
+
+    s = {**TINY_SIZES, **sizes}
+    common = dict(vocab_size=s["vocab_size"], bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=tied,
+                  initializer_range=0.1)
+    if critic:
+        common["num_labels"] = 1
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_embd=s["hidden_size"], n_layer=s["num_layers"], n_head=s["num_heads"],
+                                         n_inner=s["intermediate_size"], n_positions=s["max_positions"], **common)
+        config.architectures = ["GPT2ForSequenceClassification" if critic else "GPT2LMHeadModel"]
+        return config
+    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}
+    if family not in classes:
+        raise ValueError(f"unknown family {family!r}; use one of {FAMILIES}")
+    extra = {"sliding_window": sliding_window} if family == "mistral" else {}
+    config = classes[family](hidden_size=s["hidden_size"], num_hidden_layers=s["num_layers"],
+                             num_attention_heads=s["num_heads"], num_key_value_heads=s["num_kv_heads"],
+                             intermediate_size=s["intermediate_size"], max_position_embeddings=s["max_positions"],
+                             rope_theta=5000.0 if family == "qwen2" else 10000.0, **extra, **common)
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
+    config.architectures = [prefix + ("ForSequenceClassification" if critic else "ForCausalLM")]
+    return config
+
+
+def build_tiny(path: str | Path, family: str = "llama", tied: bool = False, critic: bool = False, seed: int = 0,
+               sliding_window: int | None = None, weight_format: str = "safetensors", max_shard_size: str | int | None = None,
+               dtype: torch.dtype = torch.float32, **sizes) -> Path:
+    """Write a random HF model directory; ``weight_format`` is ``safetensors`` or ``bin`` (``pytorch_model.bin``)."""
+    import transformers
+
+    config = tiny_hf_config(family, tied=tied, critic=critic, sliding_window=sliding_window, **sizes)
+    torch.manual_seed(seed)
+    cls = transformers.AutoModelForSequenceClassification if critic else transformers.AutoModelForCausalLM
+    model = cls.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+            elif param.dim() == 1:  # norm scales
+                param.normal_(1.0, 0.1)
+    model = model.to(dtype)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
+    model.save_pretrained(path, **kwargs)
+    if weight_format == "bin":
+        for file in path.glob("model*.safetensors*"):
+            file.unlink()
+        torch.save(model.state_dict(), path / "pytorch_model.bin")
+    elif weight_format != "safetensors":
+        raise ValueError(f"weight_format must be safetensors or bin, not {weight_format!r}")
+    return path
+
+
+def load_hf(path: str | Path, dtype: torch.dtype = torch.float32):
+    """The transformers model stored at ``path`` (eval mode, eager-free SDPA attention)."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    critic = (config.architectures or [""])[0].endswith("ForSequenceClassification")
+    cls = transformers.AutoModelForSequenceClassification if critic else transformers.AutoModelForCausalLM
+    return cls.from_pretrained(path, dtype=dtype).eval()
