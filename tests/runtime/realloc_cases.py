@@ -84,3 +84,17 @@ PAIRS_8 = [
 # Uneven nodes (3 ranks per node) to exercise the sender choice without any fixed node size.
 def node_of_3(rank: int) -> int:
     return rank // 3
+
+
+def module_from_state(state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain module whose ``named_parameters()`` are exactly ``state`` under its canonical names."""
+    root = torch.nn.Module()
+    for name, tensor in state.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(tensor.clone()))
+    return root
