@@ -38,7 +38,8 @@ class OptimConfig:
 class ModelSpec:
     """One named model of the experiment (actor, critic, ref, reward)."""
 
-    path: str  # HF model directory
+    path: str = ""  # HF model directory (optional for planning when ``arch`` names a preset)
+    arch: str = ""  # architecture preset (restage.models.presets), e.g. llama-7b; used when path is empty
     trainable: bool = False
     dtype: str = "fp32"
     zero_stage: int = 1
@@ -136,6 +137,8 @@ class ExperimentConfig:
         if not self.models:
             raise ConfigError("models: at least one model is needed (e.g. models.actor.path)")
         for name, spec in self.models.items():
+            if not spec.path and not spec.arch:
+                raise ConfigError(f"models.{name}: give path (a HF model directory) or arch (a preset such as llama-7b)")
             if spec.dtype not in DTYPES:
                 raise ConfigError(f"models.{name}.dtype: {spec.dtype!r} is not one of {', '.join(DTYPES)}")
             if spec.zero_stage not in (0, 1, 2, 3):
