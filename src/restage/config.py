@@ -132,7 +132,7 @@ class ExperimentConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
+        if self.algorithm not in ALGORITHMS and not _is_extension_algorithm(self.algorithm):
             raise ConfigError(f"algorithm: {self.algorithm!r} is unknown; use one of {', '.join(ALGORITHMS)}")
         if not self.models:
             raise ConfigError("models: at least one model is needed (e.g. models.actor.path)")
@@ -157,6 +157,13 @@ class ExperimentConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _is_extension_algorithm(name: str) -> bool:
+    """A registered algorithm or a dotted module path (restage.algorithms is light to import)."""
+    from restage.algorithms import is_algorithm_name
+
+    return is_algorithm_name(name)
 
 
 def _to_plain(value):

@@ -1,7 +1,9 @@
 """Algorithms: each is a module with its MFC graph (``mfcs(cfg)``), losses and interface functions.
 
 Built-in algorithms are looked up by name; an external one registers its module with
-``register_algorithm(name, module)``.
+``register_algorithm(name, module)``, or a config names its module by dotted path
+(``algorithm: mypkg.my_algo``). The functions every module defines are listed in
+``restage.algorithms.base.PROTOCOL`` and described in docs/algorithms.md.
 """
 
 from __future__ import annotations
@@ -32,8 +34,22 @@ def algorithm_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys([*_BUILTIN, *_REGISTERED]))
 
 
+def is_algorithm_name(name: str) -> bool:
+    """Whether a config may name this algorithm: built in, registered, or a dotted module path."""
+    return name in _BUILTIN or name in _REGISTERED or "." in name
+
+
 def get_algorithm(name: str) -> ModuleType:
-    module = _REGISTERED.get(name) or _BUILTIN.get(name)
+    module = _REGISTERED.get(name) or _BUILTIN.get(name) or (name if "." in name else None)
     if module is None:
         raise ConfigError(f"algorithm {name!r} is unknown; use one of {', '.join(algorithm_names())}")
-    return importlib.import_module(module) if isinstance(module, str) else module
+    if isinstance(module, str):
+        try:
+            module = importlib.import_module(module)
+        except ImportError as err:
+            raise ConfigError(f"algorithm {name!r}: cannot import {module} ({err})") from None
+    if name not in _BUILTIN:
+        from restage.algorithms.base import check_algorithm
+
+        check_algorithm(module)
+    return module

@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
+from restage.algorithms import base, losses, ops
 from restage.algorithms._graphs import sizes
 from restage.config import ExperimentConfig
-from restage.graph import MFC
+from restage.data.batch import Batch
+from restage.errors import ConfigError
+from restage.graph import MFC, DataflowGraph
+
+
+@dataclass(frozen=True)
+class Params:
+    beta: float = 0.1
+    loss_type: str = "dpo"  # dpo or ipo
+    label_smoothing: float = 0.0  # dpo only: assumed probability that a preference label is flipped
 
 
 def mfcs(cfg: ExperimentConfig) -> list[MFC]:
@@ -14,3 +28,53 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
         MFC("ref_inf", "inference", "ref", ("packed_pair_ids", "prompt_mask"), ("ref_logprobs",), n, p, a, mb),
         MFC("actor_train", "train_step", "actor", ("packed_pair_ids", "prompt_mask", "ref_logprobs"), (), n, p, a, mb),
     ]
+
+
+def validate(cfg: ExperimentConfig) -> Params:
+    params = base.parse_params(Params, cfg)
+    base.check_positive(params, "beta")
+    base.check_choice("loss_type", params.loss_type, ("dpo", "ipo"))
+    if not 0.0 <= params.label_smoothing < 0.5:
+        raise ConfigError(f"algo.label_smoothing: {params.label_smoothing} must be in [0, 0.5)")
+    return params
+
+
+def init_state(cfg: ExperimentConfig, tokenizer=None) -> base.AlgoState:
+    return base.AlgoState(cfg, DataflowGraph(tuple(mfcs(cfg))), validate(cfg), tokenizer)
+
+
+def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
+    return ("logprobs",)
+
+
+def inference(mfc_name: str, batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState) -> dict:
+    return base.default_inference(state.graph[mfc_name], batch, outputs)
+
+
+def after_generate(mfc_name: str, batch: Batch, cfg: ExperimentConfig, state: base.AlgoState) -> Batch:
+    raise ValueError("dpo has no generate MFC")
+
+
+def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
+                  reduce=None) -> tuple[Batch, dict]:
+    return batch, {}
+
+
+def pair_logprobs(logprobs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) sequence log-probs: answer-token log-probs summed per sequence; pairs are consecutive."""
+    mask = base.answer_mask(batch)
+    per_seq = ops.seq_sum(logprobs.float() * mask, batch.cu_seqlens)
+    return per_seq[0::2], per_seq[1::2]
+
+
+def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
+         state: base.AlgoState) -> tuple[torch.Tensor, dict]:
+    p = state.params
+    pi_c, pi_r = pair_logprobs(outputs["logprobs"], micro_batch)
+    ref_c, ref_r = pair_logprobs(micro_batch["ref_logprobs"], micro_batch)
+    per_pair, reward_c, reward_r = losses.dpo_loss(pi_c, pi_r, ref_c, ref_r, p.beta, p.loss_type, p.label_smoothing)
+    value = per_pair.mean()
+    margin = reward_c - reward_r
+    return value, {"loss": float(value), "accuracy": float((margin > 0).float().mean()), "margin": float(margin.mean()),
+                   "chosen_reward": float(reward_c.mean()), "rejected_reward": float(reward_r.mean()),
+                   "pairs": float(pi_c.numel())}

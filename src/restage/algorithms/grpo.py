@@ -1,10 +1,33 @@
-"""GRPO: a group of samples per prompt, group-normalised advantages, a KL term; no critic."""
+"""GRPO: a group of samples per prompt, group-normalised advantages, a KL term; no critic.
+
+Each prompt is answered ``group_size`` times; an answer's advantage is its reward minus the group
+mean, over the group's (unbiased) std, on every answer token. The loss is the clipped surrogate
+plus ``kl_coef`` times the k3 estimate of KL(policy || ref) per token.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
+from restage.algorithms import _policy, base, estimators, losses, ops
 from restage.algorithms._graphs import reward_source, sizes
 from restage.config import ExperimentConfig
-from restage.graph import MFC
+from restage.data.batch import Batch
+from restage.graph import MFC, DataflowGraph
+
+
+@dataclass(frozen=True)
+class Params(_policy.PolicyParams):
+    group_size: int = 4
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    kl_coef: float = 0.04
+    kl_estimator: str = "k3"
+    norm_std: bool = True  # divide by the group std (False: only subtract the group mean)
+    adv_eps: float = 1e-6
+    loss_agg: str = "seq_mean"
 
 
 def mfcs(cfg: ExperimentConfig) -> list[MFC]:
@@ -20,5 +43,64 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
         out.append(MFC("reward_inf", "inference", "reward", seq, ("rewards",), n, p, g, mb))
     out.append(MFC("ref_inf", "inference", "ref", seq, ("ref_logprobs",), n, p, g, mb))
     out.append(MFC("actor_train", "train_step", "actor", seq + ("logprobs", "ref_logprobs", "rewards"), (), n, p, g, mb,
-                   minibatches, epochs))
+                   minibatches, epochs, options=_policy.train_options(cfg)))
     return out
+
+
+def validate(cfg: ExperimentConfig) -> Params:
+    params = base.parse_params(Params, cfg)
+    _policy.validate_policy(params)
+    base.check_positive(params, "group_size", "ppo_epochs", "minibatches", "adv_eps")
+    base.check_positive(params, "kl_coef", allow_zero=True)
+    base.check_choice("kl_estimator", params.kl_estimator, losses.KL_ESTIMATORS)
+    base.check_reward_source(cfg)
+    return params
+
+
+def init_state(cfg: ExperimentConfig, tokenizer=None) -> base.AlgoState:
+    return base.AlgoState(cfg, DataflowGraph(tuple(mfcs(cfg))), validate(cfg), tokenizer)
+
+
+def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
+    if mfc_name == "actor_train":
+        return _policy.actor_forward_outputs(base.parse_params(Params, cfg))
+    return base.default_forward_outputs(DataflowGraph(tuple(mfcs(cfg))), mfc_name)
+
+
+def inference(mfc_name: str, batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState) -> dict:
+    return base.default_inference(state.graph[mfc_name], batch, outputs)
+
+
+def after_generate(mfc_name: str, batch: Batch, cfg: ExperimentConfig, state: base.AlgoState) -> Batch:
+    return base.default_after_generate(mfc_name, batch, state)
+
+
+def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
+                  reduce: ops.Reduce = None) -> tuple[Batch, dict]:
+    """Adds per-token ``advantages``; the result has groups of 1 (minibatches may then cut groups apart)."""
+    p: Params = state.params
+    if batch.group_size != p.group_size:
+        raise ValueError(f"grpo: batch has groups of {batch.group_size}, algo.group_size is {p.group_size}")
+    mask = base.answer_mask(batch)
+    rewards = _policy.shaped_rewards(batch, p)
+    seq_advantages = estimators.group_normalise(rewards, p.group_size, p.adv_eps, p.norm_std)
+    advantages = ops.broadcast_seq(seq_advantages, batch.cu_seqlens) * mask
+    all_seqs = torch.ones(batch.n_seqs, dtype=torch.bool)
+    grouped = rewards.view(-1, p.group_size)
+    stats = {
+        "reward": float(ops.masked_mean(batch["rewards"].float(), all_seqs, reduce)),
+        "group_reward_std": float(ops.masked_mean(grouped.std(-1) if p.group_size > 1 else grouped[:, 0] * 0,
+                                                  torch.ones(grouped.shape[0], dtype=torch.bool), reduce)),
+        "answer_tokens": float(ops.masked_sum(mask.float(), mask, reduce)[1]),
+    }
+    ids = tuple(i for i in batch.ids for _ in range(p.group_size)) if batch.ids else ()
+    return batch.with_keys(tokens={"advantages": advantages.float()}, group_size=1, ids=ids), stats
+
+
+def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
+         state: base.AlgoState) -> tuple[torch.Tensor, dict]:
+    p: Params = state.params
+    if mfc_name != "actor_train":
+        raise ValueError(f"grpo has no train MFC {mfc_name!r}")
+    kl = losses.kl_estimate(outputs["logprobs"].float(), micro_batch["ref_logprobs"].float(), p.kl_estimator)
+    return _policy.actor_loss(micro_batch, outputs, p, kl if p.kl_coef > 0 else None, p.kl_coef)

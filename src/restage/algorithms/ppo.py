@@ -1,10 +1,41 @@
-"""PPO with a critic, a reference model and a reward model (or a rule-based reward)."""
+"""PPO with a critic, a reference model and a reward model (or a rule-based reward).
+
+Per iteration: sample answers; score them; the reference and critic score every token; then
+``prepare_train`` folds a per-token KL penalty into the reward, runs GAE over the answer tokens
+(critic values de-normalised by the running value normaliser), updates the normaliser and the
+KL controller, and whitens the advantages; the actor and critic train on minibatches for
+``ppo_epochs`` epochs with the clipped policy and value losses.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
+from restage.algorithms import _policy, base, estimators, losses, ops
 from restage.algorithms._graphs import reward_source, sizes
 from restage.config import ExperimentConfig
-from restage.graph import MFC
+from restage.data.batch import Batch
+from restage.errors import ConfigError
+from restage.graph import MFC, DataflowGraph
+
+
+@dataclass(frozen=True)
+class Params(_policy.PolicyParams):
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip_eps: float = 0.2  # <= 0 turns value clipping off
+    kl_coef: float = 0.05  # initial coefficient of the KL penalty folded into the reward
+    kl_estimator: str = "k1"
+    adaptive_kl: bool = False  # move kl_coef so the per-sequence KL tracks kl_target
+    kl_target: float = 6.0
+    kl_horizon: float = 10000.0
+    adv_norm: bool = True
+    value_norm: bool = True  # the critic learns returns normalised by a running mean/std
+    value_norm_eps: float = 1e-5
 
 
 def mfcs(cfg: ExperimentConfig) -> list[MFC]:
@@ -23,7 +54,101 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     ]
     train_in = seq + ("logprobs", "ref_logprobs", "rewards", "values")
     out += [
-        MFC("actor_train", "train_step", "actor", train_in, (), n, p, g, mb, minibatches, epochs),
+        MFC("actor_train", "train_step", "actor", train_in, (), n, p, g, mb, minibatches, epochs,
+            options=_policy.train_options(cfg)),
         MFC("critic_train", "train_step", "critic", train_in, (), n, p, g, mb, minibatches, epochs),
     ]
     return out
+
+
+def validate(cfg: ExperimentConfig) -> Params:
+    params = base.parse_params(Params, cfg)
+    _policy.validate_policy(params)
+    base.check_positive(params, "ppo_epochs", "minibatches", "kl_target", "kl_horizon", "value_norm_eps")
+    base.check_positive(params, "kl_coef", allow_zero=True)
+    base.check_choice("kl_estimator", params.kl_estimator, losses.KL_ESTIMATORS)
+    for name in ("gamma", "lam"):
+        if not 0.0 <= getattr(params, name) <= 1.0:
+            raise ConfigError(f"algo.{name}: {getattr(params, name)} must be in [0, 1]")
+    base.check_reward_source(cfg)
+    return params
+
+
+def init_state(cfg: ExperimentConfig, tokenizer=None) -> base.AlgoState:
+    p = validate(cfg)
+    kl_ctl = (estimators.AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon) if p.adaptive_kl
+              else estimators.FixedKLController(p.kl_coef))
+    return base.AlgoState(cfg, DataflowGraph(tuple(mfcs(cfg))), p, tokenizer, kl_ctl=kl_ctl,
+                          value_norm=estimators.ValueNormaliser(p.value_norm_eps))
+
+
+def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
+    if mfc_name == "actor_train":
+        return _policy.actor_forward_outputs(base.parse_params(Params, cfg))
+    if mfc_name == "critic_train":
+        return ("values",)
+    return base.default_forward_outputs(DataflowGraph(tuple(mfcs(cfg))), mfc_name)
+
+
+def inference(mfc_name: str, batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState) -> dict:
+    return base.default_inference(state.graph[mfc_name], batch, outputs)
+
+
+def after_generate(mfc_name: str, batch: Batch, cfg: ExperimentConfig, state: base.AlgoState) -> Batch:
+    return base.default_after_generate(mfc_name, batch, state)
+
+
+def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
+                  reduce: ops.Reduce = None) -> tuple[Batch, dict]:
+    """Adds ``advantages``, ``returns`` and ``old_values`` (per token, on answer tokens; the critic's scale)."""
+    p: Params = state.params
+    state.begin_step(step)
+    kl_ctl, value_norm = state["kl_ctl"], state["value_norm"]
+    mask = base.answer_mask(batch)
+    cu = batch.cu_seqlens
+    rewards = _policy.shaped_rewards(batch, p)
+    kl = losses.kl_estimate(batch["logprobs"].float(), batch["ref_logprobs"].float(), p.kl_estimator) * mask
+    kl_coef = kl_ctl.value
+    token_rewards = estimators.kl_shaped_token_rewards(rewards, kl, mask, cu, kl_coef)
+    # V(s_t) for action token t is the critic's output one token earlier.
+    state_values = ops.shift_right(batch["values"].float(), cu) * mask
+    raw_values = (value_norm.denormalise(state_values) if p.value_norm else state_values) * mask
+    advantages, returns = estimators.gae(token_rewards, raw_values, mask, cu, p.gamma, p.lam)
+    if p.value_norm:
+        value_norm.update(returns, mask, reduce)
+        targets, old_values = value_norm.normalise(returns) * mask, value_norm.normalise(raw_values) * mask
+    else:
+        targets, old_values = returns, state_values
+    raw_advantages = advantages
+    if p.adv_norm:
+        advantages = ops.masked_whiten(advantages, mask, reduce=reduce)
+    seq_kl, n_seqs = ops.masked_sum(ops.seq_sum(kl, cu), torch.ones(batch.n_seqs, dtype=torch.bool), reduce)
+    mean_kl = float(seq_kl / n_seqs.clamp(min=1))
+    kl_ctl.update(mean_kl, int(n_seqs))
+    all_seqs = torch.ones(batch.n_seqs, dtype=torch.bool)
+    stats = {
+        "reward": float(ops.masked_mean(batch["rewards"].float(), all_seqs, reduce)),
+        "shaped_reward": float(ops.masked_mean(rewards, all_seqs, reduce)),
+        "kl": mean_kl, "kl_coef": kl_coef,
+        "advantage": float(ops.masked_mean(raw_advantages, mask, reduce)),
+        "return": float(ops.masked_mean(returns, mask, reduce)),
+        "value": float(ops.masked_mean(raw_values, mask, reduce)),
+        "answer_tokens": float(ops.masked_sum(mask.float(), mask, reduce)[1]),
+    }
+    out = batch.with_keys(tokens={"advantages": advantages.float(), "returns": targets.float(),
+                                  "old_values": old_values.float()})
+    return out, stats
+
+
+def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
+         state: base.AlgoState) -> tuple[torch.Tensor, dict]:
+    p: Params = state.params
+    if mfc_name == "actor_train":
+        return _policy.actor_loss(micro_batch, outputs, p)
+    if mfc_name == "critic_train":
+        mask = base.answer_mask(micro_batch)
+        predicted = ops.shift_right(outputs["values"].float(), micro_batch.cu_seqlens)
+        value, clip_fraction = losses.value_loss(predicted, micro_batch["old_values"], micro_batch["returns"], mask,
+                                                 p.value_clip_eps)
+        return value, {"loss": float(value), "value_clip_fraction": clip_fraction}
+    raise ValueError(f"ppo has no train MFC {mfc_name!r}")

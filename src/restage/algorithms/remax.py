@@ -1,10 +1,28 @@
-"""ReMax: REINFORCE with the reward of a greedy generation as the baseline; no critic."""
+"""ReMax: REINFORCE with the reward of a greedy generation as the baseline; no critic.
+
+Each prompt gets one sampled and one greedy answer. Per-token rewards are ``-kl_coef * kl_t``
+(k1 against the reference) with ``reward - greedy_reward`` added on the last answer token; an
+action's advantage is the (undiscounted) sum of the rewards from it to the end.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
+from restage.algorithms import _policy, base, estimators, losses, ops
 from restage.algorithms._graphs import reward_source, sizes
 from restage.config import ExperimentConfig
-from restage.graph import MFC
+from restage.data.batch import Batch
+from restage.graph import MFC, DataflowGraph
+
+
+@dataclass(frozen=True)
+class Params(_policy.PolicyParams):
+    kl_coef: float = 0.05
+    kl_estimator: str = "k1"
+    adv_norm: bool = False
 
 
 def mfcs(cfg: ExperimentConfig) -> list[MFC]:
@@ -25,5 +43,64 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
         ]
     out.append(MFC("ref_inf", "inference", "ref", ("seqs", "prompt_mask"), ("ref_logprobs",), n, p, g, mb))
     out.append(MFC("actor_train", "train_step", "actor",
-                   ("seqs", "prompt_mask", "logprobs", "ref_logprobs", "rewards", "baseline_rewards"), (), n, p, g, mb))
+                   ("seqs", "prompt_mask", "logprobs", "ref_logprobs", "rewards", "baseline_rewards"), (), n, p, g, mb,
+                   options=_policy.train_options(cfg)))
     return out
+
+
+def validate(cfg: ExperimentConfig) -> Params:
+    params = base.parse_params(Params, cfg)
+    _policy.validate_policy(params)
+    base.check_positive(params, "kl_coef", allow_zero=True)
+    base.check_choice("kl_estimator", params.kl_estimator, losses.KL_ESTIMATORS)
+    base.check_reward_source(cfg)
+    return params
+
+
+def init_state(cfg: ExperimentConfig, tokenizer=None) -> base.AlgoState:
+    return base.AlgoState(cfg, DataflowGraph(tuple(mfcs(cfg))), validate(cfg), tokenizer)
+
+
+def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
+    if mfc_name == "actor_train":
+        return _policy.actor_forward_outputs(base.parse_params(Params, cfg))
+    return base.default_forward_outputs(DataflowGraph(tuple(mfcs(cfg))), mfc_name)
+
+
+def inference(mfc_name: str, batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState) -> dict:
+    return base.default_inference(state.graph[mfc_name], batch, outputs)
+
+
+def after_generate(mfc_name: str, batch: Batch, cfg: ExperimentConfig, state: base.AlgoState) -> Batch:
+    return base.default_after_generate(mfc_name, batch, state)
+
+
+def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
+                  reduce: ops.Reduce = None) -> tuple[Batch, dict]:
+    """Adds per-token ``advantages`` (reward-to-go of the KL-shaped reward minus the greedy baseline)."""
+    p: Params = state.params
+    mask = base.answer_mask(batch)
+    cu = batch.cu_seqlens
+    rewards = _policy.shaped_rewards(batch, p)
+    baseline = _policy.shaped_rewards(batch, p, "baseline_rewards")
+    kl = losses.kl_estimate(batch["logprobs"].float(), batch["ref_logprobs"].float(), p.kl_estimator) * mask
+    token_rewards = estimators.kl_shaped_token_rewards(rewards - baseline, kl, mask, cu, p.kl_coef)
+    advantages = estimators.returns_to_go(token_rewards, mask, cu)
+    if p.adv_norm:
+        advantages = ops.masked_whiten(advantages, mask, reduce=reduce)
+    all_seqs = torch.ones(batch.n_seqs, dtype=torch.bool)
+    seq_kl, n_seqs = ops.masked_sum(ops.seq_sum(kl, cu), all_seqs, reduce)
+    stats = {
+        "reward": float(ops.masked_mean(batch["rewards"].float(), all_seqs, reduce)),
+        "baseline_reward": float(ops.masked_mean(batch["baseline_rewards"].float(), all_seqs, reduce)),
+        "kl": float(seq_kl / n_seqs.clamp(min=1)),
+        "answer_tokens": float(ops.masked_sum(mask.float(), mask, reduce)[1]),
+    }
+    return batch.with_keys(tokens={"advantages": advantages.float()}), stats
+
+
+def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
+         state: base.AlgoState) -> tuple[torch.Tensor, dict]:
+    if mfc_name != "actor_train":
+        raise ValueError(f"remax has no train MFC {mfc_name!r}")
+    return _policy.actor_loss(micro_batch, outputs, state.params)

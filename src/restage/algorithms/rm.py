@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
+from restage.algorithms import base, losses, ops
 from restage.algorithms._graphs import sizes
 from restage.config import ExperimentConfig
-from restage.graph import MFC
+from restage.data.batch import Batch
+from restage.graph import MFC, DataflowGraph
+
+
+@dataclass(frozen=True)
+class Params:
+    """Reward modelling has no hyper-parameters of its own."""
 
 
 def mfcs(cfg: ExperimentConfig) -> list[MFC]:
@@ -12,3 +23,42 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     # Each pair is two sequences (chosen, rejected).
     return [MFC("reward_train", "train_step", "reward", ("packed_pair_ids", "prompt_mask"), (), 2 * s["prompts"],
                 s["prompt_tokens"], s["answer_tokens"], s["micro_batches"])]
+
+
+def validate(cfg: ExperimentConfig) -> Params:
+    return base.parse_params(Params, cfg)
+
+
+def init_state(cfg: ExperimentConfig, tokenizer=None) -> base.AlgoState:
+    return base.AlgoState(cfg, DataflowGraph(tuple(mfcs(cfg))), validate(cfg), tokenizer)
+
+
+def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
+    return ("values",)
+
+
+def inference(mfc_name: str, batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState) -> dict:
+    raise ValueError("rm has no inference MFC")
+
+
+def after_generate(mfc_name: str, batch: Batch, cfg: ExperimentConfig, state: base.AlgoState) -> Batch:
+    raise ValueError("rm has no generate MFC")
+
+
+def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
+                  reduce=None) -> tuple[Batch, dict]:
+    return batch, {}
+
+
+def pair_scores(values: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) scores: the scalar head at each sequence's last token; pairs are consecutive."""
+    scores = ops.last_token(values, batch.cu_seqlens).float()
+    return scores[0::2], scores[1::2]
+
+
+def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
+         state: base.AlgoState) -> tuple[torch.Tensor, dict]:
+    chosen, rejected = pair_scores(outputs["values"], micro_batch)
+    value, accuracy = losses.bradley_terry(chosen, rejected)
+    return value, {"loss": float(value), "accuracy": float(accuracy), "chosen_score": float(chosen.mean()),
+                   "rejected_score": float(rejected.mean()), "pairs": float(chosen.numel())}

@@ -1,0 +1,76 @@
+"""What the policy-gradient algorithms (PPO, GRPO, ReMax) share: hyper-parameters, reward shaping, the actor loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from restage.algorithms import base, estimators, losses
+from restage.data.batch import Batch
+from restage.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    clip_eps: float = 0.2  # PPO ratio clip
+    entropy_coef: float = 0.0  # > 0 adds an entropy bonus (the actor forward then also returns entropy)
+    early_stop_ratio: float = 0.0  # > 0: stop this batch's updates once mean max(r, 1/r) over a micro-batch exceeds it
+    early_stop_kl: float = 0.0  # > 0: stop this batch's updates once approx KL(old || new) exceeds it
+    ref_ema_eta: float = 0.0  # > 0: after each actor update, ref <- (1 - eta) ref + eta actor
+    reward_scale: float = 1.0  # rewards become (r - reward_bias) * reward_scale ...
+    reward_bias: float = 0.0
+    reward_clip: float = 0.0  # ... clipped to [-reward_clip, reward_clip] when > 0
+    loss_agg: str = "token_mean"  # token_mean, or seq_mean (mean over sequences of each one's token mean)
+
+
+def validate_policy(params: PolicyParams) -> None:
+    base.check_positive(params, "clip_eps", "reward_scale")
+    base.check_positive(params, "entropy_coef", "early_stop_ratio", "early_stop_kl", "reward_clip", allow_zero=True)
+    base.check_choice("loss_agg", params.loss_agg, losses.AGGREGATIONS)
+    if not 0.0 <= params.ref_ema_eta <= 1.0:
+        raise ConfigError(f"algo.ref_ema_eta: {params.ref_ema_eta} must be in [0, 1]")
+    if 0 < params.early_stop_ratio <= 1.0:
+        raise ConfigError(f"algo.early_stop_ratio: {params.early_stop_ratio} must be > 1 (or 0 to turn it off)")
+
+
+def train_options(cfg) -> dict:
+    """MFC options of the actor's train step: the reference EMA weight, when on."""
+    eta = float(cfg.algo.get("ref_ema_eta", 0.0))
+    return {"ref_ema_eta": eta} if eta > 0 else {}
+
+
+def actor_forward_outputs(params: PolicyParams) -> tuple[str, ...]:
+    return ("logprobs", "entropy") if params.entropy_coef > 0 else ("logprobs",)
+
+
+def shaped_rewards(batch: Batch, params: PolicyParams, key: str = "rewards") -> torch.Tensor:
+    return estimators.shape_rewards(batch[key], params.reward_scale, params.reward_bias, params.reward_clip)
+
+
+def actor_loss(micro_batch: Batch, outputs: dict, params: PolicyParams,
+               kl_per_token: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """Clipped surrogate on ``advantages`` against the generation's ``logprobs``, minus the entropy bonus,
+    plus ``kl_coef`` times a per-token KL term (GRPO). A tripped early stop zeroes the loss and sets
+    ``early_stop`` to 1: the runtime skips this optimizer step and the rest of the batch."""
+    mask = base.answer_mask(micro_batch)
+    cu = micro_batch.cu_seqlens
+    new_logprobs = outputs["logprobs"].float()
+    value, stats = losses.policy_loss(new_logprobs, micro_batch["logprobs"].float(), micro_batch["advantages"], mask, cu,
+                                      params.clip_eps, params.loss_agg)
+    stats["policy_loss"] = float(value)
+    if params.entropy_coef > 0:
+        entropy = losses.aggregate(outputs["entropy"].float(), mask, cu, params.loss_agg)
+        value = value - params.entropy_coef * entropy
+        stats["entropy"] = float(entropy)
+    if kl_per_token is not None:
+        kl = losses.aggregate(kl_per_token, mask, cu, params.loss_agg)
+        value = value + kl_coef * kl
+        stats["kl"] = float(kl)
+    stop = (params.early_stop_ratio > 0 and stats["ratio_dev"] > params.early_stop_ratio) or (
+        params.early_stop_kl > 0 and stats["approx_kl"] > params.early_stop_kl)
+    stats["early_stop"] = float(stop)
+    if stop:
+        value = value * 0.0  # keeps the graph (every rank still runs backward) but moves nothing
+    stats["loss"] = float(value)
+    return value, stats

@@ -1,0 +1,159 @@
+"""The interface between an algorithm module and the runtime, and the defaults most algorithms share.
+
+Every algorithm module defines the functions named in ``PROTOCOL`` (docs/algorithms.md has the
+full contract). In short, per iteration the runtime:
+
+1. ``generate`` MFCs: runs the model, packs ``seqs``/``prompt_mask``/``logprobs`` into a ``Batch``,
+   then calls ``after_generate(mfc_name, batch, cfg, state)`` (function rewards are added here);
+2. ``inference`` MFCs: runs the forward pass that ``forward_outputs(mfc_name, cfg)`` asks for on
+   each micro-batch and turns it into the MFC's output keys with ``inference(...)``;
+3. once per iteration on the train ranks: ``prepare_train(batch, cfg, state, step, reduce)``;
+4. ``train_step`` MFCs: for each minibatch and micro-batch, the forward pass of
+   ``forward_outputs``, then ``loss(mfc_name, micro_batch, outputs, cfg, state) -> (loss, stats)``.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import ModuleType
+
+import torch
+
+from restage.algorithms import ops
+from restage.algorithms.rewards import function_rewards, resolve_reward
+from restage.config import ExperimentConfig, build
+from restage.data.batch import Batch
+from restage.errors import ConfigError
+from restage.graph import MFC, DataflowGraph
+
+PROTOCOL = ("mfcs", "validate", "init_state", "forward_outputs", "inference", "after_generate", "prepare_train", "loss")
+FORWARD_OUTPUTS = ("logprobs", "entropy", "values")  # what a model forward can be asked for
+
+
+def check_algorithm(module: ModuleType) -> None:
+    """Refuse a module that lacks a protocol function (a registered algorithm is checked the same way)."""
+    missing = [name for name in PROTOCOL if not callable(getattr(module, name, None))]
+    if missing:
+        raise ConfigError(f"algorithm module {module.__name__} lacks {', '.join(missing)} (see docs/algorithms.md)")
+
+
+def parse_params(cls, cfg: ExperimentConfig):
+    """The algorithm's hyper-parameter dataclass from ``cfg.algo``; unknown keys and wrong types name the key."""
+    return build(cls, dict(cfg.algo), "algo")
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"algo.{name}: {value!r} must be one of {', '.join(map(str, choices))}")
+
+
+def check_positive(params, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(params, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ConfigError(f"algo.{name}: {value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def check_reward_source(cfg: ExperimentConfig) -> None:
+    """A rule-based ``reward_fn`` must resolve; without one the config needs a ``reward`` model."""
+    if cfg.reward_fn:
+        resolve_reward(cfg.reward_fn)
+    elif "reward" not in cfg.models:
+        raise ConfigError(f"{cfg.algorithm} needs a reward: set reward_fn (e.g. sort) or add models.reward")
+
+
+class AlgoState:
+    """What an algorithm keeps between calls: parsed params, its graph, the reward function, and
+    persistent objects (value normaliser, KL controller) whose ``state_dict`` goes into checkpoints."""
+
+    def __init__(self, cfg: ExperimentConfig, graph: DataflowGraph, params, tokenizer=None, **persistent):
+        self.params = params
+        self.graph = graph
+        self.tokenizer = tokenizer
+        self.reward_fn = resolve_reward(cfg.reward_fn) if cfg.reward_fn else None
+        self.persistent = persistent
+        self._step: int | None = None
+        self._snapshot: dict | None = None
+
+    def __getitem__(self, name: str):
+        return self.persistent[name]
+
+    def state_dict(self) -> dict:
+        return {name: obj.state_dict() for name, obj in self.persistent.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, obj in self.persistent.items():
+            if name in state:
+                obj.load_state_dict(state[name])
+
+    def begin_step(self, step: int) -> None:
+        """Make ``prepare_train`` idempotent per step: a second call for the same step starts from the same state."""
+        if step == self._step:
+            self.load_state_dict(copy.deepcopy(self._snapshot))
+        else:
+            self._step, self._snapshot = step, copy.deepcopy(self.state_dict())
+
+
+def ids_key(mfc: MFC) -> str:
+    """The key holding the token ids an inference/train MFC runs on (its first input)."""
+    return mfc.inputs[0]
+
+
+def mask_key(mfc: MFC) -> str:
+    """The key holding its prompt mask (its second input)."""
+    return mfc.inputs[1]
+
+
+def answer_mask(batch: Batch, key: str = "prompt_mask") -> torch.Tensor:
+    """``[T]`` bool: the answer tokens (not prompt), where losses and advantages live."""
+    return ~batch[key].bool()
+
+
+def _forward_for(key: str) -> str:
+    if key.endswith("logprobs"):
+        return "logprobs"
+    if key == "values" or key.endswith("rewards"):
+        return "values"
+    raise ConfigError(f"no model forward produces the key {key!r}")
+
+
+def default_forward_outputs(state_graph: DataflowGraph, mfc_name: str) -> tuple[str, ...]:
+    """Forward outputs an inference MFC needs: ``logprobs`` for ``*logprobs`` keys, ``values`` for values and rewards."""
+    return tuple(dict.fromkeys(_forward_for(k) for k in state_graph[mfc_name].outputs))
+
+
+def default_inference(mfc: MFC, batch: Batch, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map forward outputs to the MFC's keys: ``*logprobs`` per token, ``values`` per token, ``*rewards`` = last-token value."""
+    out = {}
+    for key in mfc.outputs:
+        if key.endswith("logprobs"):
+            out[key] = outputs["logprobs"]
+        elif key == "values":
+            out[key] = outputs["values"]
+        elif key.endswith("rewards"):
+            out[key] = ops.last_token(outputs["values"], batch.cu_seqlens).float()
+        else:
+            raise ConfigError(f"MFC {mfc.name}: no rule turns a forward pass into {key!r}")
+    return out
+
+
+def generated_reward_keys(mfc: MFC) -> tuple[str, str, str] | None:
+    """(ids key, prompt-mask key, reward key) of a generate MFC that must attach function rewards, else None."""
+    rewards = [k for k in mfc.outputs if k.endswith("rewards")]
+    if mfc.kind != "generate" or not rewards:
+        return None
+    return mfc.outputs[0], mfc.outputs[1], rewards[0]
+
+
+def default_after_generate(mfc_name: str, batch: Batch, state: AlgoState) -> Batch:
+    """Check the group layout and attach function rewards to a generated batch when the MFC declares them."""
+    mfc = state.graph[mfc_name]
+    group = int(mfc.options.get("group_size", 1))
+    if batch.group_size != group:
+        raise ValueError(f"{mfc_name}: generated batch has groups of {batch.group_size}, the MFC asks for {group}")
+    keys = generated_reward_keys(mfc)
+    if keys is None or keys[2] in batch:
+        return batch
+    if state.reward_fn is None or state.tokenizer is None:
+        raise ValueError(f"{mfc_name} must attach {keys[2]!r} but the state has no reward function or tokenizer")
+    return batch.with_keys(seqs={keys[2]: function_rewards(batch, state.reward_fn, state.tokenizer, keys[0], keys[1])})

@@ -1,0 +1,116 @@
+"""Loss functions: pure torch over packed, token-aligned tensors (see ``ops`` for the alignment)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from restage.algorithms import ops
+
+AGGREGATIONS = ("token_mean", "seq_mean")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str = "token_mean") -> torch.Tensor:
+    """Scalar loss from per-token terms: mean over masked tokens, or mean over sequences of each one's token mean."""
+    m = mask.to(per_token.dtype)
+    if mode == "token_mean":
+        return (per_token * m).sum() / m.sum().clamp(min=1)
+    if mode == "seq_mean":
+        per_seq = ops.seq_sum(per_token * m, cu_seqlens) / ops.seq_sum(m, cu_seqlens).clamp(min=1)
+        has_tokens = ops.seq_sum(m, cu_seqlens) > 0
+        return per_seq[has_tokens].sum() / has_tokens.sum().clamp(min=1)
+    raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
+
+
+def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood of the tokens where ``loss_mask`` (the answer)."""
+    m = loss_mask.to(logprobs.dtype)
+    return -(logprobs * m).sum() / m.sum().clamp(min=1)
+
+
+def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean ``-log sigmoid(chosen - rejected)``, accuracy = fraction with chosen > rejected) over pairs."""
+    margin = chosen.float() - rejected.float()
+    return -F.logsigmoid(margin).mean(), (margin > 0).float().mean()
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float, loss_type: str = "dpo",
+             label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair DPO (or IPO) loss from sequence log-probs, and the implicit rewards of chosen and rejected.
+
+    With ``h = (pi_c - ref_c) - (pi_r - ref_r)``: DPO is ``-log sigmoid(beta h)`` (label smoothing ``e``
+    mixes in ``-log sigmoid(-beta h)`` with weight ``e``); IPO is ``(h - 1 / (2 beta))^2``.
+    The implicit rewards are ``beta (pi - ref)``.
+    """
+    chosen_ratio = policy_chosen - ref_chosen
+    rejected_ratio = policy_rejected - ref_rejected
+    h = chosen_ratio - rejected_ratio
+    if loss_type == "dpo":
+        loss = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        loss = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"loss_type must be dpo or ipo, got {loss_type!r}")
+    return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+    """Per-token estimate of KL(policy || ref) from samples of the policy (Schulman's k1, k2, k3).
+
+    With ``d = ref - logp``: k1 = ``-d``; k2 = ``d^2 / 2``; k3 = ``exp(d) - d - 1`` (unbiased, always >= 0).
+    """
+    d = ref_logprobs - logprobs
+    if kind == "k1":
+        return -d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        return torch.exp(d) - d - 1
+    raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {kind!r}")
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                cu_seqlens: torch.Tensor, clip_eps: float, agg: str = "token_mean") -> tuple[torch.Tensor, dict]:
+    """PPO clipped surrogate ``max(-A r, -A clip(r, 1-eps, 1+eps))`` with ``r = exp(logp - old_logp)``.
+
+    Returns the aggregated loss and statistics over the masked tokens: ``clip_fraction``,
+    ``approx_kl`` (k3 of old vs new), ``ratio_mean``, ``ratio_max`` and ``ratio_dev`` (mean of
+    ``max(r, 1/r)``, the early-stop signal).
+    """
+    log_ratio = (logprobs - old_logprobs).masked_fill(~mask, 0.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    loss = aggregate(torch.maximum(unclipped, clipped), mask, cu_seqlens, agg)
+    with torch.no_grad():
+        m = mask.float()
+        count = m.sum().clamp(min=1)
+        lr = log_ratio.detach()
+        stats = {
+            "clip_fraction": float(((clipped > unclipped).float() * m).sum() / count),
+            "approx_kl": float(((torch.exp(lr) - lr - 1) * m).sum() / count),
+            "ratio_mean": float((ratio.detach() * m).sum() / count),
+            "ratio_max": float(ratio.detach()[mask].max()) if bool(mask.any()) else 1.0,
+            "ratio_dev": float((torch.exp(lr.abs()) * m).sum() / count),
+        }
+    return loss, stats
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip_eps: float) -> tuple[torch.Tensor, float]:
+    """Clipped value loss ``0.5 max((v - R)^2, (v_old + clip(v - v_old, -eps, eps) - R)^2)``, token mean.
+
+    ``clip_eps <= 0`` turns clipping off. Returns the loss and the fraction of tokens where the clipped term won.
+    """
+    err = (values - returns) ** 2
+    if clip_eps > 0:
+        clipped_values = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
+        err_clipped = (clipped_values - returns) ** 2
+        per_token = torch.maximum(err, err_clipped)
+        frac = float(((err_clipped > err).float() * mask).sum() / mask.sum().clamp(min=1))
+    else:
+        per_token, frac = err, 0.0
+    m = mask.to(values.dtype)
+    return 0.5 * (per_token * m).sum() / m.sum().clamp(min=1), frac

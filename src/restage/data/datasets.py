@@ -1,0 +1,180 @@
+"""JSONL data sets in the common layouts, tokenised and collated into packed ``Batch``es.
+
+Layouts (one JSON object per line; other fields are ignored):
+
+* ``prompt``      ``{"prompt": str}``                              -> key ``prompts``
+* ``sft``         ``{"prompt": str, "answer": str}``               -> keys ``packed_input_ids``, ``prompt_mask``
+* ``preference``  ``{"prompt": str, "chosen": str, "rejected": str}`` -> keys ``packed_pair_ids``, ``prompt_mask``
+  (chosen then rejected, ``group_size`` 2)
+
+A prompt is ``[BOS] + prompt tokens``, cut from the left to ``max_prompt_tokens`` (BOS kept); an
+answer is ``answer tokens + [EOS]``, cut from the right to ``max_answer_tokens``. The last
+``round(n * eval_fraction)`` lines are the held-out split.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from restage.config import ExperimentConfig
+from restage.data.batch import Batch, pack_sequences
+from restage.errors import ConfigError
+
+FIELDS = {"prompt": ("prompt",), "sft": ("prompt", "answer"), "preference": ("prompt", "chosen", "rejected")}
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenised line: the prompt ids and 0 (prompt), 1 (sft) or 2 (chosen, rejected) answers."""
+
+    index: int  # line number - 1
+    prompt: tuple[int, ...]
+    answers: tuple[tuple[int, ...], ...] = ()
+
+
+def read_jsonl(path: str | Path, fields: Sequence[str]) -> list[dict]:
+    """Rows of a JSONL file; every row must be an object with string ``fields``. Blank lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"data file {path} does not exist; set dataset.path (make the shipped one with "
+                          "`python -m restage.data.make`)")
+    rows = []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path}:{number}: expected a JSON object with fields {', '.join(fields)}")
+            for name in fields:
+                if name not in row:
+                    raise ConfigError(f"{path}:{number}: missing field {name!r} (this layout needs {', '.join(fields)})")
+                if not isinstance(row[name], str):
+                    raise ConfigError(f"{path}:{number}: field {name!r} must be a string, got {type(row[name]).__name__}")
+            rows.append(row)
+    if not rows:
+        raise ConfigError(f"data file {path} holds no rows")
+    return rows
+
+
+def encode_prompt(tokenizer, text: str, max_tokens: int) -> tuple[int, ...]:
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    keep = max(0, max_tokens - len(bos))
+    return tuple(bos + (ids[len(ids) - keep:] if keep else []))
+
+
+def encode_answer(tokenizer, text: str, max_tokens: int) -> tuple[int, ...]:
+    ids = list(tokenizer.encode(text, add_special_tokens=False)) + [tokenizer.eos_token_id]
+    return tuple(ids[:max_tokens])
+
+
+def tokenize(rows: Sequence[dict], kind: str, tokenizer, max_prompt_tokens: int, max_answer_tokens: int,
+             first_index: int = 0) -> list[Example]:
+    """Encode rows of one layout; refuses an empty prompt or answer with its line number."""
+    if kind not in FIELDS:
+        raise ConfigError(f"dataset.kind: {kind!r} must be one of {', '.join(FIELDS)}")
+    if max_prompt_tokens < 1 or max_answer_tokens < 1:
+        raise ConfigError("dataset.max_prompt_tokens and dataset.max_answer_tokens must be >= 1")
+    out = []
+    for i, row in enumerate(rows, first_index):
+        prompt = encode_prompt(tokenizer, row["prompt"], max_prompt_tokens)
+        if not prompt:
+            raise ConfigError(f"line {i + 1}: the prompt encodes to no tokens")
+        answers = tuple(encode_answer(tokenizer, row[name], max_answer_tokens) for name in FIELDS[kind][1:])
+        out.append(Example(i, prompt, answers))
+    return out
+
+
+def collate(examples: Sequence[Example], kind: str) -> Batch:
+    """The packed batch of a list of examples, with the keys the algorithms' MFCs read (see module doc)."""
+    ids = [e.index for e in examples]
+    if kind == "prompt":
+        return pack_sequences([e.prompt for e in examples], key="prompts", ids=ids)
+    if kind == "sft":
+        return pack_sequences([e.prompt + e.answers[0] for e in examples], key="packed_input_ids",
+                              prompt_lens=[len(e.prompt) for e in examples], ids=ids)
+    if kind == "preference":
+        seqs = [e.prompt + answer for e in examples for answer in e.answers]
+        return pack_sequences(seqs, group_size=2, key="packed_pair_ids",
+                              prompt_lens=[len(e.prompt) for e in examples for _ in e.answers], ids=ids)
+    raise ConfigError(f"dataset.kind: {kind!r} must be one of {', '.join(FIELDS)}")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    kind: str
+    examples: tuple[Example, ...]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def batch(self, positions: Sequence[int]) -> Batch:
+        """The packed batch of the examples at these positions of this split."""
+        return collate([self.examples[p] for p in positions], self.kind)
+
+
+@dataclass
+class Cursor:
+    """Walks a split in batches, reshuffled every epoch from ``seed``; its state goes into checkpoints."""
+
+    size: int
+    seed: int = 1
+    shuffle: bool = True
+    epoch: int = 0
+    position: int = 0
+
+    def _order(self) -> list[int]:
+        order = list(range(self.size))
+        if self.shuffle:
+            random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        return order
+
+    def next(self, batch_size: int) -> list[int]:
+        """The next ``batch_size`` positions; an epoch's leftover too small for a batch is skipped."""
+        if batch_size > self.size:
+            raise ConfigError(f"run.batch_size {batch_size} exceeds the {self.size} examples of the data set")
+        if self.position + batch_size > self.size:
+            self.epoch, self.position = self.epoch + 1, 0
+        out = self._order()[self.position:self.position + batch_size]
+        self.position += batch_size
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def default_tokenizer_dir(cfg: ExperimentConfig) -> str:
+    if cfg.dataset.tokenizer:
+        return cfg.dataset.tokenizer
+    model = cfg.models.get("actor") or next(iter(cfg.models.values()))
+    return model.path
+
+
+def load_splits(cfg: ExperimentConfig, tokenizer=None) -> tuple[Dataset, Dataset]:
+    """(train, eval) splits of ``cfg.dataset``; eval is empty when ``eval_fraction`` is 0."""
+    from restage.data.tokenizer import load_tokenizer
+
+    ds = cfg.dataset
+    if ds.kind not in FIELDS:
+        raise ConfigError(f"dataset.kind: {ds.kind!r} must be one of {', '.join(FIELDS)}")
+    if not 0.0 <= ds.eval_fraction < 1.0:
+        raise ConfigError(f"dataset.eval_fraction: {ds.eval_fraction} must be in [0, 1)")
+    tokenizer = tokenizer or load_tokenizer(default_tokenizer_dir(cfg))
+    rows = read_jsonl(ds.path, FIELDS[ds.kind])
+    examples = tokenize(rows, ds.kind, tokenizer, ds.max_prompt_tokens, ds.max_answer_tokens)
+    n_eval = round(len(examples) * ds.eval_fraction)
+    if n_eval == len(examples):
+        raise ConfigError(f"dataset.eval_fraction {ds.eval_fraction} leaves no training examples")
+    cut = len(examples) - n_eval
+    return Dataset(ds.kind, tuple(examples[:cut])), Dataset(ds.kind, tuple(examples[cut:]))
