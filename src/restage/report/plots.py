@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from restage.report.log import RunLog  # noqa: E402
-from restage.report.throughput import layout_ranks  # noqa: E402
+from restage.report.throughput import layout_ranks, mfc_order  # noqa: E402
 
 DPI = 100
 KEY_STATS = ("reward", "kl", "loss")  # statistics whose names contain these come first, in this order
@@ -58,7 +58,7 @@ def plot_timeline(log: RunLog, path: Path, step: int | None = None) -> Path:
     ranks = log.world_size
     fig, ax = plt.subplots(figsize=(12, min(16.0, 1.6 + 0.4 * ranks)))
     _margins(fig, left=0.7, right=0.2, top=0.35, bottom=0.95)
-    names = list(dict.fromkeys(log.mfcs["name"].tolist()))
+    names = mfc_order(log)
     colors = mfc_colors(names)
     mfcs = log.mfcs[log.mfcs["step"] == step]
     for name in names:

@@ -77,7 +77,7 @@ def sweep_rows(sweep_dir: str | Path, last_n: int = 20) -> list[dict]:
 def format_sweep(rows: list[dict]) -> str:
     """One line per trial: its config keys, then throughput."""
     keys = list(dict.fromkeys(k for row in rows for k in row["overrides"]))
-    table = [[row["name"], *(str(row["overrides"].get(k, "")) for k in keys), str(row["steps"]),
+    table = [[row["name"], *(str(row["overrides"].get(k, "-")) for k in keys), str(row["steps"]),
               fmt_number(row["samples_per_second"], ".4f"), fmt_number(row["tokens_per_second"], ".2f"),
               fmt_number(row["tflops_per_device"], ".4f"), fmt_number(None if row["mfu"] is None else 100 * row["mfu"], ".3f"),
               row["status"]] for row in rows]

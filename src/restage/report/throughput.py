@@ -143,7 +143,7 @@ def _transfer_ranks(log: RunLog) -> tuple[list[tuple[int, ...]], list[str]]:
 def rank_shares(log: RunLog, wall_seconds: float) -> tuple[dict[int, dict], list[str]]:
     """Per rank: each MFC's share of the wall seconds, reallocation and transfer shares, their total and idle."""
     ranks = sorted(set(range(log.world_size)) | {int(r) for r in log.mfcs["rank"]})
-    mfc_names = list(dict.fromkeys(log.mfcs["name"].tolist()))
+    mfc_names = mfc_order(log)
     shares: dict[int, dict] = {r: {"mfcs": dict.fromkeys(mfc_names, 0.0), "realloc": 0.0, "transfer": 0.0} for r in ranks}
     if wall_seconds <= 0:
         return shares, ["no wall time logged; shares are zero"]
@@ -173,12 +173,21 @@ def _group_rows(table: np.ndarray, *keys: str) -> dict[tuple, np.ndarray]:
     return {key: np.asarray(rows) for key, rows in groups.items()}
 
 
+def mfc_order(log: RunLog) -> list[str]:
+    """MFC names in the order they run: by median start within their step (ties: first logged first)."""
+    step_start = dict(zip(log.steps["step"].tolist(), log.steps["start_seconds"].tolist()))
+    offsets = np.array([start - step_start.get(step, start)
+                        for step, start in zip(log.mfcs["step"].tolist(), log.mfcs["start_seconds"].tolist())])
+    groups = _group_rows(log.mfcs, "name")
+    return sorted((name for (name,) in groups), key=lambda n: float(np.median(offsets[groups[(n,)]])))
+
+
 def mfc_table(log: RunLog, predictions: dict[str, Prediction]) -> list[dict]:
-    """One entry per MFC: model, kind, ranks, measured and predicted seconds, errors, peak memory, tokens and FLOPs."""
+    """One entry per MFC in run order: model, kind, ranks, measured and predicted seconds, errors, peak memory, tokens, FLOPs."""
     entries = []
     by_name = _group_rows(log.mfcs, "name")
-    for (name,), rows in by_name.items():
-        table = log.mfcs[rows]
+    for name in mfc_order(log):
+        table = log.mfcs[by_name[(name,)]]
         spans = [float(table["end_seconds"][idx].max() - table["start_seconds"][idx].min())
                  for idx in _group_rows(table, "step").values()]
         measured = float(np.median(spans))

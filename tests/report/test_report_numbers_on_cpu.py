@@ -1,0 +1,80 @@
+"""The report against numbers worked out by hand on the noise-free synthetic plan (synthetic.py's docstring).
+
+4 ranks: lo = {0, 1}, hi = {2, 3}. A step: realloc 0.05 s on all ranks; actor_gen 1.0 on all;
+seqs transfers 0.02 (lo and hi at once); ref_inf 0.3 on lo | reward_inf 0.25 then critic_inf 0.25
+on hi; rewards transfer 0.02 on all (starts at 1.57); actor_train 0.8 on lo | critic_train 0.7 on
+hi; master 0.01. Step = 0.05 + 1.0 + 0.02 + 0.5 + 0.02 + 0.8 + 0.01 = 2.4 s.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from restage.report.log import read_log
+from restage.report.summary import summarize
+
+STEP = 2.4
+STEPS = 5
+SAMPLES = 8 * 4  # per step
+TOKENS = SAMPLES * 256
+FLOPS = (2 * 4 + 6 * 2) * 7e9 * TOKENS  # four inference passes at 2N, two training passes at 6N per token
+
+
+@pytest.fixture(scope="module")
+def report(exact_log):
+    return summarize(read_log(exact_log), last_n=2)
+
+
+def test_throughput_and_mfu(report):
+    overall = report["throughput"]["all"]
+    assert overall["wall_seconds"] == pytest.approx(STEPS * STEP)
+    assert overall["step_seconds_mean"] == pytest.approx(STEP)
+    assert overall["samples_per_second"] == pytest.approx(SAMPLES / STEP)
+    assert overall["tokens_per_second"] == pytest.approx(TOKENS / STEP)
+    assert overall["tflops_per_device"] == pytest.approx(FLOPS / STEP / 4 / 1e12)
+    assert overall["mfu"] == pytest.approx(FLOPS / STEP / 4 / 312e12)
+    assert report["throughput"]["last"]["steps"] == 2
+    assert report["throughput"]["last"]["first_step"] == 3
+
+
+def test_shares_per_rank(report):
+    lo, hi = report["shares"]["0"], report["shares"]["3"]
+    assert lo["mfcs"] == pytest.approx({"actor_gen": 1.0 / STEP, "ref_inf": 0.3 / STEP, "reward_inf": 0.0,
+                                        "critic_inf": 0.0, "actor_train": 0.8 / STEP, "critic_train": 0.0})
+    assert hi["mfcs"] == pytest.approx({"actor_gen": 1.0 / STEP, "ref_inf": 0.0, "reward_inf": 0.25 / STEP,
+                                        "critic_inf": 0.25 / STEP, "actor_train": 0.0, "critic_train": 0.7 / STEP})
+    for share in (lo, hi):
+        assert share["realloc"] == pytest.approx(0.05 / STEP)
+        assert share["transfer"] == pytest.approx(0.04 / STEP)
+    assert lo["idle"] == pytest.approx(1 - 2.19 / STEP)
+    assert hi["idle"] == pytest.approx(1 - 2.29 / STEP)
+
+
+def test_movements(report):
+    realloc, transfer = report["movements"]["realloc"], report["movements"]["transfer"]
+    assert realloc["share"] == pytest.approx(0.05 / STEP)
+    assert realloc["bytes_per_step"] == pytest.approx(2 * 7e9)
+    # seqs to lo and to hi run at the same time: 0.02 s in flight, then rewards 0.02 s
+    assert transfer["share"] == pytest.approx(0.04 / STEP)
+    assert transfer["seconds_per_step"] == pytest.approx(0.04)
+
+
+def test_predicted_against_measured(report):
+    mfcs = {m["name"]: m for m in report["mfcs"]}
+    assert list(mfcs) == ["actor_gen", "ref_inf", "reward_inf", "critic_inf", "actor_train", "critic_train"]
+    assert mfcs["actor_gen"]["measured_seconds"] == pytest.approx(1.0)
+    assert mfcs["actor_gen"]["predicted_seconds"] == pytest.approx(0.9)
+    assert mfcs["actor_gen"]["error_percent"] == pytest.approx(-10.0)
+    assert mfcs["critic_inf"]["error_percent"] == pytest.approx(20.0)
+    assert mfcs["reward_inf"]["error_percent"] == pytest.approx(0.0, abs=1e-9)
+    assert mfcs["actor_train"]["peak_memory_bytes"] == 60_000_000_000
+    assert mfcs["actor_train"]["memory_error_percent"] == pytest.approx(-10.0)
+    assert mfcs["actor_gen"]["ranks"] == [0, 1, 2, 3] and mfcs["ref_inf"]["ranks"] == [0, 1]
+    assert mfcs["critic_train"]["flops_per_step"] == pytest.approx(6 * 7e9 * TOKENS)
+
+
+def test_statistics(report):
+    assert report["stats"]["reward"]["count"] == STEPS
+    assert report["stats"]["reward"]["first_step"] == 0 and report["stats"]["reward"]["last"] == pytest.approx(1.0)
+    assert report["stats"]["kl"]["count"] == STEPS - 2 and report["stats"]["kl"]["first_step"] == 2
+    assert report["warnings"] == []

@@ -1,0 +1,71 @@
+"""PNG plots: written for every log source, of the documented pixel size, and showing what they claim."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from restage.report.log import read_log
+from restage.report.plots import mfc_colors, plot_sweep, write_plots
+from restage.report.summary import summarize
+from restage.report.throughput import mfc_order
+
+
+def pixels(path) -> np.ndarray:
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+def rows_of(image: np.ndarray, rgba, below: int) -> np.ndarray:
+    """Pixel rows (above ``below``) holding the colour ``rgba``."""
+    target = np.array([round(255 * c) for c in rgba[:3]])
+    ys = np.nonzero(np.abs(image.astype(int) - target).sum(axis=2) <= 3)[0]
+    return ys[ys < below]
+
+
+def has_color(image: np.ndarray, rgba, at_least: int = 50) -> bool:
+    target = np.array([round(255 * c) for c in rgba[:3]])
+    return int((np.abs(image.astype(int) - target).sum(axis=2) <= 3).sum()) >= at_least
+
+
+def test_plots_exist_with_documented_sizes(any_log, tmp_path):
+    log = read_log(any_log)
+    summary = summarize(log)
+    written = {p.name: p for p in write_plots(log, summary, tmp_path)}
+    predicted = any(m["predicted_seconds"] for m in summary["mfcs"])
+    assert set(written) == {"timeline.png", "throughput.png"} | ({"predicted.png"} if predicted else set())
+    stat_panels = min(5, len(log.stat_series()))
+    assert Image.open(written["timeline.png"]).size == (1200, round(100 * min(16.0, 1.6 + 0.4 * log.world_size)))
+    assert Image.open(written["throughput.png"]).size == (1200, 300 * math.ceil((2 + stat_panels) / 2))
+    if predicted:
+        assert Image.open(written["predicted.png"]).size == (1200, 500)
+
+
+def test_timeline_draws_every_mfc_in_its_colour(synthetic_log, tmp_path):
+    log = read_log(synthetic_log)
+    image = pixels(write_plots(log, summarize(log), tmp_path)[0])
+    colors = mfc_colors(mfc_order(log))
+    assert set(colors) == {"actor_gen", "ref_inf", "reward_inf", "critic_inf", "actor_train", "critic_train"}
+    for name, rgba in colors.items():
+        assert has_color(image, rgba), name
+    # ref_inf runs on ranks 0-3 (upper rows), reward_inf on ranks 4-7 (lower rows); the legend sits below both
+    legend_top = image.shape[0] - 60
+    ref_rows, reward_rows = (rows_of(image, colors[name], legend_top) for name in ("ref_inf", "reward_inf"))
+    assert ref_rows.max() < reward_rows.min()
+
+
+def test_sweep_plot_size(tmp_path):
+    rows = [{"name": "a", "samples_per_second": 3.0}, {"name": "b", "samples_per_second": None, "status": "no log"}]
+    path = plot_sweep(rows, tmp_path / "sweep.png")
+    assert Image.open(path).size == (1000, 500)
+    assert has_color(pixels(path), (0.12156862745098039, 0.4666666666666667, 0.7058823529411765))  # the one bar: tab:blue
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_short_logs_plot(tmp_path, steps):
+    from restage.report.synthetic import write_synthetic_log
+
+    log = read_log(write_synthetic_log(tmp_path / "log.h5", steps=steps, world_size=2))
+    assert len(write_plots(log, summarize(log), tmp_path / "png")) == 3
