@@ -100,7 +100,7 @@ class ModelConfig:
                     family=family, model_type="gpt2", vocab_size=hf["vocab_size"], hidden_size=hidden,
                     intermediate_size=hf.get("n_inner") or 4 * hidden, num_layers=hf["n_layer"],
                     num_heads=hf["n_head"], num_kv_heads=hf["n_head"], max_positions=hf["n_positions"],
-                    norm_eps=hf.get("layer_norm_epsilon", 1e-5), tied_embeddings=not is_critic,
+                    norm_eps=hf.get("layer_norm_epsilon", 1e-5), tied_embeddings=bool(hf.get("tie_word_embeddings", True)) and not is_critic,
                     qkv_bias=True, o_bias=True, is_critic=is_critic, bos_token_id=hf.get("bos_token_id"),
                     eos_token_id=_first(hf.get("eos_token_id")), pad_token_id=hf.get("pad_token_id"),
                     activation=activation,

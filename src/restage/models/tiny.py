@@ -20,6 +20,14 @@ BENCH_SIZES = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, i
                    vocab_size=16384, max_positions=1024)
 
 
+def _quiet_transformers():
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
 def tiny_hf_config(family: str = "llama", tied: bool = False, critic: bool = False, sliding_window: int | None = None,
                    **sizes):
     """A transformers config of ``family`` with the given sizes (defaults: TINY_SIZES)."""
@@ -52,8 +60,7 @@ def build_tiny(path: str | Path, family: str = "llama", tied: bool = False, crit
                sliding_window: int | None = None, weight_format: str = "safetensors", max_shard_size: str | int | None = None,
                dtype: torch.dtype = torch.float32, **sizes) -> Path:
     """Write a random HF model directory; ``weight_format`` is ``safetensors`` or ``bin`` (``pytorch_model.bin``)."""
-    import transformers
-
+    transformers = _quiet_transformers()
     config = tiny_hf_config(family, tied=tied, critic=critic, sliding_window=sliding_window, **sizes)
     torch.manual_seed(seed)
     cls = transformers.AutoModelForSequenceClassification if critic else transformers.AutoModelForCausalLM
@@ -80,8 +87,7 @@ def build_tiny(path: str | Path, family: str = "llama", tied: bool = False, crit
 
 def load_hf(path: str | Path, dtype: torch.dtype = torch.float32):
     """The transformers model stored at ``path`` (eval mode, eager-free SDPA attention)."""
-    import transformers
-
+    transformers = _quiet_transformers()
     config = transformers.AutoConfig.from_pretrained(path)
     critic = (config.architectures or [""])[0].endswith("ForSequenceClassification")
     cls = transformers.AutoModelForSequenceClassification if critic else transformers.AutoModelForCausalLM

@@ -1,0 +1,52 @@
+"""The tiny models and inputs the model tests share, and transformers' reference outputs."""
+
+from __future__ import annotations
+
+import torch
+
+
+# name -> build_tiny keyword arguments. Between them they cover every family, tied and untied
+# heads, Mistral's sliding window, sharded safetensors, pytorch_model.bin and critic heads.
+MODELS = {
+    "llama": dict(family="llama"),
+    "llama_tied": dict(family="llama", tied=True, max_shard_size="100KB"),
+    "mistral": dict(family="mistral", sliding_window=8, weight_format="bin"),
+    "qwen2": dict(family="qwen2"),
+    "qwen2_tied": dict(family="qwen2", tied=True),
+    "gpt2": dict(family="gpt2", tied=True),
+    "llama_critic": dict(family="llama", critic=True),
+    "gpt2_critic": dict(family="gpt2", critic=True),
+}
+CAUSAL = [name for name in MODELS if "critic" not in name]
+CRITICS = [name for name in MODELS if "critic" in name]
+
+
+def sample_sequences(lengths: list[int], seed: int = 0, vocab: int = 257) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+# Two micro-batches of unequal sequences (lengths past Mistral's window of 8).
+MICRO_BATCHES = [sample_sequences([7, 20], seed=1), sample_sequences([13, 9, 3], seed=2)]
+PROMPTS = sample_sequences([5, 11, 8, 11], seed=3)
+
+
+def hf_outputs(path: str, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' logits ``[L, V]`` per sequence (causal LM) or its scalar score (critic)."""
+    from restage.models.tiny import load_hf
+
+    model = load_hf(path)
+    with torch.no_grad():
+        return [model(torch.tensor([s])).logits[0] for s in seqs]
+
+
+def hf_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    from restage.models.tiny import load_hf
+
+    model = load_hf(path)
+    out = []
+    for p in prompts:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        out.append(ids[0, len(p):].tolist())
+    return out
