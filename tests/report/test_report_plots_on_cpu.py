@@ -37,7 +37,7 @@ def test_plots_exist_with_documented_sizes(any_log, tmp_path):
     predicted = any(m["predicted_seconds"] for m in summary["mfcs"])
     assert set(written) == {"timeline.png", "throughput.png"} | ({"predicted.png"} if predicted else set())
     stat_panels = min(5, len(log.stat_series()))
-    assert Image.open(written["timeline.png"]).size == (1200, round(100 * min(16.0, 1.6 + 0.4 * log.world_size)))
+    assert Image.open(written["timeline.png"]).size == (1200, round(100 * min(16.0, 2.4 + 0.4 * log.world_size)))
     assert Image.open(written["throughput.png"]).size == (1200, 300 * math.ceil((2 + stat_panels) / 2))
     if predicted:
         assert Image.open(written["predicted.png"]).size == (1200, 500)
