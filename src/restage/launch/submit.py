@@ -1,0 +1,99 @@
+"""``restage submit CONFIG [--dry-run] [--resume] [key=value ...]``: one trial as one SLURM job.
+
+submitit writes the sbatch script (see ``restage.launch.slurm``) into ``<trial>/slurm/`` and
+submits it; the job runs ``restage.launch.job.TrialJob``. ``--dry-run`` prints the script it
+would submit and submits nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from restage.config import load_config
+from restage.errors import LaunchError
+from restage.launch import slurm
+from restage.launch.geometry import JobGeometry, job_geometry
+from restage.launch.job import RUNTIME_MODULE, launch_command, program_module, rank_environment, rank_program
+from restage.launch.trial import TrialPaths, write_json_atomic
+
+
+@dataclass(frozen=True)
+class PreparedJob:
+    """Everything needed to submit one trial (or to print its script)."""
+
+    config_dict: dict  # resolved, with an absolute run.results_dir
+    paths: TrialPaths
+    geometry: JobGeometry
+    params: dict
+
+
+def resolved_dict(cfg) -> dict:
+    """The config as the job will see it: results_dir made absolute (the job may start elsewhere)."""
+    data = cfg.to_dict()
+    data["run"]["results_dir"] = str(Path(cfg.run.results_dir).resolve())
+    return data
+
+
+def launch_preview(cfg, geometry: JobGeometry) -> str:
+    """The rank launch line the driver will run, with the allocation's hosts and the trial as placeholders
+    (the trials of a sweep share one script)."""
+    hosts = [f"<host{i}>" for i in range(geometry.nodes)] if cfg.slurm.launcher == "mpirun" else None
+    module = os.environ.get("RESTAGE_PROGRAM") or cfg.slurm.program or RUNTIME_MODULE
+    paths = TrialPaths(Path("<trial_dir>"))
+    names = rank_environment(paths, geometry, module, False, "<host0>", 0)
+    command = launch_command(cfg.slurm.launcher, geometry, hosts, rank_program(module, paths.schedule), sorted(names))
+    return shlex.join(command)
+
+
+def prepare(cfg) -> PreparedJob:
+    """Check the config, render the preamble, compute submitit's parameters (no SLURM call)."""
+    geometry = job_geometry(cfg)
+    data = resolved_dict(cfg)
+    paths = TrialPaths(Path(data["run"]["results_dir"]) / cfg.experiment / cfg.trial)
+    setup = slurm.preamble(cfg, geometry).rstrip("\n").splitlines() + [""]
+    setup += slurm.restage_block(geometry, cfg.slurm.launcher, launch_preview(cfg, geometry))
+    return PreparedJob(data, paths, geometry, slurm.executor_parameters(cfg, geometry, setup))
+
+
+def check_fresh(paths: TrialPaths, resume: bool) -> None:
+    if resume:
+        return
+    if paths.checkpoints.is_dir() and any(paths.checkpoints.iterdir()):
+        raise LaunchError(f"{paths.root} already has checkpoints; pass --resume to continue that trial "
+                          f"or choose another run.trial")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="experiment YAML")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. cluster.nodes=2")
+    parser.add_argument("--dry-run", action="store_true", help="print the sbatch script and submit nothing")
+    parser.add_argument("--resume", action="store_true", help="continue a trial that already has checkpoints")
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    job = prepare(cfg)
+    folder = job.paths.slurm_folder
+    if args.dry_run:
+        print(slurm.sbatch_script(job.params, folder), end="")
+        return 0
+    program_module(cfg)  # refuse now, not in the queue, when the program cannot be imported
+    check_fresh(job.paths, args.resume)
+    job.paths.root.mkdir(parents=True, exist_ok=True)
+    from restage.launch.job import TrialJob
+
+    executor = slurm.make_executor(folder, job.params, cfg.slurm.max_requeues)
+    with slurm.quiet_submission():
+        submitted = executor.submit(TrialJob(), job.config_dict, str(job.paths.root), args.resume)
+    write_json_atomic(job.paths.submission, {
+        "job_id": submitted.job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "slurm_folder": str(folder),
+        "script": str(submitted.paths.submission_file), "stdout": str(submitted.paths.stdout),
+        "world_size": job.geometry.world_size, "program": program_module(cfg)})
+    geometry = job.geometry
+    print(f"submitted job {submitted.job_id}: {geometry.nodes} node(s) x {geometry.ranks_per_node} ranks -> {job.paths.root}")
+    return 0

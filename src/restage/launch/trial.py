@@ -1,0 +1,97 @@
+"""The files of one trial: ``results/<experiment>/<trial>/``.
+
+::
+
+    config.yaml        the resolved config (absolute results_dir), written by the job before ranks start
+    schedule.json      the execution plan for this trial's cluster (restage plan, run inside the job)
+    submission.json    what `restage submit` / `restage sweep` submitted: job id, script, submitit folder
+    job.json           one row per attempt of the job (requeues add rows): ids, hosts, launch line, outcome
+    output.log         every rank's stdout and stderr, appended across attempts
+    log.h5             the runtime's metrics log (written by the master rank, flushed every step)
+    checkpoints/       step-N/ whole checkpoints (restage.runtime.checkpoint_dir)
+    failures/          rank<N>.txt of a rank that raised (restage.runtime.failure)
+    PREEMPT            present while the job asks the ranks to checkpoint and stop
+    slurm/             submitit's folder for a single `restage submit`: sbatch script, SLURM stdout/err
+                       (a sweep keeps one submitit folder for the whole array under the sweep directory)
+
+The self-test program adds ``selftest.json`` (final result) and ``selftest.jsonl`` (one row per step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TrialPaths:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def schedule(self) -> Path:
+        return self.root / "schedule.json"
+
+    @property
+    def submission(self) -> Path:
+        return self.root / "submission.json"
+
+    @property
+    def job_record(self) -> Path:
+        return self.root / "job.json"
+
+    @property
+    def output_log(self) -> Path:
+        return self.root / "output.log"
+
+    @property
+    def log_h5(self) -> Path:
+        return self.root / "log.h5"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def preempt_file(self) -> Path:
+        return self.root / "PREEMPT"
+
+    @property
+    def slurm_folder(self) -> Path:
+        return self.root / "slurm"
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """Write JSON so that a reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path, default=None):
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return default
+
+
+def record_attempt(paths: TrialPaths, **fields) -> int:
+    """Append one attempt row to job.json; returns its index (0 for the first start)."""
+    record = read_json(paths.job_record, {"attempts": []})
+    record["attempts"].append({"started": time.strftime("%Y-%m-%dT%H:%M:%S"), **fields})
+    write_json_atomic(paths.job_record, record)
+    return len(record["attempts"]) - 1
+
+
+def update_attempt(paths: TrialPaths, **fields) -> None:
+    """Set fields (outcome, end time) on the newest attempt row."""
+    record = read_json(paths.job_record, {"attempts": [{}]})
+    record["attempts"][-1].update(fields)
+    write_json_atomic(paths.job_record, record)
