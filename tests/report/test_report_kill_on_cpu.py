@@ -58,6 +58,8 @@ def test_sigkill_mid_step(tmp_path):
     proc = start_writer(tmp_path / "log.h5", pause=0.02)
     for expected in range(4):
         assert proc.stdout.readline().split() == ["step", str(expected)]
+    live = read_log(tmp_path / "log.h5")  # read while the writer still holds the file
+    assert not live.closed and live.last_complete_step >= 3
     time.sleep(0.03)  # inside step 4: some of its MFC rows are recorded, none written
     proc.send_signal(signal.SIGKILL)
     proc.wait()

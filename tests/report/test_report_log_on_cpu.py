@@ -115,3 +115,30 @@ def test_rows_of_the_step_in_flight_are_dropped(tmp_path):
     log = read_log(tmp_path)
     assert log.dropped_rows == 2 and log.mfcs["step"].max() == 1
     assert "2 rows of the step in flight dropped" in summarize(log)["status"]
+
+
+def test_a_live_log_reads_while_the_writer_holds_it(tmp_path):
+    writer = LogWriter(tmp_path, world_size=2)
+    write_steps(writer, range(2))
+    writer.stats(2, {"loss": 0.1})  # step 2 in flight: recorded, not written
+    log = read_log(tmp_path)
+    assert not log.closed and log.last_complete_step == 1 and len(log.stats) == 2
+    write_steps(writer, range(2, 3))
+    assert read_log(tmp_path).last_complete_step == 2
+    writer.close()
+    assert read_log(tmp_path).closed
+
+
+def test_a_log_with_step_rows_only_is_reported(tmp_path):
+    from restage.report.plots import write_plots
+
+    with LogWriter(tmp_path, world_size=1) as writer:
+        for step in range(3):
+            writer.end_step(step, 10.0 * step, 10.0 * step + 2.0, samples=8, tokens=80)
+    log = read_log(tmp_path)
+    summary = summarize(log)
+    assert summary["throughput"]["all"]["tokens_per_second"] == pytest.approx(240 / 6.0)
+    assert summary["mfcs"] == [] and summary["shares"]["0"]["idle"] == pytest.approx(1.0)
+    assert "no per-MFC predictions" in summary["warnings"][0] and "MFU skipped" in summary["warnings"][1]
+    assert [p.name for p in write_plots(log, summary, tmp_path / "png")] == ["timeline.png", "throughput.png"]
+    assert "reported up to" not in format_text(summary)

@@ -17,6 +17,8 @@ appends every table, flushes, then sets ``last_complete_step`` and flushes again
 between two ``end_step`` calls therefore finds the file exactly as last flushed; a kill inside
 the flush window can leave rows of the step in flight, which the reader drops because their
 step is past ``last_complete_step``. ``closed`` is set only by a clean ``close()``.
+HDF5 file locking is off on both sides, so a live log can be read (by ``restage report``, or by
+the master itself) while it is written; one writer per log is the runtime's rule.
 
 Times are seconds on a clock the ranks share (``time.time()``); the report only ever uses
 differences, within a rank for durations and against the step's start for the timeline.
@@ -100,7 +102,7 @@ class LogWriter:
             self.path = self.path / LOG_NAME
         self._pending: dict[str, list[tuple]] = {name: [] for name in TABLES}
         if resume_step is not None and self.path.exists():
-            self._file = h5py.File(self.path, "a")
+            self._file = h5py.File(self.path, "a", locking=False)
             _check_version(self._file, self.path)
             self._truncate_after(resume_step)
             resumed = json.loads(self._file.attrs.get("resumed_at_steps", "[]")) + [int(resume_step)]
@@ -109,7 +111,7 @@ class LogWriter:
             if self.path.exists() and not overwrite and resume_step is None:
                 raise LogError(f"{self.path} already exists; resume the run or give it a new results directory")
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = h5py.File(self.path, "w")
+            self._file = h5py.File(self.path, "w", locking=False)
             for name, dtype_ in TABLES.items():
                 self._file.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype_, chunks=(_CHUNK_ROWS,))
             self._file.attrs["format_version"] = FORMAT_VERSION
