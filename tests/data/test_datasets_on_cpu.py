@@ -38,7 +38,9 @@ def test_make_reproduces_the_shipped_files(tmp_path):
 
 def test_task_reward_by_hand_and_preferences_prefer_chosen():
     assert tasks.score("sort 3 1 2 :", "1 2 3") == 1.0
-    assert tasks.score("sort 3 1 2 :", "1 3 2") == pytest.approx(1 / 3)
+    # right digit 1; a digit 1 away: 0.5 * (1 - 1/9); a non-digit 0
+    assert tasks.score("sort 3 1 2 :", "1 3 2") == pytest.approx((1 + 2 * 0.5 * 8 / 9) / 3)
+    assert tasks.score("sort 3 1 2 :", "1 : 9") == pytest.approx((1 + 0 + 0.5 * 3 / 9) / 3)
     assert tasks.score("sort 3 1 2 :", "1 2 3 3 3 3") == pytest.approx(3 / 6)
     assert tasks.score("sort 3 1 2 :", "") == 0.0
     assert tasks.reward(["sort 5 4 :"], ["4 5"]) == [1.0]
@@ -73,6 +75,10 @@ def test_prompt_and_sft_layouts(tokenizer):
     assert batch["packed_input_ids"].tolist() == [1, *[tasks.VOCAB.index(w) for w in "sort 2 1 : 1 2".split()], 2]
     assert batch["prompt_mask"].tolist() == [True] * 5 + [False] * 3
     assert datasets.collate([ex], "prompt")["prompts"].tolist() == [1, 14, 6, 5, 15]
+    for limit in range(1, 8):  # every prompt length around the limit: BOS + the last limit - 1 tokens
+        [ex] = datasets.tokenize(rows, "sft", tokenizer, limit, 2)
+        assert ex.prompt == (1, 14, 6, 5, 15)[:1] + (14, 6, 5, 15)[max(0, 4 - (limit - 1)):]
+        assert ex.answers[0] == (5, 6)  # "1 2" + EOS, cut to 2 tokens
 
 
 def test_cursor_walks_epochs_and_restores():

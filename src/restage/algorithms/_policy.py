@@ -58,19 +58,19 @@ def actor_loss(micro_batch: Batch, outputs: dict, params: PolicyParams,
     new_logprobs = outputs["logprobs"].float()
     value, stats = losses.policy_loss(new_logprobs, micro_batch["logprobs"].float(), micro_batch["advantages"], mask, cu,
                                       params.clip_eps, params.loss_agg)
-    stats["policy_loss"] = float(value)
+    stats["policy_loss"] = float(value.detach())
     if params.entropy_coef > 0:
         entropy = losses.aggregate(outputs["entropy"].float(), mask, cu, params.loss_agg)
         value = value - params.entropy_coef * entropy
-        stats["entropy"] = float(entropy)
+        stats["entropy"] = float(entropy.detach())
     if kl_per_token is not None:
         kl = losses.aggregate(kl_per_token, mask, cu, params.loss_agg)
         value = value + kl_coef * kl
-        stats["kl"] = float(kl)
+        stats["kl"] = float(kl.detach())
     stop = (params.early_stop_ratio > 0 and stats["ratio_dev"] > params.early_stop_ratio) or (
         params.early_stop_kl > 0 and stats["approx_kl"] > params.early_stop_kl)
     stats["early_stop"] = float(stop)
     if stop:
         value = value * 0.0  # keeps the graph (every rank still runs backward) but moves nothing
-    stats["loss"] = float(value)
+    stats["loss"] = float(value.detach())
     return value, stats

@@ -150,5 +150,5 @@ def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig
         predicted = ops.shift_right(outputs["values"].float(), micro_batch.cu_seqlens)
         value, clip_fraction = losses.value_loss(predicted, micro_batch["old_values"], micro_batch["returns"], mask,
                                                  p.value_clip_eps)
-        return value, {"loss": float(value), "value_clip_fraction": clip_fraction}
+        return value, {"loss": float(value.detach()), "value_clip_fraction": clip_fraction}
     raise ValueError(f"ppo has no train MFC {mfc_name!r}")

@@ -85,4 +85,4 @@ def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig
         raise ValueError(f"raft has no train MFC {mfc_name!r}")
     mask = base.answer_mask(micro_batch)
     value = losses.sft_loss(outputs["logprobs"], mask)
-    return value, {"loss": float(value), "answer_tokens": float(mask.sum())}
+    return value, {"loss": float(value.detach()), "answer_tokens": float(mask.sum())}

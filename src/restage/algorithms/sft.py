@@ -53,4 +53,4 @@ def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig
          state: base.AlgoState) -> tuple[torch.Tensor, dict]:
     mask = base.answer_mask(micro_batch)
     value = losses.sft_loss(outputs["logprobs"], mask)
-    return value, {"loss": float(value), "answer_tokens": float(mask.sum())}
+    return value, {"loss": float(value.detach()), "answer_tokens": float(mask.sum())}

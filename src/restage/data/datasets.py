@@ -68,7 +68,7 @@ def encode_prompt(tokenizer, text: str, max_tokens: int) -> tuple[int, ...]:
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     keep = max(0, max_tokens - len(bos))
-    return tuple(bos + (ids[len(ids) - keep:] if keep else []))
+    return tuple(bos + (ids[max(0, len(ids) - keep):] if keep else []))
 
 
 def encode_answer(tokenizer, text: str, max_tokens: int) -> tuple[int, ...]:

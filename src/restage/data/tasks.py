@@ -1,9 +1,10 @@
 """The synthetic task shipped with restage: sort a short string of digits.
 
-Prompt ``sort 3 1 4 1 5 :``, answer ``1 1 3 4 5`` (then end of sequence). The reward is dense:
-the fraction of answer positions that hold the right digit, over the longer of the target and the
-answer, so a policy earns partial credit long before it sorts correctly (a policy that only learns
-which digits are likely at each position already scores about 0.3; a random one about 0.05).
+Prompt ``sort 3 1 4 1 5 :``, answer ``1 1 3 4 5`` (then end of sequence). The reward is dense so
+that a tiny policy improves within tens of RL steps: each answer position earns 1 for the right
+digit and ``0.5 * (1 - |a - t| / 9)`` for a wrong digit (``a``) near the right one (``t``), 0 for
+a non-digit; the sum is divided by the longer of the target and the answer. Only the exact sorted
+answer scores 1.0; answers that are too long, too short or out of order lose credit.
 """
 
 from __future__ import annotations
@@ -35,13 +36,22 @@ def target(prompt: str) -> list[str]:
     return sorted(w for w in body if w in DIGITS)
 
 
+def position_credit(want: str, got: str) -> float:
+    """1 for the right digit, 0.5 * (1 - distance / 9) for another digit, 0 for anything else."""
+    if got == want:
+        return 1.0
+    if got in DIGITS and want in DIGITS:
+        return 0.5 * (1.0 - abs(int(got) - int(want)) / 9.0)
+    return 0.0
+
+
 def score(prompt: str, answer: str) -> float:
-    """Matching positions / max(len(target), len(answer)): 1.0 only for the exact sorted answer."""
+    """Sum of position credits / max(len(target), len(answer)): 1.0 only for the exact sorted answer."""
     want, got = target(prompt), answer.split()
     longest = max(len(want), len(got))
     if longest == 0:
         return 0.0
-    return sum(w == g for w, g in zip(want, got)) / longest
+    return sum(position_credit(w, g) for w, g in zip(want, got)) / longest
 
 
 def reward(prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
