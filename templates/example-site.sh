@@ -1,5 +1,5 @@
 # Example preamble for a GPU site; copy it to templates/<your-site>.sh and set slurm.template=<your-site>.
-# Every {{ placeholder }} must have a value: the job's own ones (experiment, nodes, ranks_per_node,
+# Every double-brace placeholder must have a value: the job's own ones (experiment, nodes, ranks_per_node,
 # gpus_per_node, world_size, partition, account, python, venv, repo) or slurm.template_vars.NAME.
 #
 #   slurm.template_vars: {cuda_module: cuda/12.4, nccl_module: nccl/2.21, container_image: /images/restage.sqsh,

@@ -41,7 +41,12 @@ def rank_env(env=os.environ) -> RankEnv:
     world = _int(env, "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "WORLD_SIZE", default=1)
     local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK", default=0)
     per_node = _int(env, "RESTAGE_RANKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", default=world)
-    node = _int(env, "OMPI_COMM_WORLD_NODE_RANK", "SLURM_NODEID", "NODE_RANK", default=rank // max(per_node, 1))
+    # Under mpirun the batch step's SLURM_NODEID (0) is inherited, and OMPI_COMM_WORLD_NODE_RANK is not a
+    # node index; mpirun places ranks in blocks, so the node follows from the rank.
+    if "OMPI_COMM_WORLD_RANK" in env:
+        node = rank // max(per_node, 1)
+    else:
+        node = _int(env, "SLURM_NODEID", "NODE_RANK", default=rank // max(per_node, 1))
     return RankEnv(rank, world, local, per_node, node)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +46,7 @@ def launch_preview(cfg, geometry: JobGeometry) -> str:
     paths = TrialPaths(Path("<trial_dir>"))
     names = rank_environment(paths, geometry, module, False, "<host0>", 0)
     command = launch_command(cfg.slurm.launcher, geometry, hosts, rank_program(module, paths.schedule), sorted(names))
-    return shlex.join(command)
+    return " ".join(command)  # a comment in the script: placeholders stay readable
 
 
 def prepare(cfg) -> PreparedJob:
@@ -73,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. cluster.nodes=2")
     parser.add_argument("--dry-run", action="store_true", help="print the sbatch script and submit nothing")
     parser.add_argument("--resume", action="store_true", help="continue a trial that already has checkpoints")
+    allow_options_between_overrides(parser)
+
+
+def allow_options_between_overrides(parser: argparse.ArgumentParser) -> None:
+    """``restage submit job.yaml --dry-run a=1`` must work: plain parse_args stops taking overrides after
+    an option, parse_intermixed_args does not (cli.py calls parser.parse_args)."""
+    parser.parse_args = parser.parse_intermixed_args  # type: ignore[method-assign]
 
 
 def main(args: argparse.Namespace) -> int:

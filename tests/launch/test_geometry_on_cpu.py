@@ -1,0 +1,53 @@
+import pytest
+
+from restage.config import load_config
+from restage.errors import ConfigError, LaunchError
+from restage.launch.geometry import JobGeometry, job_geometry, placement, placements, visible_device
+
+
+def test_block_placement_16_nodes_8_gpus():
+    geometry = JobGeometry(nodes=16, ranks_per_node=8, gpus_per_node=8)
+    assert geometry.world_size == 128
+    table = placements(geometry)
+    assert [(p.node, p.local_rank, p.device) for p in table[:9]] == [(0, i, i) for i in range(8)] + [(1, 0, 0)]
+    last = placement(127, geometry)
+    assert (last.node, last.local_rank, last.device) == (15, 7, 7)
+    # every (node, device) pair is used exactly once
+    assert len({(p.node, p.device) for p in table}) == 128
+    with pytest.raises(ValueError):
+        placement(128, geometry)
+
+
+def test_cpu_ranks_have_no_device():
+    table = placements(JobGeometry(nodes=2, ranks_per_node=3, gpus_per_node=0))
+    assert [(p.node, p.local_rank, p.device) for p in table] == [(0, 0, None), (0, 1, None), (0, 2, None),
+                                                                (1, 0, None), (1, 1, None), (1, 2, None)]
+
+
+def test_one_rank_per_gpu_is_enforced():
+    with pytest.raises(ConfigError, match="one rank per GPU"):
+        JobGeometry(nodes=1, ranks_per_node=4, gpus_per_node=8)
+
+
+def test_geometry_from_config_and_cluster_file(write_config):
+    gpu = load_config(write_config(), ["cluster.name=h100-80gb", "cluster.nodes=16", "cluster.devices_per_node=0"])
+    assert job_geometry(gpu) == JobGeometry(16, 8, 8)
+    cpu = load_config(write_config(), ["cluster.devices_per_node=0"])  # local-cpu.yaml: 2 CPU "devices"
+    assert job_geometry(cpu) == JobGeometry(1, 2, 0)
+    with pytest.raises(ConfigError, match=r"run.nprocs=5 but the cluster gives 1 node\(s\) x 3 devices = 3 ranks"):
+        job_geometry(load_config(write_config(), ["run.nprocs=5"]))
+
+
+@pytest.mark.parametrize("local_rank,gpus,visible,expected", [
+    (3, 8, None, "3"),            # nothing inherited: node-local index
+    (1, 4, "4,5,6,7", "5"),       # SLURM gave this job GPUs 4-7 of the node
+    (2, 4, "6", "6"),             # srun already bound the task to one GPU
+    (0, 0, "0,1", None),          # CPU ranks: leave the variable alone
+])
+def test_visible_device(local_rank, gpus, visible, expected):
+    assert visible_device(local_rank, gpus, visible) == expected
+
+
+def test_visible_device_too_few():
+    with pytest.raises(LaunchError, match="local rank 2 has no GPU"):
+        visible_device(2, 2, "0,1")

@@ -1,0 +1,98 @@
+"""The sbatch script of a 16-node, 8-GPU-per-node job, read as text; templates; one-line errors."""
+
+import re
+
+import pytest
+
+from restage import cli
+from restage.config import load_config
+from restage.errors import ConfigError
+from restage.launch.slurm import render_template, sbatch_error
+
+SITE_VARS = ["slurm.template=example-site", "slurm.template_vars.cuda_module=cuda/12.4",
+             "slurm.template_vars.nccl_module=nccl/2.21", "slurm.template_vars.container_image=/img/restage.sqsh",
+             "slurm.template_vars.ib_interface=ib0"]
+BIG = ["cluster.name=h100-80gb", "cluster.nodes=16", "cluster.devices_per_node=0", "slurm.program=",
+       "slurm.partition=gpu", "slurm.account=proj1", "slurm.qos=high", "slurm.time_minutes=120", "slurm.mem_gb=512",
+       "slurm.exclusive=true", "slurm.constraint=h100", "slurm.cpus_per_task=12", *SITE_VARS]
+
+
+@pytest.fixture
+def big_script(write_config, capsys):
+    assert cli.main(["submit", str(write_config()), "--dry-run", *BIG]) == 0
+    return capsys.readouterr().out
+
+
+def sbatch_flags(script: str) -> dict[str, str]:
+    return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S*))?$", script, re.M))
+
+
+def test_dry_run_resources(big_script):
+    flags = sbatch_flags(big_script)
+    assert flags["nodes"] == "16"
+    assert flags["ntasks-per-node"] == "8"
+    assert flags["gpus-per-node"] == "8"
+    assert flags["cpus-per-task"] == "12"
+    assert (flags["partition"], flags["account"], flags["qos"], flags["constraint"]) == ("gpu", "proj1", "high", "h100")
+    assert (flags["time"], flags["mem"]) == ("120", "512GB")
+    assert "exclusive" in flags and "requeue" in flags
+    assert flags["signal"] == "B:USR2@90"  # to the driver only, 90 s before the limit
+    assert flags["output"].endswith("/results/launch/t/slurm/%j_0_log.out")
+
+
+def test_dry_run_rendezvous_and_binding(big_script):
+    lines = big_script.splitlines()
+    assert 'export RESTAGE_HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)' in lines
+    assert "export RESTAGE_RENDEZVOUS_HOST=${RESTAGE_HOSTS%%,*}" in lines  # the first host
+    assert "export MASTER_ADDR=$RESTAGE_RENDEZVOUS_HOST" in lines
+    assert "export RESTAGE_NODES=16 RESTAGE_RANKS_PER_NODE=8 RESTAGE_GPUS_PER_NODE=8 RESTAGE_WORLD_SIZE=128" in lines
+    launch = next(line for line in lines if "mpirun" in line and " -n " in line)
+    assert " -n 128 " in launch
+    assert "--host " + ",".join(f"<host{i}>:8" for i in range(16)) in launch
+    assert "restage.launch.rank restage.runtime.spmd <trial_dir>/schedule.json" in launch
+    assert "# rank r runs on host r // 8 as LOCAL_RANK r % 8, CUDA_VISIBLE_DEVICES = r % 8" in lines
+    # the driver replaces the batch shell, so the B: signal reaches it
+    assert re.search(r"^exec \S+python\S* -u -m submitit.core._submit \S+/slurm$", big_script, re.M)
+
+
+def test_dry_run_preamble_comes_before_the_driver(big_script):
+    assert "module load cuda/12.4 nccl/2.21" in big_script
+    assert "export NCCL_SOCKET_IFNAME=ib0" in big_script
+    assert "--container-image=/img/restage.sqsh" in big_script
+    assert big_script.index("module load") < big_script.index("export MASTER_ADDR") < big_script.index("\nexec ")
+    assert "{{" not in big_script
+
+
+def test_srun_launcher_line(write_config, capsys):
+    assert cli.main(["submit", str(write_config()), "--dry-run", *BIG, "slurm.launcher=srun"]) == 0
+    out = capsys.readouterr().out
+    assert "#   srun --mpi=pmix --nodes=16 --ntasks=128 --ntasks-per-node=8 --kill-on-bad-exit=1" in out
+
+
+def test_render_names_the_missing_variable():
+    assert render_template("a {{ x }} b {{y}}", {"x": 1, "y": "z"}) == "a 1 b z"
+    with pytest.raises(ConfigError) as err:
+        render_template("module load {{ cuda_module }}\n$HOME {{ other }}", {}, "template site.sh")
+    assert str(err.value) == ("template site.sh: variable 'cuda_module' has no value; set slurm.template_vars.cuda_module=..."
+                              " (also missing: other)")
+
+
+def test_template_variable_without_value_is_one_line(write_config, capsys):
+    assert cli.main(["submit", str(write_config()), "--dry-run", "slurm.template=example-site"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "variable 'container_image' has no value; set slurm.template_vars.container_image=" in err
+
+
+def test_unknown_template_is_named(write_config):
+    with pytest.raises(ConfigError, match="slurm.template: 'nope' is unknown; use one of .*example-site"):
+        from restage.launch.submit import prepare
+
+        prepare(load_config(write_config(), ["slurm.template=nope"]))
+
+
+def test_sbatch_error_is_one_line():
+    text = ("sbatch: error: invalid partition specified: nosuch\n"
+            "sbatch: error: Batch job submission failed: Invalid partition name specified")
+    assert sbatch_error(RuntimeError(text)) == ("invalid partition specified: nosuch; "
+                                                "Batch job submission failed: Invalid partition name specified")
