@@ -20,6 +20,7 @@ from types import ModuleType
 import torch
 
 from restage.algorithms import ops
+from restage.algorithms._graphs import reward_source, sizes  # noqa: F401  (re-exported for algorithm modules)
 from restage.algorithms.rewards import function_rewards, resolve_reward
 from restage.config import ExperimentConfig, build
 from restage.data.batch import Batch
