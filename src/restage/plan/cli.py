@@ -1,0 +1,81 @@
+"""``restage plan CONFIG [key=value ...]``: choose an execution plan, print it, write schedule.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from restage.cluster import load_cluster
+from restage.config import load_config
+from restage.plan.planner import GIB, PlanOutcome, make_plan
+from restage.plan.schedule import Schedule, build_schedule, write_schedule
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="experiment YAML")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides (e.g. run.batch_size=64)")
+    parser.add_argument("--out", help="schedule path (default results/<experiment>/<trial>/schedule.json)")
+    parser.add_argument("--cluster", help="cluster name or YAML file (default: the config's cluster.name)")
+    parser.add_argument("--nodes", type=int, help="node count (default: the config's cluster.nodes)")
+    parser.add_argument("--search-seconds", type=float, help="search time budget (default plan.time_budget_seconds)")
+    parser.add_argument("--seed", type=int, help="search seed (default: the config's seed)")
+    parser.add_argument("--json", action="store_true", help="print the schedule's summary as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    cluster = None
+    if args.cluster or args.nodes:
+        ref = cfg.cluster
+        cluster = load_cluster(args.cluster or ref.name, args.nodes or ref.nodes, ref.devices_per_node or None)
+    started = time.perf_counter()
+    outcome = make_plan(cfg, cluster, seed=args.seed, time_budget_seconds=args.search_seconds)
+    schedule = build_schedule(cfg, outcome)
+    path = write_schedule(schedule, args.out or cfg.trial_dir / "schedule.json")
+    wall = time.perf_counter() - started
+    if args.json:
+        print(json.dumps(summary(schedule, outcome) | {"schedule": str(path), "plan_wall_seconds": wall}, indent=1))
+    else:
+        print(render(schedule, outcome))
+        print(f"schedule written to {path} ({wall:.1f} s)")
+    return 0
+
+
+def summary(schedule: Schedule, outcome: PlanOutcome) -> dict:
+    p = schedule.predicted
+    return {"experiment": schedule.experiment, "cluster": schedule.cluster["name"], "world_size": schedule.world_size,
+            "mode": outcome.mode, "iteration_seconds": p["iteration_seconds"], "samples_per_second": p["samples_per_second"],
+            "pflops_per_second": p["pflops_per_second"], "estimator": p["estimator"],
+            "mfcs": [{"name": m["name"], "layout": m["layout"], "micro_batches": m["micro_batches"], **m["predicted"]}
+                     for m in schedule.mfcs],
+            "baselines": {name: (None if ev is None else {"iteration_seconds": ev.iteration_seconds,
+                                                          "speedup": ev.iteration_seconds / p["iteration_seconds"]})
+                          for name, ev in outcome.baselines.items()}}
+
+
+def render(schedule: Schedule, outcome: PlanOutcome) -> str:
+    c, p = schedule.cluster, schedule.predicted
+    lines = [f"{schedule.experiment}: {c['nodes']} node(s) x {c['devices_per_node']} {c['name']}, plan mode {outcome.mode}, "
+             f"estimator {', '.join(p['estimator'])}",
+             f"{'MFC':<20} {'mesh':<10} {'dp':>3} {'tp':>3} {'pp':>3} {'mb':>4} {'seconds':>9} {'start':>8} {'peak GiB':>9}"]
+    for m in schedule.mfcs:
+        mesh, pr = m["layout"]["mesh"], m["predicted"]
+        ranks = f"{mesh[0]}-{mesh[-1]}" if mesh == list(range(mesh[0], mesh[-1] + 1)) else ",".join(map(str, mesh))
+        lines.append(f"{m['name']:<20} {ranks:<10} {m['layout']['dp']:>3} {m['layout']['tp']:>3} {m['layout']['pp']:>3} "
+                     f"{m['micro_batches']:>4} {pr['seconds']:>9.3f} {pr['start_seconds']:>8.3f} "
+                     f"{pr['peak_memory_bytes'] / GIB:>9.2f}")
+    for step in schedule.steps:
+        if step["kind"] == "realloc":
+            lines.append(f"  realloc {step['model']} for {step['for']}: {step['bytes'] / GIB:.2f} GiB moved, "
+                         f"{step['predicted_seconds']:.3f} s")
+    lines.append(f"iteration {p['iteration_seconds']:.3f} s, {p['samples_per_second']:.2f} samples/s, "
+                 f"{p['pflops_per_second']:.3f} PFLOP/s, peak {p['peak_memory_bytes'] / GIB:.1f} of "
+                 f"{p['usable_memory_bytes'] / GIB:.1f} GiB")
+    for name, ev in outcome.baselines.items():
+        if ev is None:
+            lines.append(f"  vs {name:<14} no plan that fits")
+        else:
+            lines.append(f"  vs {name:<14} {ev.iteration_seconds:9.3f} s  (this plan is "
+                         f"{ev.iteration_seconds / p['iteration_seconds']:.2f}x as fast)")
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""Seconds of collectives and point-to-point traffic over a cluster's links (ring algorithms).
+
+Bandwidths are per device and per direction; a group that spans nodes runs at the inter-node
+figure (each device has its own NIC), one that stays inside a node at the intra-node figure.
+Sizes are the full buffer in bytes, as the caller sees it. Latency grows with log2 of the group
+size (NCCL's tree and low-latency protocols), bandwidth terms are those of a ring.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+
+from restage.cluster import ClusterSpec
+
+
+def _hops(n: int) -> int:
+    return max(1, math.ceil(math.log2(n)))
+
+
+def allreduce_seconds(cluster: ClusterSpec, ranks: Sequence[int], nbytes: float) -> float:
+    n = len(ranks)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bandwidth, latency = cluster.link(ranks)
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * _hops(n) * latency
+
+
+def allgather_seconds(cluster: ClusterSpec, ranks: Sequence[int], nbytes: float) -> float:
+    """Gather a buffer of ``nbytes`` (in total) that starts split evenly over ``ranks``."""
+    n = len(ranks)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bandwidth, latency = cluster.link(ranks)
+    return (n - 1) / n * nbytes / bandwidth + _hops(n) * latency
+
+
+reduce_scatter_seconds = allgather_seconds  # the same traffic in the other direction
+
+
+def p2p_seconds(cluster: ClusterSpec, src: int, dst: int, nbytes: float) -> float:
+    if src == dst or nbytes <= 0:
+        return 0.0
+    bandwidth, latency = cluster.link((src, dst))
+    return nbytes / bandwidth + latency
+
+
+def links_seconds(cluster: ClusterSpec, sends: Iterable[tuple[int, Iterable[int], float]]) -> float:
+    """Seconds until every rank has sent and received its part of ``sends``.
+
+    Each item is (sender, receivers, bytes): one buffer the sender broadcasts to its receivers.
+    A pipelined broadcast costs each receiver the bytes once and the sender the bytes once per
+    receiving node. Ranks send and receive at the same time; each message pays its link's latency.
+    """
+    send_seconds: dict[int, float] = defaultdict(float)
+    recv_seconds: dict[int, float] = defaultdict(float)
+    for src, receivers, nbytes in sends:
+        if nbytes <= 0:
+            continue
+        nodes_done = set()
+        for dst in receivers:
+            if dst == src:
+                continue
+            bandwidth, latency = cluster.link((src, dst))
+            recv_seconds[dst] += nbytes / bandwidth + latency
+            node = cluster.node_of(dst)
+            if node not in nodes_done:
+                nodes_done.add(node)
+                send_seconds[src] += nbytes / bandwidth + latency
+    ranks = set(send_seconds) | set(recv_seconds)
+    return max((max(send_seconds[r], recv_seconds[r]) for r in ranks), default=0.0)
+
+
+def bytes_by_link_seconds(cluster: ClusterSpec, bytes_by_link: Mapping[tuple[int, int], float]) -> float:
+    """Seconds of point-to-point traffic given as {(src, dst): bytes}."""
+    return links_seconds(cluster, ((s, (d,), n) for (s, d), n in bytes_by_link.items()))

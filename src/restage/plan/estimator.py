@@ -1,0 +1,288 @@
+"""Time and peak memory per rank of one MFC under one layout.
+
+Time: compute of the bottleneck pipeline stage (``compute.py``: roofline or profile), TP
+all-reduces (two per block per pass), the 1F1B pipeline's fill and drain plus stage-to-stage
+sends, ZeRO's gradient reduction / parameter gathering over the DP group, the optimizer step,
+and generation as a prefill followed by memory-bound decoding steps. Collectives are not
+assumed to overlap with compute. Memory per rank: parameters, gradients and optimizer states
+per ZeRO stage (``state_bytes``, held while the layout is the model's home), and what exists only
+while the MFC runs (``transient_bytes``): activations (all blocks' or, with recomputation, only
+block inputs), logits, the KV cache.
+
+Every number is for the worst pipeline stage and the largest TP chunk, so one figure holds for
+every rank of the mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from restage.cluster import ClusterSpec
+from restage.graph import MFC
+from restage.layout import Layout
+from restage.models.config import ModelConfig
+from restage.models.sharding import shard_bytes, stage_layers, validate_strategy
+from restage.plan.comm import allgather_seconds, allreduce_seconds, p2p_seconds, reduce_scatter_seconds
+from restage.plan.compute import DTYPE_BYTES, RooflineCompute, block_shape
+
+# Bytes per parameter of mixed-precision AdamW state: fp32 master copy, m and v. Plain fp32
+# training keeps only m and v next to the parameters.
+_OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12}
+# Optimizer steps on the host (offload_optimizer) run this many times slower than on the device.
+_HOST_OPTIMIZER_SLOWDOWN = 10.0
+LOGIT_BYTES = 4  # logits are materialised in fp32 for log-probabilities and losses
+
+
+@dataclass(frozen=True)
+class ModelRole:
+    """One model of an experiment as the planner sees it: architecture and how it is trained."""
+
+    name: str
+    arch: ModelConfig
+    dtype: str = "bf16"
+    trainable: bool = False
+    zero_stage: int = 1
+    gradient_checkpointing: bool = False
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    offload_when_idle: bool = False
+    path: str = ""
+    preset: str = ""
+
+    @property
+    def bytes_per_element(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted cost of one MFC on one layout; bytes are per rank (the worst rank of the mesh)."""
+
+    seconds: float
+    state_bytes: int  # model state while this layout is the model's home (params, grads, optimizer)
+    param_bytes: int  # the parameters alone: what a reallocated copy occupies
+    transient_bytes: int  # activations, logits, KV cache while the MFC runs
+    micro_batches: int
+    source: str  # "roofline", "profile:<file>" or "profile:<file>+roofline"
+    breakdown: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return self.state_bytes + self.transient_bytes
+
+    def part(self, name: str) -> float:
+        return dict(self.breakdown).get(name, 0.0)
+
+
+@lru_cache(maxsize=4096)
+def stage_param_elements(cfg: ModelConfig, tp: int, pp: int) -> tuple[int, ...]:
+    """Parameter elements the first TP rank (the largest chunk) of each pipeline stage holds."""
+    from restage.layout import Strategy
+
+    strategy = Strategy(tp=tp, pp=pp)
+    return tuple(shard_bytes(cfg, strategy, s, 0, 1) for s in range(pp))
+
+
+def activation_elements_per_token(cfg: ModelConfig, tp: int) -> float:
+    """Elements one block saves per token for its backward pass (no sequence parallelism)."""
+    s = block_shape(cfg, tp)
+    replicated = 4 * s.hidden  # inputs and outputs of the two norms (fed to the column-parallel matmuls)
+    sharded = 2 * s.q_out + 2 * s.kv_out + (3 if s.gated else 2) * s.inter  # q, k, v, attention out; MLP
+    return replicated + sharded
+
+
+def _worst_group(layout: Layout, kind: str) -> tuple[int, ...]:
+    groups = {"tp": layout.tp_groups, "dp": layout.dp_groups, "pp": layout.pp_groups}[kind]()
+    return max(groups, key=lambda g: (len(g), g[-1] - g[0]))
+
+
+def dp_size_ok(mfc: MFC, dp: int) -> bool:
+    """Every DP rank needs at least one sequence per optimizer step (or per pass)."""
+    steps = mfc.minibatches if mfc.kind == "train_step" else 1
+    return mfc.n_seqs >= dp * steps
+
+
+def sequences_per_rank(mfc: MFC, dp: int) -> float:
+    """Sequences one DP rank handles per pass (train: per optimizer step)."""
+    steps = mfc.minibatches if mfc.kind == "train_step" else 1
+    return math.ceil(mfc.n_seqs / (dp * steps))
+
+
+class Estimator:
+    """Estimates MFCs for one cluster; ``compute_for(role)`` picks the profile or the roofline per model."""
+
+    def __init__(self, cluster: ClusterSpec, use_profiles: bool = True):
+        self.cluster = cluster
+        self.use_profiles = use_profiles
+        self._compute: dict[tuple, object] = {}
+        self._cache: dict[tuple, Estimate] = {}
+
+    def compute_for(self, role: ModelRole):
+        key = (role.arch, role.dtype)
+        if key not in self._compute:
+            roofline = RooflineCompute(self.cluster, role.arch, role.dtype)
+            model = roofline
+            if self.use_profiles:
+                from restage.plan.compute import ProfiledCompute
+                from restage.plan.profile import find_profile
+
+                profile = find_profile(self.cluster.name, role.arch, role.dtype)
+                if profile is not None:
+                    model = ProfiledCompute(profile, roofline)
+            self._compute[key] = model
+        return self._compute[key]
+
+    def estimate(self, mfc: MFC, role: ModelRole, layout: Layout, micro_batches: int | None = None) -> Estimate:
+        """Cost of ``mfc`` on ``layout``; ``micro_batches`` defaults to max(the MFC's, pp)."""
+        s = layout.strategy
+        m = micro_batches or max(mfc.micro_batches, s.pp)
+        links = tuple(self.cluster.link(_worst_group(layout, k)) for k in ("tp", "dp", "pp"))
+        key = (mfc, role, s, m, links)
+        if key not in self._cache:
+            self._cache[key] = self._estimate(mfc, role, layout, m)
+        return self._cache[key]
+
+    def _estimate(self, mfc: MFC, role: ModelRole, layout: Layout, m: int) -> Estimate:
+        validate_strategy(role.arch, layout.strategy, role.name)
+        compute = self.compute_for(role)
+        if hasattr(compute, "used"):
+            compute.used.clear()
+        kind = {"train_step": _train, "inference": _inference, "generate": _generate}[mfc.kind]
+        seconds, transient, parts = kind(self.cluster, compute, mfc, role, layout, m)
+        source = compute.describe() if hasattr(compute, "describe") else compute.source
+        params = max(stage_param_elements(role.arch, layout.strategy.tp, layout.strategy.pp))
+        return Estimate(seconds=seconds, state_bytes=_state_bytes(role, mfc, params, layout.strategy.dp),
+                        param_bytes=params * role.bytes_per_element, transient_bytes=int(transient), micro_batches=m,
+                        source=source, breakdown=tuple(sorted(parts.items())))
+
+
+def _state_bytes(role: ModelRole, mfc: MFC, params: int, dp: int) -> int:
+    e = role.bytes_per_element
+    if mfc.kind != "train_step":
+        return params * e
+    z = role.zero_stage
+    param_bytes = 0 if (z == 3 and role.offload_params) else params * e / (dp if z == 3 else 1)
+    grad_bytes = params * e / (dp if z >= 2 else 1)
+    optim_bytes = 0 if role.offload_optimizer else params * _OPTIMIZER_BYTES[role.dtype] / (dp if z >= 1 else 1)
+    return int(param_bytes + grad_bytes + optim_bytes)
+
+
+def _stage_seconds(layout: Layout, cfg: ModelConfig, per_block: float, first: float, last: float) -> float:
+    """Time of the slowest pipeline stage given per-block, first-stage-extra and last-stage-extra seconds."""
+    ranges = stage_layers(cfg, layout.strategy.pp)
+    pp = len(ranges)
+    return max((hi - lo) * per_block + (first if i == 0 else 0) + (last if i == pp - 1 else 0)
+               for i, (lo, hi) in enumerate(ranges))
+
+
+def _max_stage_layers(cfg: ModelConfig, pp: int) -> int:
+    return max(hi - lo for lo, hi in stage_layers(cfg, pp))
+
+
+def _train(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Layout, m: int):
+    cfg, s, e = role.arch, layout.strategy, role.bytes_per_element
+    b = sequences_per_rank(mfc, s.dp) / m
+    seq = mfc.seq_tokens
+    tokens = b * seq
+    tp_group, dp_group, pp_group = (_worst_group(layout, k) for k in ("tp", "dp", "pp"))
+    recompute = role.gradient_checkpointing
+    block = compute.block_forward(b, seq, s.tp) * (2 if recompute else 1) + compute.block_backward(b, seq, s.tp)
+    head = compute.head_forward(tokens, s.tp) + compute.head_backward(tokens, s.tp)
+    compute_s = _stage_seconds(layout, cfg, block, compute.embed_forward(tokens) * 3, head)
+    layers = _max_stage_layers(cfg, s.pp)
+    tp_s = layers * (6 if recompute else 4) * allreduce_seconds(cluster, tp_group, tokens * cfg.hidden_size * e)
+    send_s = 2 * p2p_seconds(cluster, pp_group[0], pp_group[-1], tokens * cfg.hidden_size * e) if s.pp > 1 else 0.0
+    params = max(stage_param_elements(cfg, s.tp, s.pp))
+    gather_s = 0.0
+    if role.zero_stage == 3:  # parameters gathered for the forward and again for the backward of every micro-batch
+        gather_s = (3 if recompute else 2) * allgather_seconds(cluster, dp_group, params * e)
+    per_micro = compute_s + tp_s + send_s + gather_s
+    pipeline = (m + s.pp - 1) * per_micro
+    grads = params * e
+    if role.zero_stage == 0:
+        dp_s = allreduce_seconds(cluster, dp_group, grads)
+    elif role.zero_stage in (1, 2):
+        dp_s = reduce_scatter_seconds(cluster, dp_group, grads) + allgather_seconds(cluster, dp_group, params * e)
+    else:
+        dp_s = reduce_scatter_seconds(cluster, dp_group, grads)
+    optim_s = compute.optimizer_step(params / (s.dp if role.zero_stage >= 1 else 1))
+    if role.offload_optimizer:
+        optim_s *= _HOST_OPTIMIZER_SLOWDOWN
+    steps = mfc.epochs * mfc.minibatches
+    seconds = steps * (pipeline + dp_s + optim_s)
+    parts = {"compute_seconds": steps * (m + s.pp - 1) * compute_s, "tp_comm_seconds": steps * (m + s.pp - 1) * tp_s,
+             "pp_send_seconds": steps * (m + s.pp - 1) * send_s, "zero3_gather_seconds": steps * (m + s.pp - 1) * gather_s,
+             "pp_bubble_seconds": steps * (s.pp - 1) * per_micro, "dp_comm_seconds": steps * dp_s,
+             "optimizer_seconds": steps * optim_s}
+    # Memory: 1F1B keeps min(m, pp) micro-batches of activations in flight on the first stage.
+    in_flight = min(m, s.pp)
+    per_layer = (cfg.hidden_size if recompute else activation_elements_per_token(cfg, s.tp)) * tokens * e
+    acts = layers * per_layer * in_flight
+    if recompute:
+        acts += activation_elements_per_token(cfg, s.tp) * tokens * e  # the block being recomputed
+    logits = 2 * tokens * block_shape(cfg, s.tp).head_out * LOGIT_BYTES  # logits and their gradient
+    transient = max(acts, acts / in_flight + logits) if s.pp > 1 else acts + logits
+    if role.zero_stage == 3:
+        transient += 2 * params * e / max(layers, 1)  # one gathered block (and its prefetched neighbour)
+    return seconds, transient, parts
+
+
+def _inference(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Layout, m: int):
+    cfg, s, e = role.arch, layout.strategy, role.bytes_per_element
+    b = sequences_per_rank(mfc, s.dp) / m
+    seq = mfc.seq_tokens
+    tokens = b * seq
+    tp_group, pp_group = _worst_group(layout, "tp"), _worst_group(layout, "pp")
+    compute_s = _stage_seconds(layout, cfg, compute.block_forward(b, seq, s.tp), compute.embed_forward(tokens),
+                               compute.head_forward(tokens, s.tp))
+    layers = _max_stage_layers(cfg, s.pp)
+    tp_s = layers * 2 * allreduce_seconds(cluster, tp_group, tokens * cfg.hidden_size * e)
+    send_s = p2p_seconds(cluster, pp_group[0], pp_group[-1], tokens * cfg.hidden_size * e) if s.pp > 1 else 0.0
+    per_micro = compute_s + tp_s + send_s
+    rounds = m + s.pp - 1
+    parts = {"compute_seconds": rounds * compute_s, "tp_comm_seconds": rounds * tp_s, "pp_send_seconds": rounds * send_s,
+             "pp_bubble_seconds": (s.pp - 1) * per_micro}
+    transient = _forward_workspace(cfg, s.tp, tokens, e) + 2 * tokens * block_shape(cfg, s.tp).head_out * LOGIT_BYTES
+    return rounds * per_micro, transient, parts
+
+
+def _forward_workspace(cfg: ModelConfig, tp: int, tokens: float, e: int) -> float:
+    """Live activations of a forward without autograd: about one block's worth."""
+    return activation_elements_per_token(cfg, tp) * tokens * e
+
+
+def _generate(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Layout, m: int):
+    cfg, s, e = role.arch, layout.strategy, role.bytes_per_element
+    b = sequences_per_rank(mfc, s.dp) / m
+    prompt, gen = mfc.prompt_tokens, mfc.gen_tokens
+    tp_group, pp_group = _worst_group(layout, "tp"), _worst_group(layout, "pp")
+    layers = _max_stage_layers(cfg, s.pp)
+    hidden_bytes = cfg.hidden_size * e
+    # Prefill: a pipelined forward over the prompts; the head runs on the last prompt token only.
+    prefill_stage = _stage_seconds(layout, cfg, compute.block_prefill(b, prompt, s.tp), compute.embed_forward(b * prompt),
+                                   compute.head_forward(b, s.tp))
+    prefill_comm = layers * 2 * allreduce_seconds(cluster, tp_group, b * prompt * hidden_bytes)
+    prefill_send = p2p_seconds(cluster, pp_group[0], pp_group[-1], b * prompt * hidden_bytes) if s.pp > 1 else 0.0
+    prefill = (m + s.pp - 1) * (prefill_stage + prefill_comm + prefill_send)
+    # Decoding: each step runs every micro-batch through every stage; a micro-batch's next token
+    # needs its previous one back from the last stage, so a step takes max(m, pp) stage slots.
+    ctx = prompt + (gen + 1) / 2
+    decode_stage = _stage_seconds(layout, cfg, compute.decode_block(b, ctx, s.tp), compute.embed_forward(b),
+                                  compute.head_forward(b, s.tp))
+    decode_comm = layers * 2 * allreduce_seconds(cluster, tp_group, b * hidden_bytes)
+    decode_send = p2p_seconds(cluster, pp_group[0], pp_group[-1], b * hidden_bytes) if s.pp > 1 else 0.0
+    slots = max(m, s.pp)
+    decode = gen * slots * (decode_stage + decode_comm + decode_send)
+    parts = {"prefill_seconds": prefill, "decode_seconds": decode,
+             "compute_seconds": (m + s.pp - 1) * prefill_stage + gen * slots * decode_stage,
+             "tp_comm_seconds": (m + s.pp - 1) * prefill_comm + gen * slots * decode_comm,
+             "pp_send_seconds": (m + s.pp - 1) * prefill_send + gen * slots * decode_send}
+    # Memory: the KV cache of every sequence in flight (all micro-batches when pipelined).
+    kv_out = block_shape(cfg, s.tp).kv_out
+    window = min(prompt + gen, cfg.sliding_window) if cfg.sliding_window else prompt + gen
+    seqs_in_flight = b * (m if s.pp > 1 else 1)
+    kv_cache = 2 * layers * kv_out * e * window * seqs_in_flight
+    transient = kv_cache + _forward_workspace(cfg, s.tp, b * prompt, e) + b * block_shape(cfg, s.tp).head_out * LOGIT_BYTES
+    return prefill + decode, transient, parts

@@ -1,0 +1,79 @@
+"""Score a plan: simulated iteration time and peak memory on every rank.
+
+Memory per rank = persistent state of every model whose home mesh covers the rank (parameters,
+and for trained models gradients and optimizer states per ZeRO stage) + the largest transient
+need among the MFCs that run on it (activations, KV cache, and the parameter copy of an MFC
+that runs on a reallocated layout). A plan is feasible when no rank exceeds the cluster's usable
+memory per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from restage.plan.problem import Plan, PlanProblem
+from restage.plan.simulator import Timeline, needs_copy, steady_state
+
+# Infeasible plans are kept comparable so the search can walk out of them: each byte over the
+# limit (as a fraction of the limit) costs this many times the iteration time.
+OVERFLOW_PENALTY = 10.0
+
+
+@dataclass(frozen=True)
+class PlanEvaluation:
+    iteration_seconds: float
+    peak_memory_bytes: int  # the fullest rank
+    capacity_bytes: int
+    mfc_seconds: tuple[float, ...]
+    mfc_peak_memory_bytes: tuple[int, ...]  # per MFC: the fullest of its ranks while it runs
+    timeline: Timeline
+
+    @property
+    def feasible(self) -> bool:
+        return self.peak_memory_bytes <= self.capacity_bytes
+
+    @property
+    def cost(self) -> float:
+        """The search's objective: seconds, inflated for plans that do not fit."""
+        over = max(0, self.peak_memory_bytes - self.capacity_bytes) / self.capacity_bytes
+        return self.iteration_seconds * (1.0 + OVERFLOW_PENALTY * over) + (1e6 if over > 0 else 0.0)
+
+
+def _ranks(layout):
+    mesh = layout.mesh
+    if mesh[-1] - mesh[0] + 1 == len(mesh):
+        return slice(mesh[0], mesh[-1] + 1)
+    return np.asarray(mesh)
+
+
+def plan_memory(problem: PlanProblem, plan: Plan) -> tuple[int, tuple[int, ...]]:
+    """(peak bytes of the fullest rank, each MFC's peak bytes) for ``plan``."""
+    world = max(problem.cluster.world_size, max(c.layout.mesh[-1] for c in plan) + 1)
+    persistent = np.zeros(world)
+    for model, home_name in problem.home.items():
+        role = problem.roles[model]
+        home = plan[problem.index[home_name]]
+        if role.trainable or not role.offload_when_idle:
+            persistent[_ranks(home.layout)] += home.estimate.state_bytes
+    transient_max = np.zeros(world)
+    needs = []
+    for mfc, cand in zip(problem.mfcs, plan):
+        role = problem.role(mfc)
+        need = cand.estimate.transient_bytes
+        if needs_copy(problem, plan, mfc) or (not role.trainable and role.offload_when_idle):
+            need += cand.estimate.param_bytes
+        idx = _ranks(cand.layout)
+        transient_max[idx] = np.maximum(transient_max[idx], need)
+        needs.append((idx, need))
+    peaks = tuple(int(persistent[idx].max() + need) for idx, need in needs)
+    return int((persistent + transient_max).max()), peaks
+
+
+def evaluate(problem: PlanProblem, plan: Plan) -> PlanEvaluation:
+    seconds, timeline = steady_state(problem, plan, overlap=problem.overlap_iterations)
+    peak, mfc_peaks = plan_memory(problem, plan)
+    return PlanEvaluation(iteration_seconds=seconds, peak_memory_bytes=peak,
+                          capacity_bytes=problem.capacity_bytes, mfc_seconds=tuple(c.seconds for c in plan),
+                          mfc_peak_memory_bytes=mfc_peaks, timeline=timeline)

@@ -1,0 +1,144 @@
+"""From an experiment config to a chosen plan: ``plan.mode`` is search, heuristic (a baseline) or manual.
+
+A config whose models cannot fit on the cluster in any layout is refused with one line giving
+the memory the leanest plan needs per device and the smallest node count on which it fits.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from restage.cluster import ClusterSpec, cluster_from_config
+from restage.errors import ConfigError, LayoutError, PlanError
+from restage.graph import build_graph
+from restage.layout import Layout, Strategy
+from restage.plan.baselines import all_baselines, baseline
+from restage.plan.evaluate import PlanEvaluation, evaluate
+from restage.plan.problem import Plan, PlanProblem, micro_batch_options, roles_from_config, strategies_for
+from restage.plan.search import SearchResult, search
+
+GIB = 2**30
+MAX_NODES_TRIED = 1024
+
+
+@dataclass(frozen=True)
+class PlanOutcome:
+    problem: PlanProblem
+    plan: Plan
+    evaluation: PlanEvaluation
+    mode: str
+    baselines: dict[str, PlanEvaluation | None]
+    search: SearchResult | None = None
+
+
+def build_problem(cfg, cluster: ClusterSpec | None = None) -> PlanProblem:
+    graph = build_graph(cfg)
+    cluster = cluster or cluster_from_config(cfg)
+    return PlanProblem(graph, roles_from_config(cfg, graph), cluster, samples_per_iteration=cfg.run.batch_size)
+
+
+def lean_plan(problem: PlanProblem) -> Plan | None:
+    """Every MFC on the whole cluster with its least memory-hungry strategy: the plan most likely to fit."""
+    world = problem.cluster.world_size
+    plan = []
+    for mfc in problem.mfcs:
+        options = [problem.candidate(mfc, Layout.contiguous(0, s), m)
+                   for s in strategies_for(world, problem.role(mfc), mfc, problem.cluster)
+                   for m in micro_batch_options(mfc, s)[-2:]]
+        if not options:
+            return None
+        plan.append(min(options, key=lambda c: (min(c.estimate.state_bytes, c.estimate.param_bytes)
+                                                + c.estimate.transient_bytes, c.seconds)))
+    return tuple(plan)
+
+
+def check_fits(problem: PlanProblem) -> None:
+    """Raise PlanError (one line) when even the leanest plan does not fit; name the node count that would."""
+    plan = lean_plan(problem)
+    ev = evaluate(problem, plan) if plan is not None else None
+    if ev is not None and ev.feasible:
+        return
+    c = problem.cluster
+    need = f"needs {ev.peak_memory_bytes / GIB:.1f} GiB on its fullest device" if ev else "has no layout"
+    fits = None
+    for nodes in range(c.nodes + 1, MAX_NODES_TRIED + 1):
+        bigger = PlanProblem(problem.graph, problem.roles, c.with_size(nodes), estimator=None,
+                             samples_per_iteration=problem.samples_per_iteration)
+        lean = lean_plan(bigger)
+        if lean is not None and evaluate(bigger, lean).feasible:
+            fits = nodes
+            break
+    where = (f"it fits on {fits} nodes ({fits * c.devices_per_node} devices): set cluster.nodes={fits}" if fits
+             else f"it does not fit on up to {MAX_NODES_TRIED} nodes; use smaller models or more memory per device")
+    raise PlanError(f"{', '.join(sorted(problem.graph.models()))} do not fit on {c.nodes} node(s) x {c.devices_per_node} "
+                    f"{c.name}: the leanest plan {need}, {c.usable_memory_bytes / GIB:.1f} GiB usable; {where}")
+
+
+_MANUAL = re.compile(r"^\s*ranks:(?P<ranks>[\d,\-\s]+?)\s+(?P<strategy>(?:dp|tp|pp)\d+(?:(?:dp|tp|pp)\d+)*)"
+                     r"(?:\s+mb(?P<mb>\d+))?\s*$")
+
+
+def parse_manual_layout(text: str, where: str = "plan.layouts") -> tuple[Layout, int | None]:
+    """``ranks:0-3 dp2tp2pp1 [mb4]`` (ranks as ranges and/or commas) -> (layout, micro-batches or None)."""
+    match = _MANUAL.match(text)
+    if not match:
+        raise ConfigError(f"{where}: cannot read {text!r}; write it like 'ranks:0-3 dp2tp2pp1' (optionally ' mb4')")
+    ranks: list[int] = []
+    for part in match["ranks"].replace(" ", "").split(","):
+        lo, _, hi = part.partition("-")
+        ranks += list(range(int(lo), int(hi or lo) + 1))
+    try:
+        layout = Layout(tuple(ranks), Strategy.parse(match["strategy"]))
+    except LayoutError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    return layout, int(match["mb"]) if match["mb"] else None
+
+
+def manual_plan(cfg, problem: PlanProblem) -> Plan:
+    layouts = cfg.plan.layouts
+    missing = [m.name for m in problem.mfcs if m.name not in layouts]
+    unknown = sorted(set(layouts) - {m.name for m in problem.mfcs})
+    if missing or unknown:
+        raise ConfigError(f"plan.layouts: give one layout per MFC; missing {missing}, unknown {unknown}")
+    plan = []
+    for mfc in problem.mfcs:
+        layout, mb = parse_manual_layout(layouts[mfc.name], f"plan.layouts.{mfc.name}")
+        layout.check_world(problem.cluster.world_size)
+        plan.append(problem.candidate(mfc, layout, mb))
+    return tuple(plan)
+
+
+def make_plan(cfg, cluster: ClusterSpec | None = None, *, seed: int | None = None, time_budget_seconds: float | None = None,
+              max_steps: int = 40000, with_baselines: bool = True) -> PlanOutcome:
+    """Choose the plan ``cfg.plan.mode`` asks for; refuse (PlanError) plans that do not fit in memory."""
+    problem = build_problem(cfg, cluster)
+    mode = cfg.plan.mode
+    if mode == "manual":
+        plan = manual_plan(cfg, problem)
+        ev = evaluate(problem, plan)
+        if not ev.feasible:
+            raise PlanError(f"plan.layouts need {ev.peak_memory_bytes / GIB:.1f} GiB on the fullest device, "
+                            f"{problem.capacity_bytes / GIB:.1f} GiB usable; spread the models over more ranks")
+        baselines = _evaluations(all_baselines(problem)) if with_baselines else {}
+        return PlanOutcome(problem, plan, ev, mode, baselines)
+    check_fits(problem)
+    found = all_baselines(problem) if (with_baselines or mode == "search") else {}
+    baselines = _evaluations(found)
+    if mode == "heuristic":
+        got = found.get(cfg.plan.heuristic) if found else baseline(problem, cfg.plan.heuristic)
+        if got is None:
+            baseline(problem, cfg.plan.heuristic)  # refuses an unknown name
+            raise PlanError(f"the {cfg.plan.heuristic} heuristic has no plan that fits here; use plan.mode=search")
+        return PlanOutcome(problem, got[0], got[1], mode, baselines)
+    budget = cfg.plan.time_budget_seconds if time_budget_seconds is None else time_budget_seconds
+    result = search(problem, seed=cfg.seed if seed is None else seed, time_budget_seconds=budget, max_steps=max_steps,
+                    initial=[got[0] for got in found.values() if got is not None])
+    if not result.evaluation.feasible:
+        raise PlanError(f"the search found no plan that fits ({result.evaluation.peak_memory_bytes / GIB:.1f} GiB on the "
+                        f"fullest device, {problem.capacity_bytes / GIB:.1f} GiB usable); add nodes or raise zero_stage")
+    return PlanOutcome(problem, result.best, result.evaluation, mode, baselines, result)
+
+
+def _evaluations(found: dict) -> dict[str, PlanEvaluation | None]:
+    return {name: (got[1] if got is not None else None) for name, got in found.items()}

@@ -1,0 +1,243 @@
+"""What a plan is chosen over: the graph, the models' roles, the cluster, and each MFC's candidate layouts.
+
+A *candidate* is one way to run one MFC: a layout (mesh + strategy), a micro-batch count and the
+estimate for them. Meshes are contiguous rank ranges aligned to their size: inside a node every
+power-of-two size up to the node, across nodes power-of-two node counts aligned to node
+boundaries, and the whole cluster. Strategies are every (dp, tp, pp) the model admits with TP
+inside a node. Candidates that do not fit in a device's memory on their own are dropped, and for
+each mesh size only the fastest few (plus the leanest) survive.
+
+A *plan* is one candidate per MFC, in graph order. Each model has a *home* MFC whose layout
+holds its persistent state: the train step of a trained model, else its first MFC. Its other
+MFCs run on a reallocated copy when their layout differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from restage.cluster import ClusterSpec
+from restage.errors import ConfigError
+from restage.graph import MFC, DataflowGraph
+from restage.layout import Layout, Strategy
+from restage.plan.estimator import Estimate, Estimator, ModelRole, dp_size_ok, sequences_per_rank
+from restage.plan.transfer import ReallocCost, exact_realloc, fast_realloc
+
+KEEP_PER_SIZE = 6  # fastest (strategy, micro-batches) options kept per mesh size and MFC
+MAX_MICRO_BATCH_DOUBLINGS = 5
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run one MFC."""
+
+    mfc: str
+    layout: Layout
+    estimate: Estimate
+
+    @property
+    def micro_batches(self) -> int:
+        return self.estimate.micro_batches
+
+    @property
+    def seconds(self) -> float:
+        return self.estimate.seconds
+
+    @property
+    def start(self) -> int:
+        return self.layout.mesh[0]
+
+    @property
+    def stop(self) -> int:
+        return self.layout.mesh[-1] + 1
+
+    def __str__(self) -> str:
+        return f"{self.layout} mb{self.micro_batches}"
+
+
+Plan = tuple[Candidate, ...]
+
+
+def roles_from_config(cfg, graph: DataflowGraph | None = None) -> dict[str, ModelRole]:
+    """ModelRoles of a config's models: architecture from ``arch`` (a preset) or the checkpoint's config.json."""
+    from restage.models.config import ModelConfig
+    from restage.models.presets import preset
+
+    trained = set(graph.trained_models()) if graph is not None else set()
+    roles = {}
+    for name, spec in cfg.models.items():
+        if spec.arch:
+            # A preset has no head of its own: critic and reward models get the scalar head.
+            arch = preset(spec.arch, critic=name in ("critic", "reward") or spec.init_critic_from_lm)
+        else:
+            arch = ModelConfig.from_pretrained(spec.path)
+            if spec.init_critic_from_lm:
+                arch = arch.as_critic()
+        roles[name] = ModelRole(name=name, arch=arch, dtype=spec.dtype, trainable=spec.trainable or name in trained,
+                                zero_stage=spec.zero_stage, gradient_checkpointing=spec.gradient_checkpointing,
+                                offload_optimizer=spec.offload_optimizer, offload_params=spec.offload_params,
+                                offload_when_idle=spec.offload_when_idle, path=spec.path, preset=spec.arch)
+    return roles
+
+
+def mesh_options(cluster: ClusterSpec) -> list[tuple[int, int]]:
+    """(first rank, size) of every candidate mesh."""
+    per_node, nodes = cluster.devices_per_node, cluster.nodes
+    sizes, size = [], 1
+    while size < per_node:
+        sizes.append(size)
+        size *= 2
+    sizes.append(per_node)
+    out = [(node * per_node + offset, size) for size in sizes for node in range(nodes)
+           for offset in range(0, per_node - size + 1, size)]
+    count = 2
+    while count < nodes:
+        out += [(start * per_node, count * per_node) for start in range(0, nodes - count + 1, count)]
+        count *= 2
+    if nodes > 1:
+        out.append((0, nodes * per_node))
+    return sorted(set(out), key=lambda x: (x[1], x[0]))
+
+
+def strategies_for(size: int, role: ModelRole, mfc: MFC, cluster: ClusterSpec) -> list[Strategy]:
+    """Every (dp, tp, pp) over ``size`` ranks the model admits, TP at most one node wide."""
+    cfg = role.arch
+    out = []
+    for tp in _divisors(size):
+        if tp > cluster.devices_per_node or cfg.num_heads % tp or cfg.num_kv_heads % tp:
+            continue
+        for pp in _divisors(size // tp):
+            dp = size // (tp * pp)
+            if pp <= cfg.num_layers and dp_size_ok(mfc, dp):
+                out.append(Strategy(dp=dp, tp=tp, pp=pp))
+    return out
+
+
+def micro_batch_options(mfc: MFC, strategy: Strategy) -> list[int]:
+    base = max(mfc.micro_batches, strategy.pp)
+    most = max(int(sequences_per_rank(mfc, strategy.dp)), 1)
+    out, m = [], base
+    for _ in range(MAX_MICRO_BATCH_DOUBLINGS + 1):
+        if m > most and out:
+            break
+        out.append(m)
+        m *= 2
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class PlanProblem:
+    """The graph, roles and cluster of one planning run, with cached candidates and costs."""
+
+    def __init__(self, graph: DataflowGraph, roles: dict[str, ModelRole], cluster: ClusterSpec,
+                 estimator: Estimator | None = None, samples_per_iteration: int | None = None,
+                 overlap_iterations: bool = False, exact_realloc: bool = False):
+        missing = sorted({m.model for m in graph} - set(roles))
+        if missing:
+            raise ConfigError(f"the graph needs models {missing}; add them under models:")
+        self.graph, self.roles, self.cluster = graph, roles, cluster
+        self.estimator = estimator or Estimator(cluster)
+        self.mfcs: tuple[MFC, ...] = graph.mfcs
+        self.index = {m.name: i for i, m in enumerate(self.mfcs)}
+        self.samples_per_iteration = samples_per_iteration or _default_samples(graph)
+        self.overlap_iterations = overlap_iterations  # see simulator.steady_state
+        self.exact_realloc = exact_realloc  # reallocation bytes from the runtime's planner (slow) or fast arithmetic
+        self._candidates: dict[str, tuple[Candidate, ...]] = {}
+        self._realloc: dict[tuple, ReallocCost] = {}
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.cluster.usable_memory_bytes
+
+    def role(self, mfc: MFC | str) -> ModelRole:
+        mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
+        return self.roles[mfc.model]
+
+    @cached_property
+    def home(self) -> dict[str, str]:
+        """Model -> the MFC whose layout holds the model's persistent state."""
+        out = {}
+        for mfc in self.mfcs:
+            if mfc.kind == "train_step":
+                out[mfc.model] = mfc.name
+        for mfc in self.mfcs:
+            out.setdefault(mfc.model, mfc.name)
+        return out
+
+    def is_home(self, mfc: MFC) -> bool:
+        return self.home[mfc.model] == mfc.name
+
+    def candidate(self, mfc: MFC | str, layout: Layout, micro_batches: int | None = None) -> Candidate:
+        """The candidate for exactly this layout (estimated on demand; need not be in ``candidates``)."""
+        mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
+        return Candidate(mfc.name, layout, self.estimator.estimate(mfc, self.role(mfc), layout, micro_batches))
+
+    def fits_alone(self, cand: Candidate) -> bool:
+        est = cand.estimate
+        return min(est.state_bytes, est.param_bytes) + est.transient_bytes <= self.capacity_bytes
+
+    def options(self, mfc: MFC | str, layout: Layout) -> list[Candidate]:
+        """Candidates of every micro-batch count for one layout, fastest first."""
+        mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
+        return sorted((self.candidate(mfc, layout, m) for m in micro_batch_options(mfc, layout.strategy)),
+                      key=lambda c: c.seconds)
+
+    def candidates(self, mfc: MFC | str) -> tuple[Candidate, ...]:
+        mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
+        if mfc.name not in self._candidates:
+            self._candidates[mfc.name] = self._build_candidates(mfc)
+        return self._candidates[mfc.name]
+
+    def _build_candidates(self, mfc: MFC) -> tuple[Candidate, ...]:
+        role = self.role(mfc)
+        meshes = mesh_options(self.cluster)
+        out = []
+        for size in sorted({size for _, size in meshes}):
+            starts = [start for start, s in meshes if s == size]
+            kept: list[tuple[Strategy, int]] = []
+            options = []
+            for strategy in strategies_for(size, role, mfc, self.cluster):
+                probe = Layout.contiguous(starts[0], strategy)
+                options += [c for c in self.options(mfc, probe) if self.fits_alone(c)]
+            # Keep the fastest few and the leanest: the search trades speed for memory when models share ranks.
+            options.sort(key=lambda c: c.seconds)
+            chosen = options[:KEEP_PER_SIZE]
+            if options:
+                chosen.append(min(options, key=lambda c: (_memory(c), c.seconds)))
+            for c in chosen:
+                if (c.layout.strategy, c.micro_batches) not in kept:
+                    kept.append((c.layout.strategy, c.micro_batches))
+            for start in starts:
+                for strategy, m in kept:
+                    out.append(self.candidate(mfc, Layout.contiguous(start, strategy), m))
+        return tuple(out)
+
+    def realloc(self, model: str, src: Layout, dst: Layout) -> ReallocCost:
+        """Cost of copying ``model``'s parameters from layout ``src`` to ``dst``."""
+        key = (model, src, dst, self.exact_realloc)
+        if key not in self._realloc:
+            role = self.roles[model]
+            cost = exact_realloc if self.exact_realloc else fast_realloc
+            self._realloc[key] = cost(role.arch, src, dst, role.bytes_per_element, self.cluster)
+        return self._realloc[key]
+
+    def iteration_flops(self) -> float:
+        from restage.plan.flops import mfc_flops
+
+        return sum(mfc_flops(m, self.role(m).arch) for m in self.mfcs)
+
+
+def _memory(c: Candidate) -> int:
+    return min(c.estimate.state_bytes, c.estimate.param_bytes) + c.estimate.transient_bytes
+
+
+def _default_samples(graph: DataflowGraph) -> int:
+    """Sequences per iteration: the largest generation batch, else the largest training batch."""
+    gen = [m.n_seqs for m in graph if m.kind == "generate"]
+    if gen:
+        return max(gen)
+    return max(m.n_seqs for m in graph)
