@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-
 # name -> build_tiny keyword arguments. Between them they cover every family, tied and untied
 # heads, Mistral's sliding window, sharded safetensors, pytorch_model.bin and critic heads.
 MODELS = {

@@ -22,7 +22,7 @@ from restage.models.config import ModelConfig
 from restage.models.decoder import StageModule
 from restage.models.hf_adapter import BASE_PREFIXES, hf_config_dict, hf_source, to_hf_tensors
 from restage.models.parallel import ParallelContext
-from restage.models.sharding import ShardSpec, shard_specs, split_range, stage_params
+from restage.models.sharding import ShardSpec, shard_specs, split_range, stage_params, validate_strategy
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "generation_config.json", "chat_template.jinja")
@@ -170,6 +170,7 @@ def load_stage(path: str | Path, layout: Layout, groups: ProcessGroups | None, r
     cfg = ModelConfig.from_hf_dict(hf, source=str(path))
     if critic and not cfg.is_critic:
         cfg = cfg.as_critic()
+    validate_strategy(cfg, layout.strategy, name=str(path))  # before any group is touched
     ctx = ParallelContext.from_layout(layout, groups, rank)
     module = StageModule(cfg, ctx, dtype=dtype, device=device)
     load_checkpoint(module, path)

@@ -56,10 +56,35 @@ def tiny_hf_config(family: str = "llama", tied: bool = False, critic: bool = Fal
     return config
 
 
+_WORDS = ("the a an and or but if then so of to in on at by for with from up down out over under again is are was "
+          "were be been have has had do does did can will would should could may might must i you he she it we they me "
+          "him her us them my your his its our their this that these those what which who when where why how all any "
+          "both each few more most other some such no nor not only own same than too very one two three four five six "
+          "seven eight nine ten cat dog sat ran saw big small red blue green good bad new old yes hello world").split()
+
+
+def build_tiny_tokenizer(path: str | Path, vocab_size: int) -> None:
+    """A word-level tokenizer over ``vocab_size`` ids (0 pad, 1 bos, 2 eos, 3 unk, then common words, then w<i>)."""
+    transformers = _quiet_transformers()
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["<pad>", "<s>", "</s>", "<unk>", *_WORDS]
+    words += [f"w{i}" for i in range(len(words), vocab_size)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words[:vocab_size])}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>",
+                                                eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(str(path))
+
+
 def build_tiny(path: str | Path, family: str = "llama", tied: bool = False, critic: bool = False, seed: int = 0,
                sliding_window: int | None = None, weight_format: str = "safetensors", max_shard_size: str | int | None = None,
-               dtype: torch.dtype = torch.float32, **sizes) -> Path:
-    """Write a random HF model directory; ``weight_format`` is ``safetensors`` or ``bin`` (``pytorch_model.bin``)."""
+               dtype: torch.dtype = torch.float32, tokenizer: bool = True, **sizes) -> Path:
+    """Write a random HF model directory (with a word-level tokenizer unless ``tokenizer=False``).
+
+    ``weight_format`` is ``safetensors`` or ``bin`` (``pytorch_model.bin``).
+    """
     transformers = _quiet_transformers()
     config = tiny_hf_config(family, tied=tied, critic=critic, sliding_window=sliding_window, **sizes)
     torch.manual_seed(seed)
@@ -82,6 +107,8 @@ def build_tiny(path: str | Path, family: str = "llama", tied: bool = False, crit
         torch.save(model.state_dict(), path / "pytorch_model.bin")
     elif weight_format != "safetensors":
         raise ValueError(f"weight_format must be safetensors or bin, not {weight_format!r}")
+    if tokenizer:
+        build_tiny_tokenizer(path, config.vocab_size)
     return path
 
 

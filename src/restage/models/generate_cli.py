@@ -1,0 +1,203 @@
+"""``restage generate MODEL_DIR --prompt TEXT ... [--tp N] [--pp N] [-n NPROC] [--greedy] [--json]``.
+
+Generates from a HF model directory on this machine. With more than one process the command
+re-launches itself under the environment's ``mpirun`` (N = dp * tp * pp ranks; the prompts are
+dealt round-robin to the data-parallel replicas) and rank 0 prints the completions in prompt
+order. Prompts are text (tokenised with the directory's tokenizer), token ids (``--token-ids``),
+or a JSONL file of ``{"prompt": TEXT}`` / ``{"token_ids": [...]}`` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from restage.errors import ConfigError
+
+_ARGS_ENV = "RESTAGE_GENERATE_ARGS"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", nargs="?", help="HF model directory (config.json + weights)")
+    parser.add_argument("--model", dest="model_flag", help="the model directory, as a flag")
+    parser.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
+    parser.add_argument("--prompts", help="JSONL file: one {\"prompt\": TEXT} or {\"token_ids\": [...]} per line")
+    parser.add_argument("--token-ids", action="append", default=[], metavar="'ID ID ...'",
+                        help="a prompt as space-separated token ids (repeatable); needs no tokenizer")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--min-new-tokens", type=int, default=0)
+    parser.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0: off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    parser.add_argument("-n", "--nproc", type=int, default=None, help="processes (a multiple of tp*pp; default tp*pp)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--json", action="store_true", help="print one JSON document with token ids, text and logprobs")
+
+
+def _model_dir(args) -> Path:
+    path = args.model_flag or args.model_dir
+    if not path:
+        raise ConfigError("no model given; pass MODEL_DIR or --model DIR")
+    return Path(path)
+
+
+def _read_prompts(args, tokenizer) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids and (when given as text) the text of every prompt, in order."""
+    items: list[str | list[int]] = list(args.prompt)
+    for text in args.token_ids:
+        try:
+            items.append([int(t) for t in text.replace(",", " ").split()])
+        except ValueError:
+            raise ConfigError(f"--token-ids {text!r} is not a list of integers") from None
+    if args.prompts:
+        try:
+            lines = Path(args.prompts).read_text().splitlines()
+        except OSError as err:
+            raise ConfigError(f"cannot read --prompts {args.prompts}: {err.strerror}") from None
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise ConfigError(f"{args.prompts}:{number} is not JSON; write {{\"prompt\": TEXT}} per line") from None
+            if isinstance(row, str) or "prompt" in row:
+                items.append(row if isinstance(row, str) else row["prompt"])
+            elif "token_ids" in row:
+                items.append([int(t) for t in row["token_ids"]])
+            else:
+                raise ConfigError(f"{args.prompts}:{number} needs a \"prompt\" or \"token_ids\" key")
+    if not items:
+        raise ConfigError("no prompts; pass --prompt TEXT, --token-ids 'IDS' or --prompts FILE.jsonl")
+    ids, texts = [], []
+    for item in items:
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise ConfigError("the model directory has no tokenizer; pass prompts as --token-ids")
+            ids.append(tokenizer(item, add_special_tokens=True)["input_ids"])
+            texts.append(item)
+        else:
+            ids.append(item)
+            texts.append(None)
+    if any(not p for p in ids):
+        raise ConfigError("a prompt is empty; every prompt needs at least one token")
+    return ids, texts
+
+
+def _tokenizer(path: Path):
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from restage.models.tiny import _quiet_transformers
+
+    return _quiet_transformers().AutoTokenizer.from_pretrained(str(path))
+
+
+def _check(args) -> tuple[int, object]:
+    """Validate everything a user can get wrong before any process starts; returns (nproc, ModelConfig)."""
+    from restage.layout import Strategy
+    from restage.models.config import ModelConfig
+    from restage.models.sharding import validate_strategy
+
+    path = _model_dir(args)
+    cfg = ModelConfig.from_pretrained(path)
+    strategy = Strategy(tp=args.tp, pp=args.pp)
+    validate_strategy(cfg, strategy, name=str(path))
+    nproc = args.nproc or args.tp * args.pp
+    if nproc % (args.tp * args.pp):
+        raise ConfigError(f"-n {nproc} is not a multiple of tp*pp = {args.tp * args.pp}; use -n {args.tp * args.pp}")
+    return nproc, cfg
+
+
+def main(args: argparse.Namespace) -> int:
+    nproc, _ = _check(args)
+    # Tokenise once, here: bad prompts fail in one process, and the ranks need no tokenizer to start.
+    args.prompt_ids, args.prompt_texts = _read_prompts(args, _tokenizer(_model_dir(args)))
+    under_mpi = "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
+    if nproc == 1 or under_mpi:
+        return _run(args, nproc, use_mpi=under_mpi)
+    from restage.launch.mpirun import mpirun_command
+
+    env = {**os.environ, _ARGS_ENV: json.dumps(vars(args)), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    command = mpirun_command(nproc, [sys.executable, "-m", "restage.models.generate_cli"],
+                             env=[_ARGS_ENV, "OMP_NUM_THREADS", "PYTHONPATH"] if "PYTHONPATH" in env else
+                             [_ARGS_ENV, "OMP_NUM_THREADS"])
+    return subprocess.run(command, env=env).returncode
+
+
+def _run(args, nproc: int, use_mpi: bool) -> int:
+    import torch
+
+    from restage.layout import Layout, ProcessGroups, Strategy
+    from restage.models.checkpoint import load_stage
+    from restage.models.generation import SamplingParams, generate
+
+    path = _model_dir(args)
+    prompts, texts = args.prompt_ids, args.prompt_texts
+    control = None
+    rank, world = 0, 1
+    if use_mpi:
+        from restage.runtime.control import Control, init_torch_distributed
+
+        control = Control()
+        rank, world = control.rank, control.world_size
+        if world != nproc:
+            raise ConfigError(f"running on {world} MPI ranks but -n {nproc}; make them agree")
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        init_torch_distributed(control, timeout_seconds=300)
+    strategy = Strategy(dp=world // (args.tp * args.pp), tp=args.tp, pp=args.pp)
+    layout = Layout(tuple(range(world)), strategy)
+    groups = ProcessGroups(layout.all_groups()) if world > 1 else None
+    module = load_stage(path, layout, groups, rank, dtype=getattr(torch, args.dtype))
+    cfg = module.cfg
+    eos = (cfg.eos_token_id,) if cfg.eos_token_id is not None else ()
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, greedy=args.greedy,
+                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            eos_token_ids=eos, pad_token_id=cfg.pad_token_id or 0)
+    coord = layout.coord(rank)
+    mine = list(range(coord.dp, len(prompts), strategy.dp))
+    rows = []
+    if mine:
+        out = generate(module, [prompts[i] for i in mine], params)
+        rows = list(zip(mine, out.sequences(), out.token_logprobs()))
+    if control is not None:
+        gathered = control.gather(rows if coord.pp == 0 and coord.tp == 0 else [])
+        if rank != 0:
+            return 0
+        rows = [row for part in gathered for row in part]
+    _print(args, sorted(rows), prompts, texts, _tokenizer(path), strategy)
+    return 0
+
+
+def _print(args, rows, prompts, texts, tokenizer, strategy) -> None:
+    def text(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None
+
+    completions = [{"prompt": texts[i], "prompt_token_ids": prompts[i], "token_ids": ids, "text": text(ids),
+                    "logprobs": [round(lp, 6) for lp in logprobs]} for i, ids, logprobs in rows]
+    if args.json:
+        print(json.dumps({"model": str(_model_dir(args)), "strategy": str(strategy), "completions": completions}))
+        return
+    for i, c in enumerate(completions):
+        shown = c["text"] if c["text"] is not None else " ".join(map(str, c["token_ids"]))
+        prompt = c["prompt"] if c["prompt"] is not None else " ".join(map(str, c["prompt_token_ids"]))
+        print(f"[{i}] {prompt} -> {shown}")
+
+
+if __name__ == "__main__":  # one rank of a multi-process run started by main()
+    from restage.errors import RestageError
+
+    namespace = argparse.Namespace(**json.loads(os.environ[_ARGS_ENV]))
+    try:
+        sys.exit(_run(namespace, namespace.nproc or namespace.tp * namespace.pp, use_mpi=True))
+    except RestageError as err:
+        print(f"restage: error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,37 @@
+"""``restage generate`` in one process: its completions are the library's."""
+
+from __future__ import annotations
+
+import json
+
+from model_cases import PROMPTS
+
+from restage.cli import main as restage
+from restage.layout import Layout, Strategy
+from restage.models.checkpoint import load_stage
+from restage.models.generation import SamplingParams, generate
+
+
+def test_json_completions_equal_library_generation(tiny_models, capsys):
+    path = tiny_models["gpt2"]
+    argv = ["generate", path, "--max-new-tokens", "6", "--greedy", "--json", "--prompt", "the cat sat"]
+    argv += [arg for p in PROMPTS[:2] for arg in ("--token-ids", " ".join(map(str, p)))]
+    assert restage(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    completions = out["completions"]
+    assert out["strategy"] == "dp1tp1pp1" and len(completions) == 3
+    assert completions[0]["prompt"] == "the cat sat" and completions[0]["prompt_token_ids"] == [4, 106, 108]
+    module = load_stage(path, Layout((0,), Strategy()), None, 0)
+    prompts = [c["prompt_token_ids"] for c in completions]
+    assert prompts[1:] == PROMPTS[:2]
+    expected = generate(module, prompts, SamplingParams(max_new_tokens=6, greedy=True, eos_token_ids=(2,)))
+    assert [c["token_ids"] for c in completions] == expected.sequences()
+    assert all(len(c["text"].split()) == len(c["token_ids"]) for c in completions if 2 not in c["token_ids"])
+
+
+def test_text_output_reads_prompts_from_jsonl(tiny_models, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello world"}\n\n{"token_ids": [5, 6, 7]}\n')
+    assert restage(["generate", "--model", tiny_models["llama"], "--prompts", str(prompts), "--max-new-tokens", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("[0] hello world -> ") and lines[1].startswith("[1] 5 6 7 -> ")

@@ -1,0 +1,76 @@
+"""Generation options on one process: sampling filters, EOS handling, logprobs, low precision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_cases import PROMPTS, sample_sequences
+
+from restage.layout import Layout, Strategy
+from restage.models.checkpoint import load_stage
+from restage.models.generation import SamplingParams, generate
+from restage.models.packing import pack
+from restage.models.parallel import vocab_parallel_logprobs
+
+ONE_RANK = Layout((0,), Strategy())
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    return load_stage(tiny_models["llama"], ONE_RANK, None, 0)
+
+
+def test_sampled_logprobs_equal_a_teacher_forced_forward(llama):
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=50, top_p=0.9, seed=3, eos_token_ids=())
+    out = generate(llama, PROMPTS, params)
+    seqs = [p + g for p, g in zip(PROMPTS, out.sequences())]
+    tokens, batch = pack(seqs)
+    with torch.no_grad():
+        logits = llama(tokens, batch)
+    targets = torch.cat([tokens[1:], tokens[:1]])
+    logprobs = vocab_parallel_logprobs(logits, targets, llama.ctx, 0, temperature=0.7)
+    for b, (prompt, start) in enumerate(zip(PROMPTS, batch.cu_seqlens[:-1].tolist())):
+        first = start + len(prompt) - 1  # the logits at the prompt's last token pick generated token 0
+        expected = logprobs[first: first + int(out.lengths[b])]
+        assert torch.allclose(out.logprobs[b, : int(out.lengths[b])], expected, atol=1e-4)
+
+
+def test_sampling_is_seeded_and_narrow_filters_reduce_to_greedy(llama):
+    greedy = generate(llama, PROMPTS, SamplingParams(max_new_tokens=10, greedy=True, eos_token_ids=()))
+    top1 = generate(llama, PROMPTS, SamplingParams(max_new_tokens=10, top_k=1, seed=5, eos_token_ids=()))
+    tiny_p = generate(llama, PROMPTS, SamplingParams(max_new_tokens=10, top_p=1e-6, seed=6, eos_token_ids=()))
+    assert top1.sequences() == greedy.sequences() == tiny_p.sequences()
+    a, b, c = (generate(llama, PROMPTS, SamplingParams(max_new_tokens=10, seed=s, eos_token_ids=())) for s in (1, 1, 2))
+    assert a.sequences() == b.sequences() and a.sequences() != c.sequences()
+
+
+def test_each_sequence_stops_at_its_eos_and_min_new_tokens_holds_eos_back(llama):
+    greedy = generate(llama, PROMPTS, SamplingParams(max_new_tokens=10, greedy=True, eos_token_ids=())).sequences()
+    first = greedy[0]
+    stop = next(i for i, t in enumerate(first) if first.index(t) == i and i >= 2)  # first occurrence, at step >= 2
+    eos = first[stop]
+    out = generate(llama, PROMPTS, SamplingParams(max_new_tokens=10, greedy=True, eos_token_ids=(eos,), pad_token_id=0))
+    for b, seq in enumerate(greedy):
+        expected = seq[: seq.index(eos) + 1] if eos in seq else seq
+        assert out.sequences()[b] == expected
+        assert out.tokens[b, len(expected):].eq(0).all() and out.logprobs[b, len(expected):].eq(0).all()
+    held = generate(llama, PROMPTS, SamplingParams(max_new_tokens=10, min_new_tokens=stop + 2, greedy=True,
+                                                   eos_token_ids=(eos,)))
+    assert eos not in held.sequences()[0][: stop + 2] and int(held.lengths[0]) >= stop + 2
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 0.02), (torch.float16, 0.002)])
+def test_half_precision_logits_track_transformers(tiny_models, dtype, tolerance):
+    from restage.models.tiny import load_hf
+
+    seqs = sample_sequences([9, 14], seed=4)
+    ours = load_stage(tiny_models["qwen2"], ONE_RANK, None, 0, dtype=dtype)
+    hf = load_hf(tiny_models["qwen2"], dtype=dtype)
+    tokens, batch = pack(seqs)
+    with torch.no_grad():
+        logits = ours(tokens, batch)
+        reference = torch.cat([hf(torch.tensor([s])).logits[0] for s in seqs])
+    assert logits.dtype == dtype and next(ours.parameters()).dtype == dtype
+    assert (logits.float() - reference.float()).abs().max().item() <= tolerance
+    out = generate(ours, PROMPTS, SamplingParams(max_new_tokens=8, greedy=True, eos_token_ids=()))
+    assert out.tokens.shape == (len(PROMPTS), 8) and torch.isfinite(out.logprobs).all()
