@@ -78,3 +78,25 @@ def test_statistics(report):
     assert report["stats"]["reward"]["first_step"] == 0 and report["stats"]["reward"]["last"] == pytest.approx(1.0)
     assert report["stats"]["kl"]["count"] == STEPS - 2 and report["stats"]["kl"]["first_step"] == 2
     assert report["warnings"] == []
+
+
+def test_mfu_reads_the_cluster_and_dtype_where_the_runtime_may_put_them():
+    from restage.report.throughput import peak_flops_per_device
+
+    spec = {"device": "A100", "peak_fp32_flops_per_second": 19.5e12, "peak_bf16_flops_per_second": 312e12}
+    assert peak_flops_per_device(spec, "fp32") == (19.5e12, "fp32")
+    assert peak_flops_per_device(spec, "") == (312e12, "bf16")
+    assert peak_flops_per_device({"device": {"peak_flops": {"fp16": 1e12}}}, "") == (1e12, "fp16")
+    assert peak_flops_per_device(spec, "fp8")[0] is None and peak_flops_per_device(None, "bf16")[0] is None
+
+
+def test_dtype_and_cluster_fall_back_to_the_schedule(tmp_path):
+    from restage.report.log import LogWriter
+
+    schedule = {"models": {"actor": {"dtype": "fp32"}, "ref": {"dtype": "fp32"}},
+                "cluster": {"peak_fp32_flops_per_second": 1e12, "peak_bf16_flops_per_second": 8e12}}
+    with LogWriter(tmp_path, world_size=2, schedule=schedule) as writer:
+        writer.end_step(0, 0.0, 2.0, samples=4, tokens=40, flops=4e12)
+    report = summarize(read_log(tmp_path))
+    assert (report["mfu_dtype"], report["peak_flops_per_device"]) == ("fp32", 1e12)
+    assert report["throughput"]["all"]["mfu"] == pytest.approx(4e12 / 2.0 / 2 / 1e12)

@@ -21,10 +21,12 @@ def sweep_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep")
     write_synthetic_log(root / "ws2" / "log.h5", steps=4, world_size=2, seed=1)
     write_synthetic_log(root / "ws4" / "log.h5", steps=4, world_size=4, seed=2, close=False)
-    trials = [{"name": "ws2", "dir": "ws2", "overrides": {"world_size": 2, "actor.tp": 1}},
-              {"name": "ws4", "dir": str(root / "ws4"), "overrides": {"world_size": 4, "actor.tp": 2}},
+    # as restage.launch.sweep writes it (trial, trial_dir, values), and one trial in the synonym keys
+    trials = [{"index": 0, "trial": "ws2", "trial_dir": str(root / "ws2"), "values": {"world_size": 2, "actor.tp": 1},
+               "job_id": "12_0"},
+              {"index": 1, "trial": "ws4", "trial_dir": "ws4", "values": {"world_size": 4, "actor.tp": 2}, "job_id": "12_1"},
               {"name": "failed", "dir": "failed", "overrides": {"world_size": 8}}]
-    (root / "index.json").write_text(json.dumps({"trials": trials}))
+    (root / "index.json").write_text(json.dumps({"sweep": "test", "trials": trials}))
     return root
 
 
@@ -54,5 +56,5 @@ def test_bad_index_is_one_line(tmp_path):
     with pytest.raises(LogError, match="no index.json"):
         read_sweep_index(tmp_path)
     (tmp_path / "index.json").write_text(json.dumps({"trials": [{"name": "x"}]}))
-    with pytest.raises(LogError, match="trial 0 has no dir"):
+    with pytest.raises(LogError, match="trial 0 has no trial_dir"):
         read_sweep_index(tmp_path)

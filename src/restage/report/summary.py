@@ -14,6 +14,7 @@ from restage.report.throughput import (
     peak_flops_per_device,
     predictions_from_schedule,
     rank_shares,
+    run_dtype,
     step_flops,
     throughput,
 )
@@ -47,7 +48,8 @@ def summarize(log: RunLog, last_n: int = 20) -> dict:
         raise LogError(f"--last {last_n}: give a positive number of steps")
     order = np.argsort(log.steps["step"], kind="stable")
     rows, flops = log.steps[order], step_flops(log)[order]
-    peak, dtype_or_reason = peak_flops_per_device(log.cluster, log.dtype)
+    cluster = log.cluster or (log.schedule or {}).get("cluster")  # the schedule carries the cluster too
+    peak, dtype_or_reason = peak_flops_per_device(cluster, run_dtype(log))
     overall = throughput(log, rows, flops, peak)
     shares, warnings = rank_shares(log, overall["wall_seconds"])
     predictions = predictions_from_schedule(log.schedule)

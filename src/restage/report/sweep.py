@@ -1,13 +1,13 @@
 """Report of a sweep: one row per trial with its config keys and throughput.
 
-The sweep directory holds ``index.json`` (written by ``restage sweep``, restage.launch.sweep). Only
+The sweep directory holds ``index.json``, written by ``restage sweep`` (restage.launch.sweep). Only
 ``read_sweep_index`` knows its format, so adapting to a change of that file touches one function::
 
-    {"trials": [{"name": "tp2-b64", "dir": "tp2-b64", "overrides": {"actor.tp": 2, "batch_size": 64}}, ...]}
+    {"trials": [{"trial": "lr-sweep/000", "trial_dir": "/abs/or/relative", "values": {"models.actor.optim.lr": 1e-5}}, ...]}
 
-``dir`` is relative to the sweep directory (or absolute) and holds the trial's ``log.h5``;
-``results_dir`` or ``path`` are read as synonyms of ``dir``, ``params`` of ``overrides``; a
-bare list of trials is accepted too; a trial without ``name`` is named after its directory.
+``trial_dir`` (absolute, or relative to the sweep directory) holds the trial's ``log.h5``; ``values``
+are the swept config keys. Synonyms read too: ``dir``/``results_dir``/``path`` for the directory,
+``overrides``/``params`` for the values, ``name`` for the trial; a bare list of trials is accepted.
 """
 
 from __future__ import annotations
@@ -42,15 +42,16 @@ def read_sweep_index(sweep_dir: str | Path) -> list[SweepTrial]:
         raise LogError(f"{index} is not valid JSON ({err})") from None
     entries = data.get("trials") if isinstance(data, dict) else data
     if not isinstance(entries, list):
-        raise LogError(f"{index} lists no trials; expected {{\"trials\": [{{\"name\", \"dir\", \"overrides\"}}, ...]}}")
+        raise LogError(f"{index} lists no trials; expected {{\"trials\": [{{\"trial\", \"trial_dir\", \"values\"}}, ...]}}")
     trials = []
     for i, entry in enumerate(entries):
-        folder = next((entry[k] for k in ("dir", "results_dir", "path") if k in entry), None)
+        folder = next((entry[k] for k in ("trial_dir", "dir", "results_dir", "path") if k in entry), None)
         if folder is None:
-            raise LogError(f"{index}: trial {i} has no dir; each trial needs the directory of its log")
+            raise LogError(f"{index}: trial {i} has no trial_dir; each trial needs the directory of its log")
         run_dir = Path(folder) if Path(folder).is_absolute() else sweep_dir / folder
-        overrides = entry.get("overrides", entry.get("params", {})) or {}
-        trials.append(SweepTrial(str(entry.get("name", Path(folder).name)), run_dir, dict(overrides)))
+        values = next((entry[k] for k in ("values", "overrides", "params") if k in entry), None) or {}
+        name = next((entry[k] for k in ("name", "trial") if k in entry), Path(folder).name)
+        trials.append(SweepTrial(str(name), run_dir, dict(values)))
     return trials
 
 

@@ -52,10 +52,10 @@ def synthetic_schedule(world_size: int) -> dict:
 
 
 def synthetic_cluster(world_size: int) -> dict:
-    return {"name": f"synthetic-{world_size}xA100", "nodes": max(1, world_size // 8),
-            "devices_per_node": min(world_size, 8),
-            "device": {"name": "A100-80GB", "memory_bytes": 80 * 2**30,
-                       "peak_flops": {"bf16": PEAK_FLOPS_BF16, "fp16": PEAK_FLOPS_BF16, "fp32": 19.5e12}}}
+    """The fields of ``ClusterSpec.to_json()`` the report reads (A100 figures)."""
+    return {"name": f"synthetic-{world_size}xA100", "device": "A100-80GB", "nodes": max(1, world_size // 8),
+            "devices_per_node": min(world_size, 8), "memory_bytes": 80 * 2**30, "peak_fp32_flops_per_second": 19.5e12,
+            "peak_bf16_flops_per_second": PEAK_FLOPS_BF16, "peak_fp16_flops_per_second": PEAK_FLOPS_BF16}
 
 
 def _write_step(writer: LogWriter, step: int, steps: int, step_start: float, rng: np.random.Generator,

@@ -49,19 +49,33 @@ def predictions_from_schedule(schedule: dict | None) -> dict[str, Prediction]:
     return found
 
 
-def peak_flops_per_device(cluster: dict | None, dtype: str) -> tuple[float | None, str]:
-    """Peak FLOP/s of one device for ``dtype`` and the dtype used, from ``cluster["device"]["peak_flops"][dtype]``.
+def run_dtype(log: RunLog) -> str:
+    """The dtype MFU is measured against: the log's ``dtype`` attribute, else the schedule's models' dtype if they agree."""
+    if log.dtype:
+        return log.dtype
+    models = (log.schedule or {}).get("models") or {}
+    dtypes = {m.get("dtype") for m in models.values() if isinstance(m, dict) and m.get("dtype")}
+    return dtypes.pop() if len(dtypes) == 1 else ""
 
-    ``cluster["peak_flops"][dtype]`` is accepted too. With no dtype recorded, bf16 is used if the
-    cluster lists it, else its only dtype. (None, reason) when the cluster gives no figure.
+
+def peak_flops_per_device(cluster: dict | None, dtype: str) -> tuple[float | None, str]:
+    """Peak FLOP/s of one device for ``dtype``, and the dtype used; (None, reason) when the cluster gives none.
+
+    Reads ``cluster["peak_<dtype>_flops_per_second"]`` (``ClusterSpec.to_json()``), or
+    ``cluster["device"]["peak_flops"][dtype]``. With no dtype known, bf16 is used if listed, else the only one.
     """
-    table = ((cluster or {}).get("device") or {}).get("peak_flops") or (cluster or {}).get("peak_flops") or {}
+    cluster = cluster or {}
+    table = {key[len("peak_"):-len("_flops_per_second")]: value for key, value in cluster.items()
+             if key.startswith("peak_") and key.endswith("_flops_per_second")}
+    device = cluster.get("device")
+    if not table and isinstance(device, dict):
+        table = device.get("peak_flops") or {}
     if not table:
-        return None, "the log's cluster attribute has no device peak_flops"
+        return None, "the log's cluster attribute has no peak FLOP/s per dtype"
     if not dtype:
         dtype = "bf16" if "bf16" in table else (next(iter(table)) if len(table) == 1 else "")
     if dtype not in table:
-        return None, f"the cluster's peak_flops has no {dtype or 'single'} dtype (it has {', '.join(sorted(table))})"
+        return None, f"the cluster has no peak FLOP/s for {dtype or 'an unnamed dtype'} (it has {', '.join(sorted(table))})"
     return float(table[dtype]), dtype
 
 
