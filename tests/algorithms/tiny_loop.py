@@ -9,14 +9,17 @@ from restage.algorithms import ops
 from restage.data.batch import Batch, pack_sequences
 
 
-def tiny_model(seed=0, vocab_size=16):
+def tiny_model(seed=0, vocab_size=16, scalar_head=False):
+    """A 2-layer LLaMA of width 64; ``scalar_head``: one value per token (critic / reward model) instead of logits."""
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
     config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                                      bos_token_id=1, eos_token_id=2, pad_token_id=0, num_labels=1)
     torch.manual_seed(seed)
+    if scalar_head:
+        return transformers.AutoModelForTokenClassification.from_config(config, attn_implementation="eager")
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 

@@ -75,6 +75,8 @@ def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig
     per_pair, reward_c, reward_r = losses.dpo_loss(pi_c, pi_r, ref_c, ref_r, p.beta, p.loss_type, p.label_smoothing)
     value = per_pair.mean()
     margin = reward_c - reward_r
-    return value, {"loss": float(value.detach()), "accuracy": float((margin > 0).float().mean()), "margin": float(margin.mean()),
+    # accuracy: the implicit reward ranks the pair right; policy_accuracy: the policy alone gives chosen more probability.
+    return value, {"loss": float(value.detach()), "accuracy": float(losses.pair_accuracy(margin)),
+                   "policy_accuracy": float(losses.pair_accuracy(pi_c - pi_r)), "margin": float(margin.mean()),
                    "chosen_reward": float(reward_c.mean()), "rejected_reward": float(reward_r.mean()),
                    "pairs": float(pi_c.numel())}

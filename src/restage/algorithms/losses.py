@@ -30,9 +30,15 @@ def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean ``-log sigmoid(chosen - rejected)``, accuracy = fraction with chosen > rejected) over pairs."""
+    """(mean ``-log sigmoid(chosen - rejected)``, accuracy) over pairs; see ``pair_accuracy``."""
     margin = chosen.float() - rejected.float()
-    return -F.logsigmoid(margin).mean(), (margin > 0).float().mean()
+    return -F.logsigmoid(margin).mean(), pair_accuracy(margin)
+
+
+def pair_accuracy(margin: torch.Tensor) -> torch.Tensor:
+    """Fraction of pairs ranked right (margin > 0); a tie counts one half, so an untrained model scores 0.5."""
+    margin = margin.detach().float()
+    return ((margin > 0).float() + 0.5 * (margin == 0).float()).mean()
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,

@@ -60,5 +60,5 @@ def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig
          state: base.AlgoState) -> tuple[torch.Tensor, dict]:
     chosen, rejected = pair_scores(outputs["values"], micro_batch)
     value, accuracy = losses.bradley_terry(chosen, rejected)
-    return value, {"loss": float(value.detach()), "accuracy": float(accuracy), "chosen_score": float(chosen.mean()),
-                   "rejected_score": float(rejected.mean()), "pairs": float(chosen.numel())}
+    return value, {"loss": float(value.detach()), "accuracy": float(accuracy), "chosen_score": float(chosen.detach().mean()),
+                   "rejected_score": float(rejected.detach().mean()), "pairs": float(chosen.numel())}
