@@ -21,6 +21,7 @@ _FLOAT_FIELDS = (
     "memory_bandwidth_bytes_per_second", "intra_node_bandwidth_bytes_per_second", "intra_node_latency_seconds",
     "inter_node_bandwidth_bytes_per_second", "inter_node_latency_seconds", "compute_efficiency",
     "memory_efficiency", "network_efficiency", "usable_memory_fraction", "block_overhead_seconds",
+    "host_bandwidth_bytes_per_second",
 )
 
 
@@ -52,6 +53,7 @@ class ClusterSpec:
     network_efficiency: float = 0.8
     usable_memory_fraction: float = 0.9
     block_overhead_seconds: float = 0.0
+    host_bandwidth_bytes_per_second: float = 25.0e9  # device <-> host memory (offloading), per device
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:

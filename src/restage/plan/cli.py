@@ -67,8 +67,9 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
                      f"{pr['peak_memory_bytes'] / GIB:>9.2f}")
     for step in schedule.steps:
         if step["kind"] == "realloc":
-            lines.append(f"  realloc {step['model']} for {step['for']}: {step['bytes'] / GIB:.2f} GiB moved, "
-                         f"{step['predicted_seconds']:.3f} s")
+            dst = step["dst"]
+            lines.append(f"  realloc {step['model']} to [{dst['mesh'][0]}-{dst['mesh'][-1]}]dp{dst['dp']}tp{dst['tp']}"
+                         f"pp{dst['pp']}: {step['bytes'] / GIB:.2f} GiB moved, {step['predicted']['seconds']:.3f} s")
     lines.append(f"iteration {p['iteration_seconds']:.3f} s, {p['samples_per_second']:.2f} samples/s, "
                  f"{p['pflops_per_second']:.3f} PFLOP/s, peak {p['peak_memory_bytes'] / GIB:.1f} of "
                  f"{p['usable_memory_bytes'] / GIB:.1f} GiB")

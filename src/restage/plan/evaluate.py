@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from restage.plan.problem import Plan, PlanProblem
-from restage.plan.simulator import Timeline, needs_copy, steady_state
+from restage.plan.simulator import Timeline, needs_copy, steady_state, zero3_in_place
 
 # Infeasible plans are kept comparable so the search can walk out of them: each byte over the
 # limit (as a fraction of the limit) costs this many times the iteration time.
@@ -49,7 +49,12 @@ def _ranks(layout):
 
 
 def plan_memory(problem: PlanProblem, plan: Plan) -> tuple[int, tuple[int, ...]]:
-    """(peak bytes of the fullest rank, each MFC's peak bytes) for ``plan``."""
+    """(peak bytes of the fullest rank, each MFC's peak bytes) for ``plan``.
+
+    Persistent: each model's home state, and the copies of frozen models on other layouts (the
+    runtime keeps those). Transient, per MFC: its activations / KV cache, plus its parameters when
+    it runs on a copy of a trained model, on a ZeRO-3 gather, or on an offloaded frozen model.
+    """
     world = max(problem.cluster.world_size, max(c.layout.mesh[-1] for c in plan) + 1)
     persistent = np.zeros(world)
     for model, home_name in problem.home.items():
@@ -57,12 +62,18 @@ def plan_memory(problem: PlanProblem, plan: Plan) -> tuple[int, tuple[int, ...]]
         home = plan[problem.index[home_name]]
         if role.trainable or not role.offload_when_idle:
             persistent[_ranks(home.layout)] += home.estimate.state_bytes
+    frozen_copies = set()
     transient_max = np.zeros(world)
     needs = []
     for mfc, cand in zip(problem.mfcs, plan):
         role = problem.role(mfc)
         need = cand.estimate.transient_bytes
-        if needs_copy(problem, plan, mfc) or (not role.trainable and role.offload_when_idle):
+        copy = needs_copy(problem, plan, mfc)
+        if copy and not role.trainable and not role.offload_when_idle:
+            if (mfc.model, cand.layout) not in frozen_copies:
+                frozen_copies.add((mfc.model, cand.layout))
+                persistent[_ranks(cand.layout)] += cand.estimate.param_bytes
+        elif copy or zero3_in_place(problem, plan, mfc) or (not role.trainable and role.offload_when_idle):
             need += cand.estimate.param_bytes
         idx = _ranks(cand.layout)
         transient_max[idx] = np.maximum(transient_max[idx], need)

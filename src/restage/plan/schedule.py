@@ -3,8 +3,9 @@
 ``build_schedule`` writes a chosen plan down with everything the runtime needs and nothing it
 must recompute: the config, the cluster, each model's architecture, checkpoint, dtype, ZeRO stage
 and home layout, each MFC with its layout and micro-batch count, the steps of one iteration in
-execution order (reallocate a parameter copy, transfer a key, run an MFC, free a copy), and the
-estimator's predictions. ``read_schedule`` refuses files of another format version.
+execution order (``runtime.program.Op`` records: run an MFC, reallocate or free a parameter
+copy, transfer a key, offload or reload a frozen model), and the estimator's predictions.
+``read_schedule`` refuses files of another format version.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from restage.errors import ConfigError
 from restage.graph import MFC
 from restage.layout import Layout
 from restage.plan.evaluate import evaluate
-from restage.plan.simulator import copy_seconds, plan_steps, realloc_name
-from restage.plan.transfer import data_transfer_seconds
+from restage.plan.simulator import op_name, plan_ops
+from restage.plan.transfer import key_bytes
 
 SCHEDULE_FORMAT_VERSION = 1
 
@@ -59,6 +60,17 @@ class Schedule:
                 return MFC.from_json({k: entry[k] for k in _MFC_FIELDS})
         raise KeyError(name)
 
+    def ops(self) -> list:
+        """The steps as ``runtime.program.Op`` records, in the order every rank walks them."""
+        from restage.runtime.program import Op
+
+        def layout(d):
+            return Layout.from_json(d) if d is not None else None
+
+        return [Op(kind=s["kind"], ranks=tuple(s["ranks"]), mfc=s.get("mfc", ""), model=s.get("model", ""),
+                   key=s.get("key", ""), producer=s.get("producer", ""), src=layout(s.get("src")), dst=layout(s.get("dst")))
+                for s in self.steps]
+
     def layout(self, name: str) -> Layout:
         for entry in self.mfcs:
             if entry["name"] == name:
@@ -97,27 +109,17 @@ def build_schedule(cfg, outcome, exact: bool = True) -> Schedule:
                               "source": cand.estimate.source, "breakdown": dict(cand.estimate.breakdown)}
         mfcs.append(entry)
     steps = []
-    for step in plan_steps(problem, plan):
-        cand = plan[problem.index[step.mfc]]
-        if step.kind == "realloc":
-            home = plan[problem.index[problem.home[step.model]]].layout
-            role = problem.roles[step.model]
-            moved = problem.realloc(step.model, home, cand.layout).total_bytes if home != cand.layout else 0
-            span = spans[realloc_name(step.mfc)]
-            steps.append({"kind": "realloc", "model": step.model, "for": step.mfc, "src": home.to_json(),
-                          "dst": cand.layout.to_json(), "bytes": moved,
-                          "zero3_gather": role.trainable and role.zero_stage == 3,
-                          "predicted_seconds": copy_seconds(problem, plan, problem.graph[step.mfc]),
-                          "start_seconds": span.start_seconds})
-        elif step.kind == "transfer":
-            src = plan[problem.index[step.source]].layout
-            steps.append({"kind": "transfer", "key": step.key, "from": step.source, "to": step.mfc,
-                          "src": src.to_json(), "dst": cand.layout.to_json(), "bytes": step.nbytes,
-                          "predicted_seconds": data_transfer_seconds(src, cand.layout, step.nbytes, cluster)})
-        elif step.kind == "mfc":
-            steps.append({"kind": "mfc", "name": step.mfc})
-        else:
-            steps.append({"kind": "free", "model": step.model, "after": step.mfc, "layout": cand.layout.to_json()})
+    for i, op in enumerate(plan_ops(problem, plan)):
+        entry = op.to_json()
+        if op.kind != "free":
+            span = spans[op_name(op, i)]
+            entry["predicted"] = {"seconds": span.end_seconds - span.start_seconds, "start_seconds": span.start_seconds,
+                                  "end_seconds": span.end_seconds}
+        if op.kind == "realloc":
+            entry["bytes"] = problem.realloc(op.model, op.src, op.dst).total_bytes
+        elif op.kind == "transfer":
+            entry["bytes"] = key_bytes(problem.graph[op.mfc], op.key)
+        steps.append(entry)
     flops = problem.iteration_flops()
     predicted = {"iteration_seconds": ev.iteration_seconds, "samples_per_iteration": problem.samples_per_iteration,
                  "samples_per_second": problem.samples_per_iteration / ev.iteration_seconds,

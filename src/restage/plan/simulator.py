@@ -1,25 +1,26 @@
 """The timeline of one iteration: when each MFC, reallocation and data transfer runs.
 
-``simulate`` is a list scheduler over tasks given in schedule order, which is how the SPMD
-runtime behaves: every rank walks the same step list, so a task starts once all of its ranks
-have finished their earlier tasks and its inputs have arrived. Tasks on disjoint rank sets run
-side by side; tasks sharing a rank run one after the other in schedule order.
+``simulate`` is a list scheduler over tasks given in program order, which is how the SPMD
+runtime behaves: every rank walks the same op list and performs the ops it is part of, so an
+op starts once all of its ranks have finished their earlier ops. Ops on disjoint rank sets run
+side by side; ops sharing a rank run one after the other. Data and parameter-version
+dependencies follow from that: a transfer involves its producer's ranks (so it waits for the
+producer), the consumer's ranks (so the consumer waits for it), and a reallocation involves its
+model's home ranks (so it reads the parameters between train steps, never during one).
 
-``plan_steps`` turns a plan into the ordered steps the schedule lists (reallocate, transfer,
-run, free) and ``plan_tasks`` into the tasks of one iteration. By default an iteration starts
-after the previous one has finished on every rank (the runtime closes an iteration with the
-master's statistics gather), so the steady-state iteration time is one iteration's makespan.
-With ``overlap=True`` iterations may overlap where parameter versions allow: an MFC of
-iteration k+1 waits for its model's train step of iteration k, and the steady-state time is the
-period between iterations' ends. Within an iteration:
+``plan_ops`` holds the ops of the runtime's program (``runtime.program.build_program``) for the
+plan's layouts, reordered so that MFCs on disjoint meshes can overlap. In the runtime's own
+order a transfer sits right before its consumer and blocks its producer's ranks until the
+consumer's turn comes (a rank busy with an unrelated MFC then holds everyone up). Here the ops
+are sorted by their start in a relaxed timeline where transfers cost only a delay: runs and
+reallocations at their relaxed start, each transfer at the moment both its producer has
+finished and its consumer's ranks are free. The schedule lists ops in this order; the runtime
+walks them.
 
-* an MFC waits for the MFCs producing its inputs, plus the time to move those inputs when
-  producer and consumer layouts differ;
-* parameter versions: a train step waits for every earlier MFC of its model (they must read
-  the parameters before the update); a reallocated copy is made from the home layout right
-  before the MFC that needs it (after the home's train step, if that comes earlier);
-* a reallocation occupies the ranks of both its source and destination meshes; a copy is kept
-  for the next MFC of the same model when that one runs on the same layout.
+By default an iteration starts after the previous one has finished on every rank (the master
+closes each iteration), so the steady-state iteration time is one iteration's makespan. With
+``overlap=True`` consecutive iterations' op lists are simply concatenated (no barrier), and the
+steady-state time is the period between iterations' ends.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from restage.plan.transfer import data_transfer_seconds, key_bytes, zero3_gather_seconds
+from restage.runtime.program import Op, build_program
 
 
 @dataclass(frozen=True)
@@ -38,19 +40,7 @@ class Task:
     ranks: tuple[int, ...]
     seconds: float
     after: tuple[tuple[str, float], ...] = ()
-    kind: str = "mfc"  # mfc or realloc
-
-
-@dataclass(frozen=True)
-class Step:
-    """One entry of the schedule's step list: ``realloc`` / ``free`` a parameter copy, ``transfer`` a key, run an ``mfc``."""
-
-    kind: str
-    mfc: str  # the MFC the step serves (runs before it; ``free`` runs after it)
-    model: str = ""
-    key: str = ""
-    source: str = ""  # transfer: the producing MFC
-    nbytes: int = 0  # transfer: bytes of the key for the whole batch
+    kind: str = "run"  # an Op kind: run, realloc, transfer, free, offload, reload
 
 
 @dataclass(frozen=True)
@@ -93,110 +83,112 @@ def simulate(tasks: Sequence[Task]) -> Timeline:
     return Timeline(tuple(spans))
 
 
-def realloc_name(mfc_name: str) -> str:
-    return f"realloc:{mfc_name}"
+def plan_layouts(problem, plan) -> dict:
+    return {m.name: c.layout for m, c in zip(problem.mfcs, plan)}
 
 
-def needs_copy(problem, plan, mfc) -> bool:
-    """Whether ``mfc`` runs on a copy of its model's parameters made from the home layout."""
-    if problem.is_home(mfc):
-        return False
-    home = plan[problem.index[problem.home[mfc.model]]]
-    role = problem.role(mfc)
-    return plan[problem.index[mfc.name]].layout != home.layout or (role.trainable and role.zero_stage == 3)
+_KIND_ORDER = {"transfer": 0, "reload": 1, "realloc": 2, "run": 3}
 
 
-def copy_seconds(problem, plan, mfc) -> float:
-    """Seconds to make the copy ``mfc`` runs on: reallocation, plus a ZeRO-3 gather out of training."""
-    home = plan[problem.index[problem.home[mfc.model]]].layout
-    dst = plan[problem.index[mfc.name]].layout
-    role = problem.role(mfc)
-    seconds = 0.0 if dst == home else problem.realloc(mfc.model, home, dst).seconds
+def plan_ops(problem, plan) -> list[Op]:
+    """The runtime's ops for ``plan``, ordered by a relaxed timeline (see the module docstring)."""
+    offload = frozenset(name for name, role in problem.roles.items() if role.offload_when_idle and not role.trainable)
+    ops = build_program(problem.graph, plan_layouts(problem, plan), offload_idle=offload)
+    free: dict[int, float] = {}
+    run_end: dict[str, float] = {}
+    arrived: dict[str, float] = {}  # MFC -> when its last input lands
+    ranks_free: dict[str, float] = {}  # MFC -> when the ranks of its first op (realloc or run) are free
+    keys: list = []
+    for i, op in enumerate(ops):
+        if op.kind == "transfer":
+            arrived[op.mfc] = max(arrived.get(op.mfc, 0.0), run_end[op.producer] + op_seconds(problem, plan, op))
+            keys.append(None)  # placed below, once its consumer's ranks are known to be free
+            continue
+        if op.kind in ("free", "offload"):
+            keys.append(keys[-1][:2] + (i,) if keys and keys[-1] else (0.0, 9, i))  # right after the op before it
+            continue
+        start = max((free.get(r, 0.0) for r in op.ranks), default=0.0)
+        consumer = op.mfc or next((o.mfc for o in ops[i:] if o.kind == "run" and o.model == op.model), "")
+        ranks_free.setdefault(consumer, start)
+        if op.kind == "run":
+            start = max(start, arrived.get(op.mfc, 0.0))
+        end = start + op_seconds(problem, plan, op)
+        for r in op.ranks:
+            free[r] = end
+        if op.kind == "run":
+            run_end[op.mfc] = end
+        keys.append((start, _KIND_ORDER[op.kind], i))
+    for i, op in enumerate(ops):
+        if op.kind == "transfer":  # when both its producer has finished and its consumer's ranks are free
+            keys[i] = (max(run_end[op.producer], ranks_free.get(op.mfc, 0.0)), _KIND_ORDER["transfer"], i)
+    order = sorted(range(len(ops)), key=lambda i: keys[i])
+    return [ops[i] for i in order]
+
+
+def copy_seconds(problem, src, dst, model: str) -> float:
+    """Seconds to reallocate ``model`` from ``src`` to ``dst``, plus a ZeRO-3 gather out of its training engine."""
+    role = problem.roles[model]
+    seconds = 0.0 if src == dst else problem.realloc(model, src, dst).seconds
     if role.trainable and role.zero_stage == 3:
-        seconds += zero3_gather_seconds(role.arch, home, role.bytes_per_element, problem.cluster)
+        seconds += zero3_gather_seconds(role.arch, src, role.bytes_per_element, problem.cluster)
     return seconds
 
 
-def plan_steps(problem, plan) -> list[Step]:
-    """The iteration's steps in execution order."""
-    steps: list[Step] = []
-    live: dict[str, object] = {}  # model -> layout of its live copy
-    for i, (mfc, cand) in enumerate(zip(problem.mfcs, plan)):
-        if needs_copy(problem, plan, mfc) and live.get(mfc.model) != cand.layout:
-            steps.append(Step("realloc", mfc.name, model=mfc.model))
-            live[mfc.model] = cand.layout
-        for key in mfc.inputs:
-            producer = problem.graph.producer(key)
-            if producer is not None and plan[problem.index[producer.name]].layout != cand.layout:
-                steps.append(Step("transfer", mfc.name, model=mfc.model, key=key, source=producer.name,
-                                  nbytes=key_bytes(mfc, key)))
-        steps.append(Step("mfc", mfc.name, model=mfc.model))
-        if mfc.model in live:
-            following = next((j for j in range(i + 1, len(plan)) if problem.mfcs[j].model == mfc.model), None)
-            keep = following is not None and needs_copy(problem, plan, problem.mfcs[following]) \
-                and plan[following].layout == live[mfc.model]
-            if not keep:
-                steps.append(Step("free", mfc.name, model=mfc.model))
-                del live[mfc.model]
-    return steps
+def op_seconds(problem, plan, op: Op) -> float:
+    """Predicted seconds of one op."""
+    if op.kind == "run":
+        mfc = problem.graph[op.mfc]
+        seconds = plan[problem.index[op.mfc]].seconds
+        if zero3_in_place(problem, plan, mfc):
+            role = problem.role(mfc)
+            seconds += zero3_gather_seconds(role.arch, op.dst, role.bytes_per_element, problem.cluster)
+        return seconds
+    if op.kind == "realloc":
+        return copy_seconds(problem, op.src, op.dst, op.model)
+    if op.kind == "transfer":
+        consumer = problem.graph[op.mfc]
+        return data_transfer_seconds(op.src, op.dst, key_bytes(consumer, op.key), problem.cluster)
+    if op.kind in ("offload", "reload"):
+        cand = plan[problem.index[problem.home[op.model]]]
+        return cand.estimate.param_bytes / problem.cluster.host_bandwidth_bytes_per_second
+    return 0.0  # free
 
 
-def plan_tasks(problem, plan, steps: list[Step] | None = None) -> list[Task]:
-    """The tasks of one iteration of ``plan`` (one candidate per MFC, in graph order)."""
-    steps = plan_steps(problem, plan) if steps is None else steps
-    tasks = []
-    done: list = []
-    copy_task: dict[str, str] = {}  # model -> the realloc task its live copy came from
-    delays: dict[str, dict[str, int]] = {}
-    for step in steps:
-        if step.kind == "transfer":
-            delays.setdefault(step.mfc, {}).setdefault(step.source, 0)
-            delays[step.mfc][step.source] += step.nbytes
-    for step in steps:
-        if step.kind == "realloc":
-            mfc = problem.graph[step.mfc]
-            home_name = problem.home[mfc.model]
-            home = plan[problem.index[home_name]].layout
-            dst = plan[problem.index[mfc.name]].layout
-            ranks = tuple(sorted(set(home.mesh) | set(dst.mesh)))
-            source_ready = ((home_name, 0.0),) if any(m.name == home_name for m in done) else ()
-            tasks.append(Task(realloc_name(mfc.name), ranks, copy_seconds(problem, plan, mfc), source_ready, "realloc"))
-            copy_task[mfc.model] = realloc_name(mfc.name)
-        elif step.kind == "mfc":
-            mfc = problem.graph[step.mfc]
-            cand = plan[problem.index[mfc.name]]
-            after = []
-            for parent in problem.graph.parents(mfc.name):
-                nbytes = delays.get(mfc.name, {}).get(parent.name, 0)
-                seconds = data_transfer_seconds(plan[problem.index[parent.name]].layout, cand.layout, nbytes,
-                                                problem.cluster) if nbytes else 0.0
-                after.append((parent.name, seconds))
-            if mfc.kind == "train_step":
-                after += [(m.name, 0.0) for m in done if m.model == mfc.model]
-            if needs_copy(problem, plan, mfc):
-                after.append((copy_task[mfc.model], 0.0))
-            tasks.append(Task(mfc.name, cand.layout.mesh, cand.seconds, tuple(after)))
-            done.append(mfc)
-    return tasks
+def op_name(op: Op, index: int) -> str:
+    if op.kind == "run":
+        return op.mfc
+    what = op.mfc or op.model
+    return f"{op.kind}:{what}:{op.key}" if op.key else f"{op.kind}:{what}:{index}"
 
 
-def steady_state(problem, plan, overlap: bool = False, iterations: int = 4) -> tuple[float, Timeline]:
+def plan_tasks(problem, plan, ops: list[Op] | None = None) -> list[Task]:
+    """One task per op of one iteration (dependencies are the ranks each op shares with earlier ones)."""
+    ops = plan_ops(problem, plan) if ops is None else ops
+    return [Task(op_name(op, i), op.ranks, op_seconds(problem, plan, op), (), op.kind)
+            for i, op in enumerate(ops) if op.kind != "free"]
+
+
+def needs_copy(problem, plan, mfc) -> bool:
+    """Whether ``mfc`` runs on a reallocated copy of its model (a layout other than the model's home)."""
+    home = plan[problem.index[problem.home[mfc.model]]]
+    return plan[problem.index[mfc.name]].layout != home.layout
+
+
+def zero3_in_place(problem, plan, mfc) -> bool:
+    """A generate / inference MFC on its ZeRO-3 model's training layout: it gathers the full shards first
+    (once per MFC; assumed, since a gather per forward would make decoding hopeless)."""
+    role = problem.role(mfc)
+    return (mfc.kind != "train_step" and role.trainable and role.zero_stage == 3 and not problem.is_home(mfc)
+            and not needs_copy(problem, plan, mfc))
+
+
+def steady_state(problem, plan, overlap: bool = False, iterations: int = 3) -> tuple[float, Timeline]:
     """(steady-state seconds per iteration, the timeline of one iteration)."""
     tasks = plan_tasks(problem, plan)
     first = simulate(tasks)
     if not overlap:
         return first.makespan_seconds, first
-    trains = {m.model: m.name for m in problem.mfcs if m.kind == "train_step"}
-    model_of = {t.name: (problem.graph[t.name].model if t.kind == "mfc" else
-                         problem.graph[t.name.split(":", 1)[1]].model) for t in tasks}
-    unrolled = []
-    for k in range(iterations):
-        for t in tasks:
-            after = [(f"{name}#{k}", delay) for name, delay in t.after]
-            model = model_of[t.name]
-            if k and model in trains:  # parameter version: wait for the previous iteration's update
-                after.append((f"{trains[model]}#{k - 1}", 0.0))
-            unrolled.append(Task(f"{t.name}#{k}", t.ranks, t.seconds, tuple(after), t.kind))
+    unrolled = [Task(f"{t.name}#{k}", t.ranks, t.seconds, (), t.kind) for k in range(iterations) for t in tasks]
     timeline = simulate(unrolled)
     ends = [max(s.end_seconds for s in timeline.spans if s.name.endswith(f"#{k}")) for k in range(iterations)]
     return ends[-1] - ends[-2], first
