@@ -187,9 +187,10 @@ def plot_sweep(rows: list[dict], path: Path, metric: str = "samples_per_second")
     values = [r.get(metric) or 0.0 for r in rows]
     bars = ax.bar(np.arange(len(rows)), values, color=["tab:blue" if r.get(metric) else "tab:red" for r in rows])
     for bar, row in zip(bars, rows):
-        label = f"{row[metric]:.3g}" if row.get(metric) else row.get("status", "no log")
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8,
-                    xytext=(0, 2), textcoords="offset points")
+        done = bool(row.get(metric))  # the table says why a trial has no result; the chart only marks it
+        ax.annotate(f"{row[metric]:.3g}" if done else "no result", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8, color="black" if done else "tab:red", xytext=(0, 2),
+                    textcoords="offset points")
     ax.set_xticks(np.arange(len(rows)), names, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel(metric.replace("_per_second", "/s").replace("_", " "))
     ax.set_title("sweep: throughput per trial")

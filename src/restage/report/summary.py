@@ -105,10 +105,14 @@ def _scaled(value, factor: float):
     return None if value is None else value * factor
 
 
-def text_table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list[str]:
+def text_table(header: list[str], rows: list[list[str]], indent: str = "  ", left: tuple[int, ...] = (0,)) -> list[str]:
+    """Columns separated by two spaces; the ``left`` columns left-aligned, numbers right-aligned."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    left = tuple(i % len(header) for i in left)
+
     def line(cells):
-        return indent + "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return indent + "  ".join(str(c).ljust(w) if i in left else str(c).rjust(w)
+                                  for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
     return [line(header)] + [line(r) for r in rows]
 
 

@@ -83,4 +83,4 @@ def format_sweep(rows: list[dict]) -> str:
               fmt_number(row["tflops_per_device"], ".4f"), fmt_number(None if row["mfu"] is None else 100 * row["mfu"], ".3f"),
               row["status"]] for row in rows]
     header = ["trial", *keys, "steps", "samples/s", "tokens/s", "TFLOP/s/dev", "MFU %", "status"]
-    return "\n".join(["sweep trials"] + text_table(header, table))
+    return "\n".join(["sweep trials"] + text_table(header, table, left=(0, -1)))
