@@ -200,6 +200,8 @@ def run_trial(config_dict: dict, trial_dir: str, resume: bool = False, holder: d
         holder["launched"] = launched
     while not launched.done.wait(1.0):
         pass
+    if paths.preempt_file.exists():  # stopped on request; TrialJob.checkpoint records the outcome
+        return {"trial_dir": str(paths.root), "attempt": attempt, "world_size": geometry.world_size, "preempted": True}
     if launched.returncode != 0:
         reason = describe_failure(paths.root, launched.output())
         update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome=f"failed ({launched.returncode}): {reason}")
