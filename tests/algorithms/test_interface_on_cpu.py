@@ -250,3 +250,49 @@ def test_rm_and_dpo_losses_on_pairs():
     assert stats["accuracy"] == 0.5 and stats["margin"] == pytest.approx(0.5)
     want = (torch.nn.functional.softplus(torch.tensor(-3.0)) + torch.nn.functional.softplus(torch.tensor(2.0))) / 2
     assert float(loss) == pytest.approx(float(want), abs=1e-6)
+
+
+def thread_all_reduce(n_ranks):
+    """A SUM all-reduce between ``n_ranks`` threads, standing in for torch.distributed in the DP group."""
+    import threading
+
+    barrier, slots = threading.Barrier(n_ranks), {}
+
+    def make(rank):
+        def reduce(t):
+            slots[rank] = t.clone()
+            barrier.wait()
+            total = sum(slots[r] for r in range(n_ranks))
+            barrier.wait()
+            return total
+        return reduce
+    return [make(r) for r in range(n_ranks)]
+
+
+def test_ppo_prepare_train_on_shards_with_reduce_equals_the_whole_batch():
+    import threading
+
+    from restage.data.batch import concat
+
+    c = cfg("ppo", {"adaptive_kl": True, "kl_target": 0.5})
+    ppo = get_algorithm("ppo")
+    whole = ppo_inputs(rl_batch())
+    expected, expected_stats = ppo.prepare_train(whole, c, (whole_state := ppo.init_state(c)), step=0)
+    shards, states, results = whole.split(2), [ppo.init_state(c) for _ in range(2)], [None, None]
+    reducers = thread_all_reduce(2)
+
+    def rank(r):
+        results[r] = ppo.prepare_train(shards[r], c, states[r], step=0, reduce=reducers[r])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    joined = concat([results[0][0], results[1][0]])
+    for key in ("advantages", "returns", "old_values"):
+        assert torch.allclose(joined[key], expected[key], atol=1e-5), key
+    for r in range(2):
+        assert results[r][1] == pytest.approx(expected_stats)
+        for name, part in whole_state.state_dict().items():
+            assert states[r].state_dict()[name] == pytest.approx(part), name

@@ -118,9 +118,9 @@ def _forward_for(key: str) -> str:
     raise ConfigError(f"no model forward produces the key {key!r}")
 
 
-def default_forward_outputs(state_graph: DataflowGraph, mfc_name: str) -> tuple[str, ...]:
+def default_forward_outputs(graph: DataflowGraph, mfc_name: str) -> tuple[str, ...]:
     """Forward outputs an inference MFC needs: ``logprobs`` for ``*logprobs`` keys, ``values`` for values and rewards."""
-    return tuple(dict.fromkeys(_forward_for(k) for k in state_graph[mfc_name].outputs))
+    return tuple(dict.fromkeys(_forward_for(k) for k in graph[mfc_name].outputs))
 
 
 def default_inference(mfc: MFC, batch: Batch, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -87,10 +87,11 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
     advantages = ops.broadcast_seq(seq_advantages, batch.cu_seqlens) * mask
     all_seqs = torch.ones(batch.n_seqs, dtype=torch.bool)
     grouped = rewards.view(-1, p.group_size)
+    # A group whose answers all score the same teaches nothing; its spread says how much signal there is.
+    spread = grouped.std(-1) if p.group_size > 1 else torch.zeros(grouped.shape[0])
     stats = {
         "reward": float(ops.masked_mean(batch["rewards"].float(), all_seqs, reduce)),
-        "group_reward_std": float(ops.masked_mean(grouped.std(-1) if p.group_size > 1 else grouped[:, 0] * 0,
-                                                  torch.ones(grouped.shape[0], dtype=torch.bool), reduce)),
+        "group_reward_std": float(ops.masked_mean(spread, torch.ones_like(spread, dtype=torch.bool), reduce)),
         "answer_tokens": float(ops.masked_sum(mask.float(), mask, reduce)[1]),
     }
     ids = tuple(i for i in batch.ids for _ in range(p.group_size)) if batch.ids else ()

@@ -122,10 +122,10 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
     raw_advantages = advantages
     if p.adv_norm:
         advantages = ops.masked_whiten(advantages, mask, reduce=reduce)
-    seq_kl, n_seqs = ops.masked_sum(ops.seq_sum(kl, cu), torch.ones(batch.n_seqs, dtype=torch.bool), reduce)
+    all_seqs = torch.ones(batch.n_seqs, dtype=torch.bool)
+    seq_kl, n_seqs = ops.masked_sum(ops.seq_sum(kl, cu), all_seqs, reduce)
     mean_kl = float(seq_kl / n_seqs.clamp(min=1))
     kl_ctl.update(mean_kl, int(n_seqs))
-    all_seqs = torch.ones(batch.n_seqs, dtype=torch.bool)
     stats = {
         "reward": float(ops.masked_mean(batch["rewards"].float(), all_seqs, reduce)),
         "shaped_reward": float(ops.masked_mean(rewards, all_seqs, reduce)),
