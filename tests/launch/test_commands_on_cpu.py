@@ -55,3 +55,17 @@ def test_prepare_binds_one_gpu():
     prepare(env)
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["NODE_RANK"]) == ("10", "16", "2", "1")
     assert env["CUDA_VISIBLE_DEVICES"] == "2"
+
+
+def test_program_module_override_and_clear_error(write_config, monkeypatch):
+    from restage.config import load_config
+    from restage.launch.job import program_module
+
+    monkeypatch.delenv("RESTAGE_PROGRAM", raising=False)
+    cfg = load_config(write_config())
+    assert program_module(cfg) == "restage.launch.selftest"
+    monkeypatch.setenv("RESTAGE_PROGRAM", "restage.launch.rank")  # the environment wins over the config
+    assert program_module(cfg) == "restage.launch.rank"
+    monkeypatch.setenv("RESTAGE_PROGRAM", "restage.no_such_program")
+    with pytest.raises(LaunchError, match="program restage.no_such_program is not importable from "):
+        program_module(cfg)

@@ -4,7 +4,8 @@
 path is ignored; the config comes from $RESTAGE_CONFIG): join MPI (mpi4py) and torch.distributed
 (gloo, from the rendezvous the launcher gives), then for each of ``run.steps`` steps all-reduce
 ``(rank + 1) * step`` over both, sleep ``algo.selftest_sleep_seconds``, and let the master
-checkpoint the running sums every ``run.save_every`` steps (every step when 0). It honours the
+checkpoint the running sums every ``run.save_every`` steps (every step when 0);
+``algo.selftest_fail_rank`` / ``selftest_fail_step`` make that rank raise at that step. It honours the
 resume and preemption contract of ``restage.launch.job`` exactly as the runtime must:
 RESTAGE_RESUME=1 continues from the newest whole checkpoint, and the PREEMPT file (checked by
 the master, the decision broadcast over MPI) makes every rank stop after checkpointing.
@@ -48,11 +49,18 @@ def _save(trial_dir: Path, state: dict, keep: int) -> None:
 
 
 def main() -> int:
-    import torch
-    import torch.distributed as dist
     from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
+    from restage.runtime.failure import abort_on_error
+
+    with abort_on_error(MPI.COMM_WORLD.Get_rank(), os.environ["RESTAGE_TRIAL_DIR"]):
+        return _run(MPI.COMM_WORLD)
+
+
+def _run(comm) -> int:
+    import torch
+    import torch.distributed as dist
+
     rank, world = comm.Get_rank(), comm.Get_size()
     if (rank, world) != (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])):
         raise RuntimeError(f"MPI says rank {rank}/{world}, the launcher said {os.environ['RANK']}/{os.environ['WORLD_SIZE']}")
@@ -78,6 +86,8 @@ def main() -> int:
         state["sum_torch"] += int(value.item())
         state["sum_mpi"] += comm.allreduce((rank + 1) * step)
         state["step"] = step
+        if (rank, step) == (cfg.algo.get("selftest_fail_rank"), cfg.algo.get("selftest_fail_step")):
+            raise RuntimeError(f"selftest failure injected at step {step}")
         time.sleep(sleep_seconds)
         # The master decides; everyone follows, so all ranks stop after the same step.
         stop = comm.bcast(preempt_file.exists() if rank == 0 else None, root=0)
