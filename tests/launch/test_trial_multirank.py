@@ -1,20 +1,28 @@
 """run_trial outside SLURM: the driver, mpirun, the rank bootstrap and the self-test on real processes."""
 
-import json
 import threading
 import time
 
 import pytest
 import yaml
 
+from restage.errors import LogError
 from restage.launch.job import TrialJob, run_trial
 from restage.launch.trial import TrialPaths, read_json
+from restage.report.log import read_log
 
 pytestmark = pytest.mark.multirank
 
 
 def by_hand(world_size, steps):
     return sum((rank + 1) * step for step in range(1, steps + 1) for rank in range(world_size))
+
+
+def logged_steps(trial_dir):
+    try:
+        return [int(s) for s in read_log(trial_dir / "log.h5").steps["step"]]
+    except (LogError, OSError, KeyError):
+        return []
 
 
 def config_dict(path):
@@ -45,14 +53,13 @@ def test_preempt_checkpoints_and_resume_finishes_the_same_steps(write_config, tm
     first = {}
     worker = threading.Thread(target=lambda: first.update(job(cfg, str(trial_dir))))
     worker.start()
-    log = trial_dir / "selftest.jsonl"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (log.is_file() and len(log.read_text().splitlines()) >= 3):
+    while time.monotonic() < deadline and len(logged_steps(trial_dir)) < 3:
         time.sleep(0.2)
     resubmission = job.checkpoint(cfg, str(trial_dir))  # what submitit calls on the pre-timeout signal
     worker.join(60)
     assert first.get("preempted") is True
-    stopped_at = json.loads(log.read_text().splitlines()[-1])["step"]
+    stopped_at = logged_steps(trial_dir)[-1]
     assert 3 <= stopped_at < steps
     assert resubmission.kwargs == {"resume": True}
     resubmission.result()  # the requeued job
@@ -60,8 +67,8 @@ def test_preempt_checkpoints_and_resume_finishes_the_same_steps(write_config, tm
     assert result["resumed_from"] == stopped_at
     assert result["steps"] == steps
     assert result["sum_torch"] == result["sum_mpi"] == by_hand(2, steps)
-    rows = [json.loads(line)["step"] for line in log.read_text().splitlines()]
-    assert rows == list(range(1, steps + 1))  # every step exactly once across the two attempts
+    assert logged_steps(trial_dir) == list(range(1, steps + 1))  # every step exactly once across the two attempts
+    assert read_log(trial_dir / "log.h5").resumed_at_steps == [stopped_at]
     outcomes = [a["outcome"] for a in read_json(TrialPaths(trial_dir).job_record)["attempts"]]
     assert outcomes == [f"requeued after checkpoint at step {stopped_at}", "completed"]
 

@@ -59,5 +59,11 @@ def by_hand(world_size: int, steps: int) -> int:
 
 
 def log_rows(trial_dir: Path) -> list[int]:
-    path = trial_dir / "selftest.jsonl"
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.is_file() else []
+    """The steps log.h5 has as complete (read live, as restage report would)."""
+    from restage.errors import LogError
+    from restage.report.log import read_log
+
+    try:
+        return [int(step) for step in read_log(trial_dir / "log.h5").steps["step"]]
+    except (LogError, OSError, KeyError):  # not created yet, or created but not yet initialised
+        return []

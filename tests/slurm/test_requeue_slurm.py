@@ -17,6 +17,7 @@ from slurm_jobs import by_hand, job_state, log_rows, slurm_output, submit, wait_
 
 from restage import cli
 from restage.launch.trial import read_json
+from restage.report.log import read_log
 from restage.runtime import checkpoint_dir
 
 pytestmark = pytest.mark.slurm
@@ -40,7 +41,11 @@ def test_signal_at_time_limit_requeues_and_resumes_to_the_same_steps(selftest_co
     assert result["resumed_from"] == stopped_at
     assert result["steps"] == steps
     assert result["sum_torch"] == result["sum_mpi"] == by_hand(2, steps)  # what an uninterrupted run adds up to
-    assert log_rows(trial) == list(range(1, steps + 1))  # each step once across the two attempts
+    log = read_log(trial / "log.h5")
+    assert [int(s) for s in log.steps["step"]] == list(range(1, steps + 1))  # each step once across the attempts
+    assert (log.closed, log.last_complete_step, log.resumed_at_steps) == (True, steps, [stopped_at])
+    last = {row["name"]: row["value"] for row in log.stats if row["step"] == steps}
+    assert last == {"sum_torch": by_hand(2, steps), "sum_mpi": by_hand(2, steps)}
     attempts = read_json(trial / "job.json")["attempts"]
     assert [(a["job_id"], a["restarts"], a["resume"]) for a in attempts] == [(job_id, 0, False), (job_id, 1, True)]
     assert [a["outcome"] for a in attempts] == [f"requeued after checkpoint at step {stopped_at}", "completed"]
@@ -64,8 +69,10 @@ def test_cancel_mid_run_leaves_the_last_checkpoint_whole(selftest_config, tmp_pa
     assert manifest["step"] == state["step"] == int(latest.name.removeprefix("step-"))
     assert state["step"] % 3 == 0 and state["step"] <= log_rows(trial)[-1]
     assert state["sum_mpi"] == state["sum_torch"] == by_hand(2, state["step"])
-    rows = log_rows(trial)  # every line of the log parses
-    assert rows == list(range(1, len(rows) + 1))
+    log = read_log(trial / "log.h5")  # readable after the kill, every step complete up to the last one
+    assert not log.closed
+    assert [int(s) for s in log.steps["step"]] == list(range(1, log.last_complete_step + 1))
+    assert log.last_complete_step >= state["step"]
     assert read_json(trial / "job.json")["attempts"][0]["job_id"] == job_id
     assert "selftest.json" not in {p.name for p in trial.iterdir()}
     assert cli.main(["status", str(trial)]) == 0

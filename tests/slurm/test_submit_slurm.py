@@ -7,6 +7,7 @@ from slurm_jobs import by_hand, job_state, slurm_output, submit, wait_finished
 
 from restage import cli
 from restage.launch.trial import read_json
+from restage.report.log import read_log
 
 pytestmark = pytest.mark.slurm
 
@@ -24,6 +25,9 @@ def test_submit_runs_every_rank_to_completion(selftest_config, tmp_path, launche
     assert [p["local_rank"] for p in result["placements"]] == list(range(ranks))
     host = result["placements"][0]["host"]
     assert result["rendezvous"] == f"{host}:{20000 + int(job_id) % 20000}"  # the first host, the job's port
+    log = read_log(trial / "log.h5")  # complete: every step, cleanly closed
+    assert (log.closed, log.last_complete_step, log.world_size) == (True, 5, ranks)
+    assert [int(s) for s in log.steps["step"]] == [1, 2, 3, 4, 5]
     attempts = read_json(trial / "job.json")["attempts"]
     assert [(a["job_id"], a["launcher"], a["outcome"]) for a in attempts] == [(job_id, launcher, "completed")]
     assert attempts[0]["command"].split()[0].endswith(launcher)

@@ -10,8 +10,9 @@ resume and preemption contract of ``restage.launch.job`` exactly as the runtime 
 RESTAGE_RESUME=1 continues from the newest whole checkpoint, and the PREEMPT file (checked by
 the master, the decision broadcast over MPI) makes every rank stop after checkpointing.
 
-Outputs in the trial directory: ``selftest.jsonl`` (one row per step, appended and flushed by
-the master), ``selftest.json`` (the result, written at the end), ``checkpoints/step-N/``.
+Outputs in the trial directory: ``log.h5`` (the runtime's HDF5 log, ``restage.report.log``: one
+``steps`` row and the two sums as ``stats`` per step, flushed by the master), ``selftest.json``
+(the result, written at the end) and ``checkpoints/step-N/``.
 """
 
 from __future__ import annotations
@@ -77,10 +78,16 @@ def _run(comm) -> int:
     resume = os.environ.get("RESTAGE_RESUME") == "1"
     state = comm.bcast(_load_state(trial_dir) if rank == 0 and resume else None, root=0) or \
         {"step": 0, "sum_torch": 0, "sum_mpi": 0, "resumed_from": None}
-    log = open(trial_dir / "selftest.jsonl", "a") if rank == 0 else None
+    log = None
+    if rank == 0:
+        from restage.report.log import LogWriter
+
+        log = LogWriter(trial_dir, world_size=world, config=cfg.to_yaml(), dtype="int64",
+                        resume_step=state["step"] if resume else None, overwrite=not resume)
     stopped = False
     while state["step"] < cfg.run.steps:
         step = state["step"] + 1
+        start_seconds = time.time()
         value = torch.tensor([(rank + 1) * step], dtype=torch.int64)
         dist.all_reduce(value)
         state["sum_torch"] += int(value.item())
@@ -92,8 +99,8 @@ def _run(comm) -> int:
         # The master decides; everyone follows, so all ranks stop after the same step.
         stop = comm.bcast(preempt_file.exists() if rank == 0 else None, root=0)
         if rank == 0:
-            log.write(json.dumps({"step": step, "time": time.time(), "attempt_resumed_from": state["resumed_from"]}) + "\n")
-            log.flush()
+            log.stats(step, {"sum_torch": state["sum_torch"], "sum_mpi": state["sum_mpi"]})
+            log.end_step(step, start_seconds, time.time(), samples=world, tokens=0)
             if step % save_every == 0 or stop or step == cfg.run.steps:
                 _save(trial_dir, state, cfg.run.keep_checkpoints)
         comm.Barrier()
@@ -102,8 +109,10 @@ def _run(comm) -> int:
             break
     if rank == 0:
         if stopped:
+            log.abort()  # flushed, but not marked closed: the trial is not finished
             print(f"selftest: preempted after step {state['step']}; checkpoint written", flush=True)
         else:
+            log.close()
             write_json_atomic(trial_dir / "selftest.json", {
                 "world_size": world, "steps": state["step"], "sum_torch": state["sum_torch"], "sum_mpi": state["sum_mpi"],
                 "resumed_from": state["resumed_from"], "placements": placements,

@@ -14,7 +14,7 @@
     slurm/             submitit's folder for a single `restage submit`: sbatch script, SLURM stdout/err
                        (a sweep keeps one submitit folder for the whole array under the sweep directory)
 
-The self-test program adds ``selftest.json`` (final result) and ``selftest.jsonl`` (one row per step).
+The self-test program writes log.h5 as the runtime will, and adds ``selftest.json`` (its result).
 """
 
 from __future__ import annotations
