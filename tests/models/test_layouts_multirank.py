@@ -47,7 +47,13 @@ def _run_layouts(rank, world_size, paths, save_root):
             ctx = module.ctx
 
             def full(output, mb, ctx=ctx, module=module):
-                return output if module.cfg.is_critic else gather_from_tp(output, ctx, vocab_sizes(module.cfg.vocab_size, ctx))
+                if module.cfg.is_critic:
+                    return output
+                # Logprobs and entropy from the vocabulary shards, then the gathered logits to compare.
+                logprobs = module.token_logprobs(output, mb.tokens, mb.batch)
+                entropy = module.token_entropy(output)
+                logits = gather_from_tp(output, ctx, vocab_sizes(module.cfg.vocab_size, ctx))
+                return torch.cat([logits, logprobs[:, None], entropy[:, None]], dim=1)
 
             outputs = pipeline_forward(module, micro_batches, post_fn=full)
             if outputs is not None and coord.tp == 0 and coord.dp == 0:
@@ -83,11 +89,19 @@ def layout_results(tiny_models, tmp_path_factory):
 def test_logits_equal_transformers_under_every_layout(layout_results, tiny_models, name):
     seqs = [s for mb in MICRO_BATCHES for s in mb]
     reference = torch.cat(hf_outputs(tiny_models[name], seqs))
+    log_softmax = reference.log_softmax(-1)
+    next_ids = torch.tensor([t for s in seqs for t in s[1:] + [0]])
+    ends = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
+    ref_logprobs = log_softmax.gather(1, next_ids[:, None]).squeeze(1).index_fill(0, ends, 0.0)
+    ref_entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     for key in STRATEGIES:
         ours = layout_results["outputs"][(name, key)]
-        assert ours.shape == reference.shape
-        diff = (ours - reference).abs().max().item()
+        logits, logprobs, entropy = ours[:, :-2], ours[:, -2], ours[:, -1]
+        assert logits.shape == reference.shape
+        diff = (logits - reference).abs().max().item()
         assert diff <= 1e-4, f"{name} tp,pp={key}: max |logit diff| {diff:.2e}"
+        assert (logprobs - ref_logprobs).abs().max().item() <= 1e-4, f"{name} tp,pp={key}: logprobs"
+        assert (entropy - ref_entropy).abs().max().item() <= 1e-4, f"{name} tp,pp={key}: entropy"
 
 
 @pytest.mark.parametrize("name", CRITICS)

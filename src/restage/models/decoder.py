@@ -26,6 +26,8 @@ from restage.models.parallel import (
     VocabParallelEmbedding,
     copy_to_tp,
     lm_logits,
+    vocab_parallel_entropy,
+    vocab_parallel_logprobs,
 )
 from restage.models.sharding import shard_specs, split_range, stage_layers, validate_strategy
 
@@ -219,6 +221,20 @@ class StageModule(nn.Module):
         if self.cfg.is_critic:
             return F.linear(h, self.score.weight).squeeze(-1)
         return lm_logits(h, self.head_weight, self.ctx)
+
+    def token_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, batch: PackedBatch,
+                       temperature: float = 1.0) -> torch.Tensor:
+        """``[T]`` fp32 ``log p(tokens[t+1] | tokens[..t])`` inside each sequence, 0 at each sequence's last token.
+
+        ``logits`` is this (last-stage) rank's vocabulary slice; nothing is gathered over TP.
+        """
+        targets = torch.roll(tokens, -1)
+        logprobs = vocab_parallel_logprobs(logits, targets, self.ctx, self.vocab_start, temperature)
+        return logprobs.index_fill(0, batch.last_token_index(), 0.0)
+
+    def token_entropy(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """``[T]`` fp32 entropy of the next-token distribution at every position."""
+        return vocab_parallel_entropy(logits, self.ctx, temperature)
 
     def new_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty KV cache for this stage's layers."""

@@ -15,7 +15,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 # Deliberately awkward sizes: the vocabulary and MLP width do not divide by 2, so TP splits are uneven.
 TINY_SIZES = dict(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=171,
                   vocab_size=257, max_positions=256)
-# About 30M parameters: a model big enough for a meaningful CPU generation benchmark.
+# About 40M parameters: a model big enough for a meaningful CPU generation benchmark.
 BENCH_SIZES = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408,
                    vocab_size=16384, max_positions=1024)
 
