@@ -51,10 +51,12 @@ def links_seconds(cluster: ClusterSpec, sends: Iterable[tuple[int, Iterable[int]
 
     Each item is (sender, receivers, bytes): one buffer the sender broadcasts to its receivers.
     A pipelined broadcast costs each receiver the bytes once and the sender the bytes once per
-    receiving node. Ranks send and receive at the same time; each message pays its link's latency.
+    receiving node. Ranks send and receive at the same time. Buffers between the same two ranks
+    travel as one message (the runtime buckets them), so latency is paid once per peer.
     """
     send_seconds: dict[int, float] = defaultdict(float)
     recv_seconds: dict[int, float] = defaultdict(float)
+    peers: dict[int, set] = defaultdict(set)
     for src, receivers, nbytes in sends:
         if nbytes <= 0:
             continue
@@ -63,11 +65,17 @@ def links_seconds(cluster: ClusterSpec, sends: Iterable[tuple[int, Iterable[int]
             if dst == src:
                 continue
             bandwidth, latency = cluster.link((src, dst))
-            recv_seconds[dst] += nbytes / bandwidth + latency
+            recv_seconds[dst] += nbytes / bandwidth
+            if src not in peers[dst]:
+                peers[dst].add(src)
+                recv_seconds[dst] += latency
             node = cluster.node_of(dst)
             if node not in nodes_done:
                 nodes_done.add(node)
-                send_seconds[src] += nbytes / bandwidth + latency
+                send_seconds[src] += nbytes / bandwidth
+                if ("node", node) not in peers[src]:
+                    peers[src].add(("node", node))
+                    send_seconds[src] += latency
     ranks = set(send_seconds) | set(recv_seconds)
     return max((max(send_seconds[r], recv_seconds[r]) for r in ranks), default=0.0)
 

@@ -22,7 +22,7 @@ from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout, Strategy
 from restage.plan.estimator import Estimate, Estimator, ModelRole, dp_size_ok, sequences_per_rank
-from restage.plan.transfer import ReallocCost, exact_realloc, fast_realloc
+from restage.plan.transfer import ReallocCost, data_transfer_seconds, exact_realloc, fast_realloc
 
 KEEP_PER_SIZE = 6  # fastest (strategy, micro-batches) options kept per mesh size and MFC
 MAX_MICRO_BATCH_DOUBLINGS = 5
@@ -135,7 +135,7 @@ class PlanProblem:
 
     def __init__(self, graph: DataflowGraph, roles: dict[str, ModelRole], cluster: ClusterSpec,
                  estimator: Estimator | None = None, samples_per_iteration: int | None = None,
-                 overlap_iterations: bool = False, exact_realloc: bool = False):
+                 overlap_iterations: bool = False, exact_realloc: bool = False, keep_per_size: int = KEEP_PER_SIZE):
         missing = sorted({m.model for m in graph} - set(roles))
         if missing:
             raise ConfigError(f"the graph needs models {missing}; add them under models:")
@@ -146,8 +146,11 @@ class PlanProblem:
         self.samples_per_iteration = samples_per_iteration or _default_samples(graph)
         self.overlap_iterations = overlap_iterations  # see simulator.steady_state
         self.exact_realloc = exact_realloc  # reallocation bytes from the runtime's planner (slow) or fast arithmetic
+        self.keep_per_size = keep_per_size
         self._candidates: dict[str, tuple[Candidate, ...]] = {}
+        self._shapes: dict[str, dict] = {}
         self._realloc: dict[tuple, ReallocCost] = {}
+        self._transfer: dict[tuple, float] = {}
 
     @property
     def capacity_bytes(self) -> int:
@@ -187,34 +190,48 @@ class PlanProblem:
                       key=lambda c: c.seconds)
 
     def candidates(self, mfc: MFC | str) -> tuple[Candidate, ...]:
+        """The MFC's candidates: on every mesh, the strategies it runs fastest (plus its leanest) for that
+        mesh size, and those its model's other MFCs keep (sharing a layout saves a reallocation)."""
         mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
         if mfc.name not in self._candidates:
-            self._candidates[mfc.name] = self._build_candidates(mfc)
+            shapes = dict(self._kept_shapes(mfc))
+            for other in self.mfcs:
+                if other.model == mfc.model and other.name != mfc.name:
+                    for size, strategy in self._kept_shapes(other):
+                        shapes.setdefault((size, strategy), None)
+            meshes = mesh_options(self.cluster)
+            out = []
+            for (size, strategy), m in shapes.items():
+                if strategy not in strategies_for(size, self.role(mfc), mfc, self.cluster):
+                    continue
+                for start in (start for start, s in meshes if s == size):
+                    layout = Layout.contiguous(start, strategy)
+                    cand = self.candidate(mfc, layout, m) if m else next(
+                        (c for c in self.options(mfc, layout) if self.fits_alone(c)), None)
+                    if cand is not None:
+                        out.append(cand)
+            self._candidates[mfc.name] = tuple(sorted(out, key=lambda c: (c.layout.size, c.start, c.seconds)))
         return self._candidates[mfc.name]
 
-    def _build_candidates(self, mfc: MFC) -> tuple[Candidate, ...]:
+    def _kept_shapes(self, mfc: MFC) -> dict[tuple[int, Strategy], int]:
+        """{(mesh size, strategy): micro-batches} this MFC keeps: per size, the fastest few and the leanest."""
+        if mfc.name in self._shapes:
+            return self._shapes[mfc.name]
         role = self.role(mfc)
+        kept: dict[tuple[int, Strategy], int] = {}
         meshes = mesh_options(self.cluster)
-        out = []
         for size in sorted({size for _, size in meshes}):
-            starts = [start for start, s in meshes if s == size]
-            kept: list[tuple[Strategy, int]] = []
-            options = []
-            for strategy in strategies_for(size, role, mfc, self.cluster):
-                probe = Layout.contiguous(starts[0], strategy)
-                options += [c for c in self.options(mfc, probe) if self.fits_alone(c)]
-            # Keep the fastest few and the leanest: the search trades speed for memory when models share ranks.
+            start = next(start for start, s in meshes if s == size)
+            options = [c for strategy in strategies_for(size, role, mfc, self.cluster)
+                       for c in self.options(mfc, Layout.contiguous(start, strategy)) if self.fits_alone(c)]
             options.sort(key=lambda c: c.seconds)
-            chosen = options[:KEEP_PER_SIZE]
+            chosen = options[:self.keep_per_size]
             if options:
                 chosen.append(min(options, key=lambda c: (_memory(c), c.seconds)))
             for c in chosen:
-                if (c.layout.strategy, c.micro_batches) not in kept:
-                    kept.append((c.layout.strategy, c.micro_batches))
-            for start in starts:
-                for strategy, m in kept:
-                    out.append(self.candidate(mfc, Layout.contiguous(start, strategy), m))
-        return tuple(out)
+                kept.setdefault((size, c.layout.strategy), c.micro_batches)
+        self._shapes[mfc.name] = kept
+        return kept
 
     def realloc(self, model: str, src: Layout, dst: Layout) -> ReallocCost:
         """Cost of copying ``model``'s parameters from layout ``src`` to ``dst``."""
@@ -224,6 +241,13 @@ class PlanProblem:
             cost = exact_realloc if self.exact_realloc else fast_realloc
             self._realloc[key] = cost(role.arch, src, dst, role.bytes_per_element, self.cluster)
         return self._realloc[key]
+
+    def data_transfer(self, src: Layout, dst: Layout, nbytes: int) -> float:
+        """Seconds to move ``nbytes`` of MFC outputs from layout ``src`` to layout ``dst``."""
+        key = (src, dst, nbytes)
+        if key not in self._transfer:
+            self._transfer[key] = data_transfer_seconds(src, dst, nbytes, self.cluster)
+        return self._transfer[key]
 
     def iteration_flops(self) -> float:
         from restage.plan.flops import mfc_flops

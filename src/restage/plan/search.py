@@ -127,8 +127,8 @@ class _Moves:
             layout = plan[rng.choice(others)].layout
         else:
             layout = plan[home].layout
-        options = [c for c in problem.options(mfc, layout) if problem.fits_alone(c)]
-        return options[0] if options else plan[i]
+        options = [c for c in self.by_mesh[i].get(layout.mesh, ()) if c.layout == layout]
+        return min(options, key=lambda c: c.seconds) if options else plan[i]
 
 
 def _greedy_start(problem: PlanProblem) -> Plan:

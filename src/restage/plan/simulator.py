@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from restage.plan.transfer import data_transfer_seconds, key_bytes, zero3_gather_seconds
+from restage.plan.transfer import key_bytes, zero3_gather_seconds
 from restage.runtime.program import Op, build_program
 
 
@@ -92,6 +92,11 @@ _KIND_ORDER = {"transfer": 0, "reload": 1, "realloc": 2, "run": 3}
 
 def plan_ops(problem, plan) -> list[Op]:
     """The runtime's ops for ``plan``, ordered by a relaxed timeline (see the module docstring)."""
+    return [op for op, _ in plan_program(problem, plan)]
+
+
+def plan_program(problem, plan) -> list[tuple[Op, float]]:
+    """(op, predicted seconds) in the order of ``plan_ops``."""
     offload = frozenset(name for name, role in problem.roles.items() if role.offload_when_idle and not role.trainable)
     ops = build_program(problem.graph, plan_layouts(problem, plan), offload_idle=offload)
     free: dict[int, float] = {}
@@ -99,9 +104,10 @@ def plan_ops(problem, plan) -> list[Op]:
     arrived: dict[str, float] = {}  # MFC -> when its last input lands
     ranks_free: dict[str, float] = {}  # MFC -> when the ranks of its first op (realloc or run) are free
     keys: list = []
+    seconds = [op_seconds(problem, plan, op) for op in ops]
     for i, op in enumerate(ops):
         if op.kind == "transfer":
-            arrived[op.mfc] = max(arrived.get(op.mfc, 0.0), run_end[op.producer] + op_seconds(problem, plan, op))
+            arrived[op.mfc] = max(arrived.get(op.mfc, 0.0), run_end[op.producer] + seconds[i])
             keys.append(None)  # placed below, once its consumer's ranks are known to be free
             continue
         if op.kind in ("free", "offload"):
@@ -112,7 +118,7 @@ def plan_ops(problem, plan) -> list[Op]:
         ranks_free.setdefault(consumer, start)
         if op.kind == "run":
             start = max(start, arrived.get(op.mfc, 0.0))
-        end = start + op_seconds(problem, plan, op)
+        end = start + seconds[i]
         for r in op.ranks:
             free[r] = end
         if op.kind == "run":
@@ -122,7 +128,7 @@ def plan_ops(problem, plan) -> list[Op]:
         if op.kind == "transfer":  # when both its producer has finished and its consumer's ranks are free
             keys[i] = (max(run_end[op.producer], ranks_free.get(op.mfc, 0.0)), _KIND_ORDER["transfer"], i)
     order = sorted(range(len(ops)), key=lambda i: keys[i])
-    return [ops[i] for i in order]
+    return [(ops[i], seconds[i]) for i in order]
 
 
 def copy_seconds(problem, src, dst, model: str) -> float:
@@ -146,8 +152,9 @@ def op_seconds(problem, plan, op: Op) -> float:
     if op.kind == "realloc":
         return copy_seconds(problem, op.src, op.dst, op.model)
     if op.kind == "transfer":
-        consumer = problem.graph[op.mfc]
-        return data_transfer_seconds(op.src, op.dst, key_bytes(consumer, op.key), problem.cluster)
+        if op.src == op.dst:
+            return 0.0
+        return problem.data_transfer(op.src, op.dst, key_bytes(problem.graph[op.mfc], op.key))
     if op.kind in ("offload", "reload"):
         cand = plan[problem.index[problem.home[op.model]]]
         return cand.estimate.param_bytes / problem.cluster.host_bandwidth_bytes_per_second
@@ -161,11 +168,10 @@ def op_name(op: Op, index: int) -> str:
     return f"{op.kind}:{what}:{op.key}" if op.key else f"{op.kind}:{what}:{index}"
 
 
-def plan_tasks(problem, plan, ops: list[Op] | None = None) -> list[Task]:
+def plan_tasks(problem, plan) -> list[Task]:
     """One task per op of one iteration (dependencies are the ranks each op shares with earlier ones)."""
-    ops = plan_ops(problem, plan) if ops is None else ops
-    return [Task(op_name(op, i), op.ranks, op_seconds(problem, plan, op), (), op.kind)
-            for i, op in enumerate(ops) if op.kind != "free"]
+    return [Task(op_name(op, i), op.ranks, seconds, (), op.kind)
+            for i, (op, seconds) in enumerate(plan_program(problem, plan)) if op.kind != "free"]
 
 
 def needs_copy(problem, plan, mfc) -> bool:

@@ -159,7 +159,6 @@ def key_bytes(mfc: MFC, key: str) -> int:
     return mfc.n_seqs * mfc.seq_tokens * KEY_BYTES_PER_TOKEN.get(key, 4)
 
 
-@lru_cache(maxsize=65536)
 def data_transfer_seconds(producer: Layout, consumer: Layout, nbytes: int, cluster: ClusterSpec) -> float:
     """Moving ``nbytes`` of an MFC's outputs from ``producer``'s DP ranks to every rank of ``consumer``'s DP groups.
 
