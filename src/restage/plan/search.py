@@ -1,6 +1,7 @@
 """Search for the plan with the shortest simulated iteration that fits in memory.
 
-Small problems (few enough plans) are enumerated exactly. Otherwise a seeded simulated
+Small problems (few enough plans) are enumerated exactly (within the time budget, unless
+``method="exhaustive"`` insists). Otherwise a seeded simulated
 annealing (Metropolis acceptance on the relative change of the cost, cooling in cycles that
 restart from the best plan so far) walks from the best of the given starting plans, and a
 coordinate-descent pass polishes the result. Moves change one MFC's candidate: to any candidate,
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from restage.plan.evaluate import PlanEvaluation, evaluate
 from restage.plan.problem import Candidate, Plan, PlanProblem
 
-EXHAUSTIVE_LIMIT = 20000  # plans; at most this many are enumerated exactly
+EXHAUSTIVE_LIMIT = 5000  # plans; problems with at most this many are enumerated exactly
 CYCLE_STEPS = 1500
 START_TEMPERATURE, END_TEMPERATURE = 0.3, 0.003
 
@@ -67,14 +68,18 @@ def search(problem: PlanProblem, *, seed: int = 1, time_budget_seconds: float = 
     """Best plan for ``problem``; ``method`` is auto, exhaustive or anneal."""
     started = time.perf_counter()
     if method == "exhaustive" or (method == "auto" and plan_count(problem) <= EXHAUSTIVE_LIMIT):
-        return _exhaustive(problem, top_k, started)
+        budget = float("inf") if method == "exhaustive" else time_budget_seconds
+        return _exhaustive(problem, top_k, started, budget)
     return _anneal(problem, seed, time_budget_seconds, max_steps, initial, top_k, started)
 
 
-def _exhaustive(problem: PlanProblem, top_k: int, started: float) -> SearchResult:
+def _exhaustive(problem: PlanProblem, top_k: int, started: float, budget: float) -> SearchResult:
     top = _Top(top_k)
-    best, best_ev, steps = None, None, 0
+    best, best_ev, steps, stopped_by = None, None, 0, "exhausted"
     for plan in itertools.product(*(problem.candidates(m) for m in problem.mfcs)):
+        if steps % 64 == 0 and steps and time.perf_counter() - started > budget:
+            stopped_by = "time"
+            break
         ev = evaluate(problem, plan)
         steps += 1
         top.add(plan, ev)
@@ -82,7 +87,7 @@ def _exhaustive(problem: PlanProblem, top_k: int, started: float) -> SearchResul
             best, best_ev = plan, ev
     if best is None:
         raise ValueError("no candidates to enumerate")
-    return SearchResult(best, best_ev, top.sorted(), "exhaustive", steps, time.perf_counter() - started, "exhausted")
+    return SearchResult(best, best_ev, top.sorted(), "exhaustive", steps, time.perf_counter() - started, stopped_by)
 
 
 class _Moves:
