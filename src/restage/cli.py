@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"restage {command}", description=COMMANDS[command][1])
     adder = getattr(module, f"add_{command}_arguments", None) or module.add_arguments
     adder(parser)
-    args = parser.parse_args(argv[1:])
+    args = parser.parse_intermixed_args(argv[1:])
     runner = getattr(module, f"{command}_main", None) or module.main
     try:
         return int(runner(args) or 0)

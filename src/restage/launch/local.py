@@ -1,0 +1,115 @@
+"""``restage run CONFIG [-n NPROC] [--resume] [key=value ...]``: plan, then run every rank here under mpirun.
+
+Everything a user can get wrong is checked before any rank starts: the config (keys, types),
+the data set and model directories, the plan (layouts, memory) and the rank count. A run that
+fails ends with one line naming the failed rank and its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from restage.config import ExperimentConfig, load_config
+from restage.errors import ConfigError, LaunchError
+from restage.launch.mpirun import mpirun_command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="experiment YAML (jobs/*.yaml)")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    parser.add_argument("-n", "--nproc", type=int, default=0,
+                        help="ranks to start (default: run.nprocs); sets cluster.devices_per_node for the plan")
+    parser.add_argument("--resume", action="store_true", help="continue from the trial's last checkpoint")
+    parser.add_argument("--schedule", default="", help="use this schedule.json instead of planning")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing trial's log and checkpoints")
+
+
+def prepare(cfg: ExperimentConfig) -> None:
+    """One-line refusals for inputs that would otherwise fail inside the ranks."""
+    from restage.algorithms import get_algorithm
+    from restage.data.datasets import load_splits
+    from restage.models.config import ModelConfig
+
+    for name, spec in cfg.models.items():
+        ModelConfig.from_pretrained(spec.path) if spec.path else None
+        if not spec.path:
+            raise ConfigError(f"models.{name}.path: a checkpoint directory is needed to run (arch alone only plans)")
+    algo = get_algorithm(cfg.algorithm)
+    algo.validate(cfg)
+    train, _ = load_splits(cfg)
+    if cfg.run.batch_size > len(train):
+        raise ConfigError(f"run.batch_size {cfg.run.batch_size} exceeds the {len(train)} training examples of "
+                          f"{cfg.dataset.path}")
+
+
+def plan_trial(cfg: ExperimentConfig, trial_dir: Path) -> Path:
+    from restage.plan.planner import make_plan
+    from restage.plan.schedule import build_schedule, write_schedule
+
+    outcome = make_plan(cfg, with_baselines=False)
+    return write_schedule(build_schedule(cfg, outcome), trial_dir / "schedule.json")
+
+
+def main(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    if args.nproc:
+        overrides += [f"run.nprocs={args.nproc}", f"cluster.devices_per_node={args.nproc}", "cluster.nodes=1"]
+    cfg = load_config(args.config, overrides)
+    nprocs = cfg.run.nprocs if not args.nproc else args.nproc
+    trial_dir = cfg.trial_dir
+    log = trial_dir / "log.h5"
+    if log.exists() and not (args.resume or args.overwrite):
+        raise ConfigError(f"{trial_dir} already holds a run; pass --resume to continue it, --overwrite to replace it, "
+                          f"or choose another trial=NAME")
+    if args.overwrite and not args.resume:
+        import shutil
+
+        for stale in (log, trial_dir / "checkpoints", trial_dir / "failures"):
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            elif stale.exists():
+                stale.unlink()
+    prepare(cfg)
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    (trial_dir / "config.yaml").write_text(cfg.to_yaml())
+    if args.schedule:
+        schedule = Path(args.schedule)
+    elif args.resume and (trial_dir / "schedule.json").is_file():
+        schedule = trial_dir / "schedule.json"
+    else:
+        schedule = plan_trial(cfg, trial_dir)
+    from restage.plan.schedule import read_schedule
+
+    world = read_schedule(schedule).world_size
+    if world != nprocs:
+        raise ConfigError(f"the schedule needs {world} ranks but -n/run.nprocs is {nprocs}; make them equal")
+    return launch(schedule, trial_dir, nprocs, resume=args.resume)
+
+
+def launch(schedule: Path, trial_dir: Path, nprocs: int, resume: bool = False) -> int:
+    """Start the ranks; return 0, or raise LaunchError with the failed rank's one line."""
+    from restage.runtime.failure import clear_failures, describe_failure
+
+    clear_failures(trial_dir)
+    program = [sys.executable, "-m", "restage.runtime.spmd", str(schedule), "--trial-dir", str(trial_dir)]
+    if resume:
+        program.append("--resume")
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+    if "DS_ACCELERATOR" in os.environ:
+        env["DS_ACCELERATOR"] = os.environ["DS_ACCELERATOR"]
+    command = mpirun_command(nprocs, program, env=env)
+    full_env = {**os.environ, **env}
+    process = subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: list[str] = []
+    assert process.stdout is not None
+    for line in process.stdout:
+        sys.stdout.write(line)
+        tail = (tail + [line])[-200:]
+    code = process.wait()
+    if code != 0:
+        raise LaunchError(describe_failure(trial_dir, "".join(tail)))
+    return 0

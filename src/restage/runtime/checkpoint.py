@@ -1,0 +1,110 @@
+"""Saving and resuming a run: every trainable model, optimizer, scheduler, data cursor, RNG and algorithm state.
+
+Layout of ``checkpoints/step-N/`` (whole or absent, see ``checkpoint_dir``):
+``<model>/hf/`` a HF directory (safetensors + config.json + tokenizer) that transformers loads;
+``<model>/engine/`` DeepSpeed's own files (module, optimizer and LR scheduler state per rank);
+``ranks/rank<R>.pt`` each rank's RNG states and algorithm state; ``manifest.json`` the master's
+data cursor and step. A resume needs the same schedule (same layouts and world size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from restage.errors import CheckpointError
+from restage.models.checkpoint import save_checkpoint
+from restage.runtime import checkpoint_dir
+
+ENGINE_TAG = "state"
+
+
+@contextlib.contextmanager
+def _barriers_on(engine_group):
+    """DeepSpeed's checkpoint code barriers on the whole world; here only the engine's ranks take part,
+    so its barriers are pointed at the engine's own group for the duration of the call."""
+    import deepspeed.comm as ds_comm
+
+    original = ds_comm.barrier
+
+    def barrier(group=None, **kwargs):
+        return original(group=engine_group if group is None else group, **kwargs)
+
+    ds_comm.barrier = barrier
+    try:
+        yield
+    finally:
+        ds_comm.barrier = original
+
+
+def _engine_group(worker, slot):
+    return worker.groups.get(slot.home.mesh) if slot.home.size > 1 else worker.groups.get((worker.rank,))
+
+
+def _rank_state(worker) -> dict:
+    state = {"torch": torch.get_rng_state(), "algo": worker.state.state_dict()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save(worker, step: int) -> None:
+    """Collective over all ranks: write checkpoint ``step`` and seal it."""
+    control = worker.control
+    path = Path(control.bcast(str(checkpoint_dir.begin(worker.trial_dir, step)) if control.is_master else None))
+    for name, slot in worker.slots.items():
+        if slot.engine is None:
+            continue
+        with _maybe_gathered(slot):
+            save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.spec.path)
+        with _barriers_on(_engine_group(worker, slot)):
+            slot.engine.save_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG, save_latest=False)
+    ranks = path / "ranks"
+    ranks.mkdir(exist_ok=True)
+    torch.save(_rank_state(worker), ranks / f"rank{worker.rank}.pt")
+    control.barrier()
+    if control.is_master:
+        checkpoint_dir.commit(worker.trial_dir, step, worker.master.checkpoint_state(), worker.cfg.run.keep_checkpoints)
+    control.barrier()
+
+
+def load(worker) -> int:
+    """Restore the last whole checkpoint; returns the step to continue from."""
+    path = checkpoint_dir.latest(worker.trial_dir)
+    if path is None:
+        raise CheckpointError(f"--resume: no complete checkpoint under {checkpoint_dir.checkpoints_root(worker.trial_dir)}; "
+                              "run without --resume to start afresh")
+    import json
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    for name, slot in worker.slots.items():
+        if slot.engine is None:
+            continue
+        with _barriers_on(_engine_group(worker, slot)):
+            loaded, _ = slot.engine.load_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG)
+        if loaded is None:
+            raise CheckpointError(f"{path / name / 'engine'}: DeepSpeed found no state for rank {worker.rank}; "
+                                  "resume with the same schedule and number of ranks")
+    state = torch.load(path / "ranks" / f"rank{worker.rank}.pt", weights_only=False)
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    worker.state.load_state_dict(state["algo"])
+    if worker.master is not None:
+        worker.master.load_checkpoint_state(manifest)
+    dist.barrier()
+    return int(manifest["step"])
+
+
+@contextlib.contextmanager
+def _maybe_gathered(slot):
+    if slot.spec.zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(slot.module.parameters())):
+            yield
+    else:
+        yield

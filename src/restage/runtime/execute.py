@@ -1,0 +1,178 @@
+"""Running one MFC on this rank: generate, inference or train_step over this rank's model shard.
+
+Every rank of one data-parallel replica calls these with the same batch (its DP slice). The
+last pipeline stage computes the outputs; they are broadcast over the pipeline group so every
+rank of the replica holds the MFC's output batch (what data transfer reads from).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from restage.algorithms import estimators, ops
+from restage.config import ExperimentConfig
+from restage.data.batch import Batch, pack_sequences
+from restage.graph import MFC
+from restage.models.decoder import StageModule
+from restage.models.generation import SamplingParams, generate
+from restage.models.packing import PackedBatch
+from restage.models.parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+from restage.models.pipeline import MicroBatch, pipeline_forward, train_1f1b
+
+
+@dataclass
+class MFCResult:
+    """What one MFC produced on this rank."""
+
+    batch: Batch | None
+    stats: dict[str, float]
+    tokens: int
+
+
+def _micro_batches(batch: Batch, ids_key: str, n_micro: int, extra: Callable[[Batch], object] = lambda b: b
+                   ) -> list[MicroBatch]:
+    parts = batch.split(n_micro, balance="tokens") if batch.n_samples > 1 else [batch]
+    device = _device()
+    return [MicroBatch(part[ids_key].to(device), PackedBatch.from_seqlens(part.seqlens, device=device), extra(part))
+            for part in parts]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def forward_results(module: StageModule, logits_or_values: torch.Tensor, mb: MicroBatch, wanted: tuple[str, ...],
+                    temperature: float) -> dict[str, torch.Tensor]:
+    """Turn the last stage's raw output into aligned per-token ``logprobs`` / ``entropy`` / ``values``.
+
+    ``logprobs[t] = log p(token t | < t)``: the logits at ``t - 1`` scored against token ``t``,
+    shifted right per sequence (0 on each sequence's first token).
+    """
+    out: dict[str, torch.Tensor] = {}
+    cu = mb.batch.cu_seqlens
+    if "values" in wanted:
+        out["values"] = logits_or_values.float()
+    if "logprobs" in wanted or "entropy" in wanted:
+        targets = torch.roll(mb.tokens, -1)  # next token; wraps at sequence ends, masked by the shift
+        if "logprobs" in wanted:
+            lp = vocab_parallel_logprobs(logits_or_values, targets, module.ctx, module.vocab_start, temperature)
+            out["logprobs"] = ops.shift_right(lp, cu)
+        if "entropy" in wanted:
+            out["entropy"] = ops.shift_right(vocab_parallel_entropy(logits_or_values, module.ctx, temperature), cu)
+    return out
+
+
+def _share_over_pipeline(module: StageModule, out: dict[str, torch.Tensor] | None, n_tokens: int,
+                         keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Broadcast the last stage's per-token outputs to every stage of this replica."""
+    ctx = module.ctx
+    if ctx.pp_size == 1:
+        assert out is not None
+        return out
+    shared = {}
+    for key in keys:
+        tensor = out[key].contiguous() if out is not None else torch.empty(n_tokens, dtype=torch.float32, device=_device())
+        dist.broadcast(tensor, src=ctx.last_stage_rank, group=ctx.pp_group)
+        shared[key] = tensor
+    return shared
+
+
+@torch.no_grad()
+def run_inference(module: StageModule, mfc: MFC, batch: Batch, algo, cfg: ExperimentConfig, state) -> MFCResult:
+    wanted = tuple(algo.forward_outputs(mfc.name, cfg))
+    ids_key = mfc.inputs[0]
+    micro = _micro_batches(batch, ids_key, mfc.micro_batches)
+    temperature = _policy_temperature(cfg)
+    results = pipeline_forward(module, micro, post_fn=lambda o, mb: forward_results(module, o, mb, wanted, temperature))
+    merged = None
+    if results is not None:
+        merged = {k: torch.cat([r[k] for r in results]) for k in wanted}
+    outputs = _share_over_pipeline(module, merged, batch.n_tokens, wanted)
+    keys = algo.inference(mfc.name, batch, {k: v.cpu() for k, v in outputs.items()}, cfg, state)
+    per_token = {k: v for k, v in keys.items() if v.shape[0] == batch.n_tokens and batch.n_tokens != batch.n_seqs}
+    per_seq = {k: v for k, v in keys.items() if k not in per_token}
+    out = Batch(batch.seqlens, per_token, per_seq, batch.group_size, batch.ids)
+    return MFCResult(out, {}, batch.n_tokens)
+
+
+def _policy_temperature(cfg: ExperimentConfig) -> float:
+    gen = cfg.generation
+    return 1.0 if gen.greedy else gen.temperature
+
+
+@torch.no_grad()
+def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo, cfg: ExperimentConfig, state, seed: int
+                 ) -> MFCResult:
+    """Sample ``group_size`` answers per prompt; the output batch holds seqs, prompt_mask and logprobs."""
+    group = int(mfc.options.get("group_size", 1))
+    gen = cfg.generation
+    prompt_ids = [t.tolist() for t in torch.split(prompts["prompts"], prompts.seqlens)]
+    repeated = [p for p in prompt_ids for _ in range(group)]
+    eos = module.cfg.eos_token_id
+    pad = module.cfg.pad_token_id if module.cfg.pad_token_id is not None else (eos or 0)
+    params = SamplingParams(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
+                            greedy=gen.greedy or mfc.greedy, temperature=gen.temperature, top_k=gen.top_k,
+                            top_p=gen.top_p, pad_token_id=pad, seed=seed)
+    result = generate(module, repeated, params)
+    answers, answer_logprobs = result.sequences(), result.token_logprobs()
+    # An empty answer (EOS first with min_new_tokens=0 still yields that EOS) keeps at least one token.
+    seqs = [p + a for p, a in zip(repeated, answers, strict=True)]
+    batch = pack_sequences(seqs, group_size=group, key=mfc.outputs[0], prompt_lens=[len(p) for p in repeated],
+                           ids=prompts.ids)
+    mask_key = mfc.outputs[1]
+    if mask_key != "prompt_mask":
+        batch = batch.renamed({"prompt_mask": mask_key})
+    lp = torch.cat([torch.cat([torch.zeros(len(p)), torch.tensor(a, dtype=torch.float32)])
+                    for p, a in zip(repeated, answer_logprobs, strict=True)])
+    if "logprobs" in mfc.outputs:
+        batch = batch.with_keys(tokens={"logprobs": lp})
+    batch = algo.after_generate(mfc.name, batch, cfg, state)
+    generated = int(result.lengths.sum())
+    stats = {f"{mfc.name}/answer_tokens": generated / max(1, len(seqs))}
+    return MFCResult(batch, stats, batch.n_tokens)
+
+
+def run_train(engine, mfc: MFC, batch: Batch, algo, cfg: ExperimentConfig, state, seed: int) -> MFCResult:
+    """``epochs`` passes over the batch in ``minibatches`` optimizer steps, each over ``micro_batches``."""
+    module: StageModule = engine.module
+    module.train()
+    wanted = tuple(algo.forward_outputs(mfc.name, cfg))
+    temperature = _policy_temperature(cfg)
+    ids_key = mfc.inputs[0]
+    stats_sum: dict[str, float] = {}
+    count = 0
+
+    def loss_fn(output: torch.Tensor, mb: MicroBatch):
+        outputs = forward_results(module, output, mb, wanted, temperature)
+        loss, stats = algo.loss(mfc.name, mb.extra.to(output.device), outputs, cfg, state)
+        return loss, stats
+
+    def backward_fn(tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
+        # DeepSpeed owns loss scaling, gradient accumulation and the ZeRO reductions, so every
+        # stage's backward goes through the engine. Off the last stage the surrogate
+        # sum(out * grad) has exactly the parameter gradients of backward(out, grad), and it is
+        # already scaled by the last stage, hence scale_wrt_gas=False.
+        if grad is None:
+            engine.backward(tensor)
+        else:
+            engine.backward((tensor * grad).sum(), scale_wrt_gas=False)
+        engine.step()
+
+    for _, _, minibatch in estimators.minibatches(batch, mfc.minibatches, mfc.epochs, seed):
+        micro = _micro_batches(minibatch, ids_key, mfc.micro_batches)
+        if len(micro) != engine.gradient_accumulation_steps():
+            # Fewer samples than micro-batches on this minibatch: accumulate over what there is.
+            engine.set_train_batch_size(len(micro) * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
+        results = train_1f1b(module, micro, loss_fn, backward_fn, sync_tied=False)
+        for _, stats in results or []:
+            for k, v in stats.items():
+                stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
+            count += 1
+    module.eval()
+    stats = {f"{mfc.name}/{k}": v / count for k, v in stats_sum.items()} if count else {}
+    stats[f"{mfc.name}/lr"] = float(engine.get_lr()[0])
+    return MFCResult(None, stats, batch.n_tokens * mfc.epochs)

@@ -1,0 +1,118 @@
+"""The master role (rank 0): data cursor, log, progress line, and the checkpoint / stop decisions.
+
+Tensors never come here; each step the master hands out sample ids and receives every rank's
+records (MFC timings, moves, statistics) over MPI, writes them to ``log.h5`` and decides.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from restage.config import ExperimentConfig
+from restage.data.datasets import Cursor
+from restage.report.log import LogWriter
+from restage.runtime.progress import Progress
+
+
+@dataclass
+class StepRecord:
+    """What one rank did in one step (sent to the master)."""
+
+    rank: int
+    step: int
+    step_start_seconds: float = 0.0
+    step_end_seconds: float = 0.0
+    # (name, model, kind, start, end, tokens, flops, peak memory bytes)
+    mfcs: list[tuple] = field(default_factory=list)
+    # (kind, model or key, src layout, dst layout, bytes, start, end)
+    moves: list[tuple] = field(default_factory=list)
+    # (stats dict, weight) from one reporting rank per DP replica
+    stats: list[tuple[dict, int]] = field(default_factory=list)
+
+
+def merge_stats(records: list[StepRecord]) -> dict[str, float]:
+    """Sample-weighted mean of each statistic over the reporting ranks."""
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for record in records:
+        for stats, weight in record.stats:
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + float(value) * weight
+                weights[key] = weights.get(key, 0.0) + weight
+    return {k: sums[k] / weights[k] for k in sorted(sums) if weights[k] > 0}
+
+
+class Master:
+    def __init__(self, control, cfg: ExperimentConfig, schedule, trial_dir: Path, train_set, resume: bool):
+        self.cfg, self.trial_dir, self.schedule = cfg, trial_dir, schedule
+        self.cursor = Cursor(len(train_set), seed=cfg.seed, shuffle=cfg.dataset.shuffle)
+        self.first_mfc = schedule.mfcs[0]["name"]
+        self.step = 0
+        self.progress = Progress(cfg.run.steps)
+        self.resume = resume
+        self.log: LogWriter | None = None
+        self.control = control
+
+    def open_log(self, resume_step: int | None) -> None:
+        dtypes = {spec.dtype for spec in self.cfg.models.values()}
+        self.log = LogWriter(self.trial_dir, world_size=self.control.world_size, config=self.cfg.to_yaml(),
+                             schedule=self.schedule.to_json(), cluster=self.schedule.cluster,
+                             dtype=dtypes.pop() if len(dtypes) == 1 else "", resume_step=resume_step)
+
+    def next_ids(self) -> list[int] | None:
+        """Sample positions of the next step, or None when the run is done."""
+        if self.log is None:
+            self.open_log(self.step if self.resume else None)
+        if self.step >= self.cfg.run.steps:
+            return None
+        return self.cursor.next(self.cfg.run.batch_size)
+
+    def end_step(self, step: int, records: list[StepRecord]) -> dict:
+        log = self.log
+        assert log is not None
+        for record in records:
+            for name, model, kind, start, end, tokens, flops, peak in record.mfcs:
+                log.mfc(step, name, model, kind, record.rank, start, end, tokens=tokens, flops=flops,
+                        peak_memory_bytes=peak)
+            for kind, what, src, dst, nbytes, start, end in record.moves:
+                row = log.realloc if kind == "realloc" else log.transfer
+                row(step, what, src, dst, nbytes, start, end, rank=record.rank)
+        stats = merge_stats(records)
+        if stats:
+            log.stats(step, stats)
+        start = min(r.step_start_seconds for r in records)
+        end = max(r.step_end_seconds for r in records)
+        tokens = sum(row[5] for r in records for row in r.mfcs if row[0] == self.first_mfc)
+        flops = sum(row[6] for r in records for row in r.mfcs)
+        samples = self.cfg.run.batch_size
+        log.end_step(step, start, end, samples, tokens, flops)
+        self.step = step + 1
+        shown = {k: v for k, v in stats.items() if k.split("/")[-1] in ("reward", "loss", "kl", "accuracy")}
+        print(self.progress.line(self.step, samples, tokens, end - start, shown), flush=True)
+        every = self.cfg.run.save_every
+        last = self.step >= self.cfg.run.steps
+        preempted = _preempt_requested(self.trial_dir)
+        return {"checkpoint": last or preempted or (every > 0 and self.step % every == 0),
+                "stop": last or preempted}
+
+    def checkpoint_state(self) -> dict:
+        return {"cursor": self.cursor.state_dict(), "step": self.step}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.cursor.load_state_dict(state["cursor"])
+        self.step = int(state["step"])
+        self.progress.first_step = self.step
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+            print(f"log: {self.trial_dir / 'log.h5'}", flush=True)
+
+
+def _preempt_requested(trial_dir: Path) -> bool:
+    """SLURM's pre-timeout signal makes the job driver create this file (see docs/slurm.md)."""
+    path = os.environ.get("RESTAGE_PREEMPT_FILE") or str(trial_dir / "PREEMPT")
+    return Path(path).exists()
+

@@ -1,0 +1,54 @@
+"""``python -m restage.runtime.spmd SCHEDULE [--resume]``: the program every rank runs.
+
+Every rank reads the same schedule and walks the same op list each iteration, doing the ops it
+takes part in (``runtime.program``). Rank 0 is also the master (``runtime.master``): it owns the
+data cursor, the log and the decisions to checkpoint and stop, and talks to the others over MPI.
+Any exception on any rank aborts the whole job with the rank named (``runtime.failure``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from restage.runtime.failure import abort_on_error
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m restage.runtime.spmd")
+    parser.add_argument("schedule", help="schedule.json written by `restage plan`")
+    parser.add_argument("--resume", action="store_true", help="continue from the trial's last checkpoint")
+    parser.add_argument("--trial-dir", default="", help="results directory (default: the schedule's directory)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
+    from restage.runtime.control import Control
+
+    control = Control()
+    trial_dir = Path(args.trial_dir or Path(args.schedule).resolve().parent)
+    with abort_on_error(control.rank, trial_dir):
+        from restage.runtime.worker import Worker
+
+        worker = Worker.start(control, args.schedule, trial_dir, resume=args.resume)
+        worker.run()
+        worker.close()
+    return 0
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    started = time.time()
+    code = main()
+    sys.stdout.flush()
+    sys.exit(code)

@@ -1,0 +1,316 @@
+"""One rank of a run: its model shards, the iteration loop, and the ops it takes part in.
+
+Start-up (the same on every rank): read the schedule, join torch.distributed, create every
+process group the schedule needs (collectively, in one order), load each model's shard in its
+home layout (each rank reads only its slices), wrap trainable ones in DeepSpeed. Then, every
+iteration: the master's sample ids arrive over MPI, the ops run, records go back to the master,
+the master's decision (checkpoint, stop) comes back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from restage.algorithms import get_algorithm
+from restage.config import ExperimentConfig, ModelSpec, config_from_dict
+from restage.data.batch import Batch
+from restage.data.datasets import load_splits
+from restage.data.tokenizer import load_tokenizer
+from restage.errors import ConfigError
+from restage.graph import DataflowGraph
+from restage.layout import Layout, ProcessGroups
+from restage.models.checkpoint import load_stage
+from restage.models.config import ModelConfig
+from restage.models.decoder import StageModule
+from restage.models.parallel import ParallelContext
+from restage.plan.schedule import read_schedule
+from restage.runtime import checkpoint as ckpt
+from restage.runtime.control import Control, init_torch_distributed
+from restage.runtime.dataflow import DataFlow, measured_flops
+from restage.runtime.engines import build_engine, mark_norm_ownership
+from restage.runtime.execute import run_generate, run_inference, run_train
+from restage.runtime.master import Master, StepRecord
+from restage.runtime.realloc import execute_reallocation
+from restage.runtime.realloc_plan import plan_reallocation, realloc_groups
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class ModelSlot:
+    """One model as this rank sees it: its home shard (and engine) and any copies in other layouts."""
+
+    name: str
+    spec: ModelSpec
+    cfg: ModelConfig
+    home: Layout
+    module: StageModule | None = None
+    engine: object | None = None
+    copies: dict[Layout, StageModule] = field(default_factory=dict)
+
+    def at(self, layout: Layout) -> StageModule:
+        if layout == self.home:
+            assert self.module is not None, f"rank holds no {self.name} shard in {layout}"
+            return self.module
+        return self.copies[layout]
+
+
+def _is_critic(name: str, spec: ModelSpec, cfg: ModelConfig) -> bool:
+    return cfg.is_critic or spec.init_critic_from_lm or name in ("critic", "reward")
+
+
+class Worker:
+    """Everything one rank does in a run."""
+
+    def __init__(self, control: Control, cfg: ExperimentConfig, schedule, trial_dir: Path, resume: bool):
+        self.control, self.cfg, self.schedule, self.trial_dir = control, cfg, schedule, trial_dir
+        self.rank = control.rank
+        self.ops = schedule.ops()
+        self.graph = DataflowGraph(tuple(schedule.mfc(entry["name"]) for entry in schedule.mfcs))
+        self.layouts = {m.name: schedule.layout(m.name) for m in self.graph}
+        self.algo = get_algorithm(cfg.algorithm)
+        self.tokenizer = load_tokenizer(_tokenizer_dir(cfg))
+        self.state = self.algo.init_state(cfg, self.tokenizer)
+        self.train_set, _ = load_splits(cfg, self.tokenizer)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.slots: dict[str, ModelSlot] = {}
+        self.realloc_plans = {}
+        self.dataflow = DataFlow(self.graph, self.layouts, self.rank)
+        self.groups: ProcessGroups | None = None
+        self.master = Master(control, cfg, schedule, trial_dir, self.train_set, resume) if control.is_master else None
+        self.start_step = 0
+        self.resume = resume
+
+    # -- start-up ------------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, control: Control, schedule_path: str | Path, trial_dir: Path, resume: bool) -> Worker:
+        schedule = read_schedule(schedule_path)
+        if control.world_size != schedule.world_size:
+            raise ConfigError(f"the schedule is for {schedule.world_size} ranks but {control.world_size} started; "
+                              f"start {schedule.world_size} ranks (restage run -n {schedule.world_size}) or plan again")
+        cfg = config_from_dict(schedule.config)
+        init_torch_distributed(control, cfg.run.collective_timeout_seconds)
+        torch.manual_seed(cfg.seed * 1000 + control.rank)
+        worker = cls(control, cfg, schedule, trial_dir, resume)
+        worker._create_groups()
+        worker._load_models()
+        if resume:
+            worker.start_step = ckpt.load(worker)
+        return worker
+
+    def _model_cfg(self, name: str) -> ModelConfig:
+        return ModelConfig.from_json(self.schedule.models[name]["arch"])
+
+    def _create_groups(self) -> None:
+        wanted: list[tuple[int, ...]] = []
+        for layout in {*self.layouts.values()}:
+            wanted += layout.all_groups()
+        for op in self.ops:
+            if op.kind == "realloc":
+                wanted += realloc_groups(self._realloc_plan(op.model, op.src, op.dst))
+            elif op.kind == "transfer":
+                wanted += self.dataflow.groups(op)
+        self.groups = ProcessGroups(wanted, singletons=True)
+        self.dataflow.create_comms(self.ops, self.control.comm)
+
+    def _realloc_plan(self, model: str, src: Layout, dst: Layout):
+        key = (model, src, dst)
+        if key not in self.realloc_plans:
+            spec = self.cfg.models[model]
+            cfg = self._model_cfg(model)
+            if _is_critic(model, spec, cfg) and not cfg.is_critic:
+                cfg = cfg.as_critic()
+            self.realloc_plans[key] = plan_reallocation(cfg, src, dst, bytes_per_element=DTYPES[spec.dtype].itemsize)
+        return self.realloc_plans[key]
+
+    def _load_models(self) -> None:
+        steps = self.cfg.run.steps
+        for name, info in self.schedule.models.items():
+            spec = self.cfg.models[name]
+            home = Layout.from_json(info["home_layout"])
+            cfg = self._model_cfg(name)
+            critic = _is_critic(name, spec, cfg)
+            slot = ModelSlot(name, spec, cfg.as_critic() if critic and not cfg.is_critic else cfg, home)
+            if self.rank in home:
+                slot.module = load_stage(spec.path, home, self.groups, self.rank, DTYPES[spec.dtype], self.device,
+                                         critic=critic)
+                slot.cfg = slot.module.cfg
+                if spec.trainable:
+                    train_mfc = next(m for m in self.graph if m.model == name and m.kind == "train_step")
+                    optimizer_steps = steps * train_mfc.minibatches * train_mfc.epochs
+                    _mark_norm(slot.module)
+                    slot.engine = build_engine(slot.module, spec, home, self.rank, self.groups,
+                                               train_mfc.micro_batches, optimizer_steps)
+                else:
+                    slot.module.requires_grad_(False)
+                slot.module.eval()
+            self.slots[name] = slot
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def run(self) -> None:
+        step = self.start_step
+        while True:
+            ids = self.control.bcast(self.master.next_ids() if self.master else None)
+            if ids is None:
+                break
+            started = time.time()
+            record = self.run_step(step, ids)
+            record.step_start_seconds, record.step_end_seconds = started, time.time()
+            records = self.control.gather(record)
+            decision = self.control.bcast(self.master.end_step(step, records) if self.master else None)
+            step += 1
+            if decision["checkpoint"]:
+                ckpt.save(self, step)
+            if decision["stop"]:
+                break
+
+    def run_step(self, step: int, ids: list[int]) -> StepRecord:
+        record = StepRecord(rank=self.rank, step=step)
+        self.outputs: dict[str, Batch] = {}
+        self.inputs: dict[str, list[Batch]] = {}
+        self.dataflow.begin_step(ids, self.train_set)
+        for op in self.ops:
+            if self.rank not in op.ranks:
+                continue
+            begin = time.time()
+            if op.kind == "run":
+                self._run(op, step, record)
+            elif op.kind == "realloc":
+                nbytes = self._realloc(op)
+                record.moves.append(("realloc", op.model, str(op.src), str(op.dst), nbytes, begin, time.time()))
+            elif op.kind == "transfer":
+                nbytes = self._transfer(op)
+                record.moves.append(("transfer", op.key, str(op.src), str(op.dst), nbytes, begin, time.time()))
+            elif op.kind == "free":
+                self.slots[op.model].copies.pop(op.dst, None)
+            elif op.kind in ("offload", "reload"):
+                slot = self.slots[op.model]
+                if slot.module is not None:
+                    slot.module.to("cpu" if op.kind == "offload" else self.device)
+        return record
+
+    def _run(self, op, step: int, record: StepRecord) -> None:
+        mfc = self.graph[op.mfc]
+        slot = self.slots[mfc.model]
+        layout = self.layouts[mfc.name]
+        ctx = ParallelContext.from_layout(layout, self.groups, self.rank)
+        batch = self._input_batch(mfc, layout, ctx.coord.dp)
+        seed = (self.cfg.seed * 1_000_003 + step) * 101 + ctx.coord.dp
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        begin = time.time()
+        if mfc.kind == "generate":
+            result = run_generate(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state, seed)
+        elif mfc.kind == "inference":
+            result = run_inference(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state)
+        else:
+            batch, prep_stats = self.algo.prepare_train(batch, self.cfg, self.state, step, self._dp_reduce(ctx))
+            result = run_train(slot.engine, mfc, batch, self.algo, self.cfg, self.state, seed)
+            result.stats.update({f"{mfc.name}/{k}": v for k, v in prep_stats.items()})
+        end = time.time()
+        if result.batch is not None:
+            self.outputs[mfc.name] = result.batch
+        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _rss_bytes()
+        flops = measured_flops(mfc, slot.cfg, result.batch if result.batch is not None else batch, result.tokens)
+        flops /= layout.strategy.tp * layout.strategy.pp  # this rank's share of its replica's work
+        tokens = result.tokens // (layout.strategy.tp * layout.strategy.pp)
+        record.mfcs.append((mfc.name, mfc.model, mfc.kind, begin, end, tokens, flops, peak))
+        if ctx.coord.tp == 0 and ctx.coord.pp == ctx.strategy.pp - 1:  # one reporter per DP replica
+            record.stats.append((result.stats, batch.n_samples))
+
+    def _dp_reduce(self, ctx: ParallelContext):
+        if ctx.strategy.dp == 1:
+            return None
+        group = self.groups.get(ctx.dp_ranks)
+
+        def reduce(tensor: torch.Tensor) -> torch.Tensor:
+            out = tensor.clone()
+            dist.all_reduce(out, group=group)
+            return out
+
+        return reduce
+
+    def _input_batch(self, mfc, layout: Layout, dp_rank: int) -> Batch:
+        """This DP rank's slice of the MFC's inputs: dataset keys read locally, the rest as transferred."""
+        parts: list[Batch] = []
+        source = [k for k in mfc.inputs if self.graph.producer(k) is None]
+        if source:
+            positions = self.dataflow.dataset_positions(mfc, dp_rank)
+            parts.append(self.train_set.batch(positions).only(source))
+        parts += self.inputs.get(mfc.name, [])
+        return _merge(parts)
+
+    # -- data and parameter movement -------------------------------------------------------------------
+    def _realloc(self, op) -> int:
+        slot = self.slots[op.model]
+        plan = self._realloc_plan(op.model, op.src, op.dst)
+        frozen = not slot.spec.trainable
+        if frozen and op.dst in slot.copies:
+            return 0  # a frozen model's copy never goes stale
+        destination = None
+        if self.rank in op.dst:
+            ctx = ParallelContext.from_layout(op.dst, self.groups, self.rank)
+            module = StageModule(slot.cfg, ctx, DTYPES[slot.spec.dtype], self.device)
+            module.requires_grad_(False)
+            module.eval()
+            slot.copies[op.dst] = module
+            destination = dict(module.named_parameters())
+        source = slot.engine if slot.engine is not None else slot.module
+        zero3 = slot.engine is not None and slot.spec.zero_stage == 3
+        result = execute_reallocation(plan, source if self.rank in op.src else None, self.groups,
+                                      dtype=DTYPES[slot.spec.dtype], destination=destination, layer_by_layer=zero3)
+        return result.stats.sent_bytes
+
+    def _transfer(self, op) -> int:
+        mine = self.outputs.get(op.producer)
+        received, nbytes = self.dataflow.execute(op, mine, self.groups)
+        if received is not None:
+            self.inputs.setdefault(op.mfc, []).append(received)
+        return nbytes
+
+    def close(self) -> None:
+        if self.master is not None:
+            self.master.close()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _merge(parts: list[Batch]) -> Batch:
+    """Union of the keys of several batches over the same samples (same order)."""
+    if not parts:
+        raise ValueError("MFC has no inputs")
+    out = parts[0]
+    for part in parts[1:]:
+        if part.seqlens != out.seqlens:
+            raise RuntimeError(f"inputs disagree on the samples: {part.ids} vs {out.ids}")
+        out = out.with_keys(tokens=part.tokens, seqs=part.seqs)
+    return out
+
+
+def _mark_norm(module: StageModule) -> None:
+    from restage.layout import Strategy
+    from restage.models.sharding import shard_specs
+
+    ctx = module.ctx
+    specs = shard_specs(module.cfg, Strategy(tp=ctx.tp_size, pp=ctx.pp_size), ctx.pp_stage, ctx.tp_rank)
+    replicated = {s.param.name for s in specs if s.param.split_dim is None}
+    duplicate = {"embed.weight"} if (module.tied_head and ctx.pp_size > 1 and not ctx.is_first_stage) else set()
+    mark_norm_ownership(module, ctx.tp_rank, replicated, duplicate)
+
+
+def _tokenizer_dir(cfg: ExperimentConfig) -> str:
+    from restage.data.datasets import default_tokenizer_dir
+
+    return default_tokenizer_dir(cfg)
+
+
+def _rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
