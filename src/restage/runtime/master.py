@@ -59,7 +59,8 @@ class Master:
         dtypes = {spec.dtype for spec in self.cfg.models.values()}
         self.log = LogWriter(self.trial_dir, world_size=self.control.world_size, config=self.cfg.to_yaml(),
                              schedule=self.schedule.to_json(), cluster=self.schedule.cluster,
-                             dtype=dtypes.pop() if len(dtypes) == 1 else "", resume_step=resume_step)
+                             dtype=dtypes.pop() if len(dtypes) == 1 else "", resume_step=resume_step,
+                             overwrite=resume_step is None)  # `restage run` refuses to start over a run unasked
 
     def next_ids(self) -> list[int] | None:
         """Sample positions of the next step, or None when the run is done."""

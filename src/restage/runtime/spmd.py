@@ -31,11 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     from restage.runtime.control import Control
 
     control = Control()
-    trial_dir = Path(args.trial_dir or Path(args.schedule).resolve().parent)
+    trial_dir = Path(args.trial_dir or os.environ.get("RESTAGE_TRIAL_DIR") or Path(args.schedule).resolve().parent)
+    # --resume insists on a checkpoint; RESTAGE_RESUME=1 (a requeued SLURM job) takes one if there is one.
+    resume = "required" if args.resume else ("if-any" if os.environ.get("RESTAGE_RESUME") == "1" else "")
     with abort_on_error(control.rank, trial_dir):
         from restage.runtime.worker import Worker
 
-        worker = Worker.start(control, args.schedule, trial_dir, resume=args.resume)
+        worker = Worker.start(control, args.schedule, trial_dir, resume=resume)
         worker.run()
         worker.close()
     return 0

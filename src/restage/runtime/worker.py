@@ -67,7 +67,7 @@ def _is_critic(name: str, spec: ModelSpec, cfg: ModelConfig) -> bool:
 class Worker:
     """Everything one rank does in a run."""
 
-    def __init__(self, control: Control, cfg: ExperimentConfig, schedule, trial_dir: Path, resume: bool):
+    def __init__(self, control: Control, cfg: ExperimentConfig, schedule, trial_dir: Path, resume: str):
         self.control, self.cfg, self.schedule, self.trial_dir = control, cfg, schedule, trial_dir
         self.rank = control.rank
         self.ops = schedule.ops()
@@ -82,13 +82,14 @@ class Worker:
         self.realloc_plans = {}
         self.dataflow = DataFlow(self.graph, self.layouts, self.rank)
         self.groups: ProcessGroups | None = None
-        self.master = Master(control, cfg, schedule, trial_dir, self.train_set, resume) if control.is_master else None
+        self.master = Master(control, cfg, schedule, trial_dir, self.train_set, bool(resume)) if control.is_master else None
         self.start_step = 0
         self.resume = resume
 
     # -- start-up ------------------------------------------------------------------------------------
     @classmethod
-    def start(cls, control: Control, schedule_path: str | Path, trial_dir: Path, resume: bool) -> Worker:
+    def start(cls, control: Control, schedule_path: str | Path, trial_dir: Path, resume: str = "") -> Worker:
+        """``resume``: "" starts afresh, "required" continues from the last checkpoint, "if-any" does when one exists."""
         schedule = read_schedule(schedule_path)
         if control.world_size != schedule.world_size:
             raise ConfigError(f"the schedule is for {schedule.world_size} ranks but {control.world_size} started; "
@@ -96,6 +97,8 @@ class Worker:
         cfg = config_from_dict(schedule.config)
         init_torch_distributed(control, cfg.run.collective_timeout_seconds)
         torch.manual_seed(cfg.seed * 1000 + control.rank)
+        if resume == "if-any" and ckpt.checkpoint_dir.latest(trial_dir) is None:
+            resume = ""
         worker = cls(control, cfg, schedule, trial_dir, resume)
         worker._create_groups()
         worker._load_models()
