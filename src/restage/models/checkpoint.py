@@ -61,8 +61,8 @@ class WeightReader:
                     from safetensors import safe_open
 
                     self._handles[file] = safe_open(str(full), framework="pt")
-                else:  # memory-mapped, so slicing touches only the bytes it needs
-                    self._handles[file] = torch.load(full, map_location="cpu", weights_only=True, mmap=True)
+                else:
+                    self._handles[file] = _torch_load(full)
             except FileNotFoundError:
                 raise CheckpointError(f"{full} is named by the weight index but missing; re-download the model") from None
             except Exception as err:  # safetensors and torch raise assorted types for a corrupt file
@@ -115,6 +115,13 @@ class WeightReader:
                     numel *= n
                 total += numel * _SAFETENSORS_ITEMSIZE[piece.get_dtype()]
         return total
+
+
+def _torch_load(file: Path) -> dict:
+    try:  # memory-mapped, so slicing touches only the bytes it needs
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # the pre-zip legacy format cannot be memory-mapped
+        return torch.load(file, map_location="cpu", weights_only=True)
 
 
 _SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
