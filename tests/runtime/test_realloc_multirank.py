@@ -11,7 +11,7 @@ from realloc_cases import PAIRS_8, L, node_of_3, reference_state, shard_of, tiny
 
 from restage.errors import LayoutError
 from restage.layout import ProcessGroups
-from restage.runtime.realloc import execute_reallocation, groups_for
+from restage.runtime.realloc import Workspace, execute_reallocation, groups_for
 from restage.runtime.realloc_plan import plan_reallocation
 from restage.runtime.spawn import spawn
 
@@ -39,6 +39,7 @@ def _walk_pairs(rank: int, world_size: int, pairs: list) -> list[dict]:
         plans.append((plan_reallocation(cfg, a, b, bytes_per_element=bpe, node_of=node_of_3, world_size=world_size),
                       plan_reallocation(cfg, b, a, bytes_per_element=bpe, node_of=node_of_3, world_size=world_size)))
     groups = ProcessGroups(groups_for(*(p for pair in plans for p in pair)))
+    workspace = Workspace()  # kept across calls, as the runtime does
     out = []
     for i, ((kind, a, b, _), (forward, backward)) in enumerate(zip(pairs, plans)):
         cfg, dtype = tiny(kind), _dtype(i)
@@ -46,11 +47,14 @@ def _walk_pairs(rank: int, world_size: int, pairs: list) -> list[dict]:
         original = shard_of(cfg, a, rank, full)
         there = execute_reallocation(forward, original or None, groups, dtype=dtype, bucket_bytes=BUCKET_BYTES,
                                      direct_min_bytes=DIRECT_MIN_BYTES)
+        # Backwards into caller-owned tensors (as into a model's parameters), filled in place.
+        into = {n: torch.full_like(t, float("nan")) for n, t in original.items()}
         back = execute_reallocation(backward, there.state or None, groups, dtype=dtype, bucket_bytes=BUCKET_BYTES,
-                                    direct_min_bytes=DIRECT_MIN_BYTES)
+                                    direct_min_bytes=DIRECT_MIN_BYTES, destination=into or None, workspace=workspace)
+        in_place = all(back.state[n].data_ptr() == t.data_ptr() for n, t in into.items())
         out.append(dict(
             forward_wrong=_mismatches(there.state, shard_of(cfg, b, rank, full)),
-            back_wrong=_mismatches(back.state, original),
+            back_wrong=_mismatches(back.state, original) + ([] if in_place else ["not filled in place"]),
             received=[there.stats.received_bytes_by_link, back.stats.received_bytes_by_link],
             sent=[there.stats.sent_bytes_by_link, back.stats.sent_bytes_by_link],
             peak=[there.stats.peak_extra_bytes, back.stats.peak_extra_bytes],

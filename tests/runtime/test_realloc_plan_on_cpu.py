@@ -129,24 +129,29 @@ def test_ranks_outside_the_world_are_refused_in_one_line():
     assert "uses ranks [8, 9] but only 8 ranks exist" in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("bucket_bytes,direct_min_bytes", [(1024, 1 << 30), (4096, 2048), (1 << 20, 0)])
-def test_transfers_fit_the_bucket_and_cover_each_piece(bucket_bytes, direct_min_bytes):
+@pytest.mark.parametrize("bucket_bytes,direct_min_bytes,by_unit", [(1024, 1 << 30, True), (4096, 2048, False),
+                                                                   (4096, 2048, True), (1 << 20, 0, False)])
+def test_transfers_fit_the_bucket_and_cover_each_piece(bucket_bytes, direct_min_bytes, by_unit):
     cfg = tiny("gpt2")
     plan = plan_reallocation(cfg, L(range(4), tp=4), L(range(2, 8), dp=2, tp=3), bytes_per_element=4)
-    transfers = schedule_transfers(plan, bucket_bytes, direct_min_bytes)
+    transfers = schedule_transfers(plan, bucket_bytes, direct_min_bytes, by_unit=by_unit)
     covered = defaultdict(int)
     for t in transfers:
         assert t.packed or (len(t.pieces) == 1 and t.pieces[0].src_contiguous() and t.pieces[0].dst_contiguous())
         if t.packed:
             assert t.numel * 4 <= bucket_bytes
         for p in t.pieces:
-            assert (p.src_rank, p.dst_ranks, p.unit) == (t.src_rank, t.dst_ranks, t.unit)
+            assert (p.src_rank, p.dst_ranks, p.unit if by_unit else 0) == (t.src_rank, t.dst_ranks, t.stage)
             covered[(p.name, p.src_rank, p.dst_ranks)] += p.numel
     expected = defaultdict(int)
     for p in plan.pieces:
         expected[(p.name, p.src_rank, p.dst_ranks)] += p.numel
     assert covered == expected
-    assert [t.unit for t in transfers] == sorted(t.unit for t in transfers)
+    # Stage by stage; inside a stage the in-place transfers come before the buckets.
+    assert [(t.stage, t.packed) for t in transfers] == sorted((t.stage, t.packed) for t in transfers)
+    channels = {(t.src_rank, t.dst_ranks) for t in transfers if t.packed}
+    if not by_unit:  # buckets span units: at most one partly filled bucket per channel
+        assert sum(t.packed for t in transfers) <= len(channels) + sum(t.numel for t in transfers if t.packed) * 4 // bucket_bytes
     assert set(realloc_groups(plan)) == {t.group for t in transfers if len(t.dst_ranks) > 1}
     with pytest.raises(PlanError, match="exceeds the bucket"):
         schedule_transfers(plan, 64, 1 << 30)

@@ -34,7 +34,8 @@ def _from_engines(rank: int, world_size: int) -> list[dict]:
                                   micro_batches=1, total_optimizer_steps=1)
             for dst in DESTINATIONS:
                 plan = plan_reallocation(cfg, src, dst, bytes_per_element=4)
-                got = execute_reallocation(plan, engine, groups, dtype=torch.float32, bucket_bytes=8192)
+                got = execute_reallocation(plan, engine, groups, dtype=torch.float32, bucket_bytes=8192,
+                                           layer_by_layer=zero_stage == 3)
                 expected = shard_of(cfg, dst, rank, full)
                 coord = src.coord(rank)
                 units = {}

@@ -35,6 +35,10 @@ from restage.runtime.realloc_plan import (
 )
 
 DEFAULT_BUCKET_BYTES = 32 << 20
+# Buckets in flight at once; each holds a quarter of the bucket size, so together they fit in one bucket.
+SLOTS = 4
+# Smaller contiguous pieces are packed: per message overhead outweighs a copy below this size.
+DEFAULT_DIRECT_MIN_BYTES = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,31 @@ class _Meter:
         self.now[kind] -= nbytes
 
 
+class Workspace:
+    """A bucket buffer kept between reallocations, so its pages are not faulted in on every call.
+
+    Hold one per rank for the run (it costs one bucket); pass it to every reallocation.
+    """
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat tensor of ``numel`` elements of ``dtype`` on ``device``, reusing the held bytes."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self._buffer is None or self._buffer.device != device or self._buffer.numel() < nbytes:
+            self._buffer = None  # free the old one first, so two buffers never coexist
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._buffer[:nbytes].view(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def release(self) -> None:
+        self._buffer = None
+
+
 @dataclass(frozen=True)
 class ReallocResult:
     """The destination shard this rank now holds (empty if none) and what was measured."""
@@ -105,12 +134,6 @@ def _view(tensor: torch.Tensor, dim: int, rng: tuple[int, int]) -> torch.Tensor:
     return tensor.detach().narrow(dim, rng[0], rng[1] - rng[0])
 
 
-def _block_shape(piece: Piece) -> tuple[int, ...]:
-    shape = list(piece.src_shape)
-    shape[piece.dim] = piece.full_range[1] - piece.full_range[0]
-    return tuple(shape)
-
-
 def default_device() -> torch.device:
     """The device tensors travel on for the default group's backend."""
     if dist.get_backend() == "nccl":
@@ -120,12 +143,16 @@ def default_device() -> torch.device:
 
 def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dtype: torch.dtype,
                          destination: dict[str, torch.Tensor] | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                         direct_min_bytes: int = 1 << 18, device: torch.device | None = None) -> ReallocResult:
-    """Move the parameters as ``plan`` says; call on every rank of the world with the same plan.
+                         direct_min_bytes: int = DEFAULT_DIRECT_MIN_BYTES, layer_by_layer: bool = False,
+                         workspace: Workspace | None = None, device: torch.device | None = None) -> ReallocResult:
+    """Move the parameters as ``plan`` says; call on every rank of the world with the same arguments.
 
     ``source``: this rank's shard in the source layout (dict by canonical name, module, or
     DeepSpeed engine of any ZeRO stage; None if the rank holds none). ``destination``: tensors
     to fill in place (e.g. the parameters of the destination model); allocated when None.
+    ``layer_by_layer`` must be True on every rank when the source is a ZeRO-3 engine: its
+    partitions are then gathered one unit (embeddings, a layer, the head) at a time.
+    ``workspace`` keeps the bucket buffer between calls (a temporary one is used otherwise).
     Raises LayoutError before any communication if a layout does not fit the model or world.
     """
     started = time.perf_counter()
@@ -136,43 +163,61 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
     me = dist.get_rank()
     device = device or default_device()
     src = source_state(source) if me in plan.src else {}
-    transfers = [t for t in schedule_transfers(plan, bucket_bytes, direct_min_bytes)
+    transfers = [t for t in schedule_transfers(plan, bucket_bytes // SLOTS, direct_min_bytes, by_unit=layer_by_layer)
                  if t.src_rank == me or me in t.dst_ranks]
     local = [p for p in plan.local_pieces if p.src_rank == me]
     _check_inputs(plan, me, src, transfers, local, groups, dtype)
-
-    meter = _Meter()
-    dst = _destination(plan, me, destination, dtype, device, meter)
-    shard_bytes = meter.now["destination"]
-    buffer_numel = max((t.numel for t in transfers if t.packed), default=0)
-    buffer = torch.empty(buffer_numel, dtype=dtype, device=device) if buffer_numel else None
-    meter.add("buffer", buffer_numel * plan.bytes_per_element)
-
-    sent: dict[tuple[int, int], int] = defaultdict(int)
-    received: dict[tuple[int, int], int] = defaultdict(int)
-    bpe = plan.bytes_per_element
     zero3 = any(_is_zero3(t) for t in src.values())
+    if zero3 and not layer_by_layer:
+        raise ValueError(f"rank {me}: the source is a ZeRO-3 engine; pass layer_by_layer=True on every rank")
     needs = _units_needed_by_my_dp_group(plan, me) if zero3 else {}
     missing = sorted({n for names in needs.values() for n in names} - set(src))
     if missing:
         raise KeyError(f"rank {me}: the ZeRO-3 source has no parameters {missing[:4]}")
-    units = sorted({t.unit for t in transfers} | {p.unit for p in local} | set(needs))
-    for unit in units:
-        with _gathered(src, needs.get(unit, ()), meter, bpe):
-            for p in (p for p in local if p.unit == unit):
-                _view(dst[p.name], p.dim, p.dst_range).copy_(_view(src[p.name], p.dim, p.src_range))
-            for t in (t for t in transfers if t.unit == unit):
-                _run(t, me, src, dst, buffer, groups)
-                nbytes = t.numel * bpe
-                if t.src_rank == me:
-                    for r in t.dst_ranks:
-                        sent[(me, r)] += nbytes
-                else:
-                    received[(t.src_rank, me)] += nbytes
+
+    meter = _Meter()
+    dst = _destination(plan, me, destination, dtype, device, meter)
+    shard_bytes = meter.now["destination"]
+    bpe = plan.bytes_per_element
+    slot_numel = max((t.numel for t in transfers if t.packed), default=0)
+    workspace = workspace or Workspace()
+    buffer = workspace.take(SLOTS * slot_numel, dtype, device) if slot_numel else None
+    held_bytes = workspace.nbytes  # what the workspace really holds, perhaps more than this plan needs
+    meter.add("buffer", held_bytes)
+
+    def stage_of(p: Piece) -> int:
+        return p.unit if layer_by_layer else 0
+
+    sent: dict[tuple[int, int], int] = defaultdict(int)
+    received: dict[tuple[int, int], int] = defaultdict(int)
+    stages = sorted({t.stage for t in transfers} | {stage_of(p) for p in local} | set(needs))
+    for stage in stages:
+        mine = [t for t in transfers if t.stage == stage]
+        with _gathered(src, needs.get(stage, ()), meter, bpe):
+            # In-place transfers need no buffer: post them all at once. Buckets go through a ring
+            # of slots, so several are in flight; the local copies overlap the traffic.
+            pending = [_post_in_place(t, me, src, dst, groups) for t in mine if not t.packed]
+            ring = _Ring(buffer, slot_numel, me, src, dst, groups)
+            for t in mine:
+                if t.packed:
+                    ring.post(t)
+            for p in local:
+                if stage_of(p) == stage:
+                    _view(dst[p.name], p.dim, p.dst_range).copy_(_view(src[p.name], p.dim, p.src_range))
+            ring.drain()
+            for work in pending:
+                work.wait()
+        for t in mine:
+            nbytes = t.numel * bpe
+            if t.src_rank == me:
+                for r in t.dst_ranks:
+                    sent[(me, r)] += nbytes
+            else:
+                received[(t.src_rank, me)] += nbytes
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     del buffer
-    meter.sub("buffer", buffer_numel * bpe)
+    meter.sub("buffer", held_bytes)
     stats = ReallocStats(
         seconds=time.perf_counter() - started, sent_bytes_by_link=dict(sent), received_bytes_by_link=dict(received),
         local_bytes=sum(p.numel for p in local) * bpe, destination_shard_bytes=shard_bytes,
@@ -248,30 +293,65 @@ def _gathered(src: dict[str, torch.Tensor], names: tuple[str, ...], meter: _Mete
             meter.sub("gathered", nbytes)
 
 
-def _run(t: Transfer, me: int, src: dict, dst: dict, buffer: torch.Tensor | None, groups: ProcessGroups) -> None:
-    """One transfer: pack (sender), broadcast or send/recv, unpack (receivers)."""
-    sending = t.src_rank == me
-    if t.packed:
-        payload = buffer[: t.numel]
-        if sending:
+def _communicate(payload: torch.Tensor, t: Transfer, me: int, groups: ProcessGroups, async_op: bool):
+    """Broadcast on the transfer's group, or send/recv for a single receiver."""
+    if len(t.dst_ranks) > 1:
+        return dist.broadcast(payload, src=t.src_rank, group=groups.get(t.group), async_op=async_op)
+    if async_op:
+        return dist.isend(payload, dst=t.dst_ranks[0]) if t.src_rank == me else dist.irecv(payload, src=t.src_rank)
+    if t.src_rank == me:
+        return dist.send(payload, dst=t.dst_ranks[0])
+    return dist.recv(payload, src=t.src_rank)
+
+
+def _post_in_place(t: Transfer, me: int, src: dict, dst: dict, groups: ProcessGroups):
+    """Start an unpacked transfer straight out of the source tensor or into the destination tensor."""
+    (p,) = t.pieces
+    payload = _view(src[p.name], p.dim, p.src_range) if t.src_rank == me else _view(dst[p.name], p.dim, p.dst_range)
+    return _communicate(payload, t, me, groups, async_op=True)
+
+
+class _Ring:
+    """``SLOTS`` bucket slots in one buffer: a slot is reused only after its previous transfer finished.
+
+    Ranks post in the schedule's global order and wait only on their own earlier transfers, so
+    the oldest unfinished transfer always has every participant posted: no deadlock.
+    """
+
+    def __init__(self, buffer: torch.Tensor | None, slot_numel: int, me: int, src: dict, dst: dict,
+                 groups: ProcessGroups):
+        self.slots = [buffer[i * slot_numel: (i + 1) * slot_numel] for i in range(SLOTS)] if buffer is not None else []
+        self.busy: list[tuple | None] = [None] * SLOTS
+        self.next = 0
+        self.me, self.src, self.dst, self.groups = me, src, dst, groups
+
+    def post(self, t: Transfer) -> None:
+        i = self.next
+        self.next = (i + 1) % SLOTS
+        self._finish(i)
+        payload = self.slots[i][: t.numel]
+        if t.src_rank == self.me:
             offset = 0
             for p in t.pieces:
-                payload[offset: offset + p.numel].view(_block_shape(p)).copy_(_view(src[p.name], p.dim, p.src_range))
+                payload[offset: offset + p.numel].view(p.block_shape).copy_(_view(self.src[p.name], p.dim, p.src_range))
                 offset += p.numel
-    else:
-        (p,) = t.pieces
-        payload = _view(src[p.name], p.dim, p.src_range) if sending else _view(dst[p.name], p.dim, p.dst_range)
-    if len(t.dst_ranks) > 1:
-        dist.broadcast(payload, src=t.src_rank, group=groups.get(t.group))
-    elif sending:
-        dist.send(payload, dst=t.dst_ranks[0])
-    else:
-        dist.recv(payload, src=t.src_rank)
-    if t.packed and not sending:
-        offset = 0
-        for p in t.pieces:
-            _view(dst[p.name], p.dim, p.dst_range).copy_(payload[offset: offset + p.numel].view(_block_shape(p)))
-            offset += p.numel
+        self.busy[i] = (_communicate(payload, t, self.me, self.groups, async_op=True), t, payload)
+
+    def _finish(self, i: int) -> None:
+        if self.busy[i] is None:
+            return
+        work, t, payload = self.busy[i]
+        self.busy[i] = None
+        work.wait()
+        if t.src_rank != self.me:
+            offset = 0
+            for p in t.pieces:
+                _view(self.dst[p.name], p.dim, p.dst_range).copy_(payload[offset: offset + p.numel].view(p.block_shape))
+                offset += p.numel
+
+    def drain(self) -> None:
+        for k in range(SLOTS):  # oldest first
+            self._finish((self.next + k) % SLOTS)
 
 
 def groups_for(*plans: ReallocPlan) -> list[tuple[int, ...]]:

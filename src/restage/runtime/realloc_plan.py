@@ -18,6 +18,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
 
 from restage.errors import LayoutError, PlanError
 from restage.layout import Layout
@@ -46,15 +47,22 @@ class Piece:
     src_shape: tuple[int, ...]
     dst_shape: tuple[int, ...]
 
-    @property
+    @cached_property
     def numel(self) -> int:
         lo, hi = self.full_range
-        return (hi - lo) * math.prod(s for d, s in enumerate(self.src_shape) if d != self.dim)
+        return (hi - lo) * self.slab_numel
 
-    @property
+    @cached_property
     def slab_numel(self) -> int:
         """Elements of one index along ``dim``: the smallest block a piece can be cut into."""
         return math.prod(s for d, s in enumerate(self.src_shape) if d != self.dim)
+
+    @cached_property
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of the block itself (the source shard's shape with ``dim`` cut to the piece)."""
+        shape = list(self.src_shape)
+        shape[self.dim] = self.full_range[1] - self.full_range[0]
+        return tuple(shape)
 
     def src_contiguous(self) -> bool:
         return _contiguous(self.src_shape, self.dim, self.src_range)
@@ -256,16 +264,17 @@ class Transfer:
 
     ``packed`` transfers copy their pieces into one contiguous bucket (at most the bucket size);
     an unpacked transfer is a single piece contiguous on both sides, sent in place with no
-    extra memory. A broadcast when there are several receivers, send/recv for one.
+    extra memory. A broadcast when there are several receivers, send/recv for one. ``stage``
+    is the piece's unit when gathering layer by layer, else 0.
     """
 
-    unit: int
+    stage: int
     src_rank: int
     dst_ranks: tuple[int, ...]
     pieces: tuple[Piece, ...]
     packed: bool
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return sum(p.numel for p in self.pieces)
 
@@ -274,28 +283,33 @@ class Transfer:
         return tuple(sorted((self.src_rank, *self.dst_ranks)))
 
 
-def schedule_transfers(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: int = 1 << 18) -> tuple[Transfer, ...]:
+@lru_cache(maxsize=64)  # a run replays the same few plans every iteration
+def schedule_transfers(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: int = 1 << 18,
+                       by_unit: bool = False) -> tuple[Transfer, ...]:
     """The plan's pieces as an ordered list of transfers, which every rank walks in the same order.
 
-    Order: by unit (so a ZeRO-3 source gathers one layer at a time), then by (sender,
-    receivers), then by parameter. Pieces contiguous on both sides and of at least
-    ``direct_min_bytes`` go in place; the rest are packed into buckets of at most
-    ``bucket_bytes``, a piece larger than a bucket being cut along its axis.
+    Pieces contiguous on both sides and of at least ``direct_min_bytes`` go in place; the rest
+    are packed into buckets of at most ``bucket_bytes`` per (sender, receivers) channel, a
+    piece larger than a bucket being cut along its axis. ``by_unit`` (a ZeRO-3 source, which
+    gathers one unit at a time) keeps every transfer inside one unit; otherwise a bucket spans
+    units, so a channel needs as few messages as possible. Order: by stage, in-place transfers
+    before packed ones, then by channel and parameter. All ranks must pass the same arguments.
     """
     bpe = plan.bytes_per_element
     if bucket_bytes < bpe:
         raise PlanError(f"bucket of {bucket_bytes} bytes cannot hold one element; use a larger bucket")
     channels: dict[tuple[int, int, tuple[int, ...]], list[Piece]] = defaultdict(list)
     for p in plan.pieces:
-        channels[(p.unit, p.src_rank, p.dst_ranks)].append(p)
-    out: list[Transfer] = []
+        channels[(p.unit if by_unit else 0, p.src_rank, p.dst_ranks)].append(p)
+    direct: list[Transfer] = []
+    packed: list[Transfer] = []
     capacity = bucket_bytes // bpe
-    for (unit, sender, receivers), pieces in sorted(channels.items()):
+    for (stage, sender, receivers), pieces in sorted(channels.items()):
         buckets: list[list[Piece]] = [[]]
         room = capacity  # elements left in the open bucket
         for p in pieces:
             if p.src_contiguous() and p.dst_contiguous() and p.numel * bpe >= direct_min_bytes:
-                out.append(Transfer(unit, sender, receivers, (p,), False))
+                direct.append(Transfer(stage, sender, receivers, (p,), False))
                 continue
             if p.slab_numel > capacity:
                 raise PlanError(f"{p.name}: one slice of {p.slab_numel * bpe} bytes exceeds the bucket of "
@@ -310,8 +324,9 @@ def schedule_transfers(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: i
                 buckets[-1].append(p if (offset, take) == (0, length) else p.cut(offset, take))
                 room -= take * p.slab_numel
                 offset += take
-        out.extend(Transfer(unit, sender, receivers, tuple(b), True) for b in buckets if b)
-    return tuple(out)
+        packed.extend(Transfer(stage, sender, receivers, tuple(b), True) for b in buckets if b)
+    # Stable sort: within a stage, every in-place transfer, then every bucket, each in channel order.
+    return tuple(sorted(direct + packed, key=lambda t: (t.stage, t.packed)))
 
 
 def realloc_groups(plan: ReallocPlan) -> list[tuple[int, ...]]:

@@ -1,0 +1,266 @@
+"""Benchmark parameter reallocation on 4 gloo ranks with a ~100M-parameter LLaMA-family model.
+
+For each layout pair it times three ways of producing every destination shard:
+
+* ``restage``: the planned, bucketed reallocation (``runtime.realloc``);
+* ``raw broadcast``: one ``dist.broadcast`` of the same number of bytes between the same ranks
+  (from the plan's busiest sender to every rank that receives; each gets total/receivers bytes);
+* ``raw channels``: a stricter ceiling: the plan's exact (sender, receivers) channels, each as
+  one flat pre-allocated buffer, with no planning, packing, local copies or bucketing;
+* ``naive``: every destination rank all-gathers the full model from the source shards, then slices.
+
+The reallocation is timed warm, like the raw baselines (destination tensors and bucket
+workspace allocated once, as the runtime keeps them); ``cold_seconds`` is the first call,
+which also allocates (and on CPU page-faults in) the destination shard.
+
+Usage: ``python bench/realloc.py [--json] [--bucket-mib 32] [--repeats 3] [--dtype bf16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from restage.layout import Layout, ProcessGroups, Strategy
+from restage.models.config import ModelConfig
+from restage.models.sharding import param_specs, shard_specs
+from restage.runtime.realloc import Workspace, execute_reallocation, groups_for
+from restage.runtime.realloc_plan import ReallocPlan, plan_reallocation
+from restage.runtime.spawn import spawn
+
+WORLD_SIZE = 4
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def model_100m() -> ModelConfig:
+    """12 layers, hidden 768, 12 heads, MLP 2048, vocabulary 8000: 97M parameters."""
+    return ModelConfig(family="llama", model_type="llama", vocab_size=8000, hidden_size=768, intermediate_size=2048,
+                       num_layers=12, num_heads=12, num_kv_heads=12, max_positions=2048)
+
+
+def _l(ranks, dp=1, tp=1, pp=1) -> Layout:
+    return Layout(tuple(ranks), Strategy(dp=dp, tp=tp, pp=pp))
+
+
+CASES = [
+    (_l(range(4), tp=4), _l(range(4), tp=2, pp=2), "tp 4->2, pp 1->2"),
+    (_l(range(4), tp=4), _l(range(3), tp=3), "tp 4->3"),
+    (_l(range(4), dp=2, tp=2), _l(range(4), dp=1, tp=2, pp=2), "pp 1->2, dp 2->1"),
+    (_l(range(4), tp=2, pp=2), _l(range(4), dp=2, tp=2), "pp 2->1, dp 1->2"),
+    (_l(range(2), tp=2), _l(range(2, 4), dp=2), "tp 2->1 dp 1->2, disjoint"),
+    (_l(range(4), tp=4), _l(range(4), dp=4), "tp 4->1 dp 1->4 (every rank needs the full model)"),
+    (_l(range(2), tp=2), _l(range(2, 4), tp=2), "same strategy, disjoint (no tp/pp change)"),
+]
+
+
+def _full_state(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {s.name: torch.randn(s.shape, generator=gen).to(dtype) for s in param_specs(cfg)}
+
+
+def _shard(cfg: ModelConfig, layout: Layout, rank: int, full: dict) -> dict[str, torch.Tensor]:
+    coord = layout.coord(rank)
+    if coord is None:
+        return {}
+    return {s.param.name: full[s.param.name][s.index()].clone()
+            for s in shard_specs(cfg, layout.strategy, coord.pp, coord.tp)}
+
+
+def _channels(plan: ReallocPlan) -> list[tuple[int, tuple[int, ...], int]]:
+    """(sender, receivers, elements) of each channel of the plan, in a fixed order."""
+    numel: dict[tuple[int, tuple[int, ...]], int] = defaultdict(int)
+    for p in plan.pieces:
+        numel[(p.src_rank, p.dst_ranks)] += p.numel
+    return [(s, r, n) for (s, r), n in sorted(numel.items())]
+
+
+def _raw(plan: ReallocPlan, groups: ProcessGroups, buffers: dict) -> None:
+    me = dist.get_rank()
+    for sender, receivers, _ in _channels(plan):
+        if me != sender and me not in receivers:
+            continue
+        buf = buffers[(sender, receivers)]
+        if len(receivers) > 1:
+            dist.broadcast(buf, src=sender, group=groups.get((sender, *receivers)))
+        elif me == sender:
+            dist.send(buf, dst=receivers[0])
+        else:
+            dist.recv(buf, src=sender)
+
+
+def _broadcast_shape(plan: ReallocPlan) -> tuple[int, tuple[int, ...], int]:
+    """(root, group, elements) of one broadcast delivering the plan's bytes to the same receivers."""
+    sent = plan.sent_bytes_by_rank()
+    root = max(sorted(sent), key=lambda r: sent[r]) if sent else plan.src.mesh[0]
+    receivers = sorted(set(plan.received_bytes_by_rank()) - {root})
+    elements = plan.total_bytes // max(1, len(receivers)) // plan.bytes_per_element
+    return root, tuple(sorted({root, *receivers})), elements
+
+
+def _raw_broadcast(plan: ReallocPlan, groups: ProcessGroups, buffer: torch.Tensor | None) -> None:
+    root, group, _ = _broadcast_shape(plan)
+    if buffer is None or len(group) < 2:
+        return
+    if len(group) == 2:
+        other = group[1] if group[0] == root else group[0]
+        dist.send(buffer, dst=other) if dist.get_rank() == root else dist.recv(buffer, src=root)
+    else:
+        dist.broadcast(buffer, src=root, group=groups.get(group))
+
+
+def _naive_sources(plan: ReallocPlan) -> list[tuple[str, int, tuple[int, ...]]]:
+    """(parameter, holder, full-tensor index) of one copy of every source shard: replica 0, first stage holding it."""
+    seen, out = set(), []
+    s = plan.src.strategy
+    order = {spec.name: i for i, spec in enumerate(param_specs(plan.cfg))}
+    for pp in range(s.pp):
+        for tp in range(s.tp):
+            rank = plan.src.rank_at(pp, 0, tp)
+            for shard in shard_specs(plan.cfg, s, pp, tp):
+                key = (shard.param.name, shard.start, shard.stop)
+                if key not in seen:
+                    seen.add(key)
+                    out.append((shard.param.name, rank, shard.index()))
+    return sorted(out, key=lambda x: order[x[0]])  # parameter by parameter, so one full tensor is live at a time
+
+
+def _naive(plan: ReallocPlan, src: dict, groups: ProcessGroups, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """All-gather the full model onto every destination rank, one parameter at a time, then slice."""
+    me = dist.get_rank()
+    specs = {s.name: s for s in param_specs(plan.cfg)}
+    coord = plan.dst.coord(me)
+    mine = {s.param.name: s for s in shard_specs(plan.cfg, plan.dst.strategy, coord.pp, coord.tp)} if coord else {}
+    out, full, current = {}, None, None
+    for name, holder, index in _naive_sources(plan):
+        ranks = tuple(sorted({holder, *plan.dst.mesh}))
+        if me not in ranks:
+            continue
+        if name != current:
+            if current in mine:
+                out[current] = full[mine[current].index()].clone()
+            current, full = name, torch.empty(specs[name].shape, dtype=dtype)
+        piece = full[index]
+        block = src[name].contiguous() if me == holder else torch.empty(piece.shape, dtype=dtype)
+        if len(ranks) > 1:
+            dist.broadcast(block, src=holder, group=groups.get(ranks))
+        piece.copy_(block)
+    if current in mine:
+        out[current] = full[mine[current].index()].clone()
+    return out
+
+
+def _timed(repeats: int, fn, *args, **kwargs) -> float:
+    """Median over ``repeats`` of the time from a common start until the slowest rank finishes."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn(*args, **kwargs)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _bench(rank: int, world_size: int, dtype_name: str, bucket_bytes: int, repeats: int) -> list[dict]:
+    cfg, dtype = model_100m(), DTYPES[dtype_name]
+    bpe = torch.empty((), dtype=dtype).element_size()
+    plans = [plan_reallocation(cfg, a, b, bytes_per_element=bpe, world_size=world_size) for a, b, _ in CASES]
+    naive_groups = [tuple(sorted({h, *p.dst.mesh})) for p in plans for _, h, _ in _naive_sources(p)]
+    raw_groups = [tuple(sorted((s, *r))) for p in plans for s, r, _ in _channels(p) if len(r) > 1]
+    bcast_groups = [_broadcast_shape(p)[1] for p in plans if len(_broadcast_shape(p)[1]) > 2]
+    groups = ProcessGroups(groups_for(*plans) + naive_groups + raw_groups + bcast_groups)
+    full = _full_state(cfg, dtype)
+    rows = []
+    for plan, (src_layout, dst_layout, what) in zip(plans, CASES):
+        src = _shard(cfg, src_layout, rank, full)
+        expected = _shard(cfg, dst_layout, rank, full)
+        workspace = Workspace()
+        cold = time.perf_counter()
+        result = execute_reallocation(plan, src or None, groups, dtype=dtype, bucket_bytes=bucket_bytes, workspace=workspace)
+        dist.barrier()
+        cold_seconds = time.perf_counter() - cold
+        exact = all(torch.equal(result.state[n], t) for n, t in expected.items()) and result.state.keys() == expected.keys()
+        naive_out = _naive(plan, src, groups, dtype)
+        exact_naive = all(torch.equal(naive_out[n], t) for n, t in expected.items())
+        destination = result.state or None
+        del naive_out, result
+        seconds = _timed(repeats, execute_reallocation, plan, src or None, groups, dtype=dtype, destination=destination,
+                         bucket_bytes=bucket_bytes, workspace=workspace)
+        del destination, workspace
+        buffers = {(s, r): torch.zeros(n, dtype=dtype) for s, r, n in _channels(plan) if rank == s or rank in r}
+        raw_seconds = _timed(repeats, _raw, plan, groups, buffers)
+        del buffers
+        root, group, elements = _broadcast_shape(plan)
+        buffer = torch.zeros(elements, dtype=dtype) if rank in group else None
+        bcast_seconds = _timed(repeats, _raw_broadcast, plan, groups, buffer)
+        del buffer
+        naive_seconds = _timed(repeats, _naive, plan, src, groups, dtype)
+        naive_bytes = sum(sum(s.numel for s in param_specs(cfg)) * bpe - result_local_bytes(plan, r) for r in plan.dst.mesh)
+        flags = torch.tensor([int(exact), int(exact_naive)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        rows.append(dict(
+            case=what, src=str(src_layout), dst=str(dst_layout), bytes=plan.total_bytes,
+            lower_bound_bytes=plan.lower_bound_bytes, naive_bytes=naive_bytes, seconds=seconds, cold_seconds=cold_seconds,
+            raw_broadcast_seconds=bcast_seconds, raw_channels_seconds=raw_seconds, naive_seconds=naive_seconds,
+            bytes_per_second=plan.total_bytes / seconds, raw_broadcast_bytes_per_second=plan.total_bytes / bcast_seconds,
+            # Throughput ratios mean nothing when nothing moves (only local copies): None.
+            throughput_vs_raw_broadcast=bcast_seconds / seconds if plan.total_bytes else None,
+            throughput_vs_raw_channels=raw_seconds / seconds if plan.total_bytes else None,
+            speedup_vs_naive=naive_seconds / seconds,
+            tp_or_pp_changes=(src_layout.strategy.tp, src_layout.strategy.pp) != (dst_layout.strategy.tp,
+                                                                                dst_layout.strategy.pp),
+            exact=bool(flags[0]), naive_exact=bool(flags[1]),
+        ))
+    return rows
+
+
+def result_local_bytes(plan: ReallocPlan, rank: int) -> int:
+    """Bytes of the full model ``rank`` already holds in the source layout (what the naive way need not receive)."""
+    coord = plan.src.coord(rank)
+    if coord is None:
+        return 0
+    return sum(s.numel for s in shard_specs(plan.cfg, plan.src.strategy, coord.pp, coord.tp)
+               if not (s.param.name == "embed.weight" and coord.pp > 0)) * plan.bytes_per_element
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    parser.add_argument("--bucket-mib", type=float, default=32.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    args = parser.parse_args(argv)
+    cfg = model_100m()
+    params = sum(s.numel for s in param_specs(cfg))
+    rows = spawn(_bench, WORLD_SIZE, args.dtype, int(args.bucket_mib * (1 << 20)), args.repeats,
+                 timeout_seconds=1800)[0]
+    if args.json:
+        print(json.dumps({"world_size": WORLD_SIZE, "parameters": params, "dtype": args.dtype,
+                          "bucket_bytes": int(args.bucket_mib * (1 << 20)), "repeats": args.repeats, "cases": rows},
+                         indent=1))
+        return 0
+    print(f"{params / 1e6:.1f}M parameters ({args.dtype}), {WORLD_SIZE} gloo ranks, bucket {args.bucket_mib:g} MiB, "
+          f"median of {args.repeats}")
+    print(f"{'case':<50} {'MB':>6} {'s':>6} {'cold s':>6} {'MB/s':>5} | {'bcast s':>7} {'ratio':>5} | "
+          f"{'chan s':>6} {'ratio':>5} | {'naive s':>7} {'speedup':>7} | exact")
+    def ratio(value: float | None) -> str:
+        return "  n/a" if value is None else f"{value:4.2f}x"
+
+    for r in rows:
+        print(f"{r['case']:<50} {r['bytes'] / 1e6:6.1f} {r['seconds']:6.3f} {r['cold_seconds']:6.3f} "
+              f"{r['bytes_per_second'] / 1e6:5.0f} | {r['raw_broadcast_seconds']:7.3f} {ratio(r['throughput_vs_raw_broadcast'])} | "
+              f"{r['raw_channels_seconds']:6.3f} {ratio(r['throughput_vs_raw_channels'])} | {r['naive_seconds']:7.3f} "
+              f"{r['speedup_vs_naive']:6.2f}x | {r['exact'] and r['naive_exact']}")
+    print("ratio: raw seconds / restage seconds (throughput relative to raw); speedup: naive seconds / restage seconds")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
