@@ -6,8 +6,11 @@
 * ``per_model``: every MFC on all devices; each model takes its own best strategy.
 * ``gen_optimised``: colocated, but generation takes its own best strategy and runs on a
   reallocated copy (DeepSpeed-Chat's hybrid engine).
+* ``megatron``: colocated with the Megatron-LM rule instead of a search: TP over a whole node,
+  the fewest pipeline stages that fit, DP over the rest (the heuristic the ReaLHF paper compares
+  its searched plans with).
 
-Each baseline picks its strategies by enumeration (minimising the simulated iteration time) and
+Except ``megatron``, each baseline picks its strategies by enumeration (minimising the simulated iteration time) and
 the micro-batch counts that make the plan fit; a baseline that fits nowhere is None.
 """
 
@@ -19,7 +22,7 @@ from restage.layout import Layout, Strategy
 from restage.plan.evaluate import PlanEvaluation, evaluate
 from restage.plan.problem import Plan, PlanProblem, strategies_for
 
-BASELINES = ("colocated", "separated", "per_model", "gen_optimised")
+BASELINES = ("colocated", "separated", "per_model", "gen_optimised", "megatron")
 
 
 def fit_plan(problem: PlanProblem, layouts: dict[str, Layout]) -> tuple[Plan, PlanEvaluation] | None:
@@ -103,8 +106,23 @@ def gen_optimised(problem: PlanProblem) -> tuple[Plan, PlanEvaluation] | None:
     return _best(results)
 
 
+def megatron(problem: PlanProblem) -> tuple[Plan, PlanEvaluation] | None:
+    world = problem.cluster.world_size
+    common = _common_strategies(problem, problem.mfcs, world)
+    if not common:
+        return None
+    tp = max(s.tp for s in common)
+    for pp in sorted({s.pp for s in common if s.tp == tp}):
+        got = fit_plan(problem, {m.name: Layout.contiguous(0, Strategy(dp=world // (tp * pp), tp=tp, pp=pp))
+                                 for m in problem.mfcs})
+        if got is not None:
+            return got
+    return None
+
+
 BUILDERS: dict[str, Callable[[PlanProblem], tuple[Plan, PlanEvaluation] | None]] = {
     "colocated": colocated, "separated": separated, "per_model": per_model, "gen_optimised": gen_optimised,
+    "megatron": megatron,
 }
 
 
