@@ -271,7 +271,9 @@ def _generate(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: 
     ctx = prompt + (gen + 1) / 2
     decode_stage = _stage_seconds(layout, cfg, compute.decode_block(b, ctx, s.tp), compute.embed_forward(b),
                                   compute.head_forward(b, s.tp))
-    decode_comm = layers * 2 * allreduce_seconds(cluster, tp_group, b * hidden_bytes)
+    # Two all-reduces per block, and the sampler gathers the full-vocabulary logits over TP.
+    decode_comm = layers * 2 * allreduce_seconds(cluster, tp_group, b * hidden_bytes) + allgather_seconds(
+        cluster, tp_group, b * cfg.vocab_size * LOGIT_BYTES)
     decode_send = p2p_seconds(cluster, pp_group[0], pp_group[-1], b * hidden_bytes) if s.pp > 1 else 0.0
     slots = max(m, s.pp)
     decode = gen * slots * (decode_stage + decode_comm + decode_send)

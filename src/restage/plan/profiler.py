@@ -1,0 +1,198 @@
+"""``restage profile``: time a decoder's pieces on this device and store the table under cluster/profiles/.
+
+For every TP size in the grid, one process builds the TP shard of a one-block model with the
+real decoder (``restage.models.decoder.StageModule``) and times, over a grid of batch sizes and
+sequence lengths: the embedding, one transformer block's forward and backward, the head's
+forward and backward, a prefill (block forward that fills the KV cache), one decoding step of
+one block against ``seq`` cached tokens, and an AdamW step (per parameter). The shard's
+all-reduces run over a one-process group, so the table holds compute only; the estimator adds
+communication from the cluster's links. Seconds are the median of ``--repeats`` runs after a
+warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import statistics
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from restage.errors import ConfigError
+from restage.plan.profile import Profile, ProfileEntry
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--arch", default="llama-tiny", help="architecture preset (restage.models.presets)")
+    what.add_argument("--model", help="HF model directory whose config.json to profile")
+    parser.add_argument("--cluster", default=None, help="cluster the table is for (default local-cpu without a GPU)")
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default fp32 on CPU, bf16 on GPU")
+    parser.add_argument("--batches", default="1,2,4,8", help="comma-separated batch sizes (sequences)")
+    parser.add_argument("--seqs", default="32,64,128,256", help="comma-separated sequence / KV lengths")
+    parser.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", help="output file (default cluster/profiles/<cluster>--<arch>--<dtype>.local.json)")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from restage.models.config import ModelConfig
+    from restage.models.presets import preset
+
+    cuda = torch.cuda.is_available()
+    cluster = args.cluster or ("local-cpu" if not cuda else None)
+    if cluster is None:
+        raise ConfigError("restage profile on a GPU needs --cluster NAME (the cluster file these GPUs belong to)")
+    dtype = args.dtype or ("bf16" if cuda else "fp32")
+    arch = ModelConfig.from_pretrained(args.model) if args.model else preset(args.arch)
+    name = Path(args.model).name if args.model else args.arch
+    grid = {k: [int(x) for x in getattr(args, k).split(",") if x] for k in ("batches", "seqs", "tp")}
+    started = time.perf_counter()
+    profile = measure(arch, cluster, dtype, grid["batches"], grid["seqs"], grid["tp"], args.repeats,
+                      device="cuda" if cuda else "cpu")
+    from restage.cluster import cluster_dirs
+
+    root = next((d for d in cluster_dirs() if d.is_dir()), cluster_dirs()[-1])
+    out = Path(args.out) if args.out else root / "profiles" / f"{cluster}--{name}--{dtype}.local.json"
+    profile.save(out)
+    print(f"{len(profile.entries)} timings of {name} ({dtype}, tp {grid['tp']}) on {profile.meta['device']} "
+          f"in {time.perf_counter() - started:.1f} s -> {out}")
+    return 0
+
+
+@contextmanager
+def _one_process_group():
+    """A gloo group of this process alone, so TP shards run their (trivial) collectives."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+
+
+def _median_seconds(fn, repeats: int, sync) -> float:
+    fn()  # warm-up
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(arch, cluster: str, dtype: str, batches: list[int], seqs: list[int], tps: list[int], repeats: int = 3,
+            device: str = "cpu") -> Profile:
+    """Time the pieces of ``arch`` over the grid; returns the profile (not saved)."""
+    import torch
+
+    from restage.layout import Coord, Strategy
+    from restage.models.decoder import StageModule
+    from restage.models.packing import PackedBatch
+    from restage.models.parallel import ParallelContext
+    from restage.models.sharding import validate_strategy
+
+    torch_dtype = getattr(torch, DTYPES[dtype])
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    one_block = dataclasses.replace(arch, num_layers=1)
+    entries: list[ProfileEntry] = []
+    with _one_process_group() as group:
+        for tp in tps:
+            validate_strategy(arch, Strategy(tp=tp))
+            ctx = ParallelContext(Strategy(tp=tp), Coord(0, 0, 0), (0,), (0,), (0,), tp_group=group if tp > 1 else None)
+            torch.manual_seed(0)
+            module = StageModule(one_block, ctx, torch_dtype, device)
+            for p in module.parameters():
+                torch.nn.init.normal_(p, std=0.02)
+            block = module.layers["0"]
+            params = [p for p in block.parameters()]
+            optimizer = torch.optim.AdamW([p.detach().clone().float().requires_grad_() for p in params], lr=1e-5)
+            for p in optimizer.param_groups[0]["params"]:
+                p.grad = torch.zeros_like(p)
+            numel = sum(p.numel() for p in params)
+            entries.append(ProfileEntry("optimizer_step_per_param", 1, 1, 1,
+                                        _median_seconds(optimizer.step, repeats, sync) / numel))
+            for batch in batches:
+                for seq in seqs:
+                    entries += _time_shape(module, block, batch, seq, tp, repeats, sync, device, PackedBatch)
+    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": repeats,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return Profile(f"{cluster}--{dtype}", cluster, dtype, arch, entries, meta)
+
+
+def _time_shape(module, block, batch: int, seq: int, tp: int, repeats: int, sync, device, PackedBatch) -> list[ProfileEntry]:
+    import torch
+
+    from restage.models.decoder import rope_cos_sin
+
+    cfg = module.cfg
+    tokens = batch * seq
+    packed = PackedBatch.from_seqlens([seq] * batch, device=device)
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), device=device)
+    hidden = torch.randn(tokens, cfg.hidden_size, dtype=module.dtype, device=device)
+    rope = rope_cos_sin(packed.positions, cfg.head_dim, cfg.rope_theta, module.dtype) if cfg.family != "gpt2" else None
+    out: list[ProfileEntry] = []
+
+    def add(op, fn, b=batch, s=seq):
+        out.append(ProfileEntry(op, tp, b, s, _median_seconds(fn, repeats, sync)))
+
+    with torch.no_grad():
+        if tp == 1:
+            add("embed_forward", lambda: module.embed(ids), b=tokens, s=1)
+        add("block_forward", lambda: block(hidden, packed, rope, None))
+        add("head_forward", lambda: _head(module, hidden), b=tokens, s=1)
+        cache = module.new_cache(batch, seq + 1)
+        add("prefill", lambda: block(hidden, packed, rope, cache))
+        # One decoding step against ``seq`` cached tokens per sequence.
+        cache.lengths.fill_(seq)
+        cache.decoding = True
+        step = PackedBatch(torch.arange(batch + 1, dtype=torch.int32, device=device), cache.lengths.clone(), 1)
+        step_rope = rope_cos_sin(step.positions, cfg.head_dim, cfg.rope_theta, module.dtype) if rope is not None else None
+        one = hidden[:batch]
+        add("decode_step", lambda: block(one, step, step_rope, cache))
+    x = hidden.clone().requires_grad_()
+
+    def block_backward():
+        y = block(x, packed, rope, None)
+        y.backward(torch.ones_like(y))
+
+    forward = next(e.seconds for e in out if e.op == "block_forward")
+    out.append(ProfileEntry("block_backward", tp, batch, seq, max(_median_seconds(block_backward, repeats, sync) - forward,
+                                                                   forward)))
+    head_forward = next(e.seconds for e in out if e.op == "head_forward")
+
+    def head_backward():
+        logits = _head(module, x)
+        logits.float().logsumexp(-1).sum().backward()
+
+    out.append(ProfileEntry("head_backward", tp, tokens, 1, max(_median_seconds(head_backward, repeats, sync) - head_forward,
+                                                                head_forward)))
+    return out
+
+
+def _head(module, hidden):
+    """Final norm and the LM head (or the critic's score) of the last stage."""
+    import torch.nn.functional as F
+
+    from restage.models.parallel import lm_logits
+
+    h = module.final_norm(hidden)
+    if module.cfg.is_critic:
+        return F.linear(h, module.score.weight)
+    return lm_logits(h, module.head_weight, module.ctx)

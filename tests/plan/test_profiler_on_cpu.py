@@ -1,0 +1,32 @@
+import argparse
+
+import pytest
+
+from restage.cluster import load_cluster
+from restage.graph import MFC
+from restage.layout import Layout, Strategy
+from restage.models.presets import preset
+from restage.plan.estimator import Estimator, ModelRole
+from restage.plan.profile import OPS, load_profile
+from restage.plan.profiler import add_arguments, main
+
+
+def test_profile_times_every_piece_and_the_estimator_uses_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESTAGE_CLUSTER_DIR", str(tmp_path))
+    (tmp_path / "local-cpu.yaml").write_text((load_cluster.__globals__["find_cluster_file"]("local-cpu")).read_text())
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--arch", "llama-tiny", "--batches", "1,2", "--seqs", "8,16", "--tp", "1,2", "--repeats", "1"])
+    assert main(args) == 0
+    files = list((tmp_path / "profiles").glob("*.json"))
+    assert [f.name for f in files] == ["local-cpu--llama-tiny--fp32.local.json"]
+    profile = load_profile(files[0])
+    assert {e.op for e in profile.entries} == set(OPS)
+    assert all(e.seconds > 0 for e in profile.entries)
+    assert {e.tp for e in profile.entries if e.op == "block_forward"} == {1, 2}
+    assert profile.lookup("block_forward", 2, 16, 2) == pytest.approx(
+        next(e.seconds for e in profile.entries if (e.op, e.tp, e.batch, e.seq) == ("block_forward", 2, 2, 16)))
+    mfc = MFC("i", "inference", "actor", ("seqs",), ("v",), 2, 8, 8)
+    role = ModelRole("actor", preset("llama-tiny"), dtype="fp32")
+    estimate = Estimator(load_cluster("local-cpu")).estimate(mfc, role, Layout.contiguous(0, Strategy(tp=2)))
+    assert estimate.source == f"profile:{files[0].name}"
