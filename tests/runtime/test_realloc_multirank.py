@@ -1,4 +1,4 @@
-"""Reallocation on real gloo processes: exact shards, round trips, counted bytes, measured memory."""
+"""Reallocation and data transfer on real gloo processes: exact shards and batches, round trips, counted bytes, memory."""
 
 from __future__ import annotations
 
@@ -8,12 +8,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from realloc_cases import PAIRS_8, L, node_of_3, reference_state, shard_of, tiny
+from transfer_cases import TRANSFERS_8, make_meta, producer_batch, sample_batch
 
+from restage.data.batch import concat
 from restage.errors import LayoutError
 from restage.layout import ProcessGroups
 from restage.runtime.realloc import Workspace, execute_reallocation, groups_for
 from restage.runtime.realloc_plan import plan_reallocation
 from restage.runtime.spawn import spawn
+from restage.runtime.transfer import execute_transfer, plan_transfer, transfer_groups
 
 pytestmark = pytest.mark.multirank
 
@@ -82,12 +85,69 @@ def _check(pairs, results, world_size):
             assert sum(received.values()) == plan.total_bytes == plan.lower_bound_bytes, what
 
 
-def test_32_layout_pairs_on_8_ranks_are_exact_and_move_only_the_lower_bound():
+def _walk_transfers(rank: int, world_size: int) -> list[dict]:
+    """Run every data transfer case; return what this rank received, checked against the regenerated samples."""
+    plans = [plan_transfer(make_meta(i, n, prod.strategy.dp, group), prod, cons, consumer_stages=stages,
+                           world_size=world_size) for i, (prod, cons, stages, n, group, _) in enumerate(TRANSFERS_8)]
+    groups = ProcessGroups(transfer_groups(*plans))
+    out = []
+    for plan in plans:
+        meta = plan.meta
+        part = next((d for d, ranks in enumerate(plan.holders) if rank in ranks), None)
+        result = execute_transfer(plan, producer_batch(meta, part) if part is not None else None, groups)
+        consumer = next((d for d, ranks in enumerate(plan.receivers) if rank in ranks), None)
+        wrong = []
+        if consumer is not None:
+            samples = plan.assignment[consumer]
+            got = result.batch
+            if samples:
+                want = concat([sample_batch(meta.sample_ids[i], meta.sample_seqlens(i), meta.group_size) for i in samples])
+                wrong = [k for k in want.keys() if k not in got or not torch.equal(got[k], want[k])]
+                wrong += [] if (got.seqlens, got.ids) == (want.seqlens, want.ids) else ["seqlens or ids"]
+            elif got.n_samples:
+                wrong = ["samples where none were assigned"]
+        out.append(dict(consumer=consumer, ids=None if result.batch is None else list(result.batch.ids), wrong=wrong,
+                        sent=result.sent_bytes_by_link, received=result.received_bytes_by_link))
+    return out
+
+
+def _eight_ranks(rank: int, world_size: int) -> dict:
+    return {"realloc": _walk_pairs(rank, world_size, PAIRS_8), "transfer": _walk_transfers(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def eight():
+    """One spawn of 8 ranks runs every reallocation pair and every data transfer case."""
+    return spawn(_eight_ranks, 8, timeout_seconds=600)
+
+
+def test_32_layout_pairs_on_8_ranks_are_exact_and_move_only_the_lower_bound(eight):
     assert len(PAIRS_8) >= 30
-    results = spawn(_walk_pairs, 8, PAIRS_8, timeout_seconds=600)
+    results = [r["realloc"] for r in eight]
     _check(PAIRS_8, results, 8)
     # The buckets were exercised: some rank used a buffer, and some pair moved data in place.
     assert any(b for per_rank in results for r in per_rank for b in r["buffer"])
+
+
+def test_data_transfer_delivers_each_sample_once_intact_and_balanced(eight):
+    for i, (prod, cons, stages, n, group, what) in enumerate(TRANSFERS_8):
+        meta = make_meta(i, n, prod.strategy.dp, group)
+        plan = plan_transfer(meta, prod, cons, consumer_stages=stages, world_size=8)
+        seen = {}
+        received, sent = Counter(), Counter()
+        for rank, per_rank in enumerate(eight):
+            r = per_rank["transfer"][i]
+            assert r["wrong"] == [], (what, rank, r["wrong"])
+            received.update(r["received"])
+            sent.update(r["sent"])
+            if r["consumer"] is not None:
+                # Every receiver of a consumer DP rank (its TP ranks, on the stages asked for) got the same samples.
+                seen.setdefault(r["consumer"], r["ids"])
+                assert r["ids"] == seen[r["consumer"]], what
+        assert sorted(i for ids in seen.values() for i in ids) == sorted(meta.sample_ids), what
+        loads = [sum(meta.sample_tokens(meta.sample_ids.index(s)) for s in ids) for ids in seen.values()]
+        assert max(loads) - min(loads) <= max(meta.sample_tokens(j) for j in range(n)), what
+        assert dict(received) == dict(sent) == plan.bytes_by_link, what
 
 
 SMALL_PAIRS = [
