@@ -8,8 +8,9 @@ coordinate-descent pass polishes the result. Moves change one MFC's candidate: t
 to another strategy on the same mesh, to the same strategy on another mesh of that size, or to
 its model's home layout (which removes a reallocation).
 
-For a given seed the result depends only on the number of steps: ``max_steps`` ends the search
-deterministically, ``time_budget_seconds`` is a cap (the result says which one stopped it).
+For a given seed the result depends only on the number of steps: ``max_steps`` or
+``patience_steps`` without improvement end the search deterministically, ``time_budget_seconds``
+is a cap (the result says which one stopped it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from restage.plan.problem import Candidate, Plan, PlanProblem
 
 EXHAUSTIVE_LIMIT = 5000  # plans; problems with at most this many are enumerated exactly
 CYCLE_STEPS = 1500
+PATIENCE_STEPS = 4 * CYCLE_STEPS  # stop once this many steps have not improved the best plan
 START_TEMPERATURE, END_TEMPERATURE = 0.3, 0.003
 
 
@@ -38,7 +40,7 @@ class SearchResult:
     method: str  # "exhaustive" or "anneal"
     steps: int
     wall_seconds: float
-    stopped_by: str  # "exhausted", "steps" or "time"
+    stopped_by: str  # "exhausted", "steps", "converged" or "time"
 
 
 class _Top:
@@ -64,13 +66,14 @@ def plan_count(problem: PlanProblem) -> int:
 
 
 def search(problem: PlanProblem, *, seed: int = 1, time_budget_seconds: float = 30.0, max_steps: int = 40000,
-           initial: Sequence[Plan] = (), method: str = "auto", top_k: int = 5) -> SearchResult:
+           initial: Sequence[Plan] = (), method: str = "auto", top_k: int = 5,
+           patience_steps: int = PATIENCE_STEPS) -> SearchResult:
     """Best plan for ``problem``; ``method`` is auto, exhaustive or anneal."""
     started = time.perf_counter()
     if method == "exhaustive" or (method == "auto" and plan_count(problem) <= EXHAUSTIVE_LIMIT):
         budget = float("inf") if method == "exhaustive" else time_budget_seconds
         return _exhaustive(problem, top_k, started, budget)
-    return _anneal(problem, seed, time_budget_seconds, max_steps, initial, top_k, started)
+    return _anneal(problem, seed, time_budget_seconds, max_steps, initial, top_k, started, patience_steps)
 
 
 def _exhaustive(problem: PlanProblem, top_k: int, started: float, budget: float) -> SearchResult:
@@ -142,7 +145,7 @@ def _greedy_start(problem: PlanProblem) -> Plan:
 
 
 def _anneal(problem: PlanProblem, seed: int, budget: float, max_steps: int, initial: Sequence[Plan], top_k: int,
-            started: float) -> SearchResult:
+            started: float, patience: int) -> SearchResult:
     rng = random.Random(seed)
     moves = _Moves(problem)
     if any(not c for c in moves.cands):
@@ -158,10 +161,13 @@ def _anneal(problem: PlanProblem, seed: int, budget: float, max_steps: int, init
     _, current, cur_ev = min(scored, key=lambda x: x[0])
     best, best_ev = current, cur_ev
     cache: dict[Plan, PlanEvaluation] = {}
-    steps, stopped_by = 0, "steps"
+    steps, stopped_by, improved_at = 0, "steps", 0
     while steps < max_steps:
         if steps % 64 == 0 and time.perf_counter() - started > budget:
             stopped_by = "time"
+            break
+        if steps - improved_at >= patience:
+            stopped_by = "converged"
             break
         phase = (steps % CYCLE_STEPS) / CYCLE_STEPS
         if steps % CYCLE_STEPS == 0 and steps:
@@ -178,8 +184,8 @@ def _anneal(problem: PlanProblem, seed: int, budget: float, max_steps: int, init
         delta = (ev.cost - cur_ev.cost) / max(cur_ev.cost, 1e-12)
         if delta <= 0 or rng.random() < math.exp(-delta / temperature):
             current, cur_ev = proposal, ev
-            if ev.cost < best_ev.cost:
-                best, best_ev = proposal, ev
+            if ev.cost < best_ev.cost * (1 - 1e-9):
+                best, best_ev, improved_at = proposal, ev, steps
     best, best_ev = _polish(problem, best, best_ev, moves, top, started, budget)
     return SearchResult(best, best_ev, top.sorted(), "anneal", steps, time.perf_counter() - started, stopped_by)
 
