@@ -2,7 +2,7 @@ import argparse
 
 import pytest
 
-from restage.cluster import load_cluster
+from restage.cluster import find_cluster_file, load_cluster
 from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
@@ -13,7 +13,7 @@ from restage.plan.profiler import add_arguments, main
 
 def test_profile_times_every_piece_and_the_estimator_uses_it(tmp_path, monkeypatch):
     monkeypatch.setenv("RESTAGE_CLUSTER_DIR", str(tmp_path))
-    (tmp_path / "local-cpu.yaml").write_text((load_cluster.__globals__["find_cluster_file"]("local-cpu")).read_text())
+    (tmp_path / "local-cpu.yaml").write_text(find_cluster_file("local-cpu").read_text())
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--arch", "llama-tiny", "--batches", "1,2", "--seqs", "8,16", "--tp", "1,2", "--repeats", "1"])
