@@ -156,16 +156,22 @@ def _naive(plan: ReallocPlan, src: dict, groups: ProcessGroups, dtype: torch.dty
     return out
 
 
-def _timed(repeats: int, fn, *args, **kwargs) -> float:
-    """Median over ``repeats`` of the time from a common start until the slowest rank finishes."""
-    times = []
+def _once(fn, *args, **kwargs) -> float:
+    """Seconds from a common start until the slowest rank finishes ``fn``."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn(*args, **kwargs)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _interleaved(repeats: int, ways: dict) -> dict[str, float]:
+    """Median seconds of each way, the ways taking turns so a busy machine slows them alike."""
+    times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn(*args, **kwargs)
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, (fn, args, kwargs) in ways.items():
+            times[name].append(_once(fn, *args, **kwargs))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _bench(rank: int, world_size: int, dtype_name: str, bucket_bytes: int, repeats: int) -> list[dict]:
@@ -191,17 +197,19 @@ def _bench(rank: int, world_size: int, dtype_name: str, bucket_bytes: int, repea
         exact_naive = all(torch.equal(naive_out[n], t) for n, t in expected.items())
         destination = result.state or None
         del naive_out, result
-        seconds = _timed(repeats, execute_reallocation, plan, src or None, groups, dtype=dtype, destination=destination,
-                         bucket_bytes=bucket_bytes, workspace=workspace)
-        del destination, workspace
         buffers = {(s, r): torch.zeros(n, dtype=dtype) for s, r, n in _channels(plan) if rank == s or rank in r}
-        raw_seconds = _timed(repeats, _raw, plan, groups, buffers)
-        del buffers
         root, group, elements = _broadcast_shape(plan)
         buffer = torch.zeros(elements, dtype=dtype) if rank in group else None
-        bcast_seconds = _timed(repeats, _raw_broadcast, plan, groups, buffer)
-        del buffer
-        naive_seconds = _timed(repeats, _naive, plan, src, groups, dtype)
+        timing = _interleaved(repeats, {
+            "restage": (execute_reallocation, (plan, src or None, groups),
+                        dict(dtype=dtype, destination=destination, bucket_bytes=bucket_bytes, workspace=workspace)),
+            "raw_channels": (_raw, (plan, groups, buffers), {}),
+            "raw_broadcast": (_raw_broadcast, (plan, groups, buffer), {}),
+            "naive": (_naive, (plan, src, groups, dtype), {}),
+        })
+        del destination, workspace, buffers, buffer
+        seconds, raw_seconds = timing["restage"], timing["raw_channels"]
+        bcast_seconds, naive_seconds = timing["raw_broadcast"], timing["naive"]
         naive_bytes = sum(sum(s.numel for s in param_specs(cfg)) * bpe - result_local_bytes(plan, r) for r in plan.dst.mesh)
         flags = torch.tensor([int(exact), int(exact_naive)])
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)

@@ -1,13 +1,18 @@
 """Execute a reallocation plan over torch.distributed (NCCL on GPUs, gloo on CPU).
 
-Every rank of the world that appears in the plan calls :func:`execute_reallocation` with the
-same plan; ranks walk the transfers in one global order (see ``schedule_transfers``), so the
-blocking broadcasts and send/recv pairs cannot deadlock. A broadcast runs on a cached group
-(create them up front with :func:`realloc_groups`); one receiver means send/recv.
+Every rank of the world calls :func:`execute_reallocation` with the same plan and arguments.
+Ranks post the transfers in one global order (``schedule_transfers``) and only ever wait on
+their own earlier transfers, so every pair of ranks meets its broadcasts and send/recv pairs in
+the same order and nothing deadlocks. A transfer with several receivers is a broadcast on a
+cached group (create them collectively up front from :func:`groups_for`); one receiver means
+send/recv.
 
-Memory: the destination shard, plus at most one bucket buffer (reused), plus, for a ZeRO-3
-source, the parameters of one unit (embeddings, one layer, or the head) gathered at a time.
-Every allocation goes through a meter, so the stats report the measured peak.
+Pieces contiguous on both sides travel in place, all posted at once (no extra memory; on gloo
+this hides the per-message latency). The rest are packed into buckets that cycle through
+``SLOTS`` slots of one reusable buffer (``Workspace``), so several are in flight while the
+total stays one bucket. Memory beyond the source: the destination shard, one bucket, and for
+a ZeRO-3 source the parameters of one unit (embeddings, one layer, or the head) gathered at a
+time. Every allocation goes through a meter, so the stats report the measured peak.
 """
 
 from __future__ import annotations
