@@ -90,6 +90,7 @@ class PlanConfig:
 @dataclass(frozen=True)
 class RunConfig:
     steps: int = 10
+    stop_at_step: int = 0  # > 0: checkpoint and stop once this step is done (resume later with --resume)
     batch_size: int = 8  # prompts (or pairs) per step
     micro_batches: int = 1
     save_every: int = 0  # 0: only at the end

@@ -17,6 +17,8 @@ from restage.config import ExperimentConfig, load_config
 from restage.errors import ConfigError, LaunchError
 from restage.launch.mpirun import mpirun_command
 
+_TRIAL_KEYS = ("experiment", "trial", "run.results_dir")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="experiment YAML (jobs/*.yaml)")
@@ -56,9 +58,16 @@ def plan_trial(cfg: ExperimentConfig, trial_dir: Path) -> Path:
 
 def main(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
+    changes = [o for o in overrides if o.split("=", 1)[0] not in _TRIAL_KEYS]
+    if args.resume and changes:
+        raise ConfigError("--resume continues a trial exactly as it was planned; drop the overrides "
+                          f"{' '.join(changes)} (only {', '.join(_TRIAL_KEYS)} pick the trial) or start a new trial")
     if args.nproc:
         overrides += [f"run.nprocs={args.nproc}", f"cluster.devices_per_node={args.nproc}", "cluster.nodes=1"]
     cfg = load_config(args.config, overrides)
+    if args.resume:  # the trial's own config (with its overrides) is the one to continue
+        saved = _saved_config(cfg)
+        cfg = saved if saved is not None else cfg
     nprocs = cfg.run.nprocs if not args.nproc else args.nproc
     trial_dir = cfg.trial_dir
     log = trial_dir / "log.h5"
@@ -88,6 +97,11 @@ def main(args: argparse.Namespace) -> int:
     if world != nprocs:
         raise ConfigError(f"the schedule needs {world} ranks but -n/run.nprocs is {nprocs}; make them equal")
     return launch(schedule, trial_dir, nprocs, resume=args.resume)
+
+
+def _saved_config(cfg: ExperimentConfig) -> ExperimentConfig | None:
+    path = cfg.trial_dir / "config.yaml"
+    return load_config(path) if path.is_file() else None
 
 
 def launch(schedule: Path, trial_dir: Path, nprocs: int, resume: bool = False) -> int:

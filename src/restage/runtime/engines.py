@@ -129,6 +129,8 @@ def deepspeed_config(spec: ModelSpec, dp: int, micro_batches: int) -> dict:
             **({"torch_adam": True} if on_cpu and not spec.offload_optimizer else {}),
         }},
         "steps_per_print": 10**9,
+        # Tag validation all-reduces over the whole world; only this model's ranks save it.
+        "checkpoint": {"tag_validation": "IGNORE"},
         "wall_clock_breakdown": False,
         **_DTYPE_CONFIG[spec.dtype],
     }

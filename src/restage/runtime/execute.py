@@ -151,23 +151,31 @@ def run_train(engine, mfc: MFC, batch: Batch, algo, cfg: ExperimentConfig, state
         loss, stats = algo.loss(mfc.name, mb.extra.to(output.device), outputs, cfg, state)
         return loss, stats
 
+    done = [0]  # backward passes in the current minibatch
+    n_micro = [1]
+
     def backward_fn(tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
         # DeepSpeed owns loss scaling, gradient accumulation and the ZeRO reductions, so every
         # stage's backward goes through the engine. Off the last stage the surrogate
         # sum(out * grad) has exactly the parameter gradients of backward(out, grad), and it is
-        # already scaled by the last stage, hence scale_wrt_gas=False.
+        # already scaled by the last stage, hence scale_wrt_gas=False. The boundary is set by hand
+        # and the optimizer steps once after the whole 1F1B schedule: stepping inside it would put
+        # the gradient-norm collective (over all stages) between two stages' pipeline sends.
+        engine.set_gradient_accumulation_boundary(done[0] == n_micro[0] - 1)
         if grad is None:
             engine.backward(tensor)
         else:
             engine.backward((tensor * grad).sum(), scale_wrt_gas=False)
-        engine.step()
+        done[0] += 1
 
     for _, _, minibatch in estimators.minibatches(batch, mfc.minibatches, mfc.epochs, seed):
         micro = _micro_batches(minibatch, ids_key, mfc.micro_batches)
         if len(micro) != engine.gradient_accumulation_steps():
             # Fewer samples than micro-batches on this minibatch: accumulate over what there is.
             engine.set_train_batch_size(len(micro) * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
+        done[0], n_micro[0] = 0, len(micro)
         results = train_1f1b(module, micro, loss_fn, backward_fn, sync_tied=False)
+        engine.step()
         for _, stats in results or []:
             for k, v in stats.items():
                 stats_sum[k] = stats_sum.get(k, 0.0) + float(v)

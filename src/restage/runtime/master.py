@@ -94,7 +94,7 @@ class Master:
         print(self.progress.line(self.step, samples, tokens, end - start, shown), flush=True)
         every = self.cfg.run.save_every
         last = self.step >= self.cfg.run.steps
-        preempted = _preempt_requested(self.trial_dir)
+        preempted = _preempt_requested(self.trial_dir) or self.step == self.cfg.run.stop_at_step
         return {"checkpoint": last or preempted or (every > 0 and self.step % every == 0),
                 "stop": last or preempted}
 

@@ -21,7 +21,7 @@ from restage.config import ExperimentConfig, ModelSpec, config_from_dict
 from restage.data.batch import Batch
 from restage.data.datasets import load_splits
 from restage.data.tokenizer import load_tokenizer
-from restage.errors import ConfigError
+from restage.errors import ConfigError, LayoutError
 from restage.graph import DataflowGraph
 from restage.layout import Layout, ProcessGroups
 from restage.models.checkpoint import load_stage
@@ -139,6 +139,10 @@ class Worker:
             cfg = self._model_cfg(name)
             critic = _is_critic(name, spec, cfg)
             slot = ModelSlot(name, spec, cfg.as_critic() if critic and not cfg.is_critic else cfg, home)
+            if spec.trainable and slot.cfg.tied_embeddings and home.strategy.pp > 1:
+                # The two copies' gradients would have to be summed inside DeepSpeed's reduction.
+                raise LayoutError(f"models.{name}: training a model with tied embeddings under pp={home.strategy.pp} "
+                                  "is not supported; train it with pp=1 (tp and dp are fine)")
             if self.rank in home:
                 slot.module = load_stage(spec.path, home, self.groups, self.rank, DTYPES[spec.dtype], self.device,
                                          critic=critic)
@@ -287,9 +291,14 @@ def _merge(parts: list[Batch]) -> Batch:
     """Union of the keys of several batches over the same samples (same order)."""
     if not parts:
         raise ValueError("MFC has no inputs")
-    out = parts[0]
-    for part in parts[1:]:
-        if part.seqlens != out.seqlens:
+    # Per-sequence keys of another generation (ReMax's greedy baseline rewards) arrive with that
+    # generation's lengths: only their samples must agree, and the token-carrying part sets the lengths.
+    out = next((part for part in parts if part.tokens), parts[0])
+    for part in parts:
+        if part is out:
+            continue
+        same = part.seqlens == out.seqlens if part.tokens else (part.n_seqs == out.n_seqs and part.ids == out.ids)
+        if not same:
             raise RuntimeError(f"inputs disagree on the samples: {part.ids} vs {out.ids}")
         out = out.with_keys(tokens=part.tokens, seqs=part.seqs)
     return out
