@@ -67,7 +67,7 @@ class DataFlow:
     def __init__(self, graph: DataflowGraph, layouts: dict[str, Layout], rank: int):
         self.graph, self.layouts, self.rank = graph, layouts, rank
         self._comms: dict[tuple[int, ...], object] = {}
-        self.meta: dict[str, OutputMeta] = {}
+        self.meta: dict[tuple[str, tuple[int, ...]], OutputMeta] = {}
         self._dataset_tokens: list[int] = []
         self.ids: list[int] = []
 
@@ -104,8 +104,11 @@ class DataFlow:
         return [self.ids[i] for i in parts[dp_rank]]
 
     def _gather_meta(self, op, mine: Batch | None) -> OutputMeta:
-        if op.producer in self.meta:
-            return self.meta[op.producer]
+        # Cached per (producer, op ranks): every member of one transfer communicator must take
+        # part in its allgather, even a rank that learnt the producer's layout in an earlier op.
+        cache_key = (op.producer, op.ranks)
+        if cache_key in self.meta:
+            return self.meta[cache_key]
         producer_layout = self.layouts[op.producer]
         coord = producer_layout.coord(self.rank)
         contribution = None
@@ -123,7 +126,7 @@ class DataFlow:
             start += count
         meta = OutputMeta(tuple(i for c in gathered for i in c[1]), tuple(n for c in gathered for n in c[2]),
                           group, gathered[0][4] if gathered else {}, tuple(tuple(p) for p in parts))
-        self.meta[op.producer] = meta
+        self.meta[cache_key] = meta
         return meta
 
     def execute(self, op, mine: Batch | None, groups: ProcessGroups) -> tuple[Batch | None, int]:
