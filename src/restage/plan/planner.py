@@ -48,8 +48,7 @@ def lean_plan(problem: PlanProblem) -> Plan | None:
                    for m in micro_batch_options(mfc, s)[-2:]]
         if not options:
             return None
-        plan.append(min(options, key=lambda c: (min(c.estimate.state_bytes, c.estimate.param_bytes)
-                                                + c.estimate.transient_bytes, c.seconds)))
+        plan.append(min(options, key=lambda c: (problem.alone_bytes(c), c.seconds)))
     return tuple(plan)
 
 

@@ -179,9 +179,14 @@ class PlanProblem:
         mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
         return Candidate(mfc.name, layout, self.estimator.estimate(mfc, self.role(mfc), layout, micro_batches))
 
-    def fits_alone(self, cand: Candidate) -> bool:
+    def alone_bytes(self, cand: Candidate) -> int:
+        """Peak bytes per rank of this candidate with nothing else on its ranks (its home state, or its copy)."""
         est = cand.estimate
-        return min(est.state_bytes, est.param_bytes) + est.transient_bytes <= self.capacity_bytes
+        held = est.state_bytes if self.home[self.graph[cand.mfc].model] == cand.mfc else est.param_bytes
+        return held + est.transient_bytes
+
+    def fits_alone(self, cand: Candidate) -> bool:
+        return self.alone_bytes(cand) <= self.capacity_bytes
 
     def options(self, mfc: MFC | str, layout: Layout) -> list[Candidate]:
         """Candidates of every micro-batch count for one layout, fastest first."""
@@ -227,7 +232,7 @@ class PlanProblem:
             options.sort(key=lambda c: c.seconds)
             chosen = options[:self.keep_per_size]
             if options:
-                chosen.append(min(options, key=lambda c: (_memory(c), c.seconds)))
+                chosen.append(min(options, key=lambda c: (self.alone_bytes(c), c.seconds)))
             for c in chosen:
                 kept.setdefault((size, c.layout.strategy), c.micro_batches)
         self._shapes[mfc.name] = kept
@@ -253,10 +258,6 @@ class PlanProblem:
         from restage.plan.flops import mfc_flops
 
         return sum(mfc_flops(m, self.role(m).arch) for m in self.mfcs)
-
-
-def _memory(c: Candidate) -> int:
-    return min(c.estimate.state_bytes, c.estimate.param_bytes) + c.estimate.transient_bytes
 
 
 def _default_samples(graph: DataflowGraph) -> int:
