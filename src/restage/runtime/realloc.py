@@ -193,16 +193,15 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
     def stage_of(p: Piece) -> int:
         return p.unit if layer_by_layer else 0
 
-    sent: dict[tuple[int, int], int] = defaultdict(int)
-    received: dict[tuple[int, int], int] = defaultdict(int)
+    tally = _Tally()
     stages = sorted({t.stage for t in transfers} | {stage_of(p) for p in local} | set(needs))
     for stage in stages:
         mine = [t for t in transfers if t.stage == stage]
         with _gathered(src, needs.get(stage, ()), meter, bpe):
             # In-place transfers need no buffer: post them all at once. Buckets go through a ring
             # of slots, so several are in flight; the local copies overlap the traffic.
-            pending = [_post_in_place(t, me, src, dst, groups) for t in mine if not t.packed]
-            ring = _Ring(buffer, slot_numel, me, src, dst, groups)
+            pending = [_post_in_place(t, me, src, dst, groups, tally) for t in mine if not t.packed]
+            ring = _Ring(buffer, slot_numel, me, src, dst, groups, tally)
             for t in mine:
                 if t.packed:
                     ring.post(t)
@@ -212,19 +211,12 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
             ring.drain()
             for work in pending:
                 work.wait()
-        for t in mine:
-            nbytes = t.numel * bpe
-            if t.src_rank == me:
-                for r in t.dst_ranks:
-                    sent[(me, r)] += nbytes
-            else:
-                received[(t.src_rank, me)] += nbytes
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     del buffer
     meter.sub("buffer", held_bytes)
     stats = ReallocStats(
-        seconds=time.perf_counter() - started, sent_bytes_by_link=dict(sent), received_bytes_by_link=dict(received),
+        seconds=time.perf_counter() - started, sent_bytes_by_link=dict(tally.sent), received_bytes_by_link=dict(tally.received),
         local_bytes=sum(p.numel for p in local) * bpe, destination_shard_bytes=shard_bytes,
         peak_buffer_bytes=meter.peak["buffer"], peak_gathered_bytes=meter.peak["gathered"],
         peak_extra_bytes=meter.peak_total, transfers=len(transfers))
@@ -298,22 +290,32 @@ def _gathered(src: dict[str, torch.Tensor], names: tuple[str, ...], meter: _Mete
             meter.sub("gathered", nbytes)
 
 
-def _communicate(payload: torch.Tensor, t: Transfer, me: int, groups: ProcessGroups, async_op: bool):
-    """Broadcast on the transfer's group, or send/recv for a single receiver."""
-    if len(t.dst_ranks) > 1:
-        return dist.broadcast(payload, src=t.src_rank, group=groups.get(t.group), async_op=async_op)
-    if async_op:
-        return dist.isend(payload, dst=t.dst_ranks[0]) if t.src_rank == me else dist.irecv(payload, src=t.src_rank)
+@dataclass
+class _Tally:
+    """Bytes of the buffers this rank really handed to torch.distributed, per (sender, receiver) link."""
+
+    sent: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
+    received: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
+
+
+def _communicate(payload: torch.Tensor, t: Transfer, me: int, groups: ProcessGroups, tally: _Tally):
+    """Start a broadcast on the transfer's group, or a send/recv for one receiver; count the bytes."""
+    nbytes = payload.numel() * payload.element_size()
     if t.src_rank == me:
-        return dist.send(payload, dst=t.dst_ranks[0])
-    return dist.recv(payload, src=t.src_rank)
+        for r in t.dst_ranks:
+            tally.sent[(me, r)] += nbytes
+    else:
+        tally.received[(t.src_rank, me)] += nbytes
+    if len(t.dst_ranks) > 1:
+        return dist.broadcast(payload, src=t.src_rank, group=groups.get(t.group), async_op=True)
+    return dist.isend(payload, dst=t.dst_ranks[0]) if t.src_rank == me else dist.irecv(payload, src=t.src_rank)
 
 
-def _post_in_place(t: Transfer, me: int, src: dict, dst: dict, groups: ProcessGroups):
+def _post_in_place(t: Transfer, me: int, src: dict, dst: dict, groups: ProcessGroups, tally: _Tally):
     """Start an unpacked transfer straight out of the source tensor or into the destination tensor."""
     (p,) = t.pieces
     payload = _view(src[p.name], p.dim, p.src_range) if t.src_rank == me else _view(dst[p.name], p.dim, p.dst_range)
-    return _communicate(payload, t, me, groups, async_op=True)
+    return _communicate(payload, t, me, groups, tally)
 
 
 class _Ring:
@@ -324,11 +326,11 @@ class _Ring:
     """
 
     def __init__(self, buffer: torch.Tensor | None, slot_numel: int, me: int, src: dict, dst: dict,
-                 groups: ProcessGroups):
+                 groups: ProcessGroups, tally: _Tally):
         self.slots = [buffer[i * slot_numel: (i + 1) * slot_numel] for i in range(SLOTS)] if buffer is not None else []
         self.busy: list[tuple | None] = [None] * SLOTS
         self.next = 0
-        self.me, self.src, self.dst, self.groups = me, src, dst, groups
+        self.me, self.src, self.dst, self.groups, self.tally = me, src, dst, groups, tally
 
     def post(self, t: Transfer) -> None:
         i = self.next
@@ -340,7 +342,7 @@ class _Ring:
             for p in t.pieces:
                 payload[offset: offset + p.numel].view(p.block_shape).copy_(_view(self.src[p.name], p.dim, p.src_range))
                 offset += p.numel
-        self.busy[i] = (_communicate(payload, t, self.me, self.groups, async_op=True), t, payload)
+        self.busy[i] = (_communicate(payload, t, self.me, self.groups, self.tally), t, payload)
 
     def _finish(self, i: int) -> None:
         if self.busy[i] is None:
