@@ -53,17 +53,25 @@ def _abort() -> None:
 _MPIRUN_DEATH = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on\s+signal (\d+)", re.S)
 
 
+_COMMUNICATION = re.compile(r"gloo|nccl|Connection closed|Connection reset|Timed out|timed out|peer", re.I)
+
+
 def describe_failure(trial_dir: str | Path, launcher_output: str = "") -> str:
-    """One line naming the failed rank and its error, from the failure files or mpirun's output."""
+    """One line naming the failed rank and its error, from the failure files or mpirun's output.
+
+    A rank's own error beats the errors its peers then hit in collectives (a dead peer shows up
+    on the others as a closed connection or a timeout), and a rank killed by a signal beats both.
+    """
     folder = failure_dir(trial_dir)
     recorded = sorted(folder.glob("rank*.txt"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
-    if recorded:
-        first = recorded[0]
-        rank = first.stem.removeprefix("rank")
-        return f"rank {rank} failed: {first.read_text().splitlines()[0]}"
+    errors = [(path.stem.removeprefix("rank"), path.read_text().splitlines()[0]) for path in recorded]
     match = _MPIRUN_DEATH.search(" ".join(launcher_output.split()))
-    if match:
+    if match and match.group(1) not in {rank for rank, _ in errors}:
         return f"rank {match.group(1)} died from signal {match.group(2)}"
+    own = [e for e in errors if not _COMMUNICATION.search(e[1])]
+    if own or errors:
+        rank, error = (own or errors)[0]
+        return f"rank {rank} failed: {error}"
     return "a rank exited abnormally without a recorded error (see the launcher output above)"
 
 

@@ -1,0 +1,10 @@
+"""A rule-based reward that raises on its third call: an exception inside an MFC (the generate MFC)."""
+
+CALLS = {"n": 0}
+
+
+def reward(prompts, answers):
+    CALLS["n"] += 1
+    if CALLS["n"] >= 3:
+        raise ValueError("reward function broke on purpose")
+    return [0.0 for _ in prompts]
