@@ -151,6 +151,8 @@ def run_train(engine, mfc: MFC, batch: Batch, algo, cfg: ExperimentConfig, state
         loss, stats = algo.loss(mfc.name, mb.extra.to(output.device), outputs, cfg, state)
         return loss, stats
 
+    params = getattr(state, "params", None)
+    can_stop = getattr(params, "early_stop_ratio", 0.0) > 0 or getattr(params, "early_stop_kl", 0.0) > 0
     done = [0]  # backward passes in the current minibatch
     n_micro = [1]
 
@@ -175,12 +177,51 @@ def run_train(engine, mfc: MFC, batch: Batch, algo, cfg: ExperimentConfig, state
             engine.set_train_batch_size(len(micro) * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
         done[0], n_micro[0] = 0, len(micro)
         results = train_1f1b(module, micro, loss_fn, backward_fn, sync_tied=False)
-        engine.step()
+        stop = can_stop and _early_stop_anywhere(engine, results)
+        if stop:
+            _step_without_update(engine)
+        else:
+            engine.step()
         for _, stats in results or []:
             for k, v in stats.items():
                 stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
             count += 1
+        if stop:
+            break  # the rest of this batch's minibatches and epochs
     module.eval()
     stats = {f"{mfc.name}/{k}": v / count for k, v in stats_sum.items()} if count else {}
     stats[f"{mfc.name}/lr"] = float(engine.get_lr()[0])
     return MFCResult(None, stats, batch.n_tokens * mfc.epochs)
+
+
+def _early_stop_anywhere(engine, results: list | None) -> bool:
+    """Whether any micro-batch on any rank of the train layout tripped the algorithm's early stop.
+
+    Only last pipeline stages see the loss statistics: a MAX over the replica's model-parallel
+    ranks, then over its DP group, gives every rank the same answer (they all step or none does).
+    """
+    flag = max((float(stats.get("early_stop", 0.0)) for _, stats in results or []), default=0.0)
+    tensor = torch.tensor([flag], device=_device())
+    mpu = engine.mpu
+    if mpu.get_model_parallel_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=mpu.get_model_parallel_group())
+    if mpu.get_data_parallel_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
+    return bool(tensor.item() > 0)
+
+
+def _step_without_update(engine) -> None:
+    """Close the minibatch without moving the parameters: an optimizer step at learning rate 0.
+
+    Stepping (rather than dropping the ZeRO-reduced gradients by hand) keeps DeepSpeed's
+    accumulation state consistent; AdamW's update and weight decay both scale with the learning
+    rate, so nothing moves (its moment estimates do see this minibatch's gradients).
+    """
+    groups = engine.optimizer.param_groups
+    saved = [group["lr"] for group in groups]
+    for group in groups:
+        group["lr"] = 0.0
+    engine.step()
+    for group, lr in zip(groups, saved, strict=True):
+        if group["lr"] == 0.0:  # no scheduler stepped it back
+            group["lr"] = lr
