@@ -7,10 +7,10 @@ every consistency test on those logs too, e.g. logs written by the runtime's e2e
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
-import runs_for_report
 
 from restage.report.synthetic import write_synthetic_log
 
@@ -29,22 +29,31 @@ def exact_log(tmp_path_factory) -> Path:
     return write_synthetic_log(tmp_path_factory.mktemp("exact") / "log.h5", steps=5, world_size=4, noise=0.0)
 
 
+def _real_run(results: Path, *args: str) -> Path:
+    """A short real PPO run of the SPMD runtime (``restage run``); returns its trial directory."""
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "tests" / "runtime"))
+    from runs import restage_run
+
+    done = restage_run(results, "jobs/ppo_tiny.yaml", "run.steps=4", "run.batch_size=8", "trial=report", *args)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return results / "ppo-tiny" / "report"
+
+
 @pytest.fixture(scope="session")
 def single_rank_log(tmp_path_factory) -> Path:
-    """A short real run on one rank (timed matmuls), logged as the master does."""
-    path = tmp_path_factory.mktemp("single") / "log.h5"
-    runs_for_report.run(0, 1, str(path))
-    return path
+    """A short real run of the runtime on one rank."""
+    return _real_run(tmp_path_factory.mktemp("single"), "-n", "1")
 
 
 @pytest.fixture(scope="session")
 def multirank_log(tmp_path_factory) -> Path:
-    """A short real run on two gloo ranks: concurrent MFCs, a broadcast reallocation and a send/recv transfer."""
-    from restage.runtime.spawn import spawn
-
-    path = tmp_path_factory.mktemp("multi") / "log.h5"
-    spawn(runs_for_report.run, 2, str(path), timeout_seconds=120)
-    return path
+    """A short real run of the runtime on two ranks: the actor generates with dp2 and trains with tp2
+    (a reallocation every step), data transfers between the layouts."""
+    layouts = ["plan.layouts.actor_gen=ranks:0-1 dp2", "plan.layouts.ref_inf=ranks:0 dp1",
+               "plan.layouts.critic_inf=ranks:1 dp1", "plan.layouts.actor_train=ranks:0-1 tp2",
+               "plan.layouts.critic_train=ranks:0-1 dp2"]
+    return _real_run(tmp_path_factory.mktemp("multi"), "-n", "2", "plan.mode=manual", *layouts)
 
 
 LOG_SOURCES = ["synthetic_log", "exact_log", "single_rank_log",
