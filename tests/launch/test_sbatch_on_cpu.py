@@ -96,3 +96,20 @@ def test_sbatch_error_is_one_line():
             "sbatch: error: Batch job submission failed: Invalid partition name specified")
     assert sbatch_error(RuntimeError(text)) == ("invalid partition specified: nosuch; "
                                                 "Batch job submission failed: Invalid partition name specified")
+
+
+def test_the_job_gets_absolute_paths_for_what_exists_here(tmp_path, monkeypatch):
+    """The job may start in another directory: paths that exist where `restage submit` runs are made absolute."""
+    from restage.launch.submit import resolved_dict
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "prompts.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "job.yaml"
+    config.write_text("experiment: e\nalgorithm: sft\nmodels: {actor: {path: model}, ref: {path: org/hub-name}}\n"
+                      "dataset: {path: prompts.jsonl, tokenizer: missing-dir}\nrun: {results_dir: out}\n")
+    data = resolved_dict(load_config(config))
+    assert data["models"]["actor"]["path"] == str(tmp_path / "model")
+    assert data["models"]["ref"]["path"] == "org/hub-name"  # not here: a hub name or a cluster path, kept
+    assert (data["dataset"]["path"], data["dataset"]["tokenizer"]) == (str(tmp_path / "prompts.jsonl"), "missing-dir")
+    assert data["run"]["results_dir"] == str(tmp_path / "out")

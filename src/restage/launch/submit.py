@@ -32,10 +32,20 @@ class PreparedJob:
 
 
 def resolved_dict(cfg) -> dict:
-    """The config as the job will see it: results_dir made absolute (the job may start elsewhere)."""
+    """The config as the job will see it: results_dir, and the model, data set and tokenizer paths that
+    exist here, made absolute (the job may start in another directory)."""
     data = cfg.to_dict()
     data["run"]["results_dir"] = str(Path(cfg.run.results_dir).resolve())
+    for spec in data["models"].values():
+        spec["path"] = _absolute_if_here(spec["path"])
+    for key in ("path", "tokenizer"):
+        data["dataset"][key] = _absolute_if_here(data["dataset"][key])
     return data
+
+
+def _absolute_if_here(path: str) -> str:
+    # A path that does not exist here may be a hub name or a path on the cluster's own file system: kept.
+    return str(Path(path).resolve()) if path and not Path(path).is_absolute() and Path(path).exists() else path
 
 
 def launch_preview(cfg, geometry: JobGeometry) -> str:
