@@ -65,7 +65,9 @@ class Master:
     def next_ids(self) -> list[int] | None:
         """Sample positions of the next step, or None when the run is done."""
         if self.log is None:
-            self.open_log(self.step if self.resume else None)
+            # Log steps count from 0 and checkpoint N holds N done steps: keep rows up to N - 1, so rows
+            # written after the checkpoint (a crash or scancel mid-run) are dropped and redone.
+            self.open_log(self.step - 1 if self.resume else None)
         if self.step >= self.cfg.run.steps:
             return None
         return self.cursor.next(self.cfg.run.batch_size)
