@@ -1,20 +1,22 @@
-"""The files of one trial: ``results/<experiment>/<trial>/``.
+"""The files of one trial: ``results/<experiment>/<trial>/`` (docs/slurm.md has the full picture).
 
 ::
 
-    config.yaml        the resolved config (absolute results_dir), written by the job before ranks start
+    config.yaml        the resolved config (absolute paths), written by the job before ranks start
     schedule.json      the execution plan for this trial's cluster (restage plan, run inside the job)
     submission.json    what `restage submit` / `restage sweep` submitted: job id, script, submitit folder
     job.json           one row per attempt of the job (requeues add rows): ids, hosts, launch line, outcome
     output.log         every rank's stdout and stderr, appended across attempts
-    log.h5             the runtime's metrics log (written by the master rank, flushed every step)
-    checkpoints/       step-N/ whole checkpoints (restage.runtime.checkpoint_dir)
+    log.h5             the runtime's metrics log (master rank, flushed every step, steps from 0;
+                       restage.report.log)
+    checkpoints/       step-N/ whole checkpoints after N steps (restage.runtime.checkpoint_dir):
+                       <model>/hf/ (transformers loads it), <model>/engine/, ranks/, manifest.json
     failures/          rank<N>.txt of a rank that raised (restage.runtime.failure)
     PREEMPT            present while the job asks the ranks to checkpoint and stop
     slurm/             submitit's folder for a single `restage submit`: sbatch script, SLURM stdout/err
                        (a sweep keeps one submitit folder for the whole array under the sweep directory)
 
-The self-test program writes log.h5 as the runtime will, and adds ``selftest.json`` (its result).
+The self-test program (``restage.launch.selftest``) keeps the same layout and adds ``selftest.json``.
 """
 
 from __future__ import annotations
