@@ -92,7 +92,13 @@ class Master:
         samples = self.cfg.run.batch_size
         log.end_step(step, start, end, samples, tokens, flops)
         self.step = step + 1
-        shown = {k: v for k, v in stats.items() if k.split("/")[-1] in ("reward", "loss", "kl", "accuracy")}
+        shown: dict[str, float] = {}
+        for key, value in stats.items():  # reward and kl appear under every train MFC: show each once
+            base = key.split("/")[-1]
+            if base in ("reward", "kl", "accuracy") and not any(k.endswith("/" + base) for k in shown):
+                shown[key] = value
+            elif base == "loss":
+                shown[key] = value
         print(self.progress.line(self.step, samples, tokens, end - start, shown), flush=True)
         every = self.cfg.run.save_every
         last = self.step >= self.cfg.run.steps
