@@ -23,7 +23,7 @@ from functools import cached_property, lru_cache
 from restage.errors import LayoutError, PlanError
 from restage.layout import Layout
 from restage.models.config import ModelConfig
-from restage.models.sharding import ParamSpec, shard_specs, validate_strategy
+from restage.models.sharding import ParamSpec, param_specs, shard_specs, validate_strategy
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,6 @@ def plan_reallocation(cfg: ModelConfig, src: Layout, dst: Layout, *, bytes_per_e
     check_layouts(cfg, src, dst, world_size)
     if bytes_per_element < 1:
         raise PlanError(f"bytes_per_element={bytes_per_element} must be positive")
-    from restage.models.sharding import param_specs
 
     specs = {spec.name: spec for spec in param_specs(cfg)}
     src_hold, dst_hold = _holdings(cfg, src), _holdings(cfg, dst)
@@ -285,15 +284,16 @@ class Transfer:
 
 @lru_cache(maxsize=64)  # a run replays the same few plans every iteration
 def schedule_transfers(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: int = 1 << 18,
-                       by_unit: bool = False) -> tuple[Transfer, ...]:
+                       by_unit: bool = True) -> tuple[Transfer, ...]:
     """The plan's pieces as an ordered list of transfers, which every rank walks in the same order.
 
     Pieces contiguous on both sides and of at least ``direct_min_bytes`` go in place; the rest
     are packed into buckets of at most ``bucket_bytes`` per (sender, receivers) channel, a
-    piece larger than a bucket being cut along its axis. ``by_unit`` (a ZeRO-3 source, which
-    gathers one unit at a time) keeps every transfer inside one unit; otherwise a bucket spans
-    units, so a channel needs as few messages as possible. Order: by stage, in-place transfers
-    before packed ones, then by channel and parameter. All ranks must pass the same arguments.
+    piece larger than a bucket being cut along its axis. ``by_unit`` keeps every transfer inside
+    one unit (what a ZeRO-3 source gathers at a time; the executor always asks for it, so the
+    order never depends on a rank's source); without it a bucket spans units. Order: by stage,
+    in-place transfers before packed ones, then by channel and parameter. All ranks must pass
+    the same arguments.
     """
     bpe = plan.bytes_per_element
     if bucket_bytes < bpe:
