@@ -192,23 +192,34 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
     meter.add("buffer", held_bytes)
 
     tally = _Tally()
+    ring = _Ring(buffer, slot_numel, me, src, dst, groups, tally)
+    pending: list = []
+    deferred: list[Piece] = []
     stages = sorted({t.stage for t in transfers} | {p.unit for p in local} | set(needs))
     for stage in stages:
         mine = [t for t in transfers if t.stage == stage]
-        with _gathered(src, needs.get(stage, ()), meter, bpe):
-            # In-place transfers need no buffer: post them all at once. Buckets go through a ring
-            # of slots, so several are in flight; the local copies overlap the traffic.
-            pending = [_post_in_place(t, me, src, dst, groups, tally) for t in mine if not t.packed]
-            ring = _Ring(buffer, slot_numel, me, src, dst, groups, tally)
+        gather = needs.get(stage, ())
+        with _gathered(src, gather, meter, bpe):
+            # Post in the global order. In-place transfers need no buffer, so they are all posted
+            # at once; buckets cycle through the ring's slots, several in flight.
+            pending += [_post_in_place(t, me, src, dst, groups, tally) for t in mine if not t.packed]
             for t in mine:
                 if t.packed:
                     ring.post(t)
-            for p in local:
-                if p.unit == stage:
-                    _view(dst[p.name], p.dim, p.dst_range).copy_(_view(src[p.name], p.dim, p.src_range))
+            here = [p for p in local if p.unit == stage]
+            if not gather:
+                deferred += here  # copied later, while the traffic flows
+                continue
+            # A gathered unit is released at the end of the block: finish everything reading it.
+            _copy_local(here, src, dst)
             ring.drain()
             for work in pending:
                 work.wait()
+            pending = []
+    _copy_local(deferred, src, dst)
+    ring.drain()
+    for work in pending:
+        work.wait()
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     del buffer
@@ -219,6 +230,11 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
         peak_buffer_bytes=meter.peak["buffer"], peak_gathered_bytes=meter.peak["gathered"],
         peak_extra_bytes=meter.peak_total, transfers=len(transfers))
     return ReallocResult(dst, stats)
+
+
+def _copy_local(pieces: list[Piece], src: dict, dst: dict) -> None:
+    for p in pieces:
+        _view(dst[p.name], p.dim, p.dst_range).copy_(_view(src[p.name], p.dim, p.src_range))
 
 
 def _check_inputs(plan: ReallocPlan, me: int, src: dict, transfers: list[Transfer], local: list[Piece],
