@@ -21,7 +21,8 @@ _FLOAT_FIELDS = (
     "memory_bandwidth_bytes_per_second", "intra_node_bandwidth_bytes_per_second", "intra_node_latency_seconds",
     "inter_node_bandwidth_bytes_per_second", "inter_node_latency_seconds", "compute_efficiency",
     "memory_efficiency", "network_efficiency", "usable_memory_fraction", "block_overhead_seconds",
-    "host_bandwidth_bytes_per_second",
+    "host_bandwidth_bytes_per_second", *(f"{name}_overhead_seconds" for name in (
+        "mfc", "sequence", "forward", "backward", "decode_step", "optimizer_step", "transfer", "realloc")),
 )
 
 
@@ -32,7 +33,10 @@ class ClusterSpec:
     Global rank ``r`` lives on node ``r // devices_per_node``. ``*_efficiency`` are the
     achievable fractions of the peak figures the roofline model uses; ``block_overhead_seconds``
     is the fixed cost of calling one transformer block (kernel launches), which dominates
-    small decoding steps.
+    small decoding steps. The other ``*_overhead_seconds`` are the runtime's fixed host-side
+    costs around the compute (per MFC call, per sequence, per micro-batch forward / backward, per
+    decoding step, per optimizer step, per data transfer and reallocation between layouts);
+    they are measured per machine (``bench/estimator.py --calibrate``) and 0 where unmeasured.
     """
 
     name: str
@@ -54,6 +58,14 @@ class ClusterSpec:
     usable_memory_fraction: float = 0.9
     block_overhead_seconds: float = 0.0
     host_bandwidth_bytes_per_second: float = 25.0e9  # device <-> host memory (offloading), per device
+    mfc_overhead_seconds: float = 0.0  # per MFC call on a rank
+    sequence_overhead_seconds: float = 0.0  # per sequence an MFC handles on a rank (per-sample host work)
+    forward_overhead_seconds: float = 0.0  # per micro-batch forward (pipeline slot)
+    backward_overhead_seconds: float = 0.0  # per micro-batch backward through the training engine
+    decode_step_overhead_seconds: float = 0.0  # per generated token step (sampling, cache bookkeeping)
+    optimizer_step_overhead_seconds: float = 0.0  # per optimizer step, beyond the per-parameter update
+    transfer_overhead_seconds: float = 0.0  # per data transfer between two different layouts
+    realloc_overhead_seconds: float = 0.0  # per parameter reallocation
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:

@@ -50,6 +50,10 @@ class ModelRole:
     offload_when_idle: bool = False
     path: str = ""
     preset: str = ""
+    # A frozen model's parameters sharded over its DP group and gathered for each call, as the ZeRO-3 /
+    # FSDP inference engines of DeepSpeed-Chat, OpenRLHF and verl keep them. Only baselines set it:
+    # restage's runtime keeps a whole replica of a frozen model per DP rank.
+    shard_frozen: bool = False
 
     @property
     def bytes_per_element(self) -> int:
@@ -135,9 +139,10 @@ class Estimator:
         return self._compute[key]
 
     def estimate(self, mfc: MFC, role: ModelRole, layout: Layout, micro_batches: int | None = None) -> Estimate:
-        """Cost of ``mfc`` on ``layout``; ``micro_batches`` defaults to max(the MFC's, pp)."""
+        """Cost of ``mfc`` on ``layout``; ``micro_batches`` defaults to max(the MFC's, pp) (1 for a generation,
+        which the runtime runs as one batch)."""
         s = layout.strategy
-        m = micro_batches or max(mfc.micro_batches, s.pp)
+        m = 1 if mfc.kind == "generate" else (micro_batches or max(mfc.micro_batches, s.pp))
         links = tuple(self.cluster.link(_worst_group(layout, k)) for k in ("tp", "dp", "pp"))
         key = (mfc, role, s, m, links)
         if key not in self._cache:
@@ -151,6 +156,10 @@ class Estimator:
             compute.used.clear()
         kind = {"train_step": _train, "inference": _inference, "generate": _generate}[mfc.kind]
         seconds, transient, parts = kind(self.cluster, compute, mfc, role, layout, m)
+        overhead = overhead_seconds(self.cluster, mfc, layout, m)
+        if overhead:
+            seconds += overhead
+            parts["overhead_seconds"] = overhead
         source = compute.describe() if hasattr(compute, "describe") else compute.source
         params = max(stage_param_elements(role.arch, layout.strategy.tp, layout.strategy.pp))
         return Estimate(seconds=seconds, state_bytes=_state_bytes(role, mfc, params, layout.strategy.dp),
@@ -158,10 +167,38 @@ class Estimator:
                         source=source, breakdown=tuple(sorted(parts.items())))
 
 
+# The runtime's fixed host-side costs (``ClusterSpec.*_overhead_seconds``) and what each is paid per.
+OVERHEADS = ("mfc", "sequence", "forward", "backward", "decode_step", "optimizer_step")
+
+
+def overhead_counts(mfc: MFC, layout: Layout, m: int) -> dict[str, float]:
+    """How many times one rank pays each fixed overhead in one call of ``mfc`` on ``layout`` with ``m`` micro-batches.
+
+    Per-micro-batch costs count pipeline slots (``m + pp - 1``), like the compute they accompany;
+    a generation pays its per-token cost once per decoding step (its prefill is one more
+    forward). A train step pays per optimizer step, ``epochs x minibatches`` times.
+    """
+    s = layout.strategy
+    slots = m + s.pp - 1
+    seqs = math.ceil(mfc.n_seqs / s.dp)
+    if mfc.kind == "generate":
+        return {"mfc": 1, "sequence": seqs, "forward": 1, "decode_step": mfc.gen_tokens}
+    if mfc.kind == "inference":
+        return {"mfc": 1, "sequence": seqs, "forward": slots}
+    steps = mfc.epochs * mfc.minibatches
+    return {"mfc": 1, "sequence": seqs * mfc.epochs, "forward": steps * slots, "backward": steps * slots,
+            "optimizer_step": steps}
+
+
+def overhead_seconds(cluster: ClusterSpec, mfc: MFC, layout: Layout, m: int) -> float:
+    counts = overhead_counts(mfc, layout, m)
+    return sum(n * getattr(cluster, f"{name}_overhead_seconds") for name, n in counts.items())
+
+
 def _state_bytes(role: ModelRole, mfc: MFC, params: int, dp: int) -> int:
     e = role.bytes_per_element
     if mfc.kind != "train_step":
-        return params * e
+        return params * e // (dp if role.shard_frozen and not role.trainable else 1)
     z = role.zero_stage
     param_bytes = 0 if (z == 3 and role.offload_params) else params * e / (dp if z == 3 else 1)
     grad_bytes = params * e / (dp if z >= 2 else 1)
@@ -254,20 +291,22 @@ def _forward_workspace(cfg: ModelConfig, tp: int, tokens: float, e: int) -> floa
 
 
 def _generate(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Layout, m: int):
+    """The runtime's generation: each DP rank's prompts go through the stages as one batch (micro-batches
+    do not apply), so a decoding step runs the whole batch through every stage in turn."""
     cfg, s, e = role.arch, layout.strategy, role.bytes_per_element
-    b = sequences_per_rank(mfc, s.dp) / m
+    b = sequences_per_rank(mfc, s.dp)
     prompt, gen = mfc.prompt_tokens, mfc.gen_tokens
     tp_group, pp_group = _worst_group(layout, "tp"), _worst_group(layout, "pp")
     layers = _max_stage_layers(cfg, s.pp)
     hidden_bytes = cfg.hidden_size * e
-    # Prefill: a pipelined forward over the prompts; the head runs on the last prompt token only.
+    # Prefill: a forward over the prompts, stage after stage; the head runs on the last prompt token only.
     prefill_stage = _stage_seconds(layout, cfg, compute.block_prefill(b, prompt, s.tp), compute.embed_forward(b * prompt),
                                    compute.head_forward(b, s.tp))
     prefill_comm = layers * 2 * allreduce_seconds(cluster, tp_group, b * prompt * hidden_bytes)
     prefill_send = p2p_seconds(cluster, pp_group[0], pp_group[-1], b * prompt * hidden_bytes) if s.pp > 1 else 0.0
-    prefill = (m + s.pp - 1) * (prefill_stage + prefill_comm + prefill_send)
-    # Decoding: each step runs every micro-batch through every stage; a micro-batch's next token
-    # needs its previous one back from the last stage, so a step takes max(m, pp) stage slots.
+    prefill = s.pp * (prefill_stage + prefill_comm + prefill_send)
+    # Decoding: every step feeds the batch through all pp stages one after the other (the next token
+    # needs the last stage's output), against a KV cache of prompt + (gen + 1) / 2 tokens on average.
     ctx = prompt + (gen + 1) / 2
     decode_stage = _stage_seconds(layout, cfg, compute.decode_block(b, ctx, s.tp), compute.embed_forward(b),
                                   compute.head_forward(b, s.tp))
@@ -275,16 +314,14 @@ def _generate(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: 
     decode_comm = layers * 2 * allreduce_seconds(cluster, tp_group, b * hidden_bytes) + allgather_seconds(
         cluster, tp_group, b * cfg.vocab_size * LOGIT_BYTES)
     decode_send = p2p_seconds(cluster, pp_group[0], pp_group[-1], b * hidden_bytes) if s.pp > 1 else 0.0
-    slots = max(m, s.pp)
-    decode = gen * slots * (decode_stage + decode_comm + decode_send)
+    decode = gen * s.pp * (decode_stage + decode_comm + decode_send)
     parts = {"prefill_seconds": prefill, "decode_seconds": decode,
-             "compute_seconds": (m + s.pp - 1) * prefill_stage + gen * slots * decode_stage,
-             "tp_comm_seconds": (m + s.pp - 1) * prefill_comm + gen * slots * decode_comm,
-             "pp_send_seconds": (m + s.pp - 1) * prefill_send + gen * slots * decode_send}
-    # Memory: the KV cache of every sequence in flight (all micro-batches when pipelined).
+             "compute_seconds": s.pp * prefill_stage + gen * s.pp * decode_stage,
+             "tp_comm_seconds": s.pp * prefill_comm + gen * s.pp * decode_comm,
+             "pp_send_seconds": s.pp * prefill_send + gen * s.pp * decode_send}
+    # Memory: the KV cache of every sequence of the batch.
     kv_out = block_shape(cfg, s.tp).kv_out
     window = min(prompt + gen, cfg.sliding_window) if cfg.sliding_window else prompt + gen
-    seqs_in_flight = b * (m if s.pp > 1 else 1)
-    kv_cache = 2 * layers * kv_out * e * window * seqs_in_flight
+    kv_cache = 2 * layers * kv_out * e * window * b
     transient = kv_cache + _forward_workspace(cfg, s.tp, b * prompt, e) + b * block_shape(cfg, s.tp).head_out * LOGIT_BYTES
     return prefill + decode, transient, parts

@@ -115,6 +115,8 @@ def strategies_for(size: int, role: ModelRole, mfc: MFC, cluster: ClusterSpec) -
 
 
 def micro_batch_options(mfc: MFC, strategy: Strategy) -> list[int]:
+    if mfc.kind == "generate":
+        return [1]  # the runtime generates each DP rank's prompts as one batch
     base = max(mfc.micro_batches, strategy.pp)
     most = max(int(sequences_per_rank(mfc, strategy.dp)), 1)
     out, m = [], base

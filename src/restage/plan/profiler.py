@@ -6,8 +6,8 @@ sequence lengths: the embedding, one transformer block's forward and backward, t
 forward and backward, a prefill (block forward that fills the KV cache), one decoding step of
 one block against ``seq`` cached tokens, and an AdamW step (per parameter). The shard's
 all-reduces run over a one-process group, so the table holds compute only; the estimator adds
-communication from the cluster's links. Seconds are the median of ``--repeats`` runs after a
-warm-up.
+communication from the cluster's links. Seconds are the median of ``--repeats`` rounds after a
+warm-up, each round timing every piece of the grid once.
 """
 
 from __future__ import annotations
@@ -84,16 +84,30 @@ def _one_process_group():
             dist.destroy_process_group()
 
 
-def _median_seconds(fn, repeats: int, sync) -> float:
-    fn()  # warm-up
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _timed_rounds(jobs: list[tuple[tuple, object]], repeats: int, sync) -> dict[tuple, float]:
+    """Median seconds of every job; one warm-up each, then ``repeats`` rounds that time every job once.
+
+    Round-robin over the whole grid rather than ``repeats`` calls in a row: on a shared machine a
+    burst of someone else's load then inflates one sample of many shapes instead of the median of
+    one shape. Each round takes the jobs in another (seeded) order, so no job always runs right
+    after the same (say, cache-flushing) neighbour.
+    """
+    import random
+
+    for _, fn in jobs:
         fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    sync()
+    samples: dict[tuple, list[float]] = {key: [] for key, _ in jobs}
+    order = list(jobs)
+    shuffle = random.Random(0).shuffle
+    for _ in range(repeats):
+        shuffle(order)
+        for key, fn in order:
+            start = time.perf_counter()
+            fn()
+            sync()
+            samples[key].append(time.perf_counter() - start)
+    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 def measure(arch, cluster: str, dtype: str, batches: list[int], seqs: list[int], tps: list[int], repeats: int = 3,
@@ -103,14 +117,14 @@ def measure(arch, cluster: str, dtype: str, batches: list[int], seqs: list[int],
 
     from restage.layout import Coord, Strategy
     from restage.models.decoder import StageModule
-    from restage.models.packing import PackedBatch
     from restage.models.parallel import ParallelContext
     from restage.models.sharding import validate_strategy
 
     torch_dtype = getattr(torch, DTYPES[dtype])
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     one_block = dataclasses.replace(arch, num_layers=1)
-    entries: list[ProfileEntry] = []
+    jobs: list[tuple[tuple, object]] = []
+    numel = {}
     with _one_process_group() as group:
         for tp in tps:
             validate_strategy(arch, Strategy(tp=tp))
@@ -121,25 +135,36 @@ def measure(arch, cluster: str, dtype: str, batches: list[int], seqs: list[int],
                 torch.nn.init.normal_(p, std=0.02)
             block = module.layers["0"]
             params = [p for p in block.parameters()]
-            optimizer = torch.optim.AdamW([p.detach().clone().float().requires_grad_() for p in params], lr=1e-5)
-            for p in optimizer.param_groups[0]["params"]:
-                p.grad = torch.zeros_like(p)
-            numel = sum(p.numel() for p in params)
-            entries.append(ProfileEntry("optimizer_step_per_param", 1, 1, 1,
-                                        _median_seconds(optimizer.step, repeats, sync) / numel))
+            if tp == 1:
+                optimizer = torch.optim.AdamW([p.detach().clone().float().requires_grad_() for p in params], lr=1e-5)
+                for p in optimizer.param_groups[0]["params"]:
+                    p.grad = torch.zeros_like(p)
+                numel[tp] = sum(p.numel() for p in params)
+                jobs.append((("optimizer_step", 1, 1, 1), optimizer.step))
             for batch in batches:
                 for seq in seqs:
-                    entries += _time_shape(module, block, batch, seq, tp, repeats, sync, device, PackedBatch)
+                    jobs += _shape_jobs(module, block, batch, seq, tp, device)
+        timed = _timed_rounds(jobs, repeats, sync)
+    entries = [ProfileEntry("optimizer_step_per_param", 1, 1, 1, timed[("optimizer_step", 1, 1, 1)] / numel[1])]
+    for (op, tp, b, s), seconds in timed.items():
+        if op in ("optimizer_step", "block_forward_backward", "head_forward_backward"):
+            continue
+        entries.append(ProfileEntry(op, tp, b, s, seconds))
+        if op in ("block_forward", "head_forward"):  # backward = (forward + backward) - forward, at least a forward
+            both = timed[(op.replace("forward", "forward_backward"), tp, b, s)]
+            entries.append(ProfileEntry(op.replace("forward", "backward"), tp, b, s, max(both - seconds, seconds)))
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({os.cpu_count()} cores)",
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": repeats,
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": repeats, "timing": "round-robin",
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     return Profile(f"{cluster}--{dtype}", cluster, dtype, arch, entries, meta)
 
 
-def _time_shape(module, block, batch: int, seq: int, tp: int, repeats: int, sync, device, PackedBatch) -> list[ProfileEntry]:
+def _shape_jobs(module, block, batch: int, seq: int, tp: int, device) -> list[tuple[tuple, object]]:
+    """((op, tp, batch, seq), callable) for every piece at one (batch, seq); the head and embedding are keyed by tokens."""
     import torch
 
     from restage.models.decoder import rope_cos_sin
+    from restage.models.packing import PackedBatch
 
     cfg = module.cfg
     tokens = batch * seq
@@ -147,43 +172,48 @@ def _time_shape(module, block, batch: int, seq: int, tp: int, repeats: int, sync
     ids = torch.randint(0, cfg.vocab_size, (tokens,), device=device)
     hidden = torch.randn(tokens, cfg.hidden_size, dtype=module.dtype, device=device)
     rope = rope_cos_sin(packed.positions, cfg.head_dim, cfg.rope_theta, module.dtype) if cfg.family != "gpt2" else None
-    out: list[ProfileEntry] = []
-
-    def add(op, fn, b=batch, s=seq):
-        out.append(ProfileEntry(op, tp, b, s, _median_seconds(fn, repeats, sync)))
-
-    with torch.no_grad():
-        if tp == 1:
-            add("embed_forward", lambda: module.embed(ids), b=tokens, s=1)
-        add("block_forward", lambda: block(hidden, packed, rope, None))
-        add("head_forward", lambda: _head(module, hidden), b=tokens, s=1)
-        cache = module.new_cache(batch, seq + 1)
-        add("prefill", lambda: block(hidden, packed, rope, cache))
-        # One decoding step against ``seq`` cached tokens per sequence.
-        cache.lengths.fill_(seq)
-        cache.decoding = True
-        step = PackedBatch(torch.arange(batch + 1, dtype=torch.int32, device=device), cache.lengths.clone(), 1)
-        step_rope = rope_cos_sin(step.positions, cfg.head_dim, cfg.rope_theta, module.dtype) if rope is not None else None
-        one = hidden[:batch]
-        add("decode_step", lambda: block(one, step, step_rope, cache))
+    cache = module.new_cache(batch, seq + 1)
+    # One decoding step against ``seq`` cached tokens per sequence (a separate cache: prefill refills its own).
+    step_cache = module.new_cache(batch, seq + 1)
+    step_cache.lengths.fill_(seq)
+    step_cache.decoding = True
+    step = PackedBatch(torch.arange(batch + 1, dtype=torch.int32, device=device), step_cache.lengths.clone(), 1)
+    step_rope = rope_cos_sin(step.positions, cfg.head_dim, cfg.rope_theta, module.dtype) if rope is not None else None
+    one = hidden[:batch]
     x = hidden.clone().requires_grad_()
 
-    def block_backward():
+    def no_grad(fn):
+        def run():
+            with torch.no_grad():
+                fn()
+        return run
+
+    def prefill():
+        cache.lengths.zero_()
+        cache.decoding = False
+        block(hidden, packed, rope, cache)
+
+    def decode():
+        step_cache.lengths.fill_(seq)
+        block(one, step, step_rope, step_cache)
+
+    def block_forward_backward():
         y = block(x, packed, rope, None)
         y.backward(torch.ones_like(y))
 
-    forward = next(e.seconds for e in out if e.op == "block_forward")
-    out.append(ProfileEntry("block_backward", tp, batch, seq, max(_median_seconds(block_backward, repeats, sync) - forward,
-                                                                   forward)))
-    head_forward = next(e.seconds for e in out if e.op == "head_forward")
+    def head_forward_backward():
+        _head(module, x).float().logsumexp(-1).sum().backward()
 
-    def head_backward():
-        logits = _head(module, x)
-        logits.float().logsumexp(-1).sum().backward()
-
-    out.append(ProfileEntry("head_backward", tp, tokens, 1, max(_median_seconds(head_backward, repeats, sync) - head_forward,
-                                                                head_forward)))
-    return out
+    jobs = []
+    if tp == 1:
+        jobs.append((("embed_forward", 1, tokens, 1), no_grad(lambda: module.embed(ids))))
+    jobs += [(("block_forward", tp, batch, seq), no_grad(lambda: block(hidden, packed, rope, None))),
+             (("head_forward", tp, tokens, 1), no_grad(lambda: _head(module, hidden))),
+             (("prefill", tp, batch, seq), no_grad(prefill)),
+             (("decode_step", tp, batch, seq), no_grad(decode)),
+             (("block_forward_backward", tp, batch, seq), block_forward_backward),
+             (("head_forward_backward", tp, tokens, 1), head_forward_backward)]
+    return jobs
 
 
 def _head(module, hidden):

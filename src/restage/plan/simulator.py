@@ -150,11 +150,12 @@ def op_seconds(problem, plan, op: Op) -> float:
             seconds += zero3_gather_seconds(role.arch, op.dst, role.bytes_per_element, problem.cluster)
         return seconds
     if op.kind == "realloc":
-        return copy_seconds(problem, op.src, op.dst, op.model)
+        return copy_seconds(problem, op.src, op.dst, op.model) + problem.cluster.realloc_overhead_seconds
     if op.kind == "transfer":
         if op.src == op.dst:
             return 0.0
-        return problem.data_transfer(op.src, op.dst, key_bytes(problem.graph[op.mfc], op.key))
+        return (problem.data_transfer(op.src, op.dst, key_bytes(problem.graph[op.mfc], op.key))
+                + problem.cluster.transfer_overhead_seconds)
     if op.kind in ("offload", "reload"):
         cand = plan[problem.index[problem.home[op.model]]]
         return cand.estimate.param_bytes / problem.cluster.host_bandwidth_bytes_per_second
@@ -181,10 +182,13 @@ def needs_copy(problem, plan, mfc) -> bool:
 
 
 def zero3_in_place(problem, plan, mfc) -> bool:
-    """A generate / inference MFC on its ZeRO-3 model's training layout: it gathers the full shards first
-    (once per MFC; assumed, since a gather per forward would make decoding hopeless)."""
+    """An MFC that gathers its parameters out of a DP-sharded partition first (once per MFC; assumed, since a
+    gather per forward would make decoding hopeless): a generate / inference MFC on its ZeRO-3 model's
+    training layout, or any MFC of a frozen model kept sharded (``ModelRole.shard_frozen``, baselines only)."""
     role = problem.role(mfc)
-    return (mfc.kind != "train_step" and role.trainable and role.zero_stage == 3 and not problem.is_home(mfc)
+    if not role.trainable:
+        return role.shard_frozen and not needs_copy(problem, plan, mfc)
+    return (mfc.kind != "train_step" and role.zero_stage == 3 and not problem.is_home(mfc)
             and not needs_copy(problem, plan, mfc))
 
 
