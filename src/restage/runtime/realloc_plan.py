@@ -86,7 +86,7 @@ def _contiguous(shape: tuple[int, ...], dim: int, rng: tuple[int, int]) -> bool:
     return rng == (0, shape[dim]) or math.prod(shape[dim + 1:]) == 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity: hashing thousands of pieces per lookup would cost ms
 class ReallocPlan:
     """Everything that moves (``pieces``) or is copied in place (``local_pieces``) in one reallocation.
 
