@@ -18,26 +18,9 @@ import torch.distributed as dist
 from restage.errors import CheckpointError
 from restage.models.checkpoint import save_checkpoint
 from restage.runtime import checkpoint_dir
+from restage.runtime.engines import barriers_on
 
 ENGINE_TAG = "state"
-
-
-@contextlib.contextmanager
-def _barriers_on(engine_group):
-    """DeepSpeed's checkpoint code barriers on the whole world; here only the engine's ranks take part,
-    so its barriers are pointed at the engine's own group for the duration of the call."""
-    import deepspeed.comm as ds_comm
-
-    original = ds_comm.barrier
-
-    def barrier(group=None, **kwargs):
-        return original(group=engine_group if group is None else group, **kwargs)
-
-    ds_comm.barrier = barrier
-    try:
-        yield
-    finally:
-        ds_comm.barrier = original
 
 
 def _engine_group(worker, slot):
@@ -60,7 +43,7 @@ def save(worker, step: int) -> None:
             continue
         with _maybe_gathered(slot):
             save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.spec.path)
-        with _barriers_on(_engine_group(worker, slot)):
+        with barriers_on(_engine_group(worker, slot)):
             slot.engine.save_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG, save_latest=False)
     ranks = path / "ranks"
     ranks.mkdir(exist_ok=True)
@@ -83,7 +66,7 @@ def load(worker) -> int:
     for name, slot in worker.slots.items():
         if slot.engine is None:
             continue
-        with _barriers_on(_engine_group(worker, slot)):
+        with barriers_on(_engine_group(worker, slot)):
             loaded, _ = slot.engine.load_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG)
         if loaded is None:
             raise CheckpointError(f"{path / name / 'engine'}: DeepSpeed found no state for rank {worker.rank}; "

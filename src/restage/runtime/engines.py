@@ -8,6 +8,7 @@ as a model-parallel shard.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -74,6 +75,27 @@ class LayoutMPU:
 
     def get_tensor_model_parallel_src_rank(self) -> int:
         return self._tp_ranks[0]
+
+
+@contextlib.contextmanager
+def barriers_on(engine_group):
+    """Point DeepSpeed's world-wide barriers at one engine's group for the duration.
+
+    DeepSpeed barriers on the whole world in ZeRO-3 set-up and in checkpoint save/load, but here
+    only the ranks of the model's own layout take part in those calls.
+    """
+    import deepspeed.comm as ds_comm
+
+    original = ds_comm.barrier
+
+    def barrier(group=None, **kwargs):
+        return original(group=engine_group if group is None else group, **kwargs)
+
+    ds_comm.barrier = barrier
+    try:
+        yield
+    finally:
+        ds_comm.barrier = original
 
 
 def mark_norm_ownership(module: torch.nn.Module, tp_rank: int, replicated_names: set[str],
@@ -146,12 +168,13 @@ def build_engine(module: torch.nn.Module, spec: ModelSpec, layout: Layout, rank:
 
     mpu = LayoutMPU(layout, rank, groups)
     schedule = lr_lambda(spec, total_optimizer_steps)
-    engine, _, _, _ = deepspeed.initialize(
-        model=module,
-        model_parameters=[p for p in module.parameters() if p.requires_grad],
-        config=deepspeed_config(spec, layout.strategy.dp, micro_batches),
-        mpu=mpu,
-        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
-        dist_init_required=False,
-    )
+    with barriers_on(groups.get(layout.mesh) if layout.size > 1 else groups.get((rank,))):
+        engine, _, _, _ = deepspeed.initialize(
+            model=module,
+            model_parameters=[p for p in module.parameters() if p.requires_grad],
+            config=deepspeed_config(spec, layout.strategy.dp, micro_batches),
+            mpu=mpu,
+            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+            dist_init_required=False,
+        )
     return engine

@@ -139,6 +139,11 @@ class Worker:
             cfg = self._model_cfg(name)
             critic = _is_critic(name, spec, cfg)
             slot = ModelSlot(name, spec, cfg.as_critic() if critic and not cfg.is_critic else cfg, home)
+            if spec.trainable and spec.zero_stage == 3 and home.size != self.control.world_size:
+                # DeepSpeed 0.19's ZeRO-3 synchronises the whole world while setting up and while
+                # fetching parameters, which deadlocks when other ranks run other models meanwhile.
+                raise LayoutError(f"models.{name}: zero_stage=3 needs its training layout to span all "
+                                  f"{self.control.world_size} ranks (it spans {home.size}); use zero_stage 1 or 2")
             if spec.trainable and slot.cfg.tied_embeddings and home.strategy.pp > 1:
                 # The two copies' gradients would have to be summed inside DeepSpeed's reduction.
                 raise LayoutError(f"models.{name}: training a model with tied embeddings under pp={home.strategy.pp} "
@@ -268,9 +273,8 @@ class Worker:
             slot.copies[op.dst] = module
             destination = dict(module.named_parameters())
         source = slot.engine if slot.engine is not None else slot.module
-        zero3 = slot.engine is not None and slot.spec.zero_stage == 3
         result = execute_reallocation(plan, source if self.rank in op.src else None, self.groups,
-                                      dtype=DTYPES[slot.spec.dtype], destination=destination, layer_by_layer=zero3)
+                                      dtype=DTYPES[slot.spec.dtype], destination=destination)
         return result.stats.sent_bytes
 
     def _transfer(self, op) -> int:
