@@ -36,7 +36,7 @@ def test_stop_and_resume_equals_a_straight_run_bitwise(tmp_path):
         b = hf_weights(last_checkpoint(split) / model / "hf")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), model
     log_a, log_b = read_log(straight), read_log(split)
-    assert log_b.last_complete_step == 3 and log_b.resumed_at_steps == [2]
+    assert log_b.last_complete_step == 3 and log_b.resumed_at_steps == [1]  # the last step kept, 0-based
     series_a, series_b = log_a.stat_series(), log_b.stat_series()
     assert series_a.keys() == series_b.keys()
     for name in series_a:
