@@ -1,17 +1,20 @@
-"""Heuristic plans the search must beat, built from the same estimator and simulator.
+"""What the search is compared with: peer systems' default plans (baselines) and restricted searches.
 
-* ``colocated``: every MFC on all devices with one strategy (DeepSpeed-Chat's and verl's default).
-* ``separated``: the actor's MFCs on the first half of the devices, every other MFC on the
-  second half, one strategy per half (OpenRLHF's split).
-* ``per_model``: every MFC on all devices; each model takes its own best strategy.
-* ``gen_optimised``: colocated, but generation takes its own best strategy and runs on a
-  reallocated copy (DeepSpeed-Chat's hybrid engine).
-* ``megatron``: colocated with the Megatron-LM rule instead of a search: TP over a whole node,
-  the fewest pipeline stages that fit, DP over the rest (the heuristic the ReaLHF paper compares
-  its searched plans with).
+* **Baselines** (``BASELINES``, built in ``peers.py``): the plans DeepSpeed-Chat, OpenRLHF,
+  NeMo-Aligner and verl produce by their documented default rules. No estimator chooses their
+  layouts; the estimator scores them (under the peer's own memory strategy).
+* **Reference points** (``REFERENCES``): restricted searches, i.e. enumerations with restage's own
+  estimator over one family of plans. They show what a fixed family can reach at best, not what
+  anyone runs:
 
-Except ``megatron``, each baseline picks its strategies by enumeration (minimising the simulated iteration time) and
-the micro-batch counts that make the plan fit; a baseline that fits nowhere is None.
+  * ``colocated``: every MFC on all devices with the single best strategy;
+  * ``separated``: the actor's MFCs on the first half, the rest on the second, the best strategy per half;
+  * ``per_model``: every MFC on all devices, each model with its own best strategy;
+  * ``gen_optimised``: colocated, generation with its own best strategy on a reallocated copy.
+
+Every builder returns (plan, evaluation) or None when nothing of its kind fits. Plans of baselines
+carry estimates under the peer's roles; ``rebased`` re-estimates any plan under the problem's own
+roles (what the runtime would run), for the search's starting points and ``plan.mode=heuristic``.
 """
 
 from __future__ import annotations
@@ -20,9 +23,22 @@ from collections.abc import Callable
 
 from restage.layout import Layout, Strategy
 from restage.plan.evaluate import PlanEvaluation, evaluate
+from restage.plan.peers import BUILDERS as PEER_BUILDERS
+from restage.plan.peers import PEERS
 from restage.plan.problem import Plan, PlanProblem, strategies_for
 
-BASELINES = ("colocated", "separated", "per_model", "gen_optimised", "megatron")
+BASELINES = PEERS
+REFERENCES = ("colocated", "separated", "per_model", "gen_optimised")
+LABELS = {
+    "deepspeed_chat": "DeepSpeed-Chat default (colocated, ZeRO-3 DP, hybrid-engine generation)",
+    "openrlhf": "OpenRLHF default (a GPU group per model, 4:4:4:2:2, ZeRO-3, vLLM engines)",
+    "nemo_aligner": "NeMo-Aligner default (actor and critic jobs on halves, smallest Megatron TPxPP that fits)",
+    "verl": "verl default (colocated, FSDP, rollout TP by its memory rule)",
+    "colocated": "restricted search: colocated, best single strategy",
+    "separated": "restricted search: actor / rest on halves, best strategy per half",
+    "per_model": "restricted search: colocated, best strategy per model",
+    "gen_optimised": "restricted search: colocated, generation with its own best strategy",
+}
 
 
 def fit_plan(problem: PlanProblem, layouts: dict[str, Layout]) -> tuple[Plan, PlanEvaluation] | None:
@@ -39,6 +55,11 @@ def fit_plan(problem: PlanProblem, layouts: dict[str, Layout]) -> tuple[Plan, Pl
         if ev.feasible:
             return plan, ev
     return None
+
+
+def rebased(problem: PlanProblem, plan: Plan) -> Plan:
+    """The same layouts and micro-batch counts, estimated with ``problem``'s own roles."""
+    return tuple(problem.candidate(c.mfc, c.layout, c.micro_batches) for c in plan)
 
 
 def _common_strategies(problem: PlanProblem, mfcs, size: int) -> list[Strategy]:
@@ -106,33 +127,31 @@ def gen_optimised(problem: PlanProblem) -> tuple[Plan, PlanEvaluation] | None:
     return _best(results)
 
 
-def megatron(problem: PlanProblem) -> tuple[Plan, PlanEvaluation] | None:
-    world = problem.cluster.world_size
-    common = _common_strategies(problem, problem.mfcs, world)
-    if not common:
-        return None
-    tp = max(s.tp for s in common)
-    for pp in sorted({s.pp for s in common if s.tp == tp}):
-        got = fit_plan(problem, {m.name: Layout.contiguous(0, Strategy(dp=world // (tp * pp), tp=tp, pp=pp))
-                                 for m in problem.mfcs})
-        if got is not None:
-            return got
-    return None
-
-
-BUILDERS: dict[str, Callable[[PlanProblem], tuple[Plan, PlanEvaluation] | None]] = {
+REFERENCE_BUILDERS: dict[str, Callable[[PlanProblem], tuple[Plan, PlanEvaluation] | None]] = {
     "colocated": colocated, "separated": separated, "per_model": per_model, "gen_optimised": gen_optimised,
-    "megatron": megatron,
 }
+BUILDERS = {**PEER_BUILDERS, **REFERENCE_BUILDERS}
 
 
 def baseline(problem: PlanProblem, name: str) -> tuple[Plan, PlanEvaluation] | None:
+    """A baseline or a reference point by name."""
     from restage.errors import ConfigError
 
     if name not in BUILDERS:
-        raise ConfigError(f"plan.heuristic: {name!r} is unknown; use one of {', '.join(BASELINES)}")
+        raise ConfigError(f"plan.heuristic: {name!r} is unknown; use one of {', '.join(BUILDERS)}")
     return BUILDERS[name](problem)
 
 
 def all_baselines(problem: PlanProblem) -> dict[str, tuple[Plan, PlanEvaluation] | None]:
-    return {name: build(problem) for name, build in BUILDERS.items()}
+    """The peers' default plans."""
+    return {name: PEER_BUILDERS[name](problem) for name in BASELINES}
+
+
+def all_references(problem: PlanProblem) -> dict[str, tuple[Plan, PlanEvaluation] | None]:
+    """The restricted searches."""
+    return {name: REFERENCE_BUILDERS[name](problem) for name in REFERENCES}
+
+
+def starting_plans(problem: PlanProblem, found: dict[str, tuple[Plan, PlanEvaluation] | None]) -> list[Plan]:
+    """Every found plan, re-estimated under the problem's own roles: where the search starts."""
+    return [rebased(problem, got[0]) for got in found.values() if got is not None]

@@ -73,10 +73,18 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
     lines.append(f"iteration {p['iteration_seconds']:.3f} s, {p['samples_per_second']:.2f} samples/s, "
                  f"{p['pflops_per_second']:.3f} PFLOP/s, peak {p['peak_memory_bytes'] / GIB:.1f} of "
                  f"{p['usable_memory_bytes'] / GIB:.1f} GiB")
-    for name, ev in outcome.baselines.items():
-        if ev is None:
-            lines.append(f"  vs {name:<14} no plan that fits")
-        else:
-            lines.append(f"  vs {name:<14} {ev.iteration_seconds:9.3f} s  (this plan is "
-                         f"{ev.iteration_seconds / p['iteration_seconds']:.2f}x as fast)")
+    from restage.plan.baselines import BASELINES, LABELS
+
+    for group, title in ((True, "baselines (peer systems' default plans)"),
+                         (False, "reference points (restricted searches with restage's estimator, not baselines)")):
+        shown = [(name, ev) for name, ev in outcome.baselines.items() if (name in BASELINES) == group]
+        if shown:
+            lines.append(f"{title}:")
+        for name, ev in shown:
+            what = f"{name} ({LABELS.get(name, name)})"
+            if ev is None:
+                lines.append(f"  vs {what}: no plan that fits")
+            else:
+                lines.append(f"  vs {what}: {ev.iteration_seconds:.3f} s, this plan is "
+                             f"{ev.iteration_seconds / p['iteration_seconds']:.2f}x as fast")
     return "\n".join(lines)

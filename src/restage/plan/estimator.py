@@ -50,10 +50,6 @@ class ModelRole:
     offload_when_idle: bool = False
     path: str = ""
     preset: str = ""
-    # A frozen model's parameters sharded over its DP group and gathered for each call, as the ZeRO-3 /
-    # FSDP inference engines of DeepSpeed-Chat, OpenRLHF and verl keep them. Only baselines set it:
-    # restage's runtime keeps a whole replica of a frozen model per DP rank.
-    shard_frozen: bool = False
 
     @property
     def bytes_per_element(self) -> int:
@@ -198,7 +194,7 @@ def overhead_seconds(cluster: ClusterSpec, mfc: MFC, layout: Layout, m: int) -> 
 def _state_bytes(role: ModelRole, mfc: MFC, params: int, dp: int) -> int:
     e = role.bytes_per_element
     if mfc.kind != "train_step":
-        return params * e // (dp if role.shard_frozen and not role.trainable else 1)
+        return params * e
     z = role.zero_stage
     param_bytes = 0 if (z == 3 and role.offload_params) else params * e / (dp if z == 3 else 1)
     grad_bytes = params * e / (dp if z >= 2 else 1)

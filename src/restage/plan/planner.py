@@ -13,7 +13,7 @@ from restage.cluster import ClusterSpec, cluster_from_config
 from restage.errors import ConfigError, LayoutError, PlanError
 from restage.graph import build_graph
 from restage.layout import Layout, Strategy
-from restage.plan.baselines import all_baselines, baseline
+from restage.plan.baselines import all_baselines, all_references, baseline, rebased, starting_plans
 from restage.plan.evaluate import PlanEvaluation, evaluate
 from restage.plan.problem import Plan, PlanProblem, micro_batch_options, roles_from_config, strategies_for
 from restage.plan.search import SearchResult, search
@@ -28,7 +28,7 @@ class PlanOutcome:
     plan: Plan
     evaluation: PlanEvaluation
     mode: str
-    baselines: dict[str, PlanEvaluation | None]
+    baselines: dict[str, PlanEvaluation | None]  # peers' default plans and restricted searches (baselines.LABELS)
     search: SearchResult | None = None
 
 
@@ -119,24 +119,37 @@ def make_plan(cfg, cluster: ClusterSpec | None = None, *, seed: int | None = Non
         if not ev.feasible:
             raise PlanError(f"plan.layouts need {ev.peak_memory_bytes / GIB:.1f} GiB on the fullest device, "
                             f"{problem.capacity_bytes / GIB:.1f} GiB usable; spread the models over more ranks")
-        baselines = _evaluations(all_baselines(problem)) if with_baselines else {}
+        baselines = _evaluations(_compared(problem)) if with_baselines else {}
         return PlanOutcome(problem, plan, ev, mode, baselines)
     check_fits(problem)
-    found = all_baselines(problem) if (with_baselines or mode == "search") else {}
+    found = _compared(problem) if (with_baselines or mode == "search") else {}
     baselines = _evaluations(found)
     if mode == "heuristic":
-        got = found.get(cfg.plan.heuristic) if found else baseline(problem, cfg.plan.heuristic)
+        name = cfg.plan.heuristic
+        got = found.get(name) if found else baseline(problem, name)
         if got is None:
-            baseline(problem, cfg.plan.heuristic)  # refuses an unknown name
-            raise PlanError(f"the {cfg.plan.heuristic} heuristic has no plan that fits here; use plan.mode=search")
-        return PlanOutcome(problem, got[0], got[1], mode, baselines)
+            baseline(problem, name)  # refuses an unknown name
+            raise PlanError(f"the {name} heuristic has no plan that fits here; use plan.mode=search")
+        # A peer's plan was scored with the peer's memory settings; the runtime runs the config's.
+        plan = rebased(problem, got[0])
+        ev = evaluate(problem, plan)
+        if not ev.feasible:
+            raise PlanError(f"the {name} layouts need {ev.peak_memory_bytes / GIB:.1f} GiB on the fullest device with this "
+                            f"config's memory settings, {problem.capacity_bytes / GIB:.1f} GiB usable; set models.<m>.zero_stage=3 "
+                            f"(and gradient_checkpointing) as {name} does, or use plan.mode=search")
+        return PlanOutcome(problem, plan, ev, mode, baselines)
     budget = cfg.plan.time_budget_seconds if time_budget_seconds is None else time_budget_seconds
     result = search(problem, seed=cfg.seed if seed is None else seed, time_budget_seconds=budget, max_steps=max_steps,
-                    initial=[got[0] for got in found.values() if got is not None])
+                    initial=starting_plans(problem, found))
     if not result.evaluation.feasible:
         raise PlanError(f"the search found no plan that fits ({result.evaluation.peak_memory_bytes / GIB:.1f} GiB on the "
                         f"fullest device, {problem.capacity_bytes / GIB:.1f} GiB usable); add nodes or raise zero_stage")
     return PlanOutcome(problem, result.best, result.evaluation, mode, baselines, result)
+
+
+def _compared(problem: PlanProblem) -> dict:
+    """The peers' default plans, then the restricted searches (names in baselines.LABELS)."""
+    return {**all_baselines(problem), **all_references(problem)}
 
 
 def _evaluations(found: dict) -> dict[str, PlanEvaluation | None]:

@@ -182,13 +182,10 @@ def needs_copy(problem, plan, mfc) -> bool:
 
 
 def zero3_in_place(problem, plan, mfc) -> bool:
-    """An MFC that gathers its parameters out of a DP-sharded partition first (once per MFC; assumed, since a
-    gather per forward would make decoding hopeless): a generate / inference MFC on its ZeRO-3 model's
-    training layout, or any MFC of a frozen model kept sharded (``ModelRole.shard_frozen``, baselines only)."""
+    """A generate / inference MFC on its ZeRO-3 model's training layout: it gathers the full shards first
+    (once per MFC; assumed, since a gather per forward would make decoding hopeless)."""
     role = problem.role(mfc)
-    if not role.trainable:
-        return role.shard_frozen and not needs_copy(problem, plan, mfc)
-    return (mfc.kind != "train_step" and role.zero_stage == 3 and not problem.is_home(mfc)
+    return (mfc.kind != "train_step" and role.trainable and role.zero_stage == 3 and not problem.is_home(mfc)
             and not needs_copy(problem, plan, mfc))
 
 
