@@ -10,13 +10,13 @@ import torch.distributed as dist
 from realloc_cases import PAIRS_8, L, node_of_3, reference_state, shard_of, tiny
 from transfer_cases import TRANSFERS_8, make_meta, producer_batch, sample_batch
 
-from restage.data.batch import concat
+from restage.data.batch import concat, contiguous_parts
 from restage.errors import LayoutError
 from restage.layout import ProcessGroups
 from restage.runtime.realloc import Workspace, execute_reallocation, groups_for
 from restage.runtime.realloc_plan import plan_reallocation
 from restage.runtime.spawn import spawn
-from restage.runtime.transfer import execute_transfer, plan_transfer, transfer_groups
+from restage.runtime.transfer import execute_transfer, plan_transfer, possible_transfer_groups, transfer_groups
 
 pytestmark = pytest.mark.multirank
 
@@ -85,11 +85,17 @@ def _check(pairs, results, world_size):
             assert sum(received.values()) == plan.total_bytes == plan.lower_bound_bytes, what
 
 
-def _walk_transfers(rank: int, world_size: int) -> list[dict]:
-    """Run every data transfer case; return what this rank received, checked against the regenerated samples."""
+def _walk_transfers(rank: int, world_size: int, assignment: str | None = None) -> list[dict]:
+    """Run every data transfer case; return what this rank received, checked against the regenerated samples.
+
+    ``assignment="contiguous"`` runs as the SPMD runtime does: groups made up front from the layouts alone.
+    """
     plans = [plan_transfer(make_meta(i, n, prod.strategy.dp, group), prod, cons, consumer_stages=stages,
-                           world_size=world_size) for i, (prod, cons, stages, n, group, _) in enumerate(TRANSFERS_8)]
-    groups = ProcessGroups(transfer_groups(*plans))
+                           world_size=world_size, assignment=assignment)
+             for i, (prod, cons, stages, n, group, _) in enumerate(TRANSFERS_8)]
+    groups = ProcessGroups(transfer_groups(*plans) if assignment is None else
+                           [g for prod, cons, stages, *_ in TRANSFERS_8
+                            for g in possible_transfer_groups(prod, cons, consumer_stages=stages)])
     out = []
     for plan in plans:
         meta = plan.meta
@@ -112,7 +118,8 @@ def _walk_transfers(rank: int, world_size: int) -> list[dict]:
 
 
 def _eight_ranks(rank: int, world_size: int) -> dict:
-    return {"realloc": _walk_pairs(rank, world_size, PAIRS_8), "transfer": _walk_transfers(rank, world_size)}
+    return {"realloc": _walk_pairs(rank, world_size, PAIRS_8), "transfer": _walk_transfers(rank, world_size),
+            "contiguous": _walk_transfers(rank, world_size, "contiguous")}
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +154,23 @@ def test_data_transfer_delivers_each_sample_once_intact_and_balanced(eight):
         assert sorted(i for ids in seen.values() for i in ids) == sorted(meta.sample_ids), what
         loads = [sum(meta.sample_tokens(meta.sample_ids.index(s)) for s in ids) for ids in seen.values()]
         assert max(loads) - min(loads) <= max(meta.sample_tokens(j) for j in range(n)), what
+        assert dict(received) == dict(sent) == plan.bytes_by_link, what
+
+
+def test_contiguous_data_transfer_gives_each_consumer_its_run_of_the_global_order(eight):
+    for i, (prod, cons, stages, n, group, what) in enumerate(TRANSFERS_8):
+        meta = make_meta(i, n, prod.strategy.dp, group)
+        want = contiguous_parts([meta.sample_tokens(j) for j in range(n)], cons.strategy.dp)
+        plan = plan_transfer(meta, prod, cons, consumer_stages=stages, world_size=8, assignment="contiguous")
+        received, sent = Counter(), Counter()
+        for rank, per_rank in enumerate(eight):
+            r = per_rank["contiguous"][i]
+            assert r["wrong"] == [], (what, rank, r["wrong"])
+            received.update(r["received"])
+            sent.update(r["sent"])
+            if r["consumer"] is not None:
+                expected = want[r["consumer"]] if r["consumer"] < len(want) else []
+                assert r["ids"] == [meta.sample_ids[j] for j in expected], (what, rank)
         assert dict(received) == dict(sent) == plan.bytes_by_link, what
 
 

@@ -9,8 +9,9 @@ import pytest
 from realloc_cases import L
 from transfer_cases import TRANSFERS_8, make_meta
 
+from restage.data.batch import contiguous_parts
 from restage.errors import LayoutError
-from restage.runtime.transfer import balance_by_tokens, plan_transfer
+from restage.runtime.transfer import balance_by_tokens, plan_transfer, possible_transfer_groups, transfer_groups
 
 
 def test_balance_stays_within_one_sample_of_tokens():
@@ -31,6 +32,11 @@ def test_every_receiver_gets_each_of_its_samples_once(producer, consumer, stages
     assert sorted(i for p in plan.assignment for i in p) == list(range(n))
     tokens = plan.tokens_by_consumer()
     assert max(tokens) - min(tokens) <= max(meta.sample_tokens(i) for i in range(n))
+    _check_delivery(plan, meta, consumer, stages)
+
+
+def _check_delivery(plan, meta, consumer, stages):
+    """Each receiver gets each of its consumer DP rank's samples exactly once (or holds it), from a holder; bytes add up."""
     owner = {i: d for d, part in enumerate(meta.producer_parts) for i in part}
     delivered = Counter((i, r) for m in plan.messages for i in m.samples for r in m.dst_ranks)
     expected_bytes = 0
@@ -74,3 +80,30 @@ def test_mismatched_metadata_and_outside_ranks_are_refused_in_one_line():
     with pytest.raises(LayoutError) as err:
         plan_transfer(meta, L(range(2), dp=2), L(range(6, 10), dp=4), world_size=8)
     assert "uses ranks [8, 9] but only 8 ranks exist" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("producer,consumer,stages,n,group,what", TRANSFERS_8, ids=[c[-1] for c in TRANSFERS_8])
+def test_contiguous_assignment_cuts_the_global_order_as_the_runtime_does(producer, consumer, stages, n, group, what):
+    meta = make_meta(4, n, producer.strategy.dp, group)
+    node_of = lambda r: r // 3  # noqa: E731
+    plan = plan_transfer(meta, producer, consumer, consumer_stages=stages, node_of=node_of, world_size=8,
+                         assignment="contiguous")
+    want = contiguous_parts([meta.sample_tokens(i) for i in range(n)], consumer.strategy.dp)
+    assert [list(part) for part in plan.assignment] == want + [[]] * (consumer.strategy.dp - len(want))
+    _check_delivery(plan, meta, consumer, stages)
+    # Groups made up front, before any lengths are known, cover what either assignment uses.
+    possible = set(possible_transfer_groups(producer, consumer, consumer_stages=stages, node_of=node_of))
+    balanced = plan_transfer(meta, producer, consumer, consumer_stages=stages, node_of=node_of)
+    assert set(transfer_groups(plan, balanced)) <= possible
+
+
+def test_an_explicit_assignment_is_followed_and_a_wrong_one_refused():
+    meta = make_meta(5, 6, 2)
+    plan = plan_transfer(meta, L(range(2), dp=2), L(range(2, 5), dp=3), assignment=[[5, 0], [], [1, 2, 3, 4]])
+    assert plan.assignment == ((0, 5), (), (1, 2, 3, 4))
+    _check_delivery(plan, meta, L(range(2, 5), dp=3), None)
+    for wrong in ([[0, 1], [2, 3], [4]], [[0, 1, 2], [3, 4, 5]], [[0, 1], [1, 2, 3], [4, 5]]):
+        with pytest.raises(LayoutError, match="each of the 6 samples to exactly one of the consumer's 3 DP ranks"):
+            plan_transfer(meta, L(range(2), dp=2), L(range(2, 5), dp=3), assignment=wrong)
+    with pytest.raises(LayoutError, match="unknown assignment 'balanced'"):
+        plan_transfer(meta, L(range(2), dp=2), L(range(2, 5), dp=3), assignment="balanced")

@@ -7,25 +7,29 @@ A consumer re-cuts by its own ``dp`` and pulls each of its samples from the prod
 holding it.
 
 Metadata (sample ids, sequence lengths, key dtypes) goes over MPI, on a sub-communicator of
-the ranks taking part in the transfer; tensors go over torch.distributed: for every
-(producer replica, consumer replica) pair that shares samples, one sender broadcasts the
-packed rows to the consumer replica's ranks. A sender inside the consumer replica skips the
-copy to itself.
+the ranks taking part in the transfer; from it every rank builds the same
+``transfer.BatchMeta`` and plan (``assignment="contiguous"``), and ``transfer.execute_transfer``
+moves the tensors over torch.distributed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
-
-from restage.data.batch import Batch, contiguous_parts
+from restage.data.batch import Batch
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout, ProcessGroups
 from restage.models.config import ModelConfig
 from restage.plan.compute import attended_tokens
 from restage.plan.flops import forward_flops
+from restage.runtime.transfer import (
+    BatchMeta,
+    KeySpec,
+    contiguous_assignment,
+    execute_transfer,
+    plan_transfer,
+    possible_transfer_groups,
+)
 
 
 @dataclass(frozen=True)
@@ -37,28 +41,6 @@ class OutputMeta:
     group_size: int
     keys: dict  # key -> ("tokens" | "seqs", dtype name, trailing shape)
     parts: tuple[tuple[int, ...], ...]  # global sample indices each producer DP rank holds
-
-    def sample_tokens(self) -> list[int]:
-        g = self.group_size
-        return [sum(self.seqlens[i * g:(i + 1) * g]) for i in range(len(self.seqlens) // g)]
-
-
-def replicas(layout: Layout) -> list[tuple[int, ...]]:
-    """The ranks of each data-parallel replica (all its tp x pp ranks), by DP index."""
-    s = layout.strategy
-    return [tuple(layout.rank_at(p, d, t) for p in range(s.pp) for t in range(s.tp)) for d in range(s.dp)]
-
-
-def sender(producer: tuple[int, ...], consumer: tuple[int, ...]) -> int:
-    """The producer-replica rank that sends to a consumer replica: one inside it if any (a local copy)."""
-    shared = [r for r in producer if r in consumer]
-    return shared[0] if shared else producer[0]
-
-
-def split_samples(sample_tokens: list[int], dp: int) -> list[list[int]]:
-    """Global sample indices of each DP rank (contiguous, token-balanced); empty parts when samples < dp."""
-    parts = contiguous_parts(sample_tokens, dp) if sample_tokens else []
-    return parts + [[] for _ in range(dp - len(parts))]
 
 
 class DataFlow:
@@ -73,14 +55,9 @@ class DataFlow:
 
     # -- start-up -------------------------------------------------------------------------------------
     def groups(self, op) -> list[tuple[int, ...]]:
-        """Process groups a transfer op may use: sender + consumer replica for every replica pair."""
-        out = []
-        for prod in replicas(op.src):
-            for cons in replicas(op.dst):
-                group = tuple(sorted({sender(prod, cons), *cons}))
-                if len(group) > 1:
-                    out.append(group)
-        return out
+        """Process groups a transfer op may use, whatever the lengths (unknown at start-up): every possible sender
+        x the consumer replica's ranks lacking the data."""
+        return possible_transfer_groups(op.src, op.dst)
 
     def create_comms(self, ops, comm) -> None:
         """MPI sub-communicators for the metadata of each transfer, created in op order by their members."""
@@ -100,7 +77,7 @@ class DataFlow:
 
     def dataset_positions(self, mfc: MFC, dp_rank: int) -> list[int]:
         """Dataset positions of the samples a DP rank of ``mfc`` reads from the data set."""
-        parts = split_samples(self._dataset_tokens, self.layouts[mfc.name].strategy.dp)
+        parts = contiguous_assignment(self._dataset_tokens, self.layouts[mfc.name].strategy.dp)
         return [self.ids[i] for i in parts[dp_rank]]
 
     def _gather_meta(self, op, mine: Batch | None) -> OutputMeta:
@@ -133,53 +110,18 @@ class DataFlow:
         """Move ``op.key`` of the producer's output to the consumer's DP ranks; returns (received, bytes sent)."""
         meta = self._gather_meta(op, mine)
         kind, dtype_name, trailing = meta.keys[op.key]
-        dtype = getattr(torch, dtype_name.removeprefix("torch."))
-        tokens = meta.sample_tokens()
-        prod_parts = meta.parts  # as the producer actually split them
-        cons_parts = split_samples(tokens, op.dst.strategy.dp)
-        prod_replicas, cons_replicas = replicas(op.src), replicas(op.dst)
-        g = meta.group_size
-        seq_start = [0]
-        for n in meta.seqlens:
-            seq_start.append(seq_start[-1] + n)
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        sent = 0
-        pieces: list[torch.Tensor] = []
-        my_cons = next((d for d, rep in enumerate(cons_replicas) if self.rank in rep), None)
-        for d, cons in enumerate(cons_replicas):
-            wanted = set(cons_parts[d])
-            for p, prod in enumerate(prod_replicas):
-                samples = [i for i in prod_parts[p] if i in wanted]
-                if not samples:
-                    continue
-                src = sender(prod, cons)
-                if self.rank != src and self.rank not in cons:
-                    continue
-                seqs = [i * g + j for i in samples for j in range(g)]
-                rows = sum(meta.seqlens[s] for s in seqs) if kind == "tokens" else len(seqs)
-                if self.rank == src:
-                    offset = prod_parts[p][0]
-                    local = mine.select([i - offset for i in samples])[op.key]
-                    payload = local.to(device).contiguous()
-                else:
-                    payload = torch.empty((rows, *trailing), dtype=dtype, device=device)
-                receivers = [r for r in cons if r != src]
-                if receivers:
-                    dist.broadcast(payload, src=src, group=groups.get((src, *receivers)))
-                    if self.rank == src:
-                        sent += payload.numel() * payload.element_size() * len(receivers)
-                if self.rank in cons:
-                    pieces.append(payload.cpu())
-        if my_cons is None:
+        key = KeySpec(op.key, kind == "tokens", dtype_name.removeprefix("torch."), tuple(trailing))
+        n_samples = len(meta.seqlens) // meta.group_size
+        # The consumer cuts the global order as its dataset-loaded keys are cut, so the two line up.
+        plan = plan_transfer(BatchMeta(meta.ids or tuple(range(n_samples)), meta.seqlens, meta.group_size, (key,),
+                                       meta.parts), op.src, op.dst, assignment="contiguous")
+        result = execute_transfer(plan, mine, groups)
+        sent = sum(result.sent_bytes_by_link.values())
+        batch = result.batch
+        if batch is None or not batch.n_samples:
             return None, sent
-        indices = cons_parts[my_cons]
-        if not indices:
-            return None, sent
-        seqlens = tuple(meta.seqlens[i * g + j] for i in indices for j in range(g))
-        value = torch.cat(pieces) if pieces else torch.empty((0, *trailing), dtype=dtype)
-        batch = Batch(seqlens, {op.key: value} if kind == "tokens" else {}, {op.key: value} if kind == "seqs" else {},
-                      g, tuple(meta.ids[i] for i in indices) if meta.ids else ())
-        return batch, sent
+        return Batch(batch.seqlens, {k: v.cpu() for k, v in batch.tokens.items()}, {k: v.cpu() for k, v in batch.seqs.items()},
+                     batch.group_size, batch.ids if meta.ids else ()), sent
 
 
 def measured_flops(mfc: MFC, cfg: ModelConfig, batch: Batch | None, tokens: int) -> float:

@@ -6,7 +6,9 @@ only tensors travel over torch.distributed.
 
 Planning is pure: :func:`plan_transfer` assigns the samples to consumer DP ranks, balanced by
 tokens (largest first onto the lightest rank, which keeps every rank within one sample's
-tokens of every other), and picks one sender per (producer replica, consumer replica) pair, so
+tokens of every other; or, for the SPMD runtime, ``assignment="contiguous"``: the global order
+cut into contiguous token-balanced runs, as every MFC cuts its inputs), and picks one sender
+per (producer replica, consumer replica) pair, so
 each pair exchanges one message holding every key of its samples. The receivers of a
 consumer DP rank are its TP ranks on the pipeline stages that need the data; a receiver that
 already holds a sample (it was also a producer rank holding it) copies it locally.
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from restage.data.batch import Batch
+from restage.data.batch import Batch, contiguous_parts
 from restage.errors import LayoutError
 from restage.layout import Layout, ProcessGroups
 
@@ -139,15 +141,50 @@ def balance_by_tokens(tokens: Sequence[int], parts: int, prefer: Callable[[int, 
     return [sorted(part) for part in out]
 
 
+def contiguous_assignment(sample_tokens: Sequence[int], dp: int) -> list[list[int]]:
+    """Global sample indices of each DP rank: contiguous, token-balanced runs; empty parts when samples < dp."""
+    parts = contiguous_parts(sample_tokens, dp) if sample_tokens else []
+    return parts + [[] for _ in range(dp - len(parts))]
+
+
+def _assign(meta: BatchMeta, dp: int, assignment, prefer: Callable[[int, int], bool]) -> list[list[int]]:
+    tokens = [meta.sample_tokens(i) for i in range(meta.n_samples)]
+    if assignment is None:
+        return balance_by_tokens(tokens, dp, prefer)
+    if assignment == "contiguous":
+        return contiguous_assignment(tokens, dp)
+    if isinstance(assignment, str):
+        raise LayoutError(f"unknown assignment {assignment!r}; use None, 'contiguous' or sample indices per DP rank")
+    parts = [sorted(part) for part in assignment]
+    if len(parts) != dp or sorted(i for part in parts for i in part) != list(range(meta.n_samples)):
+        raise LayoutError(f"an explicit assignment must give each of the {meta.n_samples} samples to exactly one "
+                          f"of the consumer's {dp} DP ranks")
+    return parts
+
+
+def _sender_pool(candidates: Sequence[int], receivers: Sequence[int], node_of: Callable[[int], int]
+                 ) -> tuple[list[int], tuple[int, ...]]:
+    """Ranks that may send one producer replica's samples to one consumer replica, and the receivers lacking them."""
+    inside = [r for r in candidates if r in receivers]
+    targets = tuple(r for r in receivers if r not in candidates)
+    nodes = {node_of(r) for r in targets}
+    near = [r for r in candidates if node_of(r) in nodes]
+    return inside or near or list(candidates), targets
+
+
 def plan_transfer(meta: BatchMeta, producer: Layout, consumer: Layout, *, consumer_stages: Sequence[int] | None = None,
                   producer_stages: Sequence[int] | None = None, node_of: Callable[[int], int] = lambda r: 0,
-                  world_size: int | None = None) -> TransferPlan:
+                  world_size: int | None = None, assignment: str | Sequence[Sequence[int]] | None = None
+                  ) -> TransferPlan:
     """Plan moving a batch from ``producer``'s DP ranks to ``consumer``'s.
 
     ``consumer_stages``: the consumer's pipeline stages that need the data (None: all; ``(0,)``
     for inputs of the first stage only); each of its TP ranks there receives. ``producer_stages``:
     the producer's stages holding the outputs (None: all ranks of a replica, as the runtime
-    broadcasts outputs over the pipeline). Raises LayoutError (one line) on a mismatch.
+    broadcasts outputs over the pipeline). ``assignment``: None balances tokens (largest first
+    onto the lightest rank); ``"contiguous"`` cuts the global order into contiguous
+    token-balanced runs (``contiguous_assignment``, what the runtime's MFCs read); or explicit
+    global sample indices per consumer DP rank. Raises LayoutError (one line) on a mismatch.
     """
     for layout in (producer, consumer):
         if world_size is not None:
@@ -165,35 +202,46 @@ def plan_transfer(meta: BatchMeta, producer: Layout, consumer: Layout, *, consum
     def local(i: int, d: int) -> bool:  # the consumer replica already holds sample i somewhere
         return bool(set(holders[owner[i]]) & set(receivers[d]))
 
-    assignment = balance_by_tokens([meta.sample_tokens(i) for i in range(meta.n_samples)], consumer.strategy.dp, local)
+    parts = _assign(meta, consumer.strategy.dp, assignment, local)
     load: dict[int, int] = defaultdict(int)
     messages, links = [], defaultdict(int)
-    for d, part in enumerate(assignment):
+    for d, part in enumerate(parts):
         by_producer: dict[int, list[int]] = defaultdict(list)
         for i in part:
             by_producer[owner[i]].append(i)
         for p, samples in sorted(by_producer.items()):
-            candidates = holders[p]
-            inside = [r for r in candidates if r in receivers[d]]
-            targets = tuple(r for r in receivers[d] if r not in candidates)
+            pool, targets = _sender_pool(holders[p], receivers[d], node_of)
             if not targets:
                 continue  # every receiver holds these samples already
             nbytes = sum(meta.sample_bytes(i) for i in samples)
             nodes = [node_of(r) for r in targets]
-            near = [r for r in candidates if node_of(r) in nodes]
-            pool = inside or near or list(candidates)
             sender = min(pool, key=lambda r: (-nodes.count(node_of(r)), load[r], r))
             load[sender] += nbytes * len(targets)
             messages.append(Message(sender, targets, tuple(samples), nbytes))
             for r in targets:
                 links[(sender, r)] += nbytes
-    return TransferPlan(meta, producer, consumer, tuple(tuple(p) for p in assignment), receivers, holders,
+    return TransferPlan(meta, producer, consumer, tuple(tuple(p) for p in parts), receivers, holders,
                         tuple(sorted(messages, key=lambda m: (m.src_rank, m.dst_ranks, m.samples))), dict(links))
 
 
 def transfer_groups(*plans: TransferPlan) -> list[tuple[int, ...]]:
     """Process groups the plans broadcast on, for ``ProcessGroups`` to create collectively up front."""
     return sorted({m.group for plan in plans for m in plan.messages if len(m.dst_ranks) > 1})
+
+
+def possible_transfer_groups(producer: Layout, consumer: Layout, *, consumer_stages: Sequence[int] | None = None,
+                             producer_stages: Sequence[int] | None = None, node_of: Callable[[int], int] = lambda r: 0
+                             ) -> list[tuple[int, ...]]:
+    """Every group any plan between these layouts may broadcast on, whatever the batch (every possible
+    sender x the consumer replica's receivers lacking the data): for creating groups before lengths are known."""
+    out = set()
+    for p in range(producer.strategy.dp):
+        candidates = _ranks(producer, p, producer_stages)
+        for d in range(consumer.strategy.dp):
+            pool, targets = _sender_pool(candidates, _ranks(consumer, d, consumer_stages), node_of)
+            if len(targets) > 1:
+                out |= {tuple(sorted((s, *targets))) for s in pool}
+    return sorted(out)
 
 
 @dataclass(frozen=True)
@@ -248,7 +296,7 @@ def execute_transfer(plan: TransferPlan, mine: Batch | None, groups: ProcessGrou
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     my_part = next((d for d, ranks in enumerate(plan.holders) if me in ranks), None)
     order = meta.producer_parts[my_part] if my_part is not None else ()
-    if my_part is not None and (mine is None or mine.n_samples != len(order)):
+    if my_part is not None and (0 if mine is None else mine.n_samples) != len(order):
         raise ValueError(f"rank {me} holds producer part {my_part} of {len(order)} samples but was given "
                          f"{None if mine is None else mine.n_samples}")
     mine_msgs = [m for m in plan.messages if m.src_rank == me or me in m.dst_ranks]
