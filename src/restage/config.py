@@ -226,6 +226,8 @@ def _coerce(value, tp, key: str):
             return float(value)
         except ValueError:
             pass
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # trial=3 names a trial "3"
     if tp in (int, float, str, bool):
         if isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
             return value
@@ -264,6 +266,9 @@ def apply_override(data: dict, override: str) -> None:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
+    if isinstance(value, bool) and raw.strip().lower() not in ("true", "false"):
+        value = raw  # YAML 1.1 reads on/off/yes/no as booleans; on the command line they are names
+
     node = data
     parts = dotted.strip().split(".")
     for part in parts[:-1]:

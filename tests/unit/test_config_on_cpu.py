@@ -40,3 +40,9 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("a: [1,\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_command_line_names_stay_names(config_file):
+    cfg = load_config(config_file, ["trial=off", "experiment=3", "models.actor.trainable=false"])
+    assert cfg.trial == "off" and cfg.experiment == "3"
+    assert cfg.models["actor"].trainable is False
