@@ -60,9 +60,11 @@ def decode(batch: Batch, tokenizer, ids_key: str = "seqs", prompt_key: str = "pr
         answer = [t for t, m in zip(seq, mask) if not m]
         if eos in answer:
             answer = answer[:answer.index(eos)]
-        prompts.append(tokenizer.decode(prompt, skip_special_tokens=True))
-        answers.append(tokenizer.decode(answer, skip_special_tokens=True))
-    return prompts, answers
+        prompts.append(prompt)
+        answers.append(answer)
+    # One call each: the fast tokenizer decodes a whole batch at a fraction of the per-sequence cost.
+    return (tokenizer.batch_decode(prompts, skip_special_tokens=True),
+            tokenizer.batch_decode(answers, skip_special_tokens=True))
 
 
 def function_rewards(batch: Batch, fn: RewardFn, tokenizer, ids_key: str = "seqs",
