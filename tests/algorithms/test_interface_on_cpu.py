@@ -69,6 +69,9 @@ def test_validation_names_the_bad_value():
         get_algorithm("grpo").validate(cfg("grpo", reward_fn=""))
     with pytest.raises(ConfigError, match="reward_fn: cannot import module 'no_such_mod'"):
         get_algorithm("grpo").validate(cfg("grpo", reward_fn="no_such_mod:f"))
+    for name in ("ppo", "grpo", "remax"):  # the runtime does not apply a reference EMA: refuse, never ignore
+        with pytest.raises(ConfigError, match=r"^algo.ref_ema_eta: 0.1 is not supported by the runtime yet"):
+            get_algorithm(name).validate(cfg(name, {"ref_ema_eta": 0.1}))
 
 
 def rl_batch(group_size=1):

@@ -30,6 +30,10 @@ def validate_policy(params: PolicyParams) -> None:
     base.check_choice("loss_agg", params.loss_agg, losses.AGGREGATIONS)
     if not 0.0 <= params.ref_ema_eta <= 1.0:
         raise ConfigError(f"algo.ref_ema_eta: {params.ref_ema_eta} must be in [0, 1]")
+    if params.ref_ema_eta > 0:
+        # The mixing rule (estimators.ema_mix_) exists, but the runtime has no op that moves the actor
+        # into the reference's layout after training, and checkpoints hold only trainable models.
+        raise ConfigError(f"algo.ref_ema_eta: {params.ref_ema_eta} is not supported by the runtime yet; set it to 0")
     if 0 < params.early_stop_ratio <= 1.0:
         raise ConfigError(f"algo.early_stop_ratio: {params.early_stop_ratio} must be > 1 (or 0 to turn it off)")
 
