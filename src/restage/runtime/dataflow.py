@@ -106,6 +106,25 @@ class DataFlow:
         self.meta[cache_key] = meta
         return meta
 
+    def _assignment(self, op):
+        """How the consumer cuts the global order: as the output holding its first input (its token ids) is cut.
+
+        Keys from another producer (ReMax's greedy baseline rewards) come with that producer's
+        sequence lengths, so a token-balanced cut of them could differ: they follow the first
+        input's cut, which the consumer's first rank knows and tells every member of this transfer.
+        """
+        primary = self.graph.producer(self.graph[op.mfc].inputs[0])
+        if primary is None or primary.name == op.producer:
+            return "contiguous"
+        root = op.dst.mesh[0]
+        parts = None
+        if self.rank == root:
+            first = next(m for (producer, _), m in self.meta.items() if producer == primary.name)
+            g = first.group_size
+            tokens = [sum(first.seqlens[i:i + g]) for i in range(0, len(first.seqlens), g)]
+            parts = contiguous_assignment(tokens, op.dst.strategy.dp)
+        return self._comms[op.ranks].bcast(parts, root=op.ranks.index(root))
+
     def execute(self, op, mine: Batch | None, groups: ProcessGroups) -> tuple[Batch | None, int]:
         """Move ``op.key`` of the producer's output to the consumer's DP ranks; returns (received, bytes sent)."""
         meta = self._gather_meta(op, mine)
@@ -114,7 +133,7 @@ class DataFlow:
         n_samples = len(meta.seqlens) // meta.group_size
         # The consumer cuts the global order as its dataset-loaded keys are cut, so the two line up.
         plan = plan_transfer(BatchMeta(meta.ids or tuple(range(n_samples)), meta.seqlens, meta.group_size, (key,),
-                                       meta.parts), op.src, op.dst, assignment="contiguous")
+                                       meta.parts), op.src, op.dst, assignment=self._assignment(op))
         result = execute_transfer(plan, mine, groups)
         sent = sum(result.sent_bytes_by_link.values())
         batch = result.batch
