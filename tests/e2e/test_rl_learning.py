@@ -55,11 +55,19 @@ def test_grpo_raises_reward_with_reallocation_in_the_loop(tmp_path):
            seconds=run.seconds)
 
 
-@pytest.mark.parametrize("job, steps", [("remax_tiny", 60), ("raft_tiny", 40)])
-def test_remax_and_raft_raise_reward(tmp_path, job, steps):
+# ReMax on 2 ranks with every MFC in dp2: the train step's per-sequence baseline rewards come from
+# another generation (other sequence lengths) and must be cut over DP as its sampled sequences are.
+REMAX_DP2 = ["-n", "2", *layout_overrides({m: "ranks:0-1 dp2" for m in ("actor_gen", "actor_greedy_gen", "ref_inf",
+                                                                           "actor_train")},
+                                           ("actor_gen", "actor_greedy_gen", "ref_inf", "actor_train"))]
+
+
+@pytest.mark.parametrize("job, steps, placement", [("remax_tiny", 60, REMAX_DP2), ("raft_tiny", 40, ["-n", "1"])])
+def test_remax_and_raft_raise_reward(tmp_path, job, steps, placement):
     margin = 0.08
-    run = restage_run(tmp_path, job, 1, "e2e", f"run.steps={steps}")
+    nprocs, overrides = int(placement[1]), placement[2:]
+    run = restage_run(tmp_path, job, nprocs, "e2e", f"run.steps={steps}", *overrides)
     start, end = _reward_gain(run)
     assert end - start >= margin, f"{job} reward {start:.3f} -> {end:.3f} in {steps} steps"
-    report(job.removesuffix("_tiny"), steps=steps, reward_start=start, reward_end=end, gain=end - start,
+    report(job.removesuffix("_tiny"), steps=steps, ranks=nprocs, reward_start=start, reward_end=end, gain=end - start,
            seconds=run.seconds)
