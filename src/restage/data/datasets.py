@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from restage.config import ExperimentConfig
@@ -130,11 +130,16 @@ class Cursor:
     shuffle: bool = True
     epoch: int = 0
     position: int = 0
+    _cached: tuple[int, list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def _order(self) -> list[int]:
+        # Shuffled once per epoch, not once per batch (a whole data set's shuffle every step adds up).
+        if self._cached is not None and self._cached[0] == self.epoch:
+            return self._cached[1]
         order = list(range(self.size))
         if self.shuffle:
             random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        self._cached = (self.epoch, order)
         return order
 
     def next(self, batch_size: int) -> list[int]:
