@@ -46,6 +46,31 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: P
 
 
 def _sdpa_varlen(q, k, v, batch: PackedBatch, scale: float, window: int | None) -> torch.Tensor:
+    lengths = batch.seqlens
+    # One padded call beats a call per distinct length while padding wastes little (short, similar
+    # sequences: per-call overhead dominates); long sequences of mixed lengths go by length.
+    if len(set(lengths)) > 1 and len(lengths) * batch.max_seqlen ** 2 <= 2 * sum(n * n for n in lengths):
+        return _sdpa_padded(q, k, v, batch, scale, window)
+    return _sdpa_by_length(q, k, v, batch, scale, window)
+
+
+def _sdpa_padded(q, k, v, batch: PackedBatch, scale: float, window: int | None) -> torch.Tensor:
+    """All sequences in one ``[B, H, L_max, D]`` call; a mask hides the padding keys and the future."""
+    offsets = torch.arange(batch.max_seqlen, device=q.device)
+    lengths = torch.tensor(batch.seqlens, device=q.device)
+    valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
+    index = torch.where(valid, batch.cu_seqlens[:-1].to(q.device).long().unsqueeze(1) + offsets, 0)
+    qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))
+    distance = offsets.unsqueeze(1) - offsets.unsqueeze(0)
+    allowed = distance >= 0
+    if window is not None:
+        allowed = allowed & (distance < window)
+    mask = (allowed.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)  # [B, 1, L, L]
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=ks.shape[1] != qs.shape[1])
+    return o.transpose(1, 2)[valid]  # row-major over (sequence, position): the packed order
+
+
+def _sdpa_by_length(q, k, v, batch: PackedBatch, scale: float, window: int | None) -> torch.Tensor:
     out = torch.empty_like(q)
     starts = batch.cu_seqlens[:-1].tolist()
     by_length: dict[int, list[int]] = {}
