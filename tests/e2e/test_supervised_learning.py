@@ -6,11 +6,14 @@ evaluates the saved HF checkpoint on the held-out split with `transformers`.
 
 import pytest
 import torch
-from e2e_jobs import answer_logprobs, held_out, pair_accuracy, report, restage_run, reward_scores, tiny_model
+from e2e_jobs import answer_logprobs, held_out, layout_overrides, pair_accuracy, report, restage_run, reward_scores, tiny_model
 
 from restage.algorithms import ops
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multirank]
+
+# Pinned layouts (not the planner's choice) so the runs are the same on every machine.
+DP2 = {"reward_train": "ranks:0-1 dp2", "ref_inf": "ranks:0-1 dp2", "actor_train": "ranks:0-1 dp2"}
 
 
 def _answer_nll(hf_dir, batch) -> float:
@@ -36,7 +39,7 @@ def test_sft_loss_falls_by_half(tmp_path):
 
 def test_reward_model_separates_held_out_pairs(tmp_path):
     steps = 40
-    run = restage_run(tmp_path, "rm_tiny", 2, "e2e", f"run.steps={steps}")
+    run = restage_run(tmp_path, "rm_tiny", 2, "e2e", f"run.steps={steps}", *layout_overrides(DP2, ("reward_train",)))
     accuracy = run.stat("reward_train/accuracy")
     evaluation = held_out("rm_tiny")
     scores = reward_scores(run.checkpoint("reward"), evaluation, "packed_pair_ids")
@@ -48,7 +51,8 @@ def test_reward_model_separates_held_out_pairs(tmp_path):
 
 def test_dpo_raises_held_out_preference_accuracy(tmp_path):
     steps = 40
-    run = restage_run(tmp_path, "dpo_tiny", 2, "e2e", f"run.steps={steps}")
+    run = restage_run(tmp_path, "dpo_tiny", 2, "e2e", f"run.steps={steps}",
+                      *layout_overrides(DP2, ("ref_inf", "actor_train")))
     evaluation = held_out("dpo_tiny")
     cu = evaluation.cu_seqlens
     ref = ops.seq_sum(answer_logprobs(tiny_model(), evaluation, "packed_pair_ids"), cu)
