@@ -35,6 +35,7 @@ from restage.runtime.dataflow import DataFlow, measured_flops
 from restage.runtime.engines import build_engine, mark_norm_ownership
 from restage.runtime.execute import run_generate, run_inference, run_train
 from restage.runtime.master import Master, StepRecord
+from restage.runtime.offload import ModelCopy
 from restage.runtime.realloc import execute_reallocation
 from restage.runtime.realloc_plan import plan_reallocation, realloc_groups
 
@@ -52,6 +53,7 @@ class ModelSlot:
     module: StageModule | None = None
     engine: object | None = None
     copies: dict[Layout, StageModule] = field(default_factory=dict)
+    host_copy: ModelCopy | None = None  # a frozen model's home shard, offloaded between its MFCs
 
     def at(self, layout: Layout) -> StageModule:
         if layout == self.home:
@@ -203,7 +205,12 @@ class Worker:
             elif op.kind in ("offload", "reload"):
                 slot = self.slots[op.model]
                 if slot.module is not None:
-                    slot.module.to("cpu" if op.kind == "offload" else self.device)
+                    if slot.host_copy is None:
+                        slot.host_copy = ModelCopy(slot.name, slot.module, trainable=False)
+                    if op.kind == "offload":
+                        slot.host_copy.offload()
+                    else:
+                        slot.host_copy.reload(self.device)
         return record
 
     def _run(self, op, step: int, record: StepRecord) -> None:
