@@ -1,7 +1,8 @@
 """Predicted against measured time per MFC and per iteration of a small PPO job on this CPU, over several plans.
 
-    python bench/estimator.py [--json] [--steps N] [--warmup K] [--only NAME] [--nice N] [--reuse]
-    python bench/estimator.py --calibrate [--json] [--steps N] [--warmup K] [--nice N] [--reuse]
+    python bench/estimator.py [--json] [--rounds R] [--steps N] [--warmup K] [--only NAMES] [--nice N] [--reuse]
+    python bench/estimator.py --calibrate [...]     # the calibration set only, and the fitted constants
+    python bench/estimator.py --both [...]          # both sets, interleaved run by run
 
 Every plan is a real run of jobs/ppo_tiny.yaml (2 ranks, batch 64, 24 generated tokens) under
 ``restage run`` with ``plan.mode=manual``. Measured: per MFC, the median over the steps after the
@@ -9,12 +10,14 @@ warm-up of the slowest of its ranks; per iteration, the median step time. Predic
 estimator and simulator for the same plan with the cluster file as it is now (``cluster/local-cpu.yaml``
 and the measured profile under ``cluster/profiles/``).
 
-``--calibrate`` runs a *different* set of jobs (one rank, other batch sizes, generation lengths,
-micro-batch and minibatch counts, and one two-rank plan that is not among the evaluated ones),
-fits the runtime's fixed overheads (per MFC call, sequence, micro-batch forward and backward,
-decoding step, optimizer step, transfer, reallocation) by non-negative least squares on relative
-error, and prints them as cluster-file lines. The evaluated plans never enter the fit.
-``--reuse`` reads the logs of earlier runs instead of running again. ``--nice -19`` (root only)
+``--calibrate`` runs a *different* set of jobs (``CALIBRATION``: other batch sizes, generation
+lengths, micro-batch and minibatch counts, on layouts of their own), fits the runtime's fixed
+overheads (per MFC call, sequence, micro-batch forward and backward, decoding step, optimizer
+step, transfer, reallocation) and the gloo collectives' latency by non-negative least absolute
+relative error, and prints them as cluster-file lines. The evaluated plans never enter the fit.
+``--rounds R`` runs every job R times (the sets interleaved, so both see the same load on this
+shared machine) and takes the median of the runs' medians. ``--reuse`` reads the logs of earlier
+runs instead of running again, e.g. to score them after the constants went into the cluster file. ``--nice -19`` (root only)
 lowers the share other processes take of this shared machine while measuring.
 """
 
@@ -39,6 +42,7 @@ from restage.plan.estimator import OVERHEADS, overhead_counts
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "jobs" / "ppo_tiny.yaml"
 EXPERIMENT = "estimator-bench"
+LATENCY_PROBE_SECONDS = 1e-3
 MFCS = ("actor_gen", "ref_inf", "critic_inf", "actor_train", "critic_train")
 # The job: big enough that MFCs take tens of ms; answers always 24 tokens long so every step does the same work.
 SIZE = {"run.batch_size": 64, "generation.max_new_tokens": 24, "generation.min_new_tokens": 24,
@@ -64,18 +68,22 @@ PLANS: dict[str, dict[str, str]] = {
     "gen-dp2-train-tp2": {**_all("ranks:0-1 dp2"), "actor_train": "ranks:0-1 tp2"},
     "gen-tp2-train-dp2": {**_all("ranks:0-1 dp2"), "actor_gen": "ranks:0-1 tp2"},
 }
-# Calibration runs: one rank with other job sizes, and one two-rank plan (generation alone on rank 0)
-# for the transfers and the reallocation; none of them is an evaluated plan.
-ONE_RANK = {"cluster.devices_per_node": 1}
+# Calibration runs, never evaluated: other job sizes (batch, generated tokens, micro-batches, minibatches, epochs)
+# with every MFC on rank 0 while rank 1 idles, two-rank data- and tensor-parallel layouts of other sizes (the
+# collectives' latency), and generation alone on rank 0 (transfers and the reallocation). All on two ranks, so
+# they share the evaluated runs' conditions (on this 2-core machine a second rank busy-waiting in MPI matters).
+def _size(batch: int, gen: int, mb: int, minibatches: int, epochs: int) -> dict:
+    return {"run.batch_size": batch, "generation.max_new_tokens": gen, "generation.min_new_tokens": gen,
+            "run.micro_batches": mb, "algo.minibatches": minibatches, "algo.ppo_epochs": epochs}
+
+
 CALIBRATION: dict[str, tuple[dict, dict[str, str]]] = {
-    "cal-b64-g24-mb1-mini2-ep2": ({**ONE_RANK}, _all("ranks:0 dp1")),
-    "cal-b64-g8-mb4-mini1-ep1": ({**ONE_RANK, "generation.max_new_tokens": 8, "generation.min_new_tokens": 8,
-                                  "run.micro_batches": 4, "algo.minibatches": 1, "algo.ppo_epochs": 1}, _all("ranks:0 dp1")),
-    "cal-b32-g16-mb2-mini4-ep1": ({**ONE_RANK, "run.batch_size": 32, "generation.max_new_tokens": 16,
-                                   "generation.min_new_tokens": 16, "run.micro_batches": 2, "algo.minibatches": 4,
-                                   "algo.ppo_epochs": 1}, _all("ranks:0 dp1")),
-    "cal-b16-g32-mb1-mini1-ep2": ({**ONE_RANK, "run.batch_size": 16, "generation.max_new_tokens": 32,
-                                   "generation.min_new_tokens": 32, "algo.minibatches": 1}, _all("ranks:0 dp1")),
+    "cal-rank0-b48-g16-mb1-mini2-ep2": (_size(48, 16, 1, 2, 2), _all("ranks:0 dp1")),
+    "cal-rank0-b64-g8-mb4-mini1-ep1": (_size(64, 8, 4, 1, 1), _all("ranks:0 dp1")),
+    "cal-rank0-b32-g16-mb2-mini4-ep1": (_size(32, 16, 2, 4, 1), _all("ranks:0 dp1")),
+    "cal-rank0-b16-g32-mb1-mini1-ep2": (_size(16, 32, 1, 1, 2), _all("ranks:0 dp1")),
+    "cal-dp2-b32-g16-mb2-mini1-ep1": (_size(32, 16, 2, 1, 1), _all("ranks:0-1 dp2")),
+    "cal-tp2-b32-g8-mb1-mini2-ep1": (_size(32, 8, 1, 2, 1), _all("ranks:0-1 tp2")),
     "cal-gen-apart": ({}, {**_all("ranks:1 dp1"), "actor_gen": "ranks:0 dp1"}),
 }
 
@@ -88,7 +96,7 @@ def overrides_for(name: str, size: dict, layouts: dict[str, str], steps: int) ->
 
 
 def world_of(layouts: dict[str, str], size: dict) -> int:
-    return 1 if size.get("cluster.devices_per_node") == 1 else 2
+    return 2
 
 
 def run_job(name: str, size: dict, layouts: dict[str, str], steps: int, nice: int) -> Path:
@@ -104,10 +112,14 @@ def run_job(name: str, size: dict, layouts: dict[str, str], steps: int, nice: in
             except PermissionError:
                 pass  # not root: measure at the normal priority
 
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, preexec_fn=lower_others)
-    if done.returncode != 0:
-        raise SystemExit(f"run {name} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    return ROOT / "results" / EXPERIMENT / name
+    for attempt in range(2):  # one retry: other work on a shared checkout can break a run for a moment
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, preexec_fn=lower_others)
+        if done.returncode == 0:
+            return ROOT / "results" / EXPERIMENT / name
+        print(f"run {name} failed ({done.returncode}): {(done.stdout + done.stderr).strip().splitlines()[-1:]}",
+              file=sys.stderr, flush=True)
+        time.sleep(20 * (attempt + 1))
+    raise SystemExit(f"run {name} failed twice:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
 
 
 def measure(trial: Path, warmup: int) -> dict:
@@ -215,14 +227,18 @@ def calibrate(measured: dict[str, dict]) -> dict:
     for name, got in measured.items():
         cfg = config_from_dict(got["config"])
         base = cluster_from_config(cfg)
-        zero = dataclasses.replace(base, **{f"{k}_overhead_seconds": 0.0 for k in (*OVERHEADS, "transfer", "realloc")})
+        zero = dataclasses.replace(base, intra_node_latency_seconds=0.0,
+                                   **{f"{k}_overhead_seconds": 0.0 for k in (*OVERHEADS, "transfer", "realloc")})
         pred = predict(cfg, zero)
+        # Seconds per second of collective latency: the estimate is linear in it.
+        per_latency = predict(cfg, dataclasses.replace(zero, intra_node_latency_seconds=LATENCY_PROBE_SECONDS))
         problem = pred["problem"]
         for cand in pred["plan"]:
             mfc = problem.graph[cand.mfc]
             counts = overhead_counts(mfc, cand.layout, cand.micro_batches)
             meas = got["mfc_seconds"][cand.mfc]
-            rows.append([counts.get(k, 0.0) for k in OVERHEADS])
+            latency_units = (per_latency["mfc_seconds"][cand.mfc] - pred["mfc_seconds"][cand.mfc]) / LATENCY_PROBE_SECONDS
+            rows.append([counts.get(k, 0.0) for k in OVERHEADS] + [latency_units])
             targets.append(meas - pred["mfc_seconds"][cand.mfc])
             weights.append(1.0 / meas)
             labels.append(f"{name}/{cand.mfc}")
@@ -232,7 +248,11 @@ def calibrate(measured: dict[str, dict]) -> dict:
     a = np.array(rows) * np.array(weights)[:, None]
     b = np.array(targets) * np.array(weights)
     x = nnls(a, b)
+    for _ in range(20):  # least absolute relative error (iteratively reweighted): one noisy run moves it less
+        w = 1.0 / np.sqrt(np.maximum(np.abs(a @ x - b), 0.02))
+        x = nnls(a * w[:, None], b * w)
     fitted = {f"{k}_overhead_seconds": float(v) for k, v in zip(OVERHEADS, x)}
+    fitted["intra_node_latency_seconds"] = float(x[-1])
     fitted["transfer_overhead_seconds"] = max(0.0, statistics.median(transfer_excess)) if transfer_excess else 0.0
     fitted["realloc_overhead_seconds"] = max(0.0, statistics.median(realloc_excess)) if realloc_excess else 0.0
     residual = (np.array(rows) @ x - np.array(targets)) * np.array(weights)
@@ -265,10 +285,28 @@ def render(result: dict) -> str:
     return "\n".join(lines)
 
 
+def combine(runs: list[dict]) -> dict:
+    """One figure per plan from several runs of it: the median of the runs' medians."""
+    out = dict(runs[0])
+    out["runs"] = len(runs)
+    out["steps"] = sum(r["steps"] for r in runs)
+    out["iteration_seconds"] = statistics.median(r["iteration_seconds"] for r in runs)
+    out["mfc_seconds"] = {m: statistics.median(r["mfc_seconds"][m] for r in runs) for m in runs[0]["mfc_seconds"]}
+    moves = defaultdict(list)
+    for r in runs:
+        for move in r["moves"]:
+            moves[(move["kind"], move["name"], move["src"], move["dst"])].append(move["seconds"])
+    out["moves"] = [{"kind": k[0], "name": k[1], "src": k[2], "dst": k[3], "seconds": statistics.median(v)}
+                    for k, v in moves.items()]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--calibrate", action="store_true", help="run the calibration set and fit the overheads")
+    parser.add_argument("--calibrate", action="store_true", help="fit the overheads on the calibration runs")
+    parser.add_argument("--both", action="store_true", help="run the calibration and evaluation sets interleaved")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every job (interleaved); figures are medians")
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     parser.add_argument("--only", default="", help="comma-separated plan names")
@@ -279,33 +317,49 @@ def main(argv: list[str] | None = None) -> int:
     from restage.demo import ensure_tiny_model
 
     ensure_tiny_model()
-    chosen = CALIBRATION if args.calibrate else PLANS
-    names = [n for n in chosen if not args.only or n in args.only.split(",")]
-    measured, started = {}, time.time()
-    for name in names:
-        size, layouts = chosen[name] if args.calibrate else ({}, chosen[name])
-        trial = ROOT / "results" / EXPERIMENT / name
-        if not args.reuse:
-            load = os.getloadavg()[0]
-            trial = run_job(name, size, layouts, args.steps, args.nice)
-            if not args.json:
-                print(f"ran {name} ({time.time() - started:.0f} s so far, load average {load:.1f})", flush=True)
-        measured[name] = measure(trial, args.warmup)
-    if args.calibrate:
-        result = calibrate(measured)
-        if args.json:
-            print(json.dumps(result, indent=1))
-        else:
-            print(f"fitted on {result['mfc_rows']} MFC timings of {len(result['runs'])} runs "
-                  f"({result['moves']['transfer']} transfers, {result['moves']['realloc']} reallocations); median |relative "
-                  f"residual| {result['fit_median_abs_relative_residual']:.1%}. Cluster-file lines:")
-            for key, value in result["constants"].items():
-                print(f"{key}: {value:.3g}")
-        return 0
-    result = evaluate_runs(names, measured)
-    result["load_average"] = os.getloadavg()
-    print(json.dumps(result, indent=1) if args.json else render(result))
+    jobs = {n: v for n, v in CALIBRATION.items()} if (args.calibrate or args.both) else {}
+    if not args.calibrate or args.both:
+        jobs.update({n: ({}, layouts) for n, layouts in PLANS.items() if not args.only or n in args.only.split(",")})
+    order = _interleaved([n for n in jobs if n in CALIBRATION], [n for n in jobs if n not in CALIBRATION])
+    runs: dict[str, list[dict]] = defaultdict(list)
+    started = time.time()
+    for k in range(args.rounds):
+        for name in order:
+            trial = f"{name}-r{k}"
+            if not args.reuse:
+                load = os.getloadavg()[0]
+                run_job(trial, *jobs[name], args.steps, args.nice)
+                if not args.json:
+                    print(f"ran {trial} ({time.time() - started:.0f} s so far, load average {load:.1f})", flush=True)
+            runs[name].append(measure(ROOT / "results" / EXPERIMENT / trial, args.warmup))
+    measured = {name: combine(r) for name, r in runs.items()}
+    out: dict = {"load_average_after": os.getloadavg(), "rounds": args.rounds}
+    if args.calibrate or args.both:
+        out["calibration"] = calibrate({n: m for n, m in measured.items() if n in CALIBRATION})
+        if not args.json:
+            print(render_calibration(out["calibration"]))
+    if not args.calibrate or args.both:
+        out["evaluation"] = evaluate_runs([n for n in measured if n not in CALIBRATION], measured)
+        if not args.json:
+            print(render(out["evaluation"]))
+    if args.json:
+        print(json.dumps(out, indent=1))
     return 0
+
+
+def _interleaved(a: list[str], b: list[str]) -> list[str]:
+    out = []
+    for i in range(max(len(a), len(b))):
+        out += a[i:i + 1] + b[i:i + 1]
+    return out
+
+
+def render_calibration(result: dict) -> str:
+    lines = [f"fitted on {result['mfc_rows']} MFC timings of {len(result['runs'])} calibration jobs "
+             f"({result['moves']['transfer']} transfers, {result['moves']['realloc']} reallocations); median |relative "
+             f"residual| {result['fit_median_abs_relative_residual']:.1%}. Cluster-file lines:"]
+    lines += [f"{key}: {value:.3g}" for key, value in result["constants"].items()]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from restage.cluster import load_cluster
 from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
-from restage.plan.estimator import Estimator, ModelRole
+from restage.plan.estimator import Estimator, ModelRole, overhead_counts, overhead_seconds
 from restage.plan.flops import mfc_flops
 from restage.plan.profile import Profile, ProfileEntry
 
@@ -95,10 +95,25 @@ def test_a_measured_profile_replaces_the_roofline(tmp_path, monkeypatch):
     r = ModelRole("actor", tiny, dtype="fp32")
     got = Estimator(cpu).estimate(mfc, r, Layout.contiguous(0, Strategy()))
     assert got.source == "profile:local-cpu.json"
-    assert got.seconds == pytest.approx(2 * 0.01 + 0.001 + 0.002)  # two blocks, embedding, head
+    # two blocks, embedding, head, and the cluster file's fixed overheads for one call of one micro-batch
+    overhead = overhead_seconds(cpu, mfc, Layout.contiguous(0, Strategy()), 1)
+    assert overhead == pytest.approx(cpu.mfc_overhead_seconds + 4 * cpu.sequence_overhead_seconds
+                                     + cpu.forward_overhead_seconds)
+    assert got.seconds == pytest.approx(2 * 0.01 + 0.001 + 0.002 + overhead)
+    assert got.part("overhead_seconds") == pytest.approx(overhead) or overhead == 0
     profile = Profile.from_json(json.loads((tmp_path / "profiles" / "local-cpu.json").read_text()))
     assert profile.lookup("block_forward", 8, 64, 1) == pytest.approx((0.01 * 0.04) ** 0.5)  # log-linear midpoint
     assert profile.lookup("block_forward", 32, 64, 1) == pytest.approx(0.08)  # beyond the grid: linear in batch
     assert profile.lookup("block_forward", 8, 64, 2) is None
     other = ModelRole("actor", preset("llama-small"), dtype="fp32")
     assert Estimator(cpu).estimate(mfc, other, Layout.contiguous(0, Strategy())).source == "roofline"
+
+
+def test_fixed_overheads_are_counted_per_call_slot_step_and_token():
+    train = MFC("t", "train_step", "actor", ("seqs",), (), 64, 16, 16, micro_batches=2, minibatches=4, epochs=2)
+    counts = overhead_counts(train, Layout.contiguous(0, Strategy(dp=2, pp=2)), 4)
+    # 8 optimizer steps, each 4 micro-batches through a 2-stage pipeline (5 slots); 32 sequences per DP rank, twice
+    assert counts == {"mfc": 1, "sequence": 64, "forward": 40, "backward": 40, "optimizer_step": 8}
+    gen = MFC("g", "generate", "actor", ("prompts",), ("seqs",), 64, 16, 24)
+    assert overhead_counts(gen, Layout.contiguous(0, Strategy(dp=4)), 1) == {"mfc": 1, "sequence": 16, "forward": 1,
+                                                                             "decode_step": 24}

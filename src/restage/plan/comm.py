@@ -39,6 +39,15 @@ def allgather_seconds(cluster: ClusterSpec, ranks: Sequence[int], nbytes: float)
 reduce_scatter_seconds = allgather_seconds  # the same traffic in the other direction
 
 
+def broadcast_seconds(cluster: ClusterSpec, ranks: Sequence[int], nbytes: float) -> float:
+    """One rank's buffer of ``nbytes`` to the others (pipelined, so the bytes cross each link once)."""
+    n = len(ranks)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bandwidth, latency = cluster.link(ranks)
+    return nbytes / bandwidth + _hops(n) * latency
+
+
 def p2p_seconds(cluster: ClusterSpec, src: int, dst: int, nbytes: float) -> float:
     if src == dst or nbytes <= 0:
         return 0.0

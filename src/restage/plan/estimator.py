@@ -24,7 +24,7 @@ from restage.graph import MFC
 from restage.layout import Layout
 from restage.models.config import ModelConfig
 from restage.models.sharding import shard_bytes, stage_layers, validate_strategy
-from restage.plan.comm import allgather_seconds, allreduce_seconds, p2p_seconds, reduce_scatter_seconds
+from restage.plan.comm import allgather_seconds, allreduce_seconds, broadcast_seconds, p2p_seconds, reduce_scatter_seconds
 from restage.plan.compute import DTYPE_BYTES, RooflineCompute, block_shape
 
 # Bytes per parameter of mixed-precision AdamW state: fp32 master copy, m and v. Plain fp32
@@ -300,21 +300,25 @@ def _generate(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: 
                                    compute.head_forward(b, s.tp))
     prefill_comm = layers * 2 * allreduce_seconds(cluster, tp_group, b * prompt * hidden_bytes)
     prefill_send = p2p_seconds(cluster, pp_group[0], pp_group[-1], b * prompt * hidden_bytes) if s.pp > 1 else 0.0
-    prefill = s.pp * (prefill_stage + prefill_comm + prefill_send)
+    prefill = s.pp * (prefill_stage + prefill_comm) + (s.pp - 1) * prefill_send
     # Decoding: every step feeds the batch through all pp stages one after the other (the next token
     # needs the last stage's output), against a KV cache of prompt + (gen + 1) / 2 tokens on average.
     ctx = prompt + (gen + 1) / 2
     decode_stage = _stage_seconds(layout, cfg, compute.decode_block(b, ctx, s.tp), compute.embed_forward(b),
                                   compute.head_forward(b, s.tp))
-    # Two all-reduces per block, and the sampler gathers the full-vocabulary logits over TP.
-    decode_comm = layers * 2 * allreduce_seconds(cluster, tp_group, b * hidden_bytes) + allgather_seconds(
-        cluster, tp_group, b * cfg.vocab_size * LOGIT_BYTES)
-    decode_send = p2p_seconds(cluster, pp_group[0], pp_group[-1], b * hidden_bytes) if s.pp > 1 else 0.0
-    decode = gen * s.pp * (decode_stage + decode_comm + decode_send)
+    # Per stage, two all-reduces per block; once per step, the sampler gathers the full-vocabulary logits over
+    # TP, the hidden states pass pp - 1 stage boundaries, and the chosen tokens and their log-probabilities are
+    # broadcast over TP (unless greedy) and over the pipeline.
+    chosen = 2 * b * 8
+    decode_comm = s.pp * layers * 2 * allreduce_seconds(cluster, tp_group, b * hidden_bytes) + allgather_seconds(
+        cluster, tp_group, b * cfg.vocab_size * LOGIT_BYTES) + (0 if mfc.greedy else 2 * broadcast_seconds(
+            cluster, tp_group, chosen)) + 2 * broadcast_seconds(cluster, pp_group, chosen)
+    decode_send = (s.pp - 1) * p2p_seconds(cluster, pp_group[0], pp_group[-1], b * hidden_bytes) if s.pp > 1 else 0.0
+    decode = gen * (s.pp * decode_stage + decode_comm + decode_send)
     parts = {"prefill_seconds": prefill, "decode_seconds": decode,
              "compute_seconds": s.pp * prefill_stage + gen * s.pp * decode_stage,
-             "tp_comm_seconds": s.pp * prefill_comm + gen * s.pp * decode_comm,
-             "pp_send_seconds": s.pp * prefill_send + gen * s.pp * decode_send}
+             "tp_comm_seconds": s.pp * prefill_comm + gen * decode_comm,
+             "pp_send_seconds": (s.pp - 1) * prefill_send + gen * decode_send}
     # Memory: the KV cache of every sequence of the batch.
     kv_out = block_shape(cfg, s.tp).kv_out
     window = min(prompt + gen, cfg.sliding_window) if cfg.sliding_window else prompt + gen
