@@ -307,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibrate", action="store_true", help="fit the overheads on the calibration runs")
     parser.add_argument("--both", action="store_true", help="run the calibration and evaluation sets interleaved")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every job (interleaved); figures are medians")
+    parser.add_argument("--first-round", type=int, default=0, help="run rounds first-round .. rounds-1 (earlier ones reused)")
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     parser.add_argument("--only", default="", help="comma-separated plan names")
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(args.rounds):
         for name in order:
             trial = f"{name}-r{k}"
-            if not args.reuse:
+            if not args.reuse and k >= args.first_round:
                 load = os.getloadavg()[0]
                 run_job(trial, *jobs[name], args.steps, args.nice)
                 if not args.json:

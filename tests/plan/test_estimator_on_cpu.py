@@ -100,7 +100,6 @@ def test_a_measured_profile_replaces_the_roofline(tmp_path, monkeypatch):
     assert overhead == pytest.approx(cpu.mfc_overhead_seconds + 4 * cpu.sequence_overhead_seconds
                                      + cpu.forward_overhead_seconds)
     assert got.seconds == pytest.approx(2 * 0.01 + 0.001 + 0.002 + overhead)
-    assert got.part("overhead_seconds") == pytest.approx(overhead) or overhead == 0
     profile = Profile.from_json(json.loads((tmp_path / "profiles" / "local-cpu.json").read_text()))
     assert profile.lookup("block_forward", 8, 64, 1) == pytest.approx((0.01 * 0.04) ** 0.5)  # log-linear midpoint
     assert profile.lookup("block_forward", 32, 64, 1) == pytest.approx(0.08)  # beyond the grid: linear in batch
