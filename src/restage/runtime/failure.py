@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +30,10 @@ def abort_on_error(rank: int, trial_dir: str | Path):
         if isinstance(err, SystemExit) and not err.code:
             raise
         summary = f"{type(err).__name__}: {err}".splitlines()[0] if str(err) else type(err).__name__
+        if _COMMUNICATION.search(summary):
+            # Most likely a peer died: give mpirun a moment to notice and name it (its report of a
+            # killed rank is the root cause; this rank's closed connection is only the echo).
+            time.sleep(3)
         try:
             folder = failure_dir(trial_dir)
             folder.mkdir(parents=True, exist_ok=True)
@@ -50,10 +55,11 @@ def _abort() -> None:
         os._exit(1)
 
 
+_COMMUNICATION = re.compile(r"gloo|nccl|connection closed|connection reset|timed out|timeout|peer|pair closure|broken pipe",
+                            re.I)
 _MPIRUN_DEATH = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on\s+signal (\d+)", re.S)
 
 
-_COMMUNICATION = re.compile(r"gloo|nccl|Connection closed|Connection reset|Timed out|timed out|peer", re.I)
 
 
 def describe_failure(trial_dir: str | Path, launcher_output: str = "") -> str:
