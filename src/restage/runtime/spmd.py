@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 from restage.runtime.failure import abort_on_error
@@ -50,7 +49,6 @@ def _has_cuda() -> bool:
 
 
 if __name__ == "__main__":
-    started = time.time()
     code = main()
     sys.stdout.flush()
     sys.exit(code)

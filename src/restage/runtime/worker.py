@@ -19,7 +19,7 @@ import torch.distributed as dist
 from restage.algorithms import get_algorithm
 from restage.config import ExperimentConfig, ModelSpec, config_from_dict
 from restage.data.batch import Batch
-from restage.data.datasets import load_splits
+from restage.data.datasets import default_tokenizer_dir, load_splits
 from restage.data.tokenizer import load_tokenizer
 from restage.errors import ConfigError, LayoutError
 from restage.graph import DataflowGraph
@@ -76,7 +76,7 @@ class Worker:
         self.graph = DataflowGraph(tuple(schedule.mfc(entry["name"]) for entry in schedule.mfcs))
         self.layouts = {m.name: schedule.layout(m.name) for m in self.graph}
         self.algo = get_algorithm(cfg.algorithm)
-        self.tokenizer = load_tokenizer(_tokenizer_dir(cfg))
+        self.tokenizer = load_tokenizer(default_tokenizer_dir(cfg))
         self.state = self.algo.init_state(cfg, self.tokenizer)
         self.train_set, _ = load_splits(cfg, self.tokenizer)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -324,12 +324,6 @@ def _mark_norm(module: StageModule) -> None:
     replicated = {s.param.name for s in specs if s.param.split_dim is None}
     duplicate = {"embed.weight"} if (module.tied_head and ctx.pp_size > 1 and not ctx.is_first_stage) else set()
     mark_norm_ownership(module, ctx.tp_rank, replicated, duplicate)
-
-
-def _tokenizer_dir(cfg: ExperimentConfig) -> str:
-    from restage.data.datasets import default_tokenizer_dir
-
-    return default_tokenizer_dir(cfg)
 
 
 def _rss_bytes() -> int:
