@@ -69,9 +69,11 @@ def test_validation_names_the_bad_value():
         get_algorithm("grpo").validate(cfg("grpo", reward_fn=""))
     with pytest.raises(ConfigError, match="reward_fn: cannot import module 'no_such_mod'"):
         get_algorithm("grpo").validate(cfg("grpo", reward_fn="no_such_mod:f"))
-    for name in ("ppo", "grpo", "remax"):  # the runtime does not apply a reference EMA: refuse, never ignore
-        with pytest.raises(ConfigError, match=r"^algo.ref_ema_eta: 0.1 is not supported by the runtime yet"):
-            get_algorithm(name).validate(cfg(name, {"ref_ema_eta": 0.1}))
+    for name in ("ppo", "grpo", "remax"):
+        with pytest.raises(ConfigError, match=r"^algo.ref_ema_eta: 1.5 must be in \[0, 1\]"):
+            get_algorithm(name).validate(cfg(name, {"ref_ema_eta": 1.5}))
+        train = next(m for m in build_graph(cfg(name, {"ref_ema_eta": 0.1})) if m.kind == "train_step")
+        assert train.options == {"ref_ema_eta": 0.1, "ref_ema_model": "ref"}  # the runtime's ema op reads these
 
 
 def rl_batch(group_size=1):

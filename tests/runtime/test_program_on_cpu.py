@@ -1,11 +1,17 @@
+from dataclasses import replace
+
+import pytest
+
 from restage.config import config_from_dict
-from restage.graph import build_graph
+from restage.errors import ConfigError
+from restage.graph import MFC, DataflowGraph, build_graph
 from restage.layout import Layout, Strategy
-from restage.runtime.program import build_program, model_homes
+from restage.models.presets import preset
+from restage.runtime.program import build_program, check_ema_architectures, model_homes
 
 
-def ppo_graph():
-    cfg = config_from_dict({"experiment": "x", "algorithm": "ppo", "reward_fn": "restage.data.tasks:reward",
+def ppo_graph(**algo):
+    cfg = config_from_dict({"experiment": "x", "algorithm": "ppo", "reward_fn": "restage.data.tasks:reward", "algo": algo,
                             "models": {m: {"path": "p", "trainable": m in ("actor", "critic")}
                                        for m in ("actor", "critic", "ref")}})
     return build_graph(cfg)
@@ -37,3 +43,34 @@ def test_colocated_plan_needs_no_reallocation():
     ops = build_program(graph, {m.name: everywhere for m in graph})
     assert [op.kind for op in ops if op.kind in ("realloc", "free")] == []
     assert [op.mfc for op in ops if op.kind == "run"] == [m.name for m in graph]
+
+
+def test_reference_ema_mixes_after_the_actor_step_and_frees_stale_reference_copies():
+    seq = ("seqs",)
+    ema = {"ref_ema_eta": 0.1, "ref_ema_model": "ref"}
+    graph = DataflowGraph((MFC("gen", "generate", "actor", ("prompts",), seq, 8, 4, 4, 1),
+                           MFC("ref_a", "inference", "ref", seq, ("a",), 8, 4, 4, 1),
+                           MFC("ref_b", "inference", "ref", seq, ("b",), 8, 4, 4, 1),
+                           MFC("train", "train_step", "actor", seq + ("a", "b"), (), 8, 4, 4, 1, options=ema)))
+    train, ref_home, other = (Layout.contiguous(0, Strategy(dp=2, tp=2)), Layout.contiguous(2, Strategy(dp=2)),
+                              Layout.contiguous(0, Strategy(dp=4)))
+    ops = build_program(graph, {"gen": train, "ref_a": ref_home, "ref_b": other, "train": train})
+    kinds = [(op.kind, op.mfc or op.model) for op in ops]
+    assert kinds.index(("ema", "train")) == kinds.index(("run", "train")) + 1
+    (op,) = [op for op in ops if op.kind == "ema"]
+    assert (op.model, op.src, op.dst, op.ranks) == ("ref", train, ref_home, (0, 1, 2, 3))
+    # The EMA makes the reference's copy in ref_b's layout stale: it is freed after ref_b, remade next iteration.
+    assert [o.kind for o in ops if o.model == "ref" and o.kind != "run"] == ["realloc", "free", "ema"]
+    without = DataflowGraph(tuple(replace(m, options={}) for m in graph))
+    assert [o.kind for o in build_program(without, {"gen": train, "ref_a": ref_home, "ref_b": other, "train": train})
+            if o.model == "ref" and o.kind != "run"] == ["realloc"]  # a frozen reference keeps its copy
+
+
+def test_reference_ema_needs_the_actors_architecture():
+    graph = ppo_graph(ref_ema_eta=0.1)
+    assert next(m for m in graph if m.name == "actor_train").options == {"ref_ema_eta": 0.1, "ref_ema_model": "ref"}
+    tiny = preset("llama-tiny")
+    deeper = replace(tiny, num_layers=tiny.num_layers + 1)
+    check_ema_architectures(graph, {"actor": tiny, "ref": tiny, "critic": deeper})  # the critic is not mixed
+    with pytest.raises(ConfigError, match=r"^algo.ref_ema_eta: models.ref must have the architecture of models.actor"):
+        check_ema_architectures(graph, {"actor": tiny, "ref": deeper, "critic": tiny})

@@ -30,18 +30,17 @@ def validate_policy(params: PolicyParams) -> None:
     base.check_choice("loss_agg", params.loss_agg, losses.AGGREGATIONS)
     if not 0.0 <= params.ref_ema_eta <= 1.0:
         raise ConfigError(f"algo.ref_ema_eta: {params.ref_ema_eta} must be in [0, 1]")
-    if params.ref_ema_eta > 0:
-        # The mixing rule (estimators.ema_mix_) exists, but the runtime has no op that moves the actor
-        # into the reference's layout after training, and checkpoints hold only trainable models.
-        raise ConfigError(f"algo.ref_ema_eta: {params.ref_ema_eta} is not supported by the runtime yet; set it to 0")
     if 0 < params.early_stop_ratio <= 1.0:
         raise ConfigError(f"algo.early_stop_ratio: {params.early_stop_ratio} must be > 1 (or 0 to turn it off)")
 
 
 def train_options(cfg) -> dict:
-    """MFC options of the actor's train step: the reference EMA weight, when on."""
+    """MFC options of the actor's train step: the reference EMA weight and the model it updates, when on.
+
+    The runtime (``runtime.program``'s ``ema`` op) applies it after each train step.
+    """
     eta = float(cfg.algo.get("ref_ema_eta", 0.0))
-    return {"ref_ema_eta": eta} if eta > 0 else {}
+    return {"ref_ema_eta": eta, "ref_ema_model": "ref"} if eta > 0 else {}
 
 
 def actor_forward_outputs(params: PolicyParams) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout, Strategy
 from restage.plan.estimator import Estimate, Estimator, ModelRole, dp_size_ok, sequences_per_rank
 from restage.plan.transfer import ReallocCost, data_transfer_seconds, exact_realloc, fast_realloc
+from restage.runtime.program import check_ema_architectures
 
 KEEP_PER_SIZE = 6  # fastest (strategy, micro-batches) options kept per mesh size and MFC
 MAX_MICRO_BATCH_DOUBLINGS = 5
@@ -141,6 +142,7 @@ class PlanProblem:
         missing = sorted({m.model for m in graph} - set(roles))
         if missing:
             raise ConfigError(f"the graph needs models {missing}; add them under models:")
+        check_ema_architectures(graph, {name: role.arch for name, role in roles.items()})
         self.graph, self.roles, self.cluster = graph, roles, cluster
         self.estimator = estimator or Estimator(cluster)
         self.mfcs: tuple[MFC, ...] = graph.mfcs

@@ -117,6 +117,8 @@ def build_schedule(cfg, outcome, exact: bool = True) -> Schedule:
                                   "end_seconds": span.end_seconds}
         if op.kind == "realloc":
             entry["bytes"] = problem.realloc(op.model, op.src, op.dst).total_bytes
+        elif op.kind == "ema":
+            entry["bytes"] = problem.realloc(problem.graph[op.mfc].model, op.src, op.dst).total_bytes
         elif op.kind == "transfer":
             entry["bytes"] = key_bytes(problem.graph[op.mfc], op.key)
         steps.append(entry)

@@ -87,7 +87,7 @@ def plan_layouts(problem, plan) -> dict:
     return {m.name: c.layout for m, c in zip(problem.mfcs, plan)}
 
 
-_KIND_ORDER = {"transfer": 0, "reload": 1, "realloc": 2, "run": 3}
+_KIND_ORDER = {"transfer": 0, "reload": 1, "realloc": 2, "run": 3, "ema": 4}
 
 
 def plan_ops(problem, plan) -> list[Op]:
@@ -151,6 +151,8 @@ def op_seconds(problem, plan, op: Op) -> float:
         return seconds
     if op.kind == "realloc":
         return copy_seconds(problem, op.src, op.dst, op.model) + problem.cluster.realloc_overhead_seconds
+    if op.kind == "ema":  # the trained model reallocated into the reference's home (mixing in is one pass over it)
+        return copy_seconds(problem, op.src, op.dst, problem.graph[op.mfc].model) + problem.cluster.realloc_overhead_seconds
     if op.kind == "transfer":
         if op.src == op.dst:
             return 0.0

@@ -1,7 +1,8 @@
 """Saving and resuming a run: every trainable model, optimizer, scheduler, data cursor, RNG and algorithm state.
 
 Layout of ``checkpoints/step-N/`` (whole or absent, see ``checkpoint_dir``):
-``<model>/hf/`` a HF directory (safetensors + config.json + tokenizer) that transformers loads;
+``<model>/hf/`` a HF directory (safetensors + config.json + tokenizer) that transformers loads
+(trainable models, and a reference that an EMA updates);
 ``<model>/engine/`` DeepSpeed's own files (module, optimizer and LR scheduler state per rank);
 ``ranks/rank<R>.pt`` each rank's RNG states and algorithm state; ``manifest.json`` the master's
 data cursor and step. A resume needs the same schedule (same layouts and world size).
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from restage.errors import CheckpointError
-from restage.models.checkpoint import save_checkpoint
+from restage.models.checkpoint import load_stage, save_checkpoint
 from restage.runtime import checkpoint_dir
 from restage.runtime.engines import barriers_on
 
@@ -39,6 +40,9 @@ def save(worker, step: int) -> None:
     control = worker.control
     path = Path(control.bcast(str(checkpoint_dir.begin(worker.trial_dir, step)) if control.is_master else None))
     for name, slot in worker.slots.items():
+        if name in worker.ema and slot.module is not None:  # a reference the EMA changes: its weights, no engine
+            with _on_device(slot, worker.device):
+                save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.spec.path)
         if slot.engine is None:
             continue
         with _maybe_gathered(slot):
@@ -64,6 +68,8 @@ def load(worker) -> int:
 
     manifest = json.loads((path / "manifest.json").read_text())
     for name, slot in worker.slots.items():
+        if name in worker.ema and slot.module is not None:
+            _load_weights(slot, path / name / "hf", worker)
         if slot.engine is None:
             continue
         with barriers_on(_engine_group(worker, slot)):
@@ -80,6 +86,27 @@ def load(worker) -> int:
         worker.master.load_checkpoint_state(manifest)
     dist.barrier()
     return int(manifest["step"])
+
+
+def _load_weights(slot, hf_dir: Path, worker) -> None:
+    """Overwrite a frozen model's home shard with the weights a checkpoint saved (a reference the EMA changed)."""
+    saved = load_stage(hf_dir, slot.home, worker.groups, worker.rank, slot.module.dtype, worker.device)
+    with torch.no_grad():
+        for param, value in zip(slot.module.parameters(), saved.parameters(), strict=True):
+            param.copy_(value)
+
+
+@contextlib.contextmanager
+def _on_device(slot, device):
+    """An offloaded model back on the device for the block (saving gathers over TP, which NCCL does on the GPU)."""
+    offloaded = slot.host_copy is not None and slot.host_copy.location == "host"
+    if offloaded:
+        slot.host_copy.reload(device)
+    try:
+        yield
+    finally:
+        if offloaded:
+            slot.host_copy.offload()  # the host copy is still current: nothing is copied back
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@ after that MFC; the trained copy (the DeepSpeed engine's module) is never freed 
 here (DeepSpeed owns its memory). An idle frozen model (reference, reward) can sit in CPU
 memory between its MFCs: :meth:`ModelCopy.offload` copies it into pinned host tensors and
 releases the device memory, :meth:`ModelCopy.reload` copies it back. Since a frozen model
-never changes, the host copy stays valid, so every offload after the first moves nothing.
+never changes, the host copy stays valid, so every offload after the first moves nothing;
+a reference updated by an EMA says so with :meth:`ModelCopy.changed`.
 
 The tensors are swapped in place (``tensor.data = ...``), so a module holding them sees the
 move without being rebuilt. On a CPU-only machine "device" and "host" are both CPU memory:
@@ -82,6 +83,15 @@ class ModelCopy:
             t.data = self._host[k]  # the device memory goes back to the allocator
         self.location = "host"
         return copied
+
+    def changed(self) -> None:
+        """The weights were updated in place (a reference EMA): a host copy taken earlier is stale.
+
+        Offloaded, the host tensors are the weights themselves, so they stay current; on the
+        device, the next offload must copy again.
+        """
+        if self.location == "device":
+            self._host = None
 
     def reload(self, device: torch.device) -> int:
         """Bring an offloaded copy back to ``device``; returns the bytes copied."""

@@ -10,19 +10,31 @@ engine, never freed); a frozen model's home is the layout of its first MFC. Any 
 gets a copy by reallocation from home before the MFC that needs it. Copies of a trainable
 model go stale at its train step, so they are freed after their last use in the iteration;
 copies of frozen models are kept.
+
+A reference EMA (a train MFC whose ``options`` hold ``ref_ema_eta`` > 0 and ``ref_ema_model``)
+adds an ``ema`` op right after that train step: the trained model is reallocated from its home
+into the reference's home layout and mixed in, ``ref <- (1 - eta) ref + eta actor``. The
+reference then changes every iteration, so its copies in other layouts are freed like a
+trained model's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from restage.errors import ConfigError
 from restage.graph import DataflowGraph
 from restage.layout import Layout
+from restage.models.sharding import param_specs
 
 
 @dataclass(frozen=True)
 class Op:
-    """``kind`` is run | realloc | transfer | free | offload | reload."""
+    """``kind`` is run | realloc | transfer | free | offload | reload | ema.
+
+    An ``ema`` op names the train MFC (``mfc``) whose model is mixed into ``model``, from the
+    trained model's home ``src`` into ``model``'s home ``dst``.
+    """
 
     kind: str
     ranks: tuple[int, ...]
@@ -55,6 +67,27 @@ def model_homes(graph: DataflowGraph, layouts: dict[str, Layout]) -> dict[str, L
     return homes
 
 
+def ema_targets(graph: DataflowGraph) -> dict[str, str]:
+    """Model updated by a reference EMA -> the train MFC whose model is mixed into it."""
+    out = {}
+    for mfc in graph:
+        if mfc.kind == "train_step" and float(mfc.options.get("ref_ema_eta", 0.0)) > 0:
+            target = mfc.options.get("ref_ema_model", "ref")
+            if not any(m.model == target for m in graph):
+                raise ConfigError(f"{mfc.name}: the reference EMA updates {target!r}, which no MFC uses")
+            out[target] = mfc.name
+    return out
+
+
+def check_ema_architectures(graph: DataflowGraph, archs: dict) -> None:
+    """ConfigError unless every EMA target has the parameters of the model mixed into it (``archs``: name -> ModelConfig)."""
+    for target, mfc in ema_targets(graph).items():
+        trained = graph[mfc].model
+        if param_specs(archs[trained]) != param_specs(archs[target]):
+            raise ConfigError(f"algo.ref_ema_eta: models.{target} must have the architecture of models.{trained} to be "
+                              "mixed with it; start both from the same base model or set algo.ref_ema_eta=0")
+
+
 def _union(*layouts: Layout) -> tuple[int, ...]:
     return tuple(sorted({r for layout in layouts for r in layout.mesh}))
 
@@ -66,7 +99,8 @@ def build_program(graph: DataflowGraph, layouts: dict[str, Layout], offload_idle
     ``offload_idle``: frozen models to move to CPU memory between their MFCs.
     """
     homes = model_homes(graph, layouts)
-    trained = set(graph.trained_models())
+    ema = ema_targets(graph)
+    changing = set(graph.trained_models()) | set(ema)
     mfcs = list(graph)
     last_use: dict[tuple[str, Layout], int] = {}
     for i, mfc in enumerate(mfcs):
@@ -89,7 +123,10 @@ def build_program(graph: DataflowGraph, layouts: dict[str, Layout], offload_idle
                 ops.append(Op("transfer", _union(src, layout), mfc=mfc.name, key=key, producer=producer.name,
                               src=src, dst=layout))
         ops.append(Op("run", layout.mesh, mfc=mfc.name, model=mfc.model, dst=layout))
-        if layout != home and mfc.model in trained and last_use[(mfc.model, layout)] == i:
+        for target, train_mfc in ema.items():
+            if train_mfc == mfc.name:
+                ops.append(Op("ema", _union(home, homes[target]), mfc=mfc.name, model=target, src=home, dst=homes[target]))
+        if layout != home and mfc.model in changing and last_use[(mfc.model, layout)] == i:
             ops.append(Op("free", layout.mesh, model=mfc.model, dst=layout))
             copies.discard((mfc.model, layout))
         if mfc.model in offload_idle and i == last_mfc[mfc.model]:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from restage.algorithms import get_algorithm
+from restage.algorithms.estimators import ema_mix_
 from restage.config import ExperimentConfig, ModelSpec, config_from_dict
 from restage.data.batch import Batch
 from restage.data.datasets import default_tokenizer_dir, load_splits
@@ -36,6 +37,7 @@ from restage.runtime.engines import build_engine, mark_norm_ownership
 from restage.runtime.execute import run_generate, run_inference, run_train
 from restage.runtime.master import Master, StepRecord
 from restage.runtime.offload import ModelCopy
+from restage.runtime.program import check_ema_architectures, ema_targets
 from restage.runtime.realloc import execute_reallocation
 from restage.runtime.realloc_plan import plan_reallocation, realloc_groups
 
@@ -76,6 +78,7 @@ class Worker:
         self.graph = DataflowGraph(tuple(schedule.mfc(entry["name"]) for entry in schedule.mfcs))
         self.layouts = {m.name: schedule.layout(m.name) for m in self.graph}
         self.algo = get_algorithm(cfg.algorithm)
+        self.ema = ema_targets(self.graph)  # model updated by a reference EMA -> its train MFC
         self.tokenizer = load_tokenizer(default_tokenizer_dir(cfg))
         self.state = self.algo.init_state(cfg, self.tokenizer)
         self.train_set, _ = load_splits(cfg, self.tokenizer)
@@ -118,6 +121,8 @@ class Worker:
         for op in self.ops:
             if op.kind == "realloc":
                 wanted += realloc_groups(self._realloc_plan(op.model, op.src, op.dst))
+            elif op.kind == "ema":
+                wanted += realloc_groups(self._realloc_plan(self.graph[op.mfc].model, op.src, op.dst))
             elif op.kind == "transfer":
                 wanted += self.dataflow.groups(op)
         self.groups = ProcessGroups(wanted, singletons=True)
@@ -135,6 +140,7 @@ class Worker:
 
     def _load_models(self) -> None:
         steps = self.cfg.run.steps
+        check_ema_architectures(self.graph, {name: self._model_cfg(name) for name in self.schedule.models})
         for name, info in self.schedule.models.items():
             spec = self.cfg.models[name]
             home = Layout.from_json(info["home_layout"])
@@ -200,6 +206,10 @@ class Worker:
             elif op.kind == "transfer":
                 nbytes = self._transfer(op)
                 record.moves.append(("transfer", op.key, str(op.src), str(op.dst), nbytes, begin, time.time()))
+            elif op.kind == "ema":
+                nbytes = self._ema(op)
+                # Logged as a reallocation (it is one, plus the mix) named after the model it updates.
+                record.moves.append(("realloc", f"ema:{op.model}", str(op.src), str(op.dst), nbytes, begin, time.time()))
             elif op.kind == "free":
                 self.slots[op.model].copies.pop(op.dst, None)
             elif op.kind in ("offload", "reload"):
@@ -282,6 +292,22 @@ class Worker:
         source = slot.engine if slot.engine is not None else slot.module
         result = execute_reallocation(plan, source if self.rank in op.src else None, self.groups,
                                       dtype=DTYPES[slot.spec.dtype], destination=destination)
+        return result.stats.sent_bytes
+
+    def _ema(self, op) -> int:
+        """``op.model <- (1 - eta) op.model + eta trained``: reallocate the trained model into the reference's home, mix."""
+        mfc = self.graph[op.mfc]
+        trained, target = self.slots[mfc.model], self.slots[op.model]
+        plan = self._realloc_plan(mfc.model, op.src, op.dst)
+        source = trained.engine if self.rank in op.src else None
+        result = execute_reallocation(plan, source, self.groups, dtype=DTYPES[trained.spec.dtype])
+        if self.rank in op.dst:
+            eta = float(mfc.options["ref_ema_eta"])
+            params = dict(target.module.named_parameters())
+            for name, mixed_in in result.state.items():
+                ema_mix_(params[name].data, mixed_in.to(params[name].device), eta)  # where it lives now (maybe host)
+            if target.host_copy is not None:
+                target.host_copy.changed()
         return result.stats.sent_bytes
 
     def _transfer(self, op) -> int:

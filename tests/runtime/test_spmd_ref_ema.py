@@ -1,0 +1,56 @@
+"""Reference EMA: after every actor step the reference becomes (1 - eta) ref + eta actor, across layouts and resumes."""
+
+import pytest
+import torch
+from runs import hf_weights, restage_run, tiny_assets
+
+from restage.plan.schedule import read_schedule
+from restage.report.log import read_log
+
+pytestmark = [pytest.mark.multirank, pytest.mark.e2e]
+
+ETA = 0.25
+# The actor trains tp2 and the reference lives dp2, so every mix is a reallocation between layouts.
+JOB = ["jobs/grpo_tiny.yaml", "-n", "2", "run.batch_size=4", "algo.group_size=4", "run.steps=3", "run.save_every=1",
+       "run.keep_checkpoints=3", f"algo.ref_ema_eta={ETA}", "plan.mode=manual", "plan.layouts.actor_gen=ranks:0-1 dp2",
+       "plan.layouts.ref_inf=ranks:0-1 dp2", "plan.layouts.actor_train=ranks:0-1 tp2"]
+
+
+def _ok(done):
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_reference_follows_the_actor_by_ema_and_resumes_exactly(tmp_path):
+    _ok(restage_run(tmp_path, *JOB, "trial=straight"))
+    straight = tmp_path / "grpo-tiny" / "straight"
+    kinds = [op.kind for op in read_schedule(straight / "schedule.json").ops()]
+    assert kinds.count("ema") == 1 and kinds.index("ema") == len(kinds) - 1  # right after actor_train, the last MFC
+    ref = hf_weights(tiny_assets())
+    for step in (1, 2, 3):
+        checkpoint = straight / "checkpoints" / f"step-{step}"
+        actor, mixed = hf_weights(checkpoint / "actor" / "hf"), hf_weights(checkpoint / "ref" / "hf")
+        assert mixed.keys() == actor.keys() == ref.keys()
+        for name in ref:
+            expected = (1 - ETA) * ref[name] + ETA * actor[name]
+            torch.testing.assert_close(mixed[name], expected, rtol=0, atol=1e-6, msg=f"step {step} {name}")
+        assert any(not torch.equal(mixed[n], ref[n]) for n in ref)  # it really moved
+        ref = mixed
+    log = read_log(straight)
+    emas = [row for row in log.transfers if row["kind"] == "realloc" and row["name"] == "ema:ref"]
+    assert sorted({int(row["step"]) for row in emas}) == [0, 1, 2]
+    assert sum(row["num_bytes"] for row in emas if int(row["step"]) == 0) > 0  # tp2 -> dp2 sends half the actor
+
+    # Offloaded between its MFCs, the reference is mixed where it waits (host memory): same weights.
+    _ok(restage_run(tmp_path, *JOB, "trial=offloaded", "models.ref.offload_when_idle=true"))
+    trial = tmp_path / "grpo-tiny" / "offloaded"
+    assert [op.kind for op in read_schedule(trial / "schedule.json").ops()].count("offload") == 1
+    offloaded = hf_weights(trial / "checkpoints" / "step-3" / "ref" / "hf")
+    assert all(torch.equal(offloaded[k], ref[k]) for k in ref)
+
+    # Stopped after step 2 and resumed: the reference comes back from the checkpoint, not from its base model.
+    _ok(restage_run(tmp_path, *JOB, "trial=split", "run.stop_at_step=2"))
+    _ok(restage_run(tmp_path, "jobs/grpo_tiny.yaml", "-n", "2", "trial=split", "--resume"))
+    split = tmp_path / "grpo-tiny" / "split" / "checkpoints" / "step-3"
+    for model in ("actor", "ref"):
+        a, b = hf_weights(straight / "checkpoints" / "step-3" / model / "hf"), hf_weights(split / model / "hf")
+        assert all(torch.equal(a[k], b[k]) for k in a), model
