@@ -1,7 +1,7 @@
 """The peer baselines follow their documented rules, and the search is never worse than any of them."""
 
 import pytest
-from conftest import ppo_config
+from plan_helpers import ppo_config
 
 from restage.layout import Strategy
 from restage.plan.baselines import LABELS, REFERENCES, all_baselines, all_references, starting_plans

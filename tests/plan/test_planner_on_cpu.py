@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from conftest import ppo_config
+from plan_helpers import ppo_config
 
 from restage.cli import main as restage_main
 from restage.errors import ConfigError, PlanError

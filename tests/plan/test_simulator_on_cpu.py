@@ -1,5 +1,5 @@
 import pytest
-from conftest import StubEstimator, ideal_cluster
+from plan_helpers import StubEstimator, ideal_cluster
 
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout, Strategy
