@@ -13,15 +13,20 @@ from transfer_cases import TRANSFERS_8, make_meta, producer_batch, sample_batch
 from restage.data.batch import concat, contiguous_parts
 from restage.errors import LayoutError
 from restage.layout import ProcessGroups
-from restage.runtime.realloc import Workspace, execute_reallocation, groups_for
-from restage.runtime.realloc_plan import plan_reallocation
+from restage.runtime.realloc import SLOTS, Workspace, execute_reallocation, groups_for
+from restage.runtime.realloc_plan import plan_reallocation, schedule_transfers
 from restage.runtime.spawn import spawn
 from restage.runtime.transfer import execute_transfer, plan_transfer, possible_transfer_groups, transfer_groups
 
 pytestmark = pytest.mark.multirank
 
-BUCKET_BYTES = 4096  # small, so buckets fill, pieces are cut and both packed and in-place transfers run
-DIRECT_MIN_BYTES = 2048
+# Small buckets, so buckets fill, pieces are cut and packed and in-place transfers both run. Odd pairs
+# use slots (a quarter bucket) large enough for pieces in place on one side only (sender or receivers).
+SIZES = [(4096, 2048), (16384, 1024)]  # (bucket bytes, direct_min_bytes)
+
+
+def _sizes(index: int) -> tuple[int, int]:
+    return SIZES[index % 2]
 
 
 def _dtype(index: int) -> torch.dtype:
@@ -42,18 +47,20 @@ def _walk_pairs(rank: int, world_size: int, pairs: list) -> list[dict]:
         plans.append((plan_reallocation(cfg, a, b, bytes_per_element=bpe, node_of=node_of_3, world_size=world_size),
                       plan_reallocation(cfg, b, a, bytes_per_element=bpe, node_of=node_of_3, world_size=world_size)))
     groups = ProcessGroups(groups_for(*(p for pair in plans for p in pair)))
-    workspace = Workspace()  # kept across calls, as the runtime does
+    workspaces = {size: Workspace() for size in SIZES}  # kept across calls, as the runtime does (one per bucket size)
     out = []
     for i, ((kind, a, b, _), (forward, backward)) in enumerate(zip(pairs, plans)):
         cfg, dtype = tiny(kind), _dtype(i)
+        bucket_bytes, direct_min_bytes = _sizes(i)
         full = reference_state(cfg, seed=i, dtype=dtype)
         original = shard_of(cfg, a, rank, full)
-        there = execute_reallocation(forward, original or None, groups, dtype=dtype, bucket_bytes=BUCKET_BYTES,
-                                     direct_min_bytes=DIRECT_MIN_BYTES)
+        there = execute_reallocation(forward, original or None, groups, dtype=dtype, bucket_bytes=bucket_bytes,
+                                     direct_min_bytes=direct_min_bytes)
         # Backwards into caller-owned tensors (as into a model's parameters), filled in place.
         into = {n: torch.full_like(t, float("nan")) for n, t in original.items()}
-        back = execute_reallocation(backward, there.state or None, groups, dtype=dtype, bucket_bytes=BUCKET_BYTES,
-                                    direct_min_bytes=DIRECT_MIN_BYTES, destination=into or None, workspace=workspace)
+        back = execute_reallocation(backward, there.state or None, groups, dtype=dtype, bucket_bytes=bucket_bytes,
+                                    direct_min_bytes=direct_min_bytes, destination=into or None,
+                                    workspace=workspaces[_sizes(i)])
         in_place = all(back.state[n].data_ptr() == t.data_ptr() for n, t in into.items())
         out.append(dict(
             forward_wrong=_mismatches(there.state, shard_of(cfg, b, rank, full)),
@@ -67,11 +74,16 @@ def _walk_pairs(rank: int, world_size: int, pairs: list) -> list[dict]:
     return out
 
 
-def _check(pairs, results, world_size):
+def _check(pairs, results, world_size) -> Counter:
+    """Check what every rank saw; return how many transfers of each kind ran (in place on which side)."""
+    kinds = Counter()
     for i, (kind, a, b, what) in enumerate(pairs):
         cfg, bpe = tiny(kind), _dtype(i).itemsize
+        bucket_bytes, direct_min_bytes = _sizes(i)
         for direction, (x, y) in enumerate(((a, b), (b, a))):
             plan = plan_reallocation(cfg, x, y, bytes_per_element=bpe, node_of=node_of_3, world_size=world_size)
+            kinds.update((t.send_in_place, t.receive_in_place) for t in schedule_transfers(
+                plan, bucket_bytes // SLOTS, direct_min_bytes))
             received, sent = Counter(), Counter()
             for rank, per_rank in enumerate(results):
                 r = per_rank[i]
@@ -79,10 +91,11 @@ def _check(pairs, results, world_size):
                 received.update(r["received"][direction])
                 sent.update(r["sent"][direction])
                 # The destination shard plus one bucket bounds what a rank held beyond its source.
-                assert r["peak"][direction] <= r["shard"][direction] + BUCKET_BYTES, (what, rank)
-                assert r["buffer"][direction] <= BUCKET_BYTES
+                assert r["peak"][direction] <= r["shard"][direction] + bucket_bytes, (what, rank)
+                assert r["buffer"][direction] <= bucket_bytes
             assert dict(received) == dict(sent) == {k: v for k, v in plan.bytes_by_link.items() if v}, what
             assert sum(received.values()) == plan.total_bytes == plan.lower_bound_bytes, what
+    return kinds
 
 
 def _walk_transfers(rank: int, world_size: int, assignment: str | None = None) -> list[dict]:
@@ -131,8 +144,9 @@ def eight():
 def test_32_layout_pairs_on_8_ranks_are_exact_and_move_only_the_lower_bound(eight):
     assert len(PAIRS_8) >= 30
     results = [r["realloc"] for r in eight]
-    _check(PAIRS_8, results, 8)
-    # The buckets were exercised: some rank used a buffer, and some pair moved data in place.
+    kinds = _check(PAIRS_8, results, 8)
+    # Every way of moving a piece ran: in place on both sides, on one side only (either), and buckets.
+    assert set(kinds) == {(True, True), (True, False), (False, True), (False, False)}, kinds
     assert any(b for per_rank in results for r in per_rank for b in r["buffer"])
 
 

@@ -137,7 +137,12 @@ def test_transfers_fit_the_bucket_and_cover_each_piece(bucket_bytes, direct_min_
     transfers = schedule_transfers(plan, bucket_bytes, direct_min_bytes, by_unit=by_unit)
     covered = defaultdict(int)
     for t in transfers:
-        assert t.packed or (len(t.pieces) == 1 and t.pieces[0].src_contiguous() and t.pieces[0].dst_contiguous())
+        # A side is in place only for one piece contiguous on that side; a bucket packs both sides.
+        assert (t.send_in_place, t.receive_in_place) == ((t.pieces[0].src_contiguous(), t.pieces[0].dst_contiguous())
+                                                         if len(t.pieces) == 1 and (t.send_in_place or t.receive_in_place)
+                                                         else (False, False))
+        if t.send_in_place or t.receive_in_place:
+            assert t.numel * 4 >= direct_min_bytes
         if t.packed:
             assert t.numel * 4 <= bucket_bytes
         for p in t.pieces:
@@ -149,9 +154,10 @@ def test_transfers_fit_the_bucket_and_cover_each_piece(bucket_bytes, direct_min_
     assert covered == expected
     # Stage by stage; inside a stage the in-place transfers come before the buckets.
     assert [(t.stage, t.packed) for t in transfers] == sorted((t.stage, t.packed) for t in transfers)
-    channels = {(t.src_rank, t.dst_ranks) for t in transfers if t.packed}
+    buckets = [t for t in transfers if not (t.send_in_place or t.receive_in_place)]
+    channels = {(t.src_rank, t.dst_ranks) for t in buckets}
     if not by_unit:  # buckets span units: at most one partly filled bucket per channel
-        assert sum(t.packed for t in transfers) <= len(channels) + sum(t.numel for t in transfers if t.packed) * 4 // bucket_bytes
+        assert len(buckets) <= len(channels) + sum(t.numel for t in buckets) * 4 // bucket_bytes
     assert set(realloc_groups(plan)) == {t.group for t in transfers if len(t.dst_ranks) > 1}
     with pytest.raises(PlanError, match="exceeds the bucket"):
         schedule_transfers(plan, 64, 1 << 30)

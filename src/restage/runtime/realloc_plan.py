@@ -259,19 +259,30 @@ def plan_reallocation(cfg: ModelConfig, src: Layout, dst: Layout, *, bytes_per_e
 
 @dataclass(frozen=True)
 class Transfer:
-    """One communication: ``pieces`` from ``src_rank`` to ``dst_ranks`` as one buffer.
+    """One communication: ``pieces`` from ``src_rank`` to ``dst_ranks`` as one message.
 
-    ``packed`` transfers copy their pieces into one contiguous bucket (at most the bucket size);
-    an unpacked transfer is a single piece contiguous on both sides, sent in place with no
-    extra memory. A broadcast when there are several receivers, send/recv for one. ``stage``
-    is the piece's unit when gathering layer by layer, else 0.
+    A side ``in place`` reads (sender) or writes (receivers) the piece's own memory; the other
+    side of a one-piece transfer may still go through a bucket (the sender packs a strided
+    source block, or the receivers unpack into a strided destination block). ``packed``
+    transfers use a bucket on at least one side and hold at most the bucket size; a transfer
+    of several pieces is packed on both sides. A broadcast when there are several receivers,
+    send/recv for one. ``stage`` is the pieces' unit when gathering unit by unit, else 0.
     """
 
     stage: int
     src_rank: int
     dst_ranks: tuple[int, ...]
     pieces: tuple[Piece, ...]
-    packed: bool
+    send_in_place: bool = False
+    receive_in_place: bool = False
+
+    @property
+    def packed(self) -> bool:
+        return not (self.send_in_place and self.receive_in_place)
+
+    def in_place_for(self, rank: int) -> bool:
+        """Whether ``rank`` (the sender or a receiver) hands the piece's own memory to the transport."""
+        return self.send_in_place if rank == self.src_rank else self.receive_in_place
 
     @cached_property
     def numel(self) -> int:
@@ -287,13 +298,15 @@ def schedule_transfers(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: i
                        by_unit: bool = True) -> tuple[Transfer, ...]:
     """The plan's pieces as an ordered list of transfers, which every rank walks in the same order.
 
-    Pieces contiguous on both sides and of at least ``direct_min_bytes`` go in place; the rest
-    are packed into buckets of at most ``bucket_bytes`` per (sender, receivers) channel, a
-    piece larger than a bucket being cut along its axis. ``by_unit`` keeps every transfer inside
-    one unit (what a ZeRO-3 source gathers at a time; the executor always asks for it, so the
-    order never depends on a rank's source); without it a bucket spans units. Order: by stage,
-    in-place transfers before packed ones, then by channel and parameter. All ranks must pass
-    the same arguments.
+    A piece of at least ``direct_min_bytes`` that is contiguous on one side at least travels
+    alone, in place on each side where it is contiguous (the other side packs or unpacks it
+    through a bucket, so it must fit one). The rest are packed into buckets of at most
+    ``bucket_bytes`` per (sender, receivers) channel, a piece larger than a bucket being cut
+    along its axis. ``by_unit`` keeps every transfer inside one unit (what a ZeRO-3 source
+    gathers at a time; the executor always asks for it, so the order never depends on a
+    rank's source); without it a bucket spans units. Order: by stage, transfers in place on
+    both sides first, then the others, each by channel and parameter. All ranks must pass the
+    same arguments.
     """
     bpe = plan.bytes_per_element
     if bucket_bytes < bpe:
@@ -308,8 +321,11 @@ def schedule_transfers(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: i
         buckets: list[list[Piece]] = [[]]
         room = capacity  # elements left in the open bucket
         for p in pieces:
-            if p.src_contiguous() and p.dst_contiguous() and p.numel * bpe >= direct_min_bytes:
-                direct.append(Transfer(stage, sender, receivers, (p,), False))
+            src_in_place, dst_in_place = p.src_contiguous(), p.dst_contiguous()
+            if (src_in_place and dst_in_place or (src_in_place or dst_in_place) and p.numel <= capacity) \
+                    and p.numel * bpe >= direct_min_bytes:
+                (packed if not (src_in_place and dst_in_place) else direct).append(
+                    Transfer(stage, sender, receivers, (p,), src_in_place, dst_in_place))
                 continue
             if p.slab_numel > capacity:
                 raise PlanError(f"{p.name}: one slice of {p.slab_numel * bpe} bytes exceeds the bucket of "
@@ -324,8 +340,8 @@ def schedule_transfers(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: i
                 buckets[-1].append(p if (offset, take) == (0, length) else p.cut(offset, take))
                 room -= take * p.slab_numel
                 offset += take
-        packed.extend(Transfer(stage, sender, receivers, tuple(b), True) for b in buckets if b)
-    # Stable sort: within a stage, every in-place transfer, then every bucket, each in channel order.
+        packed.extend(Transfer(stage, sender, receivers, tuple(b)) for b in buckets if b)
+    # Stable sort: within a stage, every transfer in place on both sides, then the others, each in channel order.
     return tuple(sorted(direct + packed, key=lambda t: (t.stage, t.packed)))
 
 
