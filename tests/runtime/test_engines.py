@@ -57,3 +57,16 @@ def test_zero_engine_over_dp_matches_plain_adamw_on_the_mean_gradient(zero_stage
     for params in results:
         for got, want in zip(params, expected):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_one_or_two_over_one_dp_rank_runs_as_stage_zero_and_matches_plain_adamw():
+    from restage.runtime.engines import deepspeed_config
+
+    spec = ModelSpec(path="-", trainable=True, zero_stage=2)
+    assert deepspeed_config(spec, dp=1, micro_batches=1)["zero_optimization"]["stage"] == 0
+    assert deepspeed_config(spec, dp=2, micro_batches=1)["zero_optimization"]["stage"] == 2
+    offloaded = ModelSpec(path="-", trainable=True, zero_stage=2, offload_optimizer=True)
+    assert deepspeed_config(offloaded, dp=1, micro_batches=1)["zero_optimization"]["stage"] == 2  # offload needs ZeRO
+    (params,) = spawn(_train_dp, 1, 1, env={"DS_ACCELERATOR": "cpu"})
+    for got, want in zip(params, _reference(1)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
