@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,7 +40,7 @@ from restage.runtime.realloc_plan import (
 )
 
 DEFAULT_BUCKET_BYTES = 32 << 20
-# Buckets in flight at once; each holds a quarter of the bucket size, so together they fit in one bucket.
+# A message through the ring is at most 1/SLOTS of the bucket, so at least SLOTS are in flight at once.
 SLOTS = 4
 # Smaller contiguous pieces are packed: per message overhead outweighs a copy below this size.
 DEFAULT_DIRECT_MIN_BYTES = 1 << 18
@@ -185,32 +185,29 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
     dst = _destination(plan, me, destination, dtype, device, meter)
     shard_bytes = meter.now["destination"]
     bpe = plan.bytes_per_element
-    slot_numel = max((t.numel for t in transfers if not t.in_place_for(me)), default=0)
+    # The ring holds as many messages in flight as fit in one bucket, but no more than this rank
+    # packs or unpacks in all (a small plan does not need a whole bucket).
+    ring_numel = min(bucket_bytes // bpe, sum(t.numel for t in transfers if not t.in_place_for(me)))
     workspace = workspace or Workspace()
-    buffer = workspace.take(SLOTS * slot_numel, dtype, device) if slot_numel else None
+    buffer = workspace.take(ring_numel, dtype, device) if ring_numel else None
     held_bytes = workspace.nbytes  # what the workspace really holds, perhaps more than this plan needs
     meter.add("buffer", held_bytes)
 
     tally = _Tally()
-    ring = _Ring(buffer, slot_numel, me, src, dst, groups, tally, fan_out=dist.get_backend() != "nccl")
-    deferred: list[Piece] = []
+    ring = _Ring(buffer, me, src, dst, groups, tally, fan_out=dist.get_backend() != "nccl")
     stages = sorted({t.stage for t in transfers} | {p.unit for p in local} | set(needs))
     for stage in stages:
         mine = [t for t in transfers if t.stage == stage]
         gather = needs.get(stage, ())
         with _gathered(src, gather, meter, bpe):
+            # Local copies are made while this rank waits for its messages (see _Ring).
+            ring.local.extend(p for p in local if p.unit == stage)
             # Post in the global order. A side in place needs no buffer and is posted at once;
-            # a side that packs or unpacks cycles through the ring's slots, several in flight.
+            # a side that packs or unpacks takes room in the ring, many messages in flight.
             for t in mine:
                 ring.post(t)
-            here = [p for p in local if p.unit == stage]
-            if not gather:
-                deferred += here  # copied later, while the traffic flows
-                continue
-            # A gathered unit is released at the end of the block: finish everything reading it.
-            _copy_local(here, src, dst)
-            ring.drain()
-    _copy_local(deferred, src, dst)
+            if gather:  # a gathered unit is released at the end of the block: finish everything reading it
+                ring.drain()
     ring.drain()
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
@@ -222,11 +219,6 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
         peak_buffer_bytes=meter.peak["buffer"], peak_gathered_bytes=meter.peak["gathered"],
         peak_extra_bytes=meter.peak_total, transfers=len(transfers))
     return ReallocResult(dst, stats)
-
-
-def _copy_local(pieces: list[Piece], src: dict, dst: dict) -> None:
-    for p in pieces:
-        _view(dst[p.name], p.dim, p.dst_range).copy_(_view(src[p.name], p.dim, p.src_range))
 
 
 def _check_inputs(plan: ReallocPlan, me: int, src: dict, transfers: list[Transfer], local: list[Piece],
@@ -314,6 +306,9 @@ class _FanOut:
         for work in self.works:
             work.wait()
 
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
 
 def _communicate(payload: torch.Tensor, t: Transfer, me: int, groups: ProcessGroups, tally: _Tally, fan_out: bool):
     """Start a broadcast on the transfer's group, or send/recv for one receiver; count the bytes.
@@ -339,20 +334,22 @@ def _communicate(payload: torch.Tensor, t: Transfer, me: int, groups: ProcessGro
 
 
 class _Ring:
-    """Posts transfers; the sides that pack or unpack cycle through ``SLOTS`` slots of one buffer.
+    """Posts transfers; the sides that pack or unpack take room in one circular buffer.
 
-    A side in place (the piece's own memory, contiguous) is posted at once and needs no slot;
-    a slot is reused only after its previous transfer finished. Ranks post in the schedule's
-    global order and wait only on their own earlier transfers, so the oldest unfinished
-    transfer always has every participant posted: no deadlock.
+    A side in place (the piece's own memory, contiguous) is posted at once and needs no room.
+    A packed side takes the next ``numel`` elements of the buffer, after waiting for the oldest
+    messages there to finish if it is full, so every message that fits is in flight at once
+    and together they never exceed the buffer. While it waits, the rank makes its local copies.
+    Ranks post in the schedule's global order and wait only on their own earlier transfers, so
+    the oldest unfinished transfer always has every participant posted: no deadlock.
     """
 
-    def __init__(self, buffer: torch.Tensor | None, slot_numel: int, me: int, src: dict, dst: dict,
-                 groups: ProcessGroups, tally: _Tally, fan_out: bool):
-        self.slots = [buffer[i * slot_numel: (i + 1) * slot_numel] for i in range(SLOTS)] if buffer is not None else []
-        self.busy: list[tuple | None] = [None] * SLOTS
-        self.next = 0
+    def __init__(self, buffer: torch.Tensor | None, me: int, src: dict, dst: dict, groups: ProcessGroups,
+                 tally: _Tally, fan_out: bool):
+        self.buffer = buffer
+        self.live: deque[tuple[int, int, object, Transfer, torch.Tensor]] = deque()  # (start, stop, work, t, payload)
         self.in_place: list = []
+        self.local: deque[Piece] = deque()  # local copies still to make
         self.me, self.src, self.dst, self.groups, self.tally, self.fan_out = me, src, dst, groups, tally, fan_out
 
     def post(self, t: Transfer) -> None:
@@ -362,33 +359,53 @@ class _Ring:
             payload = _view(self.src[p.name], p.dim, p.src_range) if sender else _view(self.dst[p.name], p.dim, p.dst_range)
             self.in_place.append(_communicate(payload, t, self.me, self.groups, self.tally, self.fan_out))
             return
-        i = self.next
-        self.next = (i + 1) % SLOTS
-        self._finish(i)
-        payload = self.slots[i][: t.numel]
+        start = self._room(t.numel)
+        payload = self.buffer[start: start + t.numel]
         if sender:
             offset = 0
             for p in t.pieces:
                 payload[offset: offset + p.numel].view(p.block_shape).copy_(_view(self.src[p.name], p.dim, p.src_range))
                 offset += p.numel
-        self.busy[i] = (_communicate(payload, t, self.me, self.groups, self.tally, self.fan_out), t, payload)
+        work = _communicate(payload, t, self.me, self.groups, self.tally, self.fan_out)
+        self.live.append((start, start + t.numel, work, t, payload))
 
-    def _finish(self, i: int) -> None:
-        if self.busy[i] is None:
-            return
-        work, t, payload = self.busy[i]
-        self.busy[i] = None
+    def _room(self, numel: int) -> int:
+        """Where ``numel`` elements fit after the newest live message (wrapping around), finishing the oldest until they do."""
+        size = self.buffer.numel()
+        while self.live:
+            head, tail = self.live[-1][1], self.live[0][0]
+            if head > tail:  # not wrapped: room after the head, or at the start before the tail
+                if head + numel <= size:
+                    return head
+                if numel <= tail:
+                    return 0
+            elif head + numel <= tail:
+                return head
+            self._finish_oldest()
+        return 0
+
+    def _finish_oldest(self) -> None:
+        _, _, work, t, payload = self.live[0]
+        while self.local and not work.is_completed():
+            self._copy_one_local()
         work.wait()
+        self.live.popleft()
         if t.src_rank != self.me:
             offset = 0
             for p in t.pieces:
                 _view(self.dst[p.name], p.dim, p.dst_range).copy_(payload[offset: offset + p.numel].view(p.block_shape))
                 offset += p.numel
 
+    def _copy_one_local(self) -> None:
+        p = self.local.popleft()
+        _view(self.dst[p.name], p.dim, p.dst_range).copy_(_view(self.src[p.name], p.dim, p.src_range))
+
     def drain(self) -> None:
-        """Finish every posted transfer (unpacking what arrived in slots)."""
-        for k in range(SLOTS):  # oldest first
-            self._finish((self.next + k) % SLOTS)
+        """Make the remaining local copies and finish every posted transfer (unpacking what arrived)."""
+        while self.local:
+            self._copy_one_local()
+        while self.live:
+            self._finish_oldest()
         for work in self.in_place:
             work.wait()
         self.in_place = []
