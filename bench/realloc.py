@@ -6,12 +6,19 @@ For each layout pair it times three ways of producing every destination shard:
 * ``raw broadcast``: one ``dist.broadcast`` of the same number of bytes between the same ranks
   (from the plan's busiest sender to every rank that receives; each gets total/receivers bytes);
 * ``raw channels``: a stricter ceiling: the plan's exact (sender, receivers) channels, each as
-  one flat pre-allocated buffer, with no planning, packing, local copies or bucketing;
-* ``naive``: every destination rank all-gathers the full model from the source shards, then slices.
+  one flat pre-allocated buffer, posted all at once the way restage posts (on gloo one send per
+  receiver), with no planning, packing, local copies or bucketing;
+* ``naive``: every destination rank all-gathers the full model from the source shards, then slices;
+* ``copies`` (not a way, a cost): only the memory copies restage cannot avoid, on every rank at
+  once with no communication: the local pieces (destination bytes a rank already holds) and the
+  packing or unpacking of pieces that are strided on one side (row-parallel slices).
 
 The reallocation is timed warm, like the raw baselines (destination tensors and bucket
 workspace allocated once, as the runtime keeps them); ``cold_seconds`` is the first call,
-which also allocates (and on CPU page-faults in) the destination shard.
+which also allocates (and on CPU page-faults in) the destination shard. The ways take turns
+for N rounds; seconds are medians over the rounds, and each ratio is the median over rounds of
+the ratio within a round, so a busy machine slows both sides of a ratio alike. Exactness is
+checked on the first call and again on the destination the warm calls filled.
 
 Usage: ``python bench/realloc.py [--json] [--bucket-mib 32] [--repeats 3] [--dtype bf16]``.
 """
@@ -31,8 +38,8 @@ import torch.distributed as dist
 from restage.layout import Layout, ProcessGroups, Strategy
 from restage.models.config import ModelConfig
 from restage.models.sharding import param_specs, shard_specs
-from restage.runtime.realloc import Workspace, execute_reallocation, groups_for
-from restage.runtime.realloc_plan import ReallocPlan, plan_reallocation
+from restage.runtime.realloc import SLOTS, Workspace, execute_reallocation, groups_for
+from restage.runtime.realloc_plan import ReallocPlan, plan_reallocation, schedule_transfers
 from restage.runtime.spawn import spawn
 
 WORLD_SIZE = 4
@@ -82,6 +89,30 @@ def _channels(plan: ReallocPlan) -> list[tuple[int, tuple[int, ...], int]]:
 
 
 def _raw(plan: ReallocPlan, groups: ProcessGroups, buffers: dict) -> None:
+    """The plan's channels as flat buffers, sent the way restage sends them, all at once.
+
+    On gloo a channel with several receivers is one send per receiver (as restage does: gloo's
+    asynchronous broadcast costs about 0.6 ms a call); on NCCL a broadcast on the channel's group.
+    """
+    me = dist.get_rank()
+    fan_out = dist.get_backend() != "nccl"
+    works = []
+    for sender, receivers, _ in _channels(plan):
+        if me != sender and me not in receivers:
+            continue
+        buf = buffers[(sender, receivers)]
+        if len(receivers) > 1 and not fan_out:
+            works.append(dist.broadcast(buf, src=sender, group=groups.get((sender, *receivers)), async_op=True))
+        elif me == sender:
+            works += [dist.isend(buf, dst=r) for r in receivers]
+        else:
+            works.append(dist.irecv(buf, src=sender))
+    for work in works:
+        work.wait()
+
+
+def _raw_sequential(plan: ReallocPlan, groups: ProcessGroups, buffers: dict) -> None:
+    """The plan's channels as flat buffers, one blocking broadcast (or send/recv) after another."""
     me = dist.get_rank()
     for sender, receivers, _ in _channels(plan):
         if me != sender and me not in receivers:
@@ -93,6 +124,34 @@ def _raw(plan: ReallocPlan, groups: ProcessGroups, buffers: dict) -> None:
             dist.send(buf, dst=receivers[0])
         else:
             dist.recv(buf, src=sender)
+
+
+def _copy_work(plan: ReallocPlan, bucket_bytes: int, rank: int) -> list[tuple[bool, tuple]]:
+    """The copies restage must make on ``rank``: (is local, what) for each local piece and each message it packs or unpacks."""
+    out = [(True, (p,)) for p in plan.local_pieces if p.src_rank == rank]
+    for t in schedule_transfers(plan, bucket_bytes // SLOTS):
+        if (rank == t.src_rank or rank in t.dst_ranks) and not t.in_place_for(rank):
+            out.append((False, (rank == t.src_rank, t.pieces)))
+    return out
+
+
+def _copies(work: list, src: dict, dst: dict, scratch: torch.Tensor | None) -> None:
+    """Only the copies restage must make (local pieces, packing and unpacking), with no communication."""
+    for local, what in work:
+        if local:
+            (p,) = what
+            dst[p.name].narrow(p.dim, p.dst_range[0], p.numel // p.slab_numel).copy_(
+                src[p.name].narrow(p.dim, p.src_range[0], p.numel // p.slab_numel))
+            continue
+        sending, pieces = what
+        offset = 0
+        for p in pieces:
+            block = scratch[offset: offset + p.numel].view(p.block_shape)
+            if sending:
+                block.copy_(src[p.name].narrow(p.dim, p.src_range[0], p.numel // p.slab_numel))
+            else:
+                dst[p.name].narrow(p.dim, p.dst_range[0], p.numel // p.slab_numel).copy_(block)
+            offset += p.numel
 
 
 def _broadcast_shape(plan: ReallocPlan) -> tuple[int, tuple[int, ...], int]:
@@ -165,13 +224,18 @@ def _once(fn, *args, **kwargs) -> float:
     return time.perf_counter() - start
 
 
-def _interleaved(repeats: int, ways: dict) -> dict[str, float]:
+def _interleaved(repeats: int, ways: dict) -> dict[str, list[float]]:
     """Median seconds of each way, the ways taking turns so a busy machine slows them alike."""
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(repeats):
         for name, (fn, args, kwargs) in ways.items():
             times[name].append(_once(fn, *args, **kwargs))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def _paired(numerator: list[float], denominator: list[float]) -> float:
+    """Median over rounds of the ratio within each round (two ways timed back to back see the same load)."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator))
 
 
 def _bench(rank: int, world_size: int, dtype_name: str, bucket_bytes: int, repeats: int) -> list[dict]:
@@ -200,14 +264,21 @@ def _bench(rank: int, world_size: int, dtype_name: str, bucket_bytes: int, repea
         buffers = {(s, r): torch.zeros(n, dtype=dtype) for s, r, n in _channels(plan) if rank == s or rank in r}
         root, group, elements = _broadcast_shape(plan)
         buffer = torch.zeros(elements, dtype=dtype) if rank in group else None
-        timing = _interleaved(repeats, {
+        work = _copy_work(plan, bucket_bytes, rank)
+        scratch = torch.empty(bucket_bytes // SLOTS // bpe, dtype=dtype)
+        copy_dst = {n: t.clone() for n, t in (destination or {}).items()}
+        rounds = _interleaved(repeats, {
             "restage": (execute_reallocation, (plan, src or None, groups),
                         dict(dtype=dtype, destination=destination, bucket_bytes=bucket_bytes, workspace=workspace)),
             "raw_channels": (_raw, (plan, groups, buffers), {}),
             "raw_broadcast": (_raw_broadcast, (plan, groups, buffer), {}),
             "naive": (_naive, (plan, src, groups, dtype), {}),
+            "copies": (_copies, (work, src, copy_dst, scratch), {}),
         })
-        del destination, workspace, buffers, buffer
+        timing = {name: statistics.median(t) for name, t in rounds.items()}
+        # The warm calls filled the same destination tensors: they must be exact too.
+        exact = exact and all(torch.equal(destination[n], t) for n, t in expected.items())
+        del destination, workspace, buffers, buffer, copy_dst, scratch
         seconds, raw_seconds = timing["restage"], timing["raw_channels"]
         bcast_seconds, naive_seconds = timing["raw_broadcast"], timing["naive"]
         naive_bytes = sum(sum(s.numel for s in param_specs(cfg)) * bpe - result_local_bytes(plan, r) for r in plan.dst.mesh)
@@ -217,11 +288,12 @@ def _bench(rank: int, world_size: int, dtype_name: str, bucket_bytes: int, repea
             case=what, src=str(src_layout), dst=str(dst_layout), bytes=plan.total_bytes,
             lower_bound_bytes=plan.lower_bound_bytes, naive_bytes=naive_bytes, seconds=seconds, cold_seconds=cold_seconds,
             raw_broadcast_seconds=bcast_seconds, raw_channels_seconds=raw_seconds, naive_seconds=naive_seconds,
+            copy_seconds=timing["copies"],
             bytes_per_second=plan.total_bytes / seconds, raw_broadcast_bytes_per_second=plan.total_bytes / bcast_seconds,
             # Throughput ratios mean nothing when nothing moves (only local copies): None.
-            throughput_vs_raw_broadcast=bcast_seconds / seconds if plan.total_bytes else None,
-            throughput_vs_raw_channels=raw_seconds / seconds if plan.total_bytes else None,
-            speedup_vs_naive=naive_seconds / seconds,
+            throughput_vs_raw_broadcast=_paired(rounds["raw_broadcast"], rounds["restage"]) if plan.total_bytes else None,
+            throughput_vs_raw_channels=_paired(rounds["raw_channels"], rounds["restage"]) if plan.total_bytes else None,
+            speedup_vs_naive=_paired(rounds["naive"], rounds["restage"]),
             tp_or_pp_changes=(src_layout.strategy.tp, src_layout.strategy.pp) != (dst_layout.strategy.tp,
                                                                                 dst_layout.strategy.pp),
             exact=bool(flags[0]), naive_exact=bool(flags[1]),
@@ -257,16 +329,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{params / 1e6:.1f}M parameters ({args.dtype}), {WORLD_SIZE} gloo ranks, bucket {args.bucket_mib:g} MiB, "
           f"median of {args.repeats}")
     print(f"{'case':<50} {'MB':>6} {'s':>6} {'cold s':>6} {'MB/s':>5} | {'bcast s':>7} {'ratio':>5} | "
-          f"{'chan s':>6} {'ratio':>5} | {'naive s':>7} {'speedup':>7} | exact")
+          f"{'chan s':>6} {'ratio':>5} | {'copy s':>6} | {'naive s':>7} {'speedup':>7} | exact")
     def ratio(value: float | None) -> str:
         return "  n/a" if value is None else f"{value:4.2f}x"
 
     for r in rows:
         print(f"{r['case']:<50} {r['bytes'] / 1e6:6.1f} {r['seconds']:6.3f} {r['cold_seconds']:6.3f} "
               f"{r['bytes_per_second'] / 1e6:5.0f} | {r['raw_broadcast_seconds']:7.3f} {ratio(r['throughput_vs_raw_broadcast'])} | "
-              f"{r['raw_channels_seconds']:6.3f} {ratio(r['throughput_vs_raw_channels'])} | {r['naive_seconds']:7.3f} "
+              f"{r['raw_channels_seconds']:6.3f} {ratio(r['throughput_vs_raw_channels'])} | {r['copy_seconds']:6.3f} | "
+              f"{r['naive_seconds']:7.3f} "
               f"{r['speedup_vs_naive']:6.2f}x | {r['exact'] and r['naive_exact']}")
-    print("ratio: raw seconds / restage seconds (throughput relative to raw); speedup: naive seconds / restage seconds")
+    print("ratio: raw seconds / restage seconds (throughput relative to raw), speedup: naive seconds / restage seconds, "
+          "each the median over rounds of the ratio within a round; copy s: restage's unavoidable memory copies alone")
     return 0
 
 

@@ -4,14 +4,16 @@ Every rank of the plan's meshes calls :func:`execute_reallocation` with the same
 Ranks post the transfers in one global order (``schedule_transfers``) and only ever wait on
 their own earlier transfers, so every pair of ranks meets its broadcasts and send/recv pairs in
 the same order and nothing deadlocks. A transfer with several receivers is a broadcast on a
-cached group (create them collectively up front from :func:`groups_for`); one receiver means
-send/recv.
+cached group on NCCL (create them collectively up front from :func:`groups_for`) and one send
+per receiver on gloo; one receiver means send/recv.
 
-Pieces contiguous on both sides travel in place, all posted at once (no extra memory; on gloo
-this hides the per-message latency). The rest are packed into buckets that cycle through
-``SLOTS`` slots of one reusable buffer (``Workspace``), so several are in flight while the
-total stays one bucket. Memory beyond the source: the destination shard, one bucket, and for
-a ZeRO-3 source the parameters of one unit (embeddings, one layer, or the head) gathered at a
+Each side of a message is in place when the piece is contiguous on that side: the sender sends
+straight out of its source tensor, a receiver receives straight into its destination tensor,
+and in-place sides are all posted at once (no extra memory). A side that is not (a strided
+row-parallel slice, or small pieces packed together) goes through a circular buffer of one
+bucket (``Workspace``), as many messages in flight as fit. Local copies are made while a rank
+waits for its messages. Memory beyond the source: the destination shard, one bucket, and for a
+ZeRO-3 source the parameters of one unit (embeddings, one layer, or the head) gathered at a
 time. Every allocation goes through a meter, so the stats report the measured peak.
 """
 
