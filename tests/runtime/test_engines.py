@@ -38,12 +38,14 @@ def _train_dp(rank, world_size, zero_stage):
     return [p.detach().clone() for p in engine.module.parameters()]
 
 
-def _reference(world_size):
+def _reference(world_size, ranks=None):
+    """Plain AdamW with clipping on the mean loss over the data of ``ranks`` (default: every rank)."""
+    ranks = range(world_size) if ranks is None else ranks
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     for _ in range(2):
         opt.zero_grad()
-        loss = sum(((model(x) - y) ** 2).mean() for x, y in map(_data, range(world_size))) / world_size
+        loss = sum(((model(x) - y) ** 2).mean() for x, y in map(_data, ranks)) / len(ranks)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
@@ -70,3 +72,27 @@ def test_zero_one_or_two_over_one_dp_rank_runs_as_stage_zero_and_matches_plain_a
     (params,) = spawn(_train_dp, 1, 1, env={"DS_ACCELERATOR": "cpu"})
     for got, want in zip(params, _reference(1)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _one_rank_engine_beside_a_dp2_engine(rank, world_size):
+    from restage.runtime.engines import build_engine, engine_groups
+
+    groups = ProcessGroups([(0, 1)], singletons=True)
+    spec = ModelSpec(path="-", trainable=True, zero_stage=1, optim=OptimConfig(lr=0.1, grad_clip=0.5))
+    alone = build_engine(_model(), spec, Layout((rank,), Strategy()), rank, groups, micro_batches=1, total_optimizer_steps=2)
+    # Built last, this engine's layout becomes DeepSpeed's global mpu.
+    build_engine(_model(), spec, Layout.contiguous(0, Strategy(dp=2)), rank, groups, micro_batches=1, total_optimizer_steps=2)
+    with engine_groups(alone):
+        for _ in range(2):
+            x, y = _data(rank)
+            alone.backward(((alone(x) - y) ** 2).mean())
+            alone.step()
+    return [p.detach().clone() for p in alone.module.parameters()]
+
+
+def test_an_engine_reduces_over_its_own_layout_when_another_engine_was_built_last():
+    # Unpointed, DeepSpeed's ZeRO-0 all-reduce used the dp2 engine's group and averaged the two ranks' gradients.
+    results = spawn(_one_rank_engine_beside_a_dp2_engine, 2, env={"DS_ACCELERATOR": "cpu"})
+    for rank, params in enumerate(results):
+        for got, want in zip(params, _reference(1, ranks=[rank])):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from restage.errors import CheckpointError
 from restage.models.checkpoint import load_stage, save_checkpoint
 from restage.runtime import checkpoint_dir
-from restage.runtime.engines import barriers_on
+from restage.runtime.engines import barriers_on, engine_groups
 
 ENGINE_TAG = "state"
 
@@ -47,7 +47,7 @@ def save(worker, step: int) -> None:
             continue
         with _maybe_gathered(slot):
             save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.spec.path)
-        with barriers_on(_engine_group(worker, slot)):
+        with barriers_on(_engine_group(worker, slot)), engine_groups(slot.engine):
             slot.engine.save_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG, save_latest=False)
     ranks = path / "ranks"
     ranks.mkdir(exist_ok=True)
@@ -72,7 +72,7 @@ def load(worker) -> int:
             _load_weights(slot, path / name / "hf", worker)
         if slot.engine is None:
             continue
-        with barriers_on(_engine_group(worker, slot)):
+        with barriers_on(_engine_group(worker, slot)), engine_groups(slot.engine):
             loaded, _ = slot.engine.load_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG)
         if loaded is None:
             raise CheckpointError(f"{path / name / 'engine'}: DeepSpeed found no state for rank {worker.rank}; "

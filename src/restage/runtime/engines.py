@@ -98,6 +98,25 @@ def barriers_on(engine_group):
         ds_comm.barrier = original
 
 
+@contextlib.contextmanager
+def engine_groups(engine):
+    """Point DeepSpeed's module-level ``groups.mpu`` at ``engine``'s own layout for the duration.
+
+    DeepSpeed keeps one global mpu, set by the engine built last, and reads it live in the ZeRO-0
+    gradient all-reduce (``_get_sequence_data_parallel_group``) and in checkpointing. With several
+    engines (actor and critic) on other layouts that reduced one model's gradients over another
+    model's DP group: wrong sums, or a hang when the groups span different ranks.
+    """
+    from deepspeed.utils import groups
+
+    saved = groups.mpu
+    groups.mpu = engine.mpu
+    try:
+        yield
+    finally:
+        groups.mpu = saved
+
+
 def mark_norm_ownership(module: torch.nn.Module, tp_rank: int, replicated_names: set[str],
                         duplicate_names: set[str] = frozenset()) -> None:
     """Make DeepSpeed count each parameter exactly once in the global gradient norm.

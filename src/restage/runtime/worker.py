@@ -33,7 +33,7 @@ from restage.plan.schedule import read_schedule
 from restage.runtime import checkpoint as ckpt
 from restage.runtime.control import Control, init_torch_distributed
 from restage.runtime.dataflow import DataFlow, measured_flops
-from restage.runtime.engines import build_engine, mark_norm_ownership
+from restage.runtime.engines import build_engine, engine_groups, mark_norm_ownership
 from restage.runtime.execute import run_generate, run_inference, run_train
 from restage.runtime.master import Master, StepRecord
 from restage.runtime.offload import ModelCopy
@@ -239,7 +239,8 @@ class Worker:
             result = run_inference(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state)
         else:
             batch, prep_stats = self.algo.prepare_train(batch, self.cfg, self.state, step, self._dp_reduce(ctx))
-            result = run_train(slot.engine, mfc, batch, self.algo, self.cfg, self.state, seed)
+            with engine_groups(slot.engine):
+                result = run_train(slot.engine, mfc, batch, self.algo, self.cfg, self.state, seed)
             result.stats.update({f"{mfc.name}/{k}": v for k, v in prep_stats.items()})
         end = time.time()
         if result.batch is not None:
