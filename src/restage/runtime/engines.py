@@ -209,4 +209,6 @@ def build_engine(module: torch.nn.Module, spec: ModelSpec, layout: Layout, rank:
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
             dist_init_required=False,
         )
+    if effective_zero_stage(spec, layout.strategy.dp) == 0 and layout.strategy.dp == 1:
+        engine.enable_backward_allreduce = False  # one DP rank: the all-reduce would only flatten and copy back
     return engine
