@@ -128,6 +128,9 @@ class DataFlow:
     def execute(self, op, mine: Batch | None, groups: ProcessGroups) -> tuple[Batch | None, int]:
         """Move ``op.key`` of the producer's output to the consumer's DP ranks; returns (received, bytes sent)."""
         meta = self._gather_meta(op, mine)
+        if op.ranks == (self.rank,) and op.src == op.dst:
+            # Producer and consumer are this one rank: the output already is the input, nothing to cut or copy.
+            return (_on_cpu(mine.only((op.key,)), mine.ids) if mine is not None and mine.n_samples else None), 0
         kind, dtype_name, trailing = meta.keys[op.key]
         key = KeySpec(op.key, kind == "tokens", dtype_name.removeprefix("torch."), tuple(trailing))
         n_samples = len(meta.seqlens) // meta.group_size
@@ -139,8 +142,12 @@ class DataFlow:
         batch = result.batch
         if batch is None or not batch.n_samples:
             return None, sent
-        return Batch(batch.seqlens, {k: v.cpu() for k, v in batch.tokens.items()}, {k: v.cpu() for k, v in batch.seqs.items()},
-                     batch.group_size, batch.ids if meta.ids else ()), sent
+        return _on_cpu(batch, batch.ids if meta.ids else ()), sent
+
+
+def _on_cpu(batch: Batch, ids: tuple) -> Batch:
+    return Batch(batch.seqlens, {k: v.cpu() for k, v in batch.tokens.items()}, {k: v.cpu() for k, v in batch.seqs.items()},
+                 batch.group_size, ids)
 
 
 def measured_flops(mfc: MFC, cfg: ModelConfig, batch: Batch | None, tokens: int) -> float:
