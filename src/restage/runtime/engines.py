@@ -153,8 +153,8 @@ def effective_zero_stage(spec: ModelSpec, dp: int) -> int:
     """The ZeRO stage the engine really uses: 0 where ZeRO-1/2 would partition over one DP rank.
 
     With dp == 1 stages 1 and 2 keep every optimizer state and gradient on the one rank anyway,
-    but their partition bookkeeping costs time on every backward and step (15% of a tiny GRPO
-    step on CPU, measured with `restage run jobs/grpo_tiny.yaml -n 1 models.actor.zero_stage=0`).
+    but their partition bookkeeping costs time on every backward and step (~9% of a tiny GRPO
+    step on CPU in an interleaved A/B of `restage run jobs/grpo_tiny.yaml -n 1`, 3 runs each).
     Optimizer offload needs ZeRO, and ZeRO-3 manages parameters itself: both keep their stage.
     """
     if dp == 1 and spec.zero_stage in (1, 2) and not spec.offload_optimizer:
