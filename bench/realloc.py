@@ -111,21 +111,6 @@ def _raw(plan: ReallocPlan, groups: ProcessGroups, buffers: dict) -> None:
         work.wait()
 
 
-def _raw_sequential(plan: ReallocPlan, groups: ProcessGroups, buffers: dict) -> None:
-    """The plan's channels as flat buffers, one blocking broadcast (or send/recv) after another."""
-    me = dist.get_rank()
-    for sender, receivers, _ in _channels(plan):
-        if me != sender and me not in receivers:
-            continue
-        buf = buffers[(sender, receivers)]
-        if len(receivers) > 1:
-            dist.broadcast(buf, src=sender, group=groups.get((sender, *receivers)))
-        elif me == sender:
-            dist.send(buf, dst=receivers[0])
-        else:
-            dist.recv(buf, src=sender)
-
-
 def _copy_work(plan: ReallocPlan, bucket_bytes: int, rank: int) -> list[tuple[bool, tuple]]:
     """The copies restage must make on ``rank``: (is local, what) for each local piece and each message it packs or unpacks."""
     out = [(True, (p,)) for p in plan.local_pieces if p.src_rank == rank]
