@@ -6,7 +6,9 @@ The job's script asks for ``--signal=B:USR2@<signal_delay_seconds>``; when the l
 slurmctld does exactly what ``scancel --batch --signal=USR2 JOB`` does now: USR2 to the batch
 step, where the driver runs. submitit counts that as a time-out (a limit under ten minutes always
 is one) and requeues. SLURM then holds a requeued job for about two minutes (BeginTime); the test
-lifts that with ``scontrol update StartTime=now``.
+lifts that with ``scontrol update StartTime=now``, once the wall clock is past the second of the
+requeue: slurmd revokes the old incarnation's credential with a one-second timestamp and kills
+a restart launched within that same second ("Job credential revoked"; it failed the test once).
 
 Both tests run exactly the reference job's config (conftest.reference_overrides) and compare with
 it: the same steps in the log, the same statistics at every step, bit-identical final weights.
@@ -15,6 +17,7 @@ Log steps count from 0; checkpoint ``step-N`` holds N finished steps.
 
 import json
 import subprocess
+import time
 
 import pytest
 import torch
@@ -69,6 +72,7 @@ def test_signal_at_time_limit_requeues_and_resumes_to_the_uninterrupted_run(refe
     assert done == list(range(stopped_after)) and 2 <= stopped_after < REFERENCE_STEPS
     assert checkpoint_dir.complete_steps(trial)[-1] == stopped_after  # checkpointed at the stop, not before
     assert read_log(trial / "log.h5").closed  # the stop closed the log cleanly
+    time.sleep(2.0)  # past the second in which slurmd revoked the old credential (see the module docstring)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
     state = wait_finished(job_id)
     assert state == "COMPLETED", f"{state}:\n{failure_report(trial)}"
