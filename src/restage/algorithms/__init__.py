@@ -2,8 +2,9 @@
 
 Built-in algorithms are looked up by name; an external one registers its module with
 ``register_algorithm(name, module)``, or a config names its module by dotted path
-(``algorithm: mypkg.my_algo``). The functions every module defines are listed in
-``restage.algorithms.base.PROTOCOL`` and described in docs/algorithms.md.
+(``algorithm: mypkg.my_algo``). The functions a module must define are
+``restage.algorithms.base.REQUIRED``; those in ``base.OPTIONAL`` default to the base behaviour
+(docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def is_algorithm_name(name: str) -> bool:
     return name in _BUILTIN or name in _REGISTERED or "." in name
 
 
-def get_algorithm(name: str) -> ModuleType:
+def get_algorithm(name: str):
+    """The algorithm called ``name`` as a ``base.Algorithm`` (its module, optional functions defaulted)."""
     module = _REGISTERED.get(name) or _BUILTIN.get(name) or (name if "." in name else None)
     if module is None:
         raise ConfigError(f"algorithm {name!r} is unknown; use one of {', '.join(algorithm_names())}")
@@ -48,8 +50,8 @@ def get_algorithm(name: str) -> ModuleType:
             module = importlib.import_module(module)
         except ImportError as err:
             raise ConfigError(f"algorithm {name!r}: cannot import {module} ({err})") from None
-    if name not in _BUILTIN:
-        from restage.algorithms.base import check_algorithm
+    from restage.algorithms.base import Algorithm, check_algorithm
 
+    if name not in _BUILTIN:
         check_algorithm(module)
-    return module
+    return Algorithm(module)

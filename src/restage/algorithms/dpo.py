@@ -11,7 +11,7 @@ from restage.algorithms._graphs import sizes
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
-from restage.graph import MFC, DataflowGraph
+from restage.graph import MFC
 
 
 @dataclass(frozen=True)
@@ -39,25 +39,8 @@ def validate(cfg: ExperimentConfig) -> Params:
     return params
 
 
-def init_state(cfg: ExperimentConfig, tokenizer=None) -> base.AlgoState:
-    return base.AlgoState(cfg, DataflowGraph(tuple(mfcs(cfg))), validate(cfg), tokenizer)
-
-
 def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
     return ("logprobs",)
-
-
-def inference(mfc_name: str, batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState) -> dict:
-    return base.default_inference(state.graph[mfc_name], batch, outputs)
-
-
-def after_generate(mfc_name: str, batch: Batch, cfg: ExperimentConfig, state: base.AlgoState) -> Batch:
-    raise ValueError("dpo has no generate MFC")
-
-
-def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
-                  reduce=None) -> tuple[Batch, dict]:
-    return batch, {}
 
 
 def pair_logprobs(logprobs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -90,14 +90,6 @@ def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
     return base.default_forward_outputs(DataflowGraph(tuple(mfcs(cfg))), mfc_name)
 
 
-def inference(mfc_name: str, batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState) -> dict:
-    return base.default_inference(state.graph[mfc_name], batch, outputs)
-
-
-def after_generate(mfc_name: str, batch: Batch, cfg: ExperimentConfig, state: base.AlgoState) -> Batch:
-    return base.default_after_generate(mfc_name, batch, state)
-
-
 def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
                   reduce: ops.Reduce = None) -> tuple[Batch, dict]:
     """Adds ``advantages``, ``returns`` and ``old_values`` (per token, on answer tokens; the critic's scale)."""

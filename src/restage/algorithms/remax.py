@@ -57,22 +57,10 @@ def validate(cfg: ExperimentConfig) -> Params:
     return params
 
 
-def init_state(cfg: ExperimentConfig, tokenizer=None) -> base.AlgoState:
-    return base.AlgoState(cfg, DataflowGraph(tuple(mfcs(cfg))), validate(cfg), tokenizer)
-
-
 def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
     if mfc_name == "actor_train":
         return _policy.actor_forward_outputs(base.parse_params(Params, cfg))
     return base.default_forward_outputs(DataflowGraph(tuple(mfcs(cfg))), mfc_name)
-
-
-def inference(mfc_name: str, batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState) -> dict:
-    return base.default_inference(state.graph[mfc_name], batch, outputs)
-
-
-def after_generate(mfc_name: str, batch: Batch, cfg: ExperimentConfig, state: base.AlgoState) -> Batch:
-    return base.default_after_generate(mfc_name, batch, state)
 
 
 def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,

@@ -10,7 +10,7 @@ from restage.algorithms import base, losses, ops
 from restage.algorithms._graphs import sizes
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
-from restage.graph import MFC, DataflowGraph
+from restage.graph import MFC
 
 
 @dataclass(frozen=True)
@@ -29,25 +29,8 @@ def validate(cfg: ExperimentConfig) -> Params:
     return base.parse_params(Params, cfg)
 
 
-def init_state(cfg: ExperimentConfig, tokenizer=None) -> base.AlgoState:
-    return base.AlgoState(cfg, DataflowGraph(tuple(mfcs(cfg))), validate(cfg), tokenizer)
-
-
 def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
     return ("values",)
-
-
-def inference(mfc_name: str, batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState) -> dict:
-    raise ValueError("rm has no inference MFC")
-
-
-def after_generate(mfc_name: str, batch: Batch, cfg: ExperimentConfig, state: base.AlgoState) -> Batch:
-    raise ValueError("rm has no generate MFC")
-
-
-def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
-                  reduce=None) -> tuple[Batch, dict]:
-    return batch, {}
 
 
 def pair_scores(values: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
