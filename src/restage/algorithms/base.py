@@ -52,6 +52,8 @@ class Algorithm:
         self.module = module
 
     def __getattr__(self, name: str):
+        if name == "module":  # not set yet (copying or unpickling): no recursion through self.module
+            raise AttributeError(name)
         found = getattr(self.module, name, None)
         if found is not None:
             return found
