@@ -170,9 +170,14 @@ def _run(args, nproc: int, use_mpi: bool) -> int:
         rows = list(zip(mine, out.sequences(), out.token_logprobs()))
     if control is not None:
         gathered = control.gather(rows if coord.pp == 0 and coord.tp == 0 else [])
+        rows = [row for part in gathered for row in part] if rank == 0 else []
+        import torch.distributed as dist
+
+        # Join gloo's worker threads now: left running into interpreter shutdown, one of them
+        # released a tensor after Python had finalised and the rank aborted ("terminate called").
+        dist.destroy_process_group()
         if rank != 0:
             return 0
-        rows = [row for part in gathered for row in part]
     _print(args, sorted(rows), prompts, texts, _tokenizer(path), strategy)
     return 0
 
