@@ -15,8 +15,13 @@ ASSETS = Path("results/assets")
 TOKENIZER = Path("data/synthetic/tokenizer")
 
 
-def ensure_tiny_model(path: Path = ASSETS / "tiny-llama", seed: int = 0) -> Path:
-    """A random tiny LLaMA over the synthetic task's 16-token vocabulary, with that tokenizer (built once)."""
+def ensure_tiny_model(root: Path = Path("."), seed: int = 0) -> Path:
+    """A random tiny LLaMA over the synthetic task's 16-token vocabulary, with that tokenizer (built once).
+
+    ``root`` is the repository the shipped jobs run from (default: the working directory); the
+    model is ``root/results/assets/tiny-llama``, the path that is returned.
+    """
+    path = root / ASSETS / "tiny-llama"
     if (path / "config.json").is_file():
         return path
     from restage.models.tiny import build_tiny
@@ -25,7 +30,7 @@ def ensure_tiny_model(path: Path = ASSETS / "tiny-llama", seed: int = 0) -> Path
     shutil.rmtree(tmp, ignore_errors=True)
     build_tiny(tmp, family="llama", seed=seed, vocab_size=16, tokenizer=False, hidden_size=64, intermediate_size=128,
                num_layers=2, num_heads=4, num_kv_heads=2, max_positions=64)
-    for file in TOKENIZER.iterdir():
+    for file in (root / TOKENIZER).iterdir():
         shutil.copy(file, tmp / file.name)
     tmp.replace(path)
     return path

@@ -52,12 +52,7 @@ class Run:
 
 
 def tiny_model() -> Path:
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        return ROOT / ensure_tiny_model()
-    finally:
-        os.chdir(cwd)
+    return ensure_tiny_model(ROOT)
 
 
 def layout_overrides(layouts: dict[str, str], mfcs: tuple[str, ...]) -> list[str]:

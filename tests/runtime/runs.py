@@ -15,12 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_assets() -> Path:
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        return ROOT / ensure_tiny_model()
-    finally:
-        os.chdir(cwd)
+    return ensure_tiny_model(ROOT)
 
 
 def restage_run(results: Path, *args: str, timeout: float = 600, env: dict | None = None, wait: bool = True):

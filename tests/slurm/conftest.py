@@ -1,7 +1,6 @@
 """The local one-node SLURM cluster (scripts/slurm_local.sh), started once per session; config writers;
 the tiny model; and one uninterrupted real run that several tests read."""
 
-import contextlib
 import os
 import subprocess
 from dataclasses import dataclass
@@ -28,8 +27,7 @@ def tiny_model():
     """results/assets/tiny-llama, the model the shipped tiny jobs name (built once, as `make demo` does)."""
     from restage.demo import ensure_tiny_model
 
-    with contextlib.chdir(REPO):
-        return REPO / ensure_tiny_model()
+    return ensure_tiny_model(REPO)
 
 
 @dataclass(frozen=True)
