@@ -33,25 +33,17 @@ def _check_actor_reallocated_every_step(run, steps: int) -> int:
     return int(per_step[0])
 
 
-def test_ppo_raises_reward_with_reallocation_in_the_loop(tmp_path):
-    steps, margin = 40, 0.10
-    mfcs = ("actor_gen", "ref_inf", "critic_inf", "actor_train", "critic_train")
-    run = restage_run(tmp_path, "ppo_tiny", 2, "e2e", f"run.steps={steps}", *layout_overrides(RELAYOUT, mfcs))
+@pytest.mark.parametrize("job, steps, mfcs", [
+    ("ppo_tiny", 40, ("actor_gen", "ref_inf", "critic_inf", "actor_train", "critic_train")),
+    ("grpo_tiny", 50, ("actor_gen", "ref_inf", "actor_train")),
+])
+def test_raises_reward_with_reallocation_in_the_loop(tmp_path, job, steps, mfcs):
+    margin, name = 0.10, job.removesuffix("_tiny")
+    run = restage_run(tmp_path, job, 2, "e2e", f"run.steps={steps}", *layout_overrides(RELAYOUT, mfcs))
     start, end = _reward_gain(run)
-    assert end - start >= margin, f"PPO reward {start:.3f} -> {end:.3f} in {steps} steps"
+    assert end - start >= margin, f"{name.upper()} reward {start:.3f} -> {end:.3f} in {steps} steps"
     realloc_bytes = _check_actor_reallocated_every_step(run, steps)
-    report("ppo", steps=steps, reward_start=start, reward_end=end, gain=end - start, realloc_bytes_per_step=realloc_bytes,
-           seconds=run.seconds)
-
-
-def test_grpo_raises_reward_with_reallocation_in_the_loop(tmp_path):
-    steps, margin = 50, 0.10
-    mfcs = ("actor_gen", "ref_inf", "actor_train")
-    run = restage_run(tmp_path, "grpo_tiny", 2, "e2e", f"run.steps={steps}", *layout_overrides(RELAYOUT, mfcs))
-    start, end = _reward_gain(run)
-    assert end - start >= margin, f"GRPO reward {start:.3f} -> {end:.3f} in {steps} steps"
-    realloc_bytes = _check_actor_reallocated_every_step(run, steps)
-    report("grpo", steps=steps, reward_start=start, reward_end=end, gain=end - start, realloc_bytes_per_step=realloc_bytes,
+    report(name, steps=steps, reward_start=start, reward_end=end, gain=end - start, realloc_bytes_per_step=realloc_bytes,
            seconds=run.seconds)
 
 
