@@ -1,7 +1,7 @@
 """The interface between an algorithm module and the runtime, and the defaults most algorithms share.
 
-Every algorithm module defines the functions named in ``PROTOCOL`` (docs/algorithms.md has the
-full contract). In short, per iteration the runtime:
+Every algorithm module defines the functions named in ``REQUIRED``; those in ``OPTIONAL`` it may
+leave to the defaults that ``Algorithm`` supplies (docs/algorithms.md has the full contract). In short, per iteration the runtime:
 
 1. ``generate`` MFCs: runs the model, packs ``seqs``/``prompt_mask``/``logprobs`` into a ``Batch``,
    then calls ``after_generate(mfc_name, batch, cfg, state)`` (function rewards are added here);
@@ -29,7 +29,6 @@ from restage.graph import MFC, DataflowGraph
 
 REQUIRED = ("mfcs", "validate", "forward_outputs", "loss")
 OPTIONAL = ("init_state", "inference", "after_generate", "prepare_train")  # the defaults below when left out
-PROTOCOL = REQUIRED + OPTIONAL
 FORWARD_OUTPUTS = ("logprobs", "entropy", "values")  # what a model forward can be asked for
 
 
