@@ -1,7 +1,8 @@
 """The interface between an algorithm module and the runtime, and the defaults most algorithms share.
 
 Every algorithm module defines the functions named in ``REQUIRED``; those in ``OPTIONAL`` it may
-leave to the defaults that ``Algorithm`` supplies (docs/algorithms.md has the full contract). In short, per iteration the runtime:
+leave to the defaults that ``Algorithm`` supplies (docs/algorithms.md has the full contract).
+In short, per iteration the runtime:
 
 1. ``generate`` MFCs: runs the model, packs ``seqs``/``prompt_mask``/``logprobs`` into a ``Batch``,
    then calls ``after_generate(mfc_name, batch, cfg, state)`` (function rewards are added here);
