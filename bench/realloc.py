@@ -2,7 +2,9 @@
 
 For each layout pair it times three ways of producing every destination shard:
 
-* ``restage``: the planned, bucketed reallocation (``runtime.realloc``);
+* ``restage``: the planned, bucketed reallocation (``runtime.realloc``), called as the runtime
+  calls it: a destination tensor a rank holds whole shares the source's storage
+  (``share_local``; ``--copy-local`` copies it instead);
 * ``raw broadcast`` (the issue's baseline): one ``dist.broadcast`` of the same number of bytes
   between the same ranks: a message of the plan's total bytes from the plan's busiest sender
   to every rank that receives (send/recv when one rank receives). Its throughput is message
@@ -24,7 +26,7 @@ for N rounds, so a busy machine slows them alike; seconds are medians over the r
 ratios are ratios of those medians. Exactness is checked on the first call and again on the
 destination the warm calls filled.
 
-Usage: ``python bench/realloc.py [--json] [--bucket-mib 32] [--repeats 3] [--dtype bf16]``.
+Usage: ``python bench/realloc.py [--json] [--bucket-mib 32] [--repeats 3] [--dtype bf16] [--copy-local]``.
 """
 
 from __future__ import annotations
@@ -115,9 +117,9 @@ def _raw(plan: ReallocPlan, groups: ProcessGroups, buffers: dict) -> None:
         work.wait()
 
 
-def _copy_work(plan: ReallocPlan, bucket_bytes: int, rank: int) -> list[tuple[bool, tuple]]:
+def _copy_work(plan: ReallocPlan, bucket_bytes: int, rank: int, share: bool) -> list[tuple[bool, tuple]]:
     """The copies restage must make on ``rank``: (is local, what) for each local piece and each message it packs or unpacks."""
-    out = [(True, (p,)) for p in plan.local_pieces if p.src_rank == rank]
+    out = [(True, (p,)) for p in plan.local_pieces if p.src_rank == rank and not (share and p.whole)]
     for t in schedule_transfers(plan, bucket_bytes // SLOTS):
         if (rank == t.src_rank or rank in t.dst_ranks) and not t.in_place_for(rank):
             out.append((False, (rank == t.src_rank, t.pieces)))
@@ -228,7 +230,7 @@ def _interleaved(repeats: int, ways: dict) -> dict[str, list[float]]:
 
 
 
-def _bench(rank: int, world_size: int, dtype_name: str, bucket_bytes: int, repeats: int) -> list[dict]:
+def _bench(rank: int, world_size: int, dtype_name: str, bucket_bytes: int, repeats: int, share: bool) -> list[dict]:
     cfg, dtype = model_100m(), DTYPES[dtype_name]
     bpe = torch.empty((), dtype=dtype).element_size()
     plans = [plan_reallocation(cfg, a, b, bytes_per_element=bpe, world_size=world_size) for a, b, _ in CASES]
@@ -243,7 +245,10 @@ def _bench(rank: int, world_size: int, dtype_name: str, bucket_bytes: int, repea
         expected = _shard(cfg, dst_layout, rank, full)
         workspace = Workspace()
         cold = time.perf_counter()
-        result = execute_reallocation(plan, src or None, groups, dtype=dtype, bucket_bytes=bucket_bytes, workspace=workspace)
+        result = execute_reallocation(plan, src or None, groups, dtype=dtype, bucket_bytes=bucket_bytes, workspace=workspace,
+                                      share_local=share)
+        shared = torch.tensor([result.stats.shared_bytes])
+        dist.all_reduce(shared)
         dist.barrier()
         cold_seconds = time.perf_counter() - cold
         exact = all(torch.equal(result.state[n], t) for n, t in expected.items()) and result.state.keys() == expected.keys()
@@ -255,12 +260,13 @@ def _bench(rank: int, world_size: int, dtype_name: str, bucket_bytes: int, repea
         _, group, elements = _broadcast_shape(plan)
         buffer = torch.zeros(elements, dtype=dtype) if rank in group else None
         link_buffer = torch.zeros(_broadcast_shape(plan, equal_link=True)[2], dtype=dtype) if rank in group else None
-        work = _copy_work(plan, bucket_bytes, rank)
+        work = _copy_work(plan, bucket_bytes, rank, share)
         scratch = torch.empty(bucket_bytes // SLOTS // bpe, dtype=dtype)
         copy_dst = {n: t.clone() for n, t in (destination or {}).items()}
         rounds = _interleaved(repeats, {
             "restage": (execute_reallocation, (plan, src or None, groups),
-                        dict(dtype=dtype, destination=destination, bucket_bytes=bucket_bytes, workspace=workspace)),
+                        dict(dtype=dtype, destination=destination, bucket_bytes=bucket_bytes, workspace=workspace,
+                             share_local=share)),
             "raw_channels": (_raw, (plan, groups, buffers), {}),
             "raw_broadcast": (_raw_broadcast, (plan, groups, buffer), {}),
             "equal_link_broadcast": (_raw_broadcast, (plan, groups, link_buffer), {}),
@@ -279,7 +285,8 @@ def _bench(rank: int, world_size: int, dtype_name: str, bucket_bytes: int, repea
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         rows.append(dict(
             case=what, src=str(src_layout), dst=str(dst_layout), bytes=plan.total_bytes,
-            lower_bound_bytes=plan.lower_bound_bytes, naive_bytes=naive_bytes, seconds=seconds, cold_seconds=cold_seconds,
+            lower_bound_bytes=plan.lower_bound_bytes, naive_bytes=naive_bytes, shared_bytes=int(shared),
+            seconds=seconds, cold_seconds=cold_seconds,
             raw_broadcast_seconds=bcast_seconds, raw_broadcast_bytes=_broadcast_shape(plan)[2] * bpe,
             equal_link_broadcast_seconds=link_seconds, raw_channels_seconds=raw_seconds, naive_seconds=naive_seconds,
             copy_seconds=timing["copies"],
@@ -321,18 +328,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mib", type=float, default=32.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--copy-local", action="store_true",
+                        help="copy destination tensors a rank holds whole instead of sharing the source's (share_local)")
     args = parser.parse_args(argv)
     cfg = model_100m()
     params = sum(s.numel for s in param_specs(cfg))
-    rows = spawn(_bench, WORLD_SIZE, args.dtype, int(args.bucket_mib * (1 << 20)), args.repeats,
+    rows = spawn(_bench, WORLD_SIZE, args.dtype, int(args.bucket_mib * (1 << 20)), args.repeats, not args.copy_local,
                  timeout_seconds=1800)[0]
     if args.json:
         print(json.dumps({"world_size": WORLD_SIZE, "parameters": params, "dtype": args.dtype,
-                          "bucket_bytes": int(args.bucket_mib * (1 << 20)), "repeats": args.repeats, "cases": rows, "targets": _targets(rows)},
+                          "bucket_bytes": int(args.bucket_mib * (1 << 20)), "repeats": args.repeats,
+                          "share_local": not args.copy_local, "cases": rows, "targets": _targets(rows)},
                          indent=1))
         return 0
     print(f"{params / 1e6:.1f}M parameters ({args.dtype}), {WORLD_SIZE} gloo ranks, bucket {args.bucket_mib:g} MiB, "
-          f"median of {args.repeats}")
+          f"median of {args.repeats}, " + ("whole local tensors copied" if args.copy_local else "whole local tensors shared"))
     print(f"{'case':<50} {'MB':>6} {'s':>6} {'cold s':>6} {'MB/s':>5} | {'bcast s':>7} {'ratio':>5} | "
           f"{'link s':>6} {'ratio':>5} | {'chan s':>6} {'ratio':>5} | {'copy s':>6} | {'naive s':>7} {'speedup':>7} | exact")
 

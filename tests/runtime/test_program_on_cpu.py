@@ -74,3 +74,25 @@ def test_reference_ema_needs_the_actors_architecture():
     check_ema_architectures(graph, {"actor": tiny, "ref": tiny, "critic": deeper})  # the critic is not mixed
     with pytest.raises(ConfigError, match=r"^algo.ref_ema_eta: models.ref must have the architecture of models.actor"):
         check_ema_architectures(graph, {"actor": tiny, "ref": deeper, "critic": tiny})
+
+
+def test_a_copy_made_before_a_model_changes_is_made_again_for_a_later_mfc():
+    seq = ("seqs",)
+    ema = {"ref_ema_eta": 0.1, "ref_ema_model": "ref"}
+    graph = DataflowGraph((MFC("gen", "generate", "actor", ("prompts",), seq, 8, 4, 4, 1),
+                           MFC("ref_a", "inference", "ref", seq, ("a",), 8, 4, 4, 1),
+                           MFC("ref_b", "inference", "ref", seq, ("b",), 8, 4, 4, 1),
+                           MFC("train", "train_step", "actor", seq + ("a", "b"), (), 8, 4, 4, 1, options=ema),
+                           MFC("gen_after", "generate", "actor", ("prompts",), ("seqs2",), 8, 4, 4, 1),
+                           MFC("ref_after", "inference", "ref", ("seqs2",), ("c",), 8, 4, 4, 1)))
+    train, ref_home, other = (Layout.contiguous(0, Strategy(dp=2, tp=2)), Layout.contiguous(2, Strategy(dp=2)),
+                              Layout.contiguous(0, Strategy(dp=4)))
+    layouts = {"gen": other, "ref_a": ref_home, "ref_b": other, "train": train, "gen_after": other, "ref_after": other}
+    ops = build_program(graph, layouts)
+    walk = [(o.kind, o.mfc) for o in ops if o.kind in ("realloc", "run", "free", "ema")]
+    # The actor's and the reference's copies in `other` made before the step (and its EMA) hold old
+    # weights: the MFCs after it get fresh copies, each freed after its last use.
+    assert [(o.kind, o.mfc or o.model) for o in ops if o.kind != "transfer"] == [
+        ("realloc", "actor"), ("run", "gen"), ("run", "ref_a"), ("realloc", "ref"), ("run", "ref_b"),
+        ("run", "train"), ("ema", "train"), ("realloc", "actor"), ("run", "gen_after"), ("free", "actor"),
+        ("realloc", "ref"), ("run", "ref_after"), ("free", "ref")], walk

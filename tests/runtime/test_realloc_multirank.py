@@ -130,9 +130,40 @@ def _walk_transfers(rank: int, world_size: int, assignment: str | None = None) -
     return out
 
 
+# Pairs where ranks keep whole tensors (layers of a pp stage or dp replica, replicated norms), for share_local.
+SHARED = [0, 6, 8, 9, 18, 24, 30]
+
+
+def _walk_shared(rank: int, world_size: int) -> list[dict]:
+    """share_local: tensors a rank holds whole are the source's own storage, the rest as usual; into new and given tensors."""
+    out = []
+    for i in SHARED:
+        kind, a, b, _ = PAIRS_8[i]
+        cfg, dtype = tiny(kind), _dtype(i)
+        plan = plan_reallocation(cfg, a, b, bytes_per_element=dtype.itemsize, node_of=node_of_3, world_size=world_size)
+        groups = ProcessGroups(groups_for(plan))
+        full = reference_state(cfg, seed=i, dtype=dtype)
+        source = shard_of(cfg, a, rank, full)
+        expected = shard_of(cfg, b, rank, full)
+        given = {n: torch.full_like(t, float("nan")) for n, t in expected.items()}
+        runs = [execute_reallocation(plan, source or None, groups, dtype=dtype, destination=into, share_local=True)
+                for into in (None, given or None)]
+        out.append(dict(
+            wrong=[_mismatches(r.state, expected) for r in runs],
+            # Which destination tensors are the source's own memory; a given tensor must be rebound, not replaced.
+            shares=[sorted(n for n, t in r.state.items() if n in source and t.data_ptr() == source[n].data_ptr())
+                    for r in runs],
+            given_rebound=sorted(n for n, t in given.items() if n in source and t.data_ptr() == source[n].data_ptr()),
+            shared_bytes=[r.stats.shared_bytes for r in runs], peak=[r.stats.peak_extra_bytes for r in runs],
+            shard=runs[0].stats.destination_shard_bytes, local=[r.stats.local_bytes for r in runs],
+            received=[r.stats.received_bytes for r in runs], buffer=runs[0].stats.peak_buffer_bytes,
+        ))
+    return out
+
+
 def _eight_ranks(rank: int, world_size: int) -> dict:
     return {"realloc": _walk_pairs(rank, world_size, PAIRS_8), "transfer": _walk_transfers(rank, world_size),
-            "contiguous": _walk_transfers(rank, world_size, "contiguous")}
+            "contiguous": _walk_transfers(rank, world_size, "contiguous"), "shared": _walk_shared(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +179,29 @@ def test_32_layout_pairs_on_8_ranks_are_exact_and_move_only_the_lower_bound(eigh
     # Every way of moving a piece ran: in place on both sides, on one side only (either), and buckets.
     assert set(kinds) == {(True, True), (True, False), (False, True), (False, False)}, kinds
     assert any(b for per_rank in results for r in per_rank for b in r["buffer"])
+
+
+def test_share_local_makes_whole_local_tensors_the_sources_own_and_copies_nothing_for_them(eight):
+    shared_somewhere = 0
+    for j, i in enumerate(SHARED):
+        kind, a, b, what = PAIRS_8[i]
+        dtype = _dtype(i)
+        plan = plan_reallocation(tiny(kind), a, b, bytes_per_element=dtype.itemsize, node_of=node_of_3, world_size=8)
+        received = 0
+        for rank, per_rank in enumerate(eight):
+            r = per_rank["shared"][j]
+            assert r["wrong"] == [[], []], (what, rank)
+            whole = sorted(p.name for p in plan.local_pieces if p.src_rank == rank and p.whole)
+            assert r["shares"] == [whole, whole] and r["given_rebound"] == whole, (what, rank)
+            nbytes = sum(p.numel for p in plan.local_pieces if p.src_rank == rank and p.whole) * dtype.itemsize
+            local = sum(p.numel for p in plan.local_pieces if p.src_rank == rank) * dtype.itemsize
+            assert r["shared_bytes"] == [nbytes, nbytes] and r["local"] == [local, local], (what, rank)
+            # A new destination holds no memory for the shared tensors.
+            assert r["peak"][0] <= r["shard"] - nbytes + r["buffer"], (what, rank)
+            received += r["received"][0]
+            shared_somewhere += nbytes
+        assert received == plan.total_bytes, what  # sharing moves nothing more or less
+    assert shared_somewhere > 0
 
 
 def test_data_transfer_delivers_each_sample_once_intact_and_balanced(eight):

@@ -126,6 +126,9 @@ def build_program(graph: DataflowGraph, layouts: dict[str, Layout], offload_idle
         for target, train_mfc in ema.items():
             if train_mfc == mfc.name:
                 ops.append(Op("ema", _union(home, homes[target]), mfc=mfc.name, model=target, src=home, dst=homes[target]))
+        if mfc.kind == "train_step":  # copies made before now hold old weights: an MFC after this one gets a new copy
+            updated = {mfc.model} | {t for t, m in ema.items() if m == mfc.name}
+            copies = {(m, lay) for m, lay in copies if m not in updated}
         if layout != home and mfc.model in changing and last_use[(mfc.model, layout)] == i:
             ops.append(Op("free", layout.mesh, model=mfc.model, dst=layout))
             copies.discard((mfc.model, layout))

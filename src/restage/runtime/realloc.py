@@ -15,6 +15,12 @@ bucket (``Workspace``), as many messages in flight as fit. Local copies are made
 waits for its messages. Memory beyond the source: the destination shard, one bucket, and for a
 ZeRO-3 source the parameters of one unit (embeddings, one layer, or the head) gathered at a
 time. Every allocation goes through a meter, so the stats report the measured peak.
+
+``share_local=True`` lets a destination tensor that a rank already holds whole (same
+parameter, same slice: a pipeline stage or DP replica that keeps its layers) share the
+source's storage instead of being copied: no copy and no memory. Use it for read-only copies
+that are dropped or refreshed before the source changes (the runtime's copies for generation
+and inference); the shared tensors change when the source does.
 """
 
 from __future__ import annotations
@@ -55,12 +61,13 @@ class ReallocStats:
     seconds: float
     sent_bytes_by_link: dict[tuple[int, int], int] = field(hash=False)  # counted by this rank as sender
     received_bytes_by_link: dict[tuple[int, int], int] = field(hash=False)  # counted by this rank as receiver
-    local_bytes: int  # copied inside this rank
+    local_bytes: int  # already on this rank: copied inside it, or shared (below)
     destination_shard_bytes: int
     peak_buffer_bytes: int  # largest bucket buffer held at once
     peak_gathered_bytes: int  # largest ZeRO-3 unit gathered at once (0 for other sources)
     peak_extra_bytes: int  # destination shard + buffers + gathered parameters, at their joint peak
     transfers: int  # communications this rank took part in
+    shared_bytes: int = 0  # destination tensors that share the source's storage (share_local), not copied
 
     @property
     def sent_bytes(self) -> int:
@@ -151,7 +158,8 @@ def default_device() -> torch.device:
 def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dtype: torch.dtype,
                          destination: dict[str, torch.Tensor] | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                          direct_min_bytes: int = DEFAULT_DIRECT_MIN_BYTES, layer_by_layer: bool | None = None,
-                         workspace: Workspace | None = None, device: torch.device | None = None) -> ReallocResult:
+                         workspace: Workspace | None = None, device: torch.device | None = None,
+                         share_local: bool = False) -> ReallocResult:
     """Move the parameters as ``plan`` says; call on every rank of src and dst with the same arguments.
 
     ``source``: this rank's shard in the source layout (dict by canonical name, module, or
@@ -161,6 +169,9 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
     time; transfers always go unit by unit, so ranks agree on their order whatever their
     source is (``layer_by_layer`` is accepted for older callers and ignored).
     ``workspace`` keeps the bucket buffer between calls (a temporary one is used otherwise).
+    ``share_local``: a destination tensor this rank holds whole in the source becomes the source
+    tensor (a given destination tensor is rebound to its storage) instead of a copy of it;
+    never with a ZeRO-3 source, whose gathered parameters are released after use.
     Raises LayoutError before any communication if a layout does not fit the model or world.
     """
     started = time.perf_counter()
@@ -184,8 +195,15 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
         raise KeyError(f"rank {me}: the ZeRO-3 source has no parameters {missing[:4]}")
 
     meter = _Meter()
-    dst = _destination(plan, me, destination, dtype, device, meter)
+    # share_local: a tensor this rank holds whole becomes the destination tensor (never a ZeRO-3
+    # source's: its gathered parameters are released after use).
+    shared = {p.name: src[p.name] for p in local if p.whole and src[p.name].device == device} \
+        if share_local and not zero3 else {}
+    local = [p for p in local if p.name not in shared]
+    dst = _destination(plan, me, destination, dtype, device, meter, shared)
     shard_bytes = meter.now["destination"]
+    shared_bytes = sum(t.numel() * t.element_size() for t in shared.values())
+    shard_bytes += shared_bytes
     bpe = plan.bytes_per_element
     # The ring holds as many messages in flight as fit in one bucket, but no more than this rank
     # packs or unpacks in all (a small plan does not need a whole bucket).
@@ -217,9 +235,9 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
     meter.sub("buffer", held_bytes)
     stats = ReallocStats(
         seconds=time.perf_counter() - started, sent_bytes_by_link=dict(tally.sent), received_bytes_by_link=dict(tally.received),
-        local_bytes=sum(p.numel for p in local) * bpe, destination_shard_bytes=shard_bytes,
+        local_bytes=sum(p.numel for p in local) * bpe + shared_bytes, destination_shard_bytes=shard_bytes,
         peak_buffer_bytes=meter.peak["buffer"], peak_gathered_bytes=meter.peak["gathered"],
-        peak_extra_bytes=meter.peak_total, transfers=len(transfers))
+        peak_extra_bytes=meter.peak_total, transfers=len(transfers), shared_bytes=shared_bytes)
     return ReallocResult(dst, stats)
 
 
@@ -240,22 +258,27 @@ def _check_inputs(plan: ReallocPlan, me: int, src: dict, transfers: list[Transfe
 
 
 def _destination(plan: ReallocPlan, me: int, given: dict[str, torch.Tensor] | None, dtype: torch.dtype,
-                 device: torch.device, meter: _Meter) -> dict[str, torch.Tensor]:
+                 device: torch.device, meter: _Meter, shared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's destination tensors: the given ones or new ones; ``shared`` ones are the source's own (no memory)."""
     coord = plan.dst.coord(me)
     if coord is None:
         return {}
     specs = shard_specs(plan.cfg, plan.dst.strategy, coord.pp, coord.tp)
     out = {}
     for s in specs:
+        name = s.param.name
         if given is not None:
-            tensor = given[s.param.name]
+            tensor = given[name]
             if tuple(tensor.shape) != s.shape or tensor.dtype != dtype:
-                raise ValueError(f"destination {s.param.name} is {tuple(tensor.shape)} {tensor.dtype}, "
+                raise ValueError(f"destination {name} is {tuple(tensor.shape)} {tensor.dtype}, "
                                  f"expected {s.shape} {dtype}")
-            out[s.param.name] = tensor.detach()
+            if name in shared:
+                tensor.data = shared[name].detach()  # rebinds a model's parameter to the source's storage
+            out[name] = tensor.detach()
         else:
-            out[s.param.name] = torch.empty(s.shape, dtype=dtype, device=device)
-        meter.add("destination", s.numel * plan.bytes_per_element)
+            out[name] = shared[name].detach() if name in shared else torch.empty(s.shape, dtype=dtype, device=device)
+        if name not in shared:
+            meter.add("destination", s.numel * plan.bytes_per_element)
     return out
 
 

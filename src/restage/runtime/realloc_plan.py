@@ -64,6 +64,11 @@ class Piece:
         shape[self.dim] = self.full_range[1] - self.full_range[0]
         return tuple(shape)
 
+    @property
+    def whole(self) -> bool:
+        """Whether the piece is the whole source shard and the whole destination shard (the same tensor)."""
+        return self.src_shape == self.dst_shape and self.numel == math.prod(self.dst_shape)
+
     def src_contiguous(self) -> bool:
         return _contiguous(self.src_shape, self.dim, self.src_range)
 

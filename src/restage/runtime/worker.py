@@ -291,8 +291,10 @@ class Worker:
             slot.copies[op.dst] = module
             destination = dict(module.named_parameters())
         source = slot.engine if slot.engine is not None else slot.module
+        # The copy is read-only and dropped before its source next changes (a trained model's after
+        # its last use, a reference's once its EMA moves), so tensors this rank holds whole are shared.
         result = execute_reallocation(plan, source if self.rank in op.src else None, self.groups,
-                                      dtype=DTYPES[slot.spec.dtype], destination=destination)
+                                      dtype=DTYPES[slot.spec.dtype], destination=destination, share_local=True)
         return result.stats.sent_bytes
 
     def _ema(self, op) -> int:
@@ -301,7 +303,7 @@ class Worker:
         trained, target = self.slots[mfc.model], self.slots[op.model]
         plan = self._realloc_plan(mfc.model, op.src, op.dst)
         source = trained.engine if self.rank in op.src else None
-        result = execute_reallocation(plan, source, self.groups, dtype=DTYPES[trained.spec.dtype])
+        result = execute_reallocation(plan, source, self.groups, dtype=DTYPES[trained.spec.dtype], share_local=True)
         if self.rank in op.dst:
             eta = float(mfc.options["ref_ema_eta"])
             params = dict(target.module.named_parameters())
