@@ -282,19 +282,19 @@ class Worker:
         frozen = not slot.spec.trainable
         if frozen and op.dst in slot.copies:
             return 0  # a frozen model's copy never goes stale
-        destination = None
-        if self.rank in op.dst:
-            ctx = ParallelContext.from_layout(op.dst, self.groups, self.rank)
-            module = StageModule(slot.cfg, ctx, DTYPES[slot.spec.dtype], self.device)
-            module.requires_grad_(False)
-            module.eval()
-            slot.copies[op.dst] = module
-            destination = dict(module.named_parameters())
         source = slot.engine if slot.engine is not None else slot.module
         # The copy is read-only and dropped before its source next changes (a trained model's after
         # its last use, a reference's once its EMA moves), so tensors this rank holds whole are shared.
+        # The executor allocates the rest; the module adopts the tensors (built on "meta", it holds none).
         result = execute_reallocation(plan, source if self.rank in op.src else None, self.groups,
-                                      dtype=DTYPES[slot.spec.dtype], destination=destination, share_local=True)
+                                      dtype=DTYPES[slot.spec.dtype], share_local=True, device=self.device)
+        if self.rank in op.dst:
+            ctx = ParallelContext.from_layout(op.dst, self.groups, self.rank)
+            module = StageModule(slot.cfg, ctx, DTYPES[slot.spec.dtype], torch.device("meta"))
+            module.load_state_dict(result.state, strict=True, assign=True)
+            module.requires_grad_(False)
+            module.eval()
+            slot.copies[op.dst] = module
         return result.stats.sent_bytes
 
     def _ema(self, op) -> int:
