@@ -43,6 +43,10 @@ def _from_engines(rank: int, world_size: int) -> list[dict]:
                 plan = plan_reallocation(cfg, src, dst, bytes_per_element=4)
                 got = execute_reallocation(plan, engine, groups, dtype=torch.float32, bucket_bytes=8192)
                 expected = shard_of(cfg, dst, rank, full)
+                # share_local: ZeRO-1/2 tensors held whole are the engine's own; ZeRO-3's are copied (gathered, then released).
+                shared = execute_reallocation(plan, engine, groups, dtype=torch.float32, bucket_bytes=8192, share_local=True)
+                params = dict(engine.module.named_parameters()) if engine is not None else {}
+                whole = [p for p in plan.local_pieces if p.src_rank == rank and p.whole]
                 coord = src.coord(rank) or src.coord(src.mesh[0])  # a receiving-only rank: any source shard's size
                 units = {}
                 for s in shard_specs(cfg, src.strategy, coord.pp, coord.tp):
@@ -55,6 +59,11 @@ def _from_engines(rank: int, world_size: int) -> list[dict]:
                     keys_match=got.state.keys() == expected.keys(),
                     gathered=got.stats.peak_gathered_bytes, largest_unit=max(units.values()),
                     shard=sum(units.values()),
+                    shared_wrong=[n for n, t in expected.items() if not torch.equal(shared.state.get(n), t)],
+                    shared_bytes=shared.stats.shared_bytes, whole_bytes=sum(p.numel for p in whole) * 4,
+                    aliases=sorted(n for n, t in shared.state.items()
+                                   if n in params and t.data_ptr() == params[n].data_ptr()),
+                    whole=sorted(p.name for p in whole),
                 ))
             del engine
     return out
@@ -62,10 +71,15 @@ def _from_engines(rank: int, world_size: int) -> list[dict]:
 
 def test_zero_1_2_3_engines_are_sources_with_the_same_bits_as_plain_shards():
     results = spawn(_from_engines, 4, env={"DS_ACCELERATOR": "cpu"}, timeout_seconds=600)
+    assert sum(r["shared_bytes"] > 0 for per_rank in results for r in per_rank) > 0
     for per_rank in results:
         assert len(per_rank) == sum(len(_sources(z)) for z in (1, 2, 3)) * len(DESTINATIONS)
         for r in per_rank:
-            assert r["keys_match"] and r["wrong"] == [], r
+            assert r["keys_match"] and r["wrong"] == [] and r["shared_wrong"] == [], r
+            if r["zero_stage"] < 3:
+                assert r["shared_bytes"] == r["whole_bytes"] and r["aliases"] == r["whole"], r
+            else:
+                assert r["shared_bytes"] == 0 and r["aliases"] == [], r
             if r["zero_stage"] == 3 and r["source"]:
                 # Gathered one unit (embeddings, a layer, the head) at a time, never the whole shard.
                 assert 0 < r["gathered"] <= r["largest_unit"] < r["shard"], r
