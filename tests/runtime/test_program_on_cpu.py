@@ -45,24 +45,32 @@ def test_colocated_plan_needs_no_reallocation():
     assert [op.mfc for op in ops if op.kind == "run"] == [m.name for m in graph]
 
 
-def test_reference_ema_mixes_after_the_actor_step_and_frees_stale_reference_copies():
+# The actor's train layout, the reference's home, and a third layout for copies.
+TRAIN, REF_HOME, OTHER = (Layout.contiguous(0, Strategy(dp=2, tp=2)), Layout.contiguous(2, Strategy(dp=2)),
+                          Layout.contiguous(0, Strategy(dp=4)))
+
+
+def ema_graph(*after: MFC) -> DataflowGraph:
+    """Generate, two reference inferences, an actor train step with a reference EMA, then ``after``."""
     seq = ("seqs",)
     ema = {"ref_ema_eta": 0.1, "ref_ema_model": "ref"}
-    graph = DataflowGraph((MFC("gen", "generate", "actor", ("prompts",), seq, 8, 4, 4, 1),
-                           MFC("ref_a", "inference", "ref", seq, ("a",), 8, 4, 4, 1),
-                           MFC("ref_b", "inference", "ref", seq, ("b",), 8, 4, 4, 1),
-                           MFC("train", "train_step", "actor", seq + ("a", "b"), (), 8, 4, 4, 1, options=ema)))
-    train, ref_home, other = (Layout.contiguous(0, Strategy(dp=2, tp=2)), Layout.contiguous(2, Strategy(dp=2)),
-                              Layout.contiguous(0, Strategy(dp=4)))
-    ops = build_program(graph, {"gen": train, "ref_a": ref_home, "ref_b": other, "train": train})
+    return DataflowGraph((MFC("gen", "generate", "actor", ("prompts",), seq, 8, 4, 4, 1),
+                          MFC("ref_a", "inference", "ref", seq, ("a",), 8, 4, 4, 1),
+                          MFC("ref_b", "inference", "ref", seq, ("b",), 8, 4, 4, 1),
+                          MFC("train", "train_step", "actor", seq + ("a", "b"), (), 8, 4, 4, 1, options=ema), *after))
+
+
+def test_reference_ema_mixes_after_the_actor_step_and_frees_stale_reference_copies():
+    graph = ema_graph()
+    ops = build_program(graph, {"gen": TRAIN, "ref_a": REF_HOME, "ref_b": OTHER, "train": TRAIN})
     kinds = [(op.kind, op.mfc or op.model) for op in ops]
     assert kinds.index(("ema", "train")) == kinds.index(("run", "train")) + 1
     (op,) = [op for op in ops if op.kind == "ema"]
-    assert (op.model, op.src, op.dst, op.ranks) == ("ref", train, ref_home, (0, 1, 2, 3))
+    assert (op.model, op.src, op.dst, op.ranks) == ("ref", TRAIN, REF_HOME, (0, 1, 2, 3))
     # The EMA makes the reference's copy in ref_b's layout stale: it is freed after ref_b, remade next iteration.
     assert [o.kind for o in ops if o.model == "ref" and o.kind != "run"] == ["realloc", "free", "ema"]
     without = DataflowGraph(tuple(replace(m, options={}) for m in graph))
-    assert [o.kind for o in build_program(without, {"gen": train, "ref_a": ref_home, "ref_b": other, "train": train})
+    assert [o.kind for o in build_program(without, {"gen": TRAIN, "ref_a": REF_HOME, "ref_b": OTHER, "train": TRAIN})
             if o.model == "ref" and o.kind != "run"] == ["realloc"]  # a frozen reference keeps its copy
 
 
@@ -77,22 +85,13 @@ def test_reference_ema_needs_the_actors_architecture():
 
 
 def test_a_copy_made_before_a_model_changes_is_made_again_for_a_later_mfc():
-    seq = ("seqs",)
-    ema = {"ref_ema_eta": 0.1, "ref_ema_model": "ref"}
-    graph = DataflowGraph((MFC("gen", "generate", "actor", ("prompts",), seq, 8, 4, 4, 1),
-                           MFC("ref_a", "inference", "ref", seq, ("a",), 8, 4, 4, 1),
-                           MFC("ref_b", "inference", "ref", seq, ("b",), 8, 4, 4, 1),
-                           MFC("train", "train_step", "actor", seq + ("a", "b"), (), 8, 4, 4, 1, options=ema),
-                           MFC("gen_after", "generate", "actor", ("prompts",), ("seqs2",), 8, 4, 4, 1),
-                           MFC("ref_after", "inference", "ref", ("seqs2",), ("c",), 8, 4, 4, 1)))
-    train, ref_home, other = (Layout.contiguous(0, Strategy(dp=2, tp=2)), Layout.contiguous(2, Strategy(dp=2)),
-                              Layout.contiguous(0, Strategy(dp=4)))
-    layouts = {"gen": other, "ref_a": ref_home, "ref_b": other, "train": train, "gen_after": other, "ref_after": other}
-    ops = build_program(graph, layouts)
-    walk = [(o.kind, o.mfc) for o in ops if o.kind in ("realloc", "run", "free", "ema")]
-    # The actor's and the reference's copies in `other` made before the step (and its EMA) hold old
+    graph = ema_graph(MFC("gen_after", "generate", "actor", ("prompts",), ("seqs2",), 8, 4, 4, 1),
+                      MFC("ref_after", "inference", "ref", ("seqs2",), ("c",), 8, 4, 4, 1))
+    layouts = {"gen": OTHER, "ref_a": REF_HOME, "ref_b": OTHER, "train": TRAIN, "gen_after": OTHER, "ref_after": OTHER}
+    walk = [(o.kind, o.mfc or o.model) for o in build_program(graph, layouts) if o.kind != "transfer"]
+    # The actor's and the reference's copies in OTHER made before the step (and its EMA) hold old
     # weights: the MFCs after it get fresh copies, each freed after its last use.
-    assert [(o.kind, o.mfc or o.model) for o in ops if o.kind != "transfer"] == [
+    assert walk == [
         ("realloc", "actor"), ("run", "gen"), ("run", "ref_a"), ("realloc", "ref"), ("run", "ref_b"),
         ("run", "train"), ("ema", "train"), ("realloc", "actor"), ("run", "gen_after"), ("free", "actor"),
         ("realloc", "ref"), ("run", "ref_after"), ("free", "ref")], walk
