@@ -136,6 +136,35 @@ def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo, cfg: Exper
     return MFCResult(batch, stats, batch.n_tokens)
 
 
+def loss_scale_factor(engine, device: torch.device | None = None) -> float:
+    """What ``engine.backward`` multiplies a scalar loss by before autograd: fp16's loss scale, else 1."""
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    # A scalar with a grad_fn, which is what DeepSpeed's scaling recognises as a loss.
+    probe = torch.ones((), device=device, requires_grad=True) * 1.0
+    if isinstance(engine.optimizer, ZeROOptimizer):
+        return float(engine.optimizer.scale_if_loss(probe).detach())
+    scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+    return float(scaler.scale(probe).detach()) if scaler is not None else 1.0
+
+
+def stage_backward(engine, tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """One micro-batch's backward on one pipeline stage, through the engine.
+
+    DeepSpeed owns loss scaling, gradient accumulation and the ZeRO reductions, so every stage's
+    backward goes through ``engine.backward``. The last stage passes its loss (``grad`` None).
+    Off the last stage the surrogate ``sum(out * grad)`` has exactly the parameter gradients of
+    ``backward(out, grad)``; ``grad`` already carries the last stage's loss scale and 1/GAS, so
+    the surrogate is divided by the scale the engine multiplies every loss by (fp16) and
+    ``scale_wrt_gas`` is off. It is summed in fp32: an fp16 sum of scaled products overflows.
+    """
+    if grad is None:
+        engine.backward(tensor)
+        return
+    surrogate = (tensor.float() * grad.float()).sum()
+    engine.backward(surrogate / loss_scale_factor(engine, tensor.device), scale_wrt_gas=False)
+
+
 def run_train(engine, mfc: MFC, batch: Batch, algo, cfg: ExperimentConfig, state, seed: int) -> MFCResult:
     """``epochs`` passes over the batch in ``minibatches`` optimizer steps, each over ``micro_batches``."""
     module: StageModule = engine.module
@@ -157,17 +186,11 @@ def run_train(engine, mfc: MFC, batch: Batch, algo, cfg: ExperimentConfig, state
     n_micro = [1]
 
     def backward_fn(tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
-        # DeepSpeed owns loss scaling, gradient accumulation and the ZeRO reductions, so every
-        # stage's backward goes through the engine. Off the last stage the surrogate
-        # sum(out * grad) has exactly the parameter gradients of backward(out, grad), and it is
-        # already scaled by the last stage, hence scale_wrt_gas=False. The boundary is set by hand
-        # and the optimizer steps once after the whole 1F1B schedule: stepping inside it would put
-        # the gradient-norm collective (over all stages) between two stages' pipeline sends.
+        # The boundary is set by hand and the optimizer steps once after the whole 1F1B schedule:
+        # stepping inside it would put the gradient-norm collective (over all stages) between two
+        # stages' pipeline sends.
         engine.set_gradient_accumulation_boundary(done[0] == n_micro[0] - 1)
-        if grad is None:
-            engine.backward(tensor)
-        else:
-            engine.backward((tensor * grad).sum(), scale_wrt_gas=False)
+        stage_backward(engine, tensor, grad)
         done[0] += 1
 
     for _, _, minibatch in estimators.minibatches(batch, mfc.minibatches, mfc.epochs, seed):
