@@ -170,7 +170,6 @@ def deepspeed_config(spec: ModelSpec, dp: int, micro_batches: int) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if spec.offload_params and spec.zero_stage == 3:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    on_cpu = not torch.cuda.is_available()
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": micro_batches,
@@ -179,8 +178,10 @@ def deepspeed_config(spec: ModelSpec, dp: int, micro_batches: int) -> dict:
         "zero_optimization": zero,
         "optimizer": {"type": "AdamW", "params": {
             "lr": optim.lr, "betas": list(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay,
-            # DeepSpeed's fused Adam needs CUDA; on CPU (and with offload) torch's implementation runs.
-            **({"torch_adam": True} if on_cpu and not spec.offload_optimizer else {}),
+            # torch's AdamW everywhere but offload (which steps on the host with DeepSpeed's CPU Adam,
+            # runtime.ops): on GPUs its multi-tensor kernels need no JIT build of DeepSpeed's FusedAdam,
+            # so no nvcc on compute nodes and no rank waiting on a shared build lock.
+            **({} if spec.offload_optimizer else {"torch_adam": True}),
         }},
         "steps_per_print": 10**9,
         # Tag validation all-reduces over the whole world; only this model's ranks save it.

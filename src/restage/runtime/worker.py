@@ -37,6 +37,7 @@ from restage.runtime.engines import build_engine, engine_groups, mark_norm_owner
 from restage.runtime.execute import run_generate, run_inference, run_train
 from restage.runtime.master import Master, StepRecord
 from restage.runtime.offload import ModelCopy
+from restage.runtime.ops import prepare_run_ops
 from restage.runtime.program import check_ema_architectures, ema_targets
 from restage.runtime.realloc import execute_reallocation
 from restage.runtime.realloc_plan import plan_reallocation, realloc_groups
@@ -105,6 +106,7 @@ class Worker:
         if resume == "if-any" and ckpt.checkpoint_dir.latest(trial_dir) is None:
             resume = ""
         worker = cls(control, cfg, schedule, trial_dir, resume)
+        prepare_run_ops(control.comm, cfg.models.values())  # before any engine loads a compiled op
         worker._create_groups()
         worker._load_models()
         if resume:
