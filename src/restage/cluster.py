@@ -83,6 +83,11 @@ class ClusterSpec:
         return self.nodes * self.devices_per_node
 
     @property
+    def has_gpus(self) -> bool:
+        """Whether the devices are GPUs (a spec whose device names a CPU, like ``local-cpu``, has CPU ranks)."""
+        return "cpu" not in self.device.lower()
+
+    @property
     def usable_memory_bytes(self) -> int:
         """Memory per device a plan may fill (the rest is CUDA context, allocator slack)."""
         return int(self.memory_bytes * self.usable_memory_fraction)

@@ -20,6 +20,7 @@ from restage.errors import ConfigError
 
 ALGORITHMS = ("sft", "rm", "dpo", "ppo", "grpo", "remax", "raft")
 DTYPES = ("fp32", "bf16", "fp16")
+AUTO_DTYPE = "auto"  # bf16 on a GPU cluster, fp32 on a CPU one (resolved when the config is built)
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class ModelSpec:
     path: str = ""  # HF model directory (optional for planning when ``arch`` names a preset)
     arch: str = ""  # architecture preset (restage.models.presets), e.g. llama-7b; used when path is empty
     trainable: bool = False
-    dtype: str = "fp32"
+    dtype: str = AUTO_DTYPE
     zero_stage: int = 1
     offload_optimizer: bool = False
     offload_params: bool = False
@@ -144,14 +145,27 @@ class ExperimentConfig:
         for name, spec in self.models.items():
             if not spec.path and not spec.arch:
                 raise ConfigError(f"models.{name}: give path (a HF model directory) or arch (a preset such as llama-7b)")
-            if spec.dtype not in DTYPES:
-                raise ConfigError(f"models.{name}.dtype: {spec.dtype!r} is not one of {', '.join(DTYPES)}")
+            if spec.dtype not in (*DTYPES, AUTO_DTYPE):
+                raise ConfigError(f"models.{name}.dtype: {spec.dtype!r} is not one of {', '.join((*DTYPES, AUTO_DTYPE))}")
             if spec.zero_stage not in (0, 1, 2, 3):
                 raise ConfigError(f"models.{name}.zero_stage: {spec.zero_stage} must be 0, 1, 2 or 3")
+        self._resolve_auto_dtypes()
         if self.run.steps < 1 or self.run.batch_size < 1 or self.run.micro_batches < 1:
             raise ConfigError("run.steps, run.batch_size and run.micro_batches must be >= 1")
         if self.plan.mode not in ("search", "heuristic", "manual"):
             raise ConfigError(f"plan.mode: {self.plan.mode!r} must be search, heuristic or manual")
+
+    def _resolve_auto_dtypes(self) -> None:
+        """``dtype: auto`` becomes bf16 where the cluster's devices are GPUs (flash-attn, tensor cores) and fp32 on CPUs."""
+        auto = [name for name, spec in self.models.items() if spec.dtype == AUTO_DTYPE]
+        if not auto:
+            return
+        from restage.cluster import load_cluster
+
+        cluster = load_cluster(self.cluster.name, self.cluster.nodes, self.cluster.devices_per_node or None)
+        dtype = "bf16" if cluster.has_gpus else "fp32"
+        for name in auto:  # the mapping is this config's own (built by ``build``), frozen specs inside it
+            self.models[name] = dataclasses.replace(self.models[name], dtype=dtype)
 
     @property
     def trial_dir(self) -> Path:

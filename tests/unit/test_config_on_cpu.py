@@ -46,3 +46,12 @@ def test_command_line_names_stay_names(config_file):
     cfg = load_config(config_file, ["trial=off", "experiment=3", "models.actor.trainable=false"])
     assert cfg.trial == "off" and cfg.experiment == "3"
     assert cfg.models["actor"].trainable is False
+
+
+def test_dtype_defaults_to_bf16_on_gpu_clusters_and_fp32_on_cpu(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("experiment: e\nalgorithm: sft\nmodels: {actor: {path: m, trainable: true}, ref: {path: m, dtype: fp32}}\n")
+    gpu = load_config(path, ["cluster.name=h100-80gb"])
+    assert (gpu.models["actor"].dtype, gpu.models["ref"].dtype) == ("bf16", "fp32")  # an explicit dtype stays
+    assert load_config(path).models["actor"].dtype == "fp32"  # local-cpu
+    assert "dtype: bf16" in gpu.to_yaml()  # the trial's config.yaml records what ran
