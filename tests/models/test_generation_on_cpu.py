@@ -59,7 +59,9 @@ def test_each_sequence_stops_at_its_eos_and_min_new_tokens_holds_eos_back(llama)
     assert eos not in held.sequences()[0][: stop + 2] and int(held.lengths[0]) >= stop + 2
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 0.02), (torch.float16, 0.002)])
+# fp16: 0.004 is about two units in the last place at |logit| < 4; CPU fp16 matmul kernels differ by
+# machine (0.0024 seen on one where 0.002 had passed on another).
+@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 0.02), (torch.float16, 0.004)])
 def test_half_precision_logits_track_transformers(tiny_models, dtype, tolerance):
     from restage.models.tiny import load_hf
 

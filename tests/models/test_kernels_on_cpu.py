@@ -63,12 +63,12 @@ def test_kv_cache_decoding_equals_attention_over_the_whole_sequence():
     _, prefill = pack([[0] * n for n in prompt_lengths])
     cache.prefill(0, prefill, torch.cat([t[:n] for t, n in zip(k, prompt_lengths)]),
                   torch.cat([t[:n] for t, n in zip(v, prompt_lengths)]))
-    cache.lengths += torch.tensor(prompt_lengths)
+    cache.advance(prefill)
     for step in range(steps):
         pos = [n + step for n in prompt_lengths]
         out = cache.decode_attention(0, torch.stack([t[p] for t, p in zip(q, pos)]), torch.stack([t[p] for t, p in zip(k, pos)]),
                                      torch.stack([t[p] for t, p in zip(v, pos)]))
-        cache.lengths += 1
+        cache.advance(PackedBatch.decode_step(cache.lengths))
         for b in range(2):
             expected = naive_attention(q[b][: pos[b] + 1], k[b][: pos[b] + 1], v[b][: pos[b] + 1])[-1]
             assert torch.allclose(out[b], expected, atol=1e-6)

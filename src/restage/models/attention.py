@@ -56,29 +56,45 @@ def _sdpa_varlen(q, k, v, batch: PackedBatch, scale: float, window: int | None) 
 
 def _sdpa_padded(q, k, v, batch: PackedBatch, scale: float, window: int | None) -> torch.Tensor:
     """All sequences in one ``[B, H, L_max, D]`` call; a mask hides the padding keys and the future."""
-    offsets = torch.arange(batch.max_seqlen, device=q.device)
-    lengths = torch.tensor(batch.seqlens, device=q.device)
-    valid = offsets.unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
-    index = torch.where(valid, batch.cu_seqlens[:-1].to(q.device).long().unsqueeze(1) + offsets, 0)
+    # Index tensors come from the host lengths and go to the device without a sync; a boolean
+    # mask index would make the host wait for the mask's count.
+    padded = batch.max_seqlen
+    offsets = torch.arange(padded)
+    lengths = torch.tensor(batch.seqlens)
+    starts = torch.tensor(_starts(batch.seqlens))
+    valid_host = offsets.unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
+    index = torch.where(valid_host, starts.unsqueeze(1) + offsets, 0).to(q.device, non_blocking=True)
+    flat_valid = valid_host.reshape(-1).nonzero().squeeze(1).to(q.device, non_blocking=True)  # packed order rows
+    valid = valid_host.to(q.device, non_blocking=True)
     qs, ks, vs = (t[index].transpose(1, 2) for t in (q, k, v))
+    offsets = offsets.to(q.device, non_blocking=True)
     distance = offsets.unsqueeze(1) - offsets.unsqueeze(0)
     allowed = distance >= 0
     if window is not None:
         allowed = allowed & (distance < window)
     mask = (allowed.unsqueeze(0) & valid.unsqueeze(1)).unsqueeze(1)  # [B, 1, L, L]
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=ks.shape[1] != qs.shape[1])
-    return o.transpose(1, 2)[valid]  # row-major over (sequence, position): the packed order
+    # row-major over (sequence, position) is the packed order
+    return o.transpose(1, 2).reshape(-1, *q.shape[1:]).index_select(0, flat_valid)
+
+
+def _starts(seqlens) -> list[int]:
+    starts, start = [], 0
+    for n in seqlens:
+        starts.append(start)
+        start += n
+    return starts
 
 
 def _sdpa_by_length(q, k, v, batch: PackedBatch, scale: float, window: int | None) -> torch.Tensor:
     out = torch.empty_like(q)
-    starts = batch.cu_seqlens[:-1].tolist()
     by_length: dict[int, list[int]] = {}
-    for start, length in zip(starts, batch.seqlens):
+    for start, length in zip(_starts(batch.seqlens), batch.seqlens):
         by_length.setdefault(length, []).append(start)
     for length, group_starts in by_length.items():
-        offsets = torch.arange(length, device=q.device)
-        index = (torch.tensor(group_starts, device=q.device).unsqueeze(1) + offsets).reshape(-1)
+        offsets = torch.arange(length)
+        index = (torch.tensor(group_starts).unsqueeze(1) + offsets).reshape(-1).to(q.device, non_blocking=True)
+        offsets = offsets.to(q.device, non_blocking=True)
         # [n, L, H, D] -> [n, H, L, D], the layout SDPA wants.
         qs, ks, vs = (t.index_select(0, index).unflatten(0, (len(group_starts), length)).transpose(1, 2)
                       for t in (q, k, v))
@@ -105,8 +121,21 @@ class KVCache:
         self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        # Host bound on lengths.max() (exact when a prefill is followed by decode steps, as in generation):
+        # the decode step reads it instead of making the host wait for the device.
+        self.longest = 0
         self.max_len = max_len
         self.decoding = False
+
+    def set_lengths(self, length: int) -> None:
+        """Pretend every row holds ``length`` tokens (the profiler times a decode step against a full cache)."""
+        self.lengths.fill_(length)
+        self.longest = length
+
+    def advance(self, batch: PackedBatch) -> None:
+        """Count the tokens a forward over ``batch`` (one sequence per cache row) has just stored."""
+        self.lengths += (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).to(self.lengths)
+        self.longest += max(batch.seqlens)
 
     def prefill(self, layer: int, batch: PackedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a packed batch's keys/values (one sequence per cache row, at their positions)."""
@@ -127,7 +156,7 @@ class KVCache:
         rows = torch.arange(q.shape[0], device=q.device)
         k_cache[rows, self.lengths] = k
         v_cache[rows, self.lengths] = v
-        used = int(self.lengths.max()) + 1  # only attend over slots some sequence has filled
+        used = self.longest + 1  # only attend over slots some sequence has filled
         slots = torch.arange(used, device=q.device)
         mask = slots.unsqueeze(0) <= self.lengths.unsqueeze(1)
         if window is not None:

@@ -144,7 +144,7 @@ def generate(module: StageModule, prompts: Sequence[Sequence[int]], params: Samp
             full = gather_from_tp(logits.float(), ctx, sizes)
             tokens, logprobs = choose_tokens(full, params, eos_ids, step >= params.min_new_tokens, generator)
         _share(module, tokens, logprobs, params.greedy)
-        cache.lengths += (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).to(cache.lengths)
+        cache.advance(batch)
         live = ~done
         out_tokens[live, step] = tokens[live]
         out_logprobs[live, step] = logprobs[live]
@@ -153,6 +153,6 @@ def generate(module: StageModule, prompts: Sequence[Sequence[int]], params: Samp
         if bool(done.all()):
             break
         inputs = tokens
-        batch = PackedBatch(torch.arange(batch_size + 1, dtype=torch.int32, device=device), cache.lengths.clone(), 1)
+        batch = PackedBatch.decode_step(cache.lengths.clone())
         select = None
     return GenerationOutput(out_tokens, out_logprobs, lengths)

@@ -15,11 +15,16 @@ import torch
 
 @dataclass(frozen=True)
 class PackedBatch:
-    """Attention metadata of a packed batch (the tokens or hidden states travel separately)."""
+    """Attention metadata of a packed batch (the tokens or hidden states travel separately).
+
+    The lengths are kept on the host too (``seqlens``): reading them from the device tensors would
+    make the host wait for the GPU in every layer.
+    """
 
     cu_seqlens: torch.Tensor  # [B + 1] int32, starts at 0
     positions: torch.Tensor  # [T] int64, position of each token inside its sequence
     max_seqlen: int
+    seqlens: tuple[int, ...]  # host copy of cu_seqlens' differences
 
     @property
     def num_seqs(self) -> int:
@@ -29,35 +34,40 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return self.positions.numel()
 
-    @property
-    def seqlens(self) -> list[int]:
-        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
-
     def seq_index(self) -> torch.Tensor:
-        """``[T]`` index of the sequence each token belongs to."""
+        """``[T]`` index of the sequence each token belongs to (its size given, so no device sync)."""
         lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
-        return torch.repeat_interleave(torch.arange(self.num_seqs, device=lengths.device), lengths.long())
+        return torch.repeat_interleave(torch.arange(self.num_seqs, device=lengths.device), lengths.long(),
+                                       output_size=self.num_tokens)
 
     def last_token_index(self) -> torch.Tensor:
         """``[B]`` index of every sequence's last token in the packed dimension."""
         return self.cu_seqlens[1:].long() - 1
 
     def to(self, device) -> PackedBatch:
-        return PackedBatch(self.cu_seqlens.to(device), self.positions.to(device), self.max_seqlen)
+        return PackedBatch(self.cu_seqlens.to(device), self.positions.to(device), self.max_seqlen, self.seqlens)
 
     @classmethod
     def from_seqlens(cls, seqlens: Sequence[int], device=None, start_positions: Sequence[int] | None = None) -> PackedBatch:
         """Metadata for sequences of these lengths; positions start at ``start_positions`` (default 0)."""
-        lengths = torch.tensor(list(seqlens), dtype=torch.int64)
-        if (lengths <= 0).any():
+        host = tuple(int(n) for n in seqlens)
+        if min(host, default=0) <= 0:
             raise ValueError(f"every packed sequence needs at least one token, got lengths {list(seqlens)}")
+        lengths = torch.tensor(host, dtype=torch.int64)
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(lengths, 0)
         starts = torch.repeat_interleave(cu[:-1].long(), lengths)
         positions = torch.arange(int(cu[-1])) - starts
         if start_positions is not None:
             positions = positions + torch.repeat_interleave(torch.tensor(list(start_positions)), lengths)
-        return cls(cu.to(device), positions.to(device), int(lengths.max()))
+        return cls(cu.to(device), positions.to(device), max(host), host)
+
+    @classmethod
+    def decode_step(cls, positions: torch.Tensor) -> PackedBatch:
+        """One new token per sequence at ``positions`` (``[B]``, on the device): a decoding step's metadata."""
+        batch_size = positions.numel()
+        cu = torch.arange(batch_size + 1, dtype=torch.int32, device=positions.device)
+        return cls(cu, positions, 1, (1,) * batch_size)
 
 
 def pack(seqs: Sequence[Sequence[int]] | Sequence[torch.Tensor], device=None) -> tuple[torch.Tensor, PackedBatch]:

@@ -175,9 +175,9 @@ def _shape_jobs(module, block, batch: int, seq: int, tp: int, device) -> list[tu
     cache = module.new_cache(batch, seq + 1)
     # One decoding step against ``seq`` cached tokens per sequence (a separate cache: prefill refills its own).
     step_cache = module.new_cache(batch, seq + 1)
-    step_cache.lengths.fill_(seq)
+    step_cache.set_lengths(seq)
     step_cache.decoding = True
-    step = PackedBatch(torch.arange(batch + 1, dtype=torch.int32, device=device), step_cache.lengths.clone(), 1)
+    step = PackedBatch.decode_step(step_cache.lengths.clone())
     step_rope = rope_cos_sin(step.positions, cfg.head_dim, cfg.rope_theta, module.dtype) if rope is not None else None
     one = hidden[:batch]
     x = hidden.clone().requires_grad_()
@@ -189,12 +189,12 @@ def _shape_jobs(module, block, batch: int, seq: int, tp: int, device) -> list[tu
         return run
 
     def prefill():
-        cache.lengths.zero_()
+        cache.set_lengths(0)
         cache.decoding = False
         block(hidden, packed, rope, cache)
 
     def decode():
-        step_cache.lengths.fill_(seq)
+        step_cache.set_lengths(seq)
         block(one, step, step_rope, step_cache)
 
     def block_forward_backward():
