@@ -9,7 +9,6 @@ the master's decision (checkpoint, stop) comes back.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from restage.models.decoder import StageModule
 from restage.models.parallel import ParallelContext
 from restage.plan.schedule import read_schedule
 from restage.runtime import checkpoint as ckpt
+from restage.runtime.clock import Clock, measure_offset, peak_memory_bytes
 from restage.runtime.control import Control, init_torch_distributed
 from restage.runtime.dataflow import DataFlow, measured_flops
 from restage.runtime.engines import build_engine, engine_groups, mark_norm_ownership
@@ -91,6 +91,8 @@ class Worker:
         self.master = Master(control, cfg, schedule, trial_dir, self.train_set, bool(resume)) if control.is_master else None
         self.start_step = 0
         self.resume = resume
+        # Every timestamp this rank reports is on the master's clock, taken once the device is idle.
+        self.clock = Clock(measure_offset(control.comm), self.device)
 
     # -- start-up ------------------------------------------------------------------------------------
     @classmethod
@@ -180,9 +182,9 @@ class Worker:
             ids = self.control.bcast(self.master.next_ids() if self.master else None)
             if ids is None:
                 break
-            started = time.time()
+            started = self.clock.now_synced()
             record = self.run_step(step, ids)
-            record.step_start_seconds, record.step_end_seconds = started, time.time()
+            record.step_start_seconds, record.step_end_seconds = started, self.clock.now_synced()
             records = self.control.gather(record)
             decision = self.control.bcast(self.master.end_step(step, records) if self.master else None)
             step += 1
@@ -199,19 +201,20 @@ class Worker:
         for op in self.ops:
             if self.rank not in op.ranks:
                 continue
-            begin = time.time()
+            begin = self.clock.now_synced()
             if op.kind == "run":
                 self._run(op, step, record)
             elif op.kind == "realloc":
                 nbytes = self._realloc(op)
-                record.moves.append(("realloc", op.model, str(op.src), str(op.dst), nbytes, begin, time.time()))
+                record.moves.append(("realloc", op.model, str(op.src), str(op.dst), nbytes, begin, self.clock.now_synced()))
             elif op.kind == "transfer":
                 nbytes = self._transfer(op)
-                record.moves.append(("transfer", op.key, str(op.src), str(op.dst), nbytes, begin, time.time()))
+                record.moves.append(("transfer", op.key, str(op.src), str(op.dst), nbytes, begin, self.clock.now_synced()))
             elif op.kind == "ema":
                 nbytes = self._ema(op)
                 # Logged as a reallocation (it is one, plus the mix) named after the model it updates.
-                record.moves.append(("realloc", f"ema:{op.model}", str(op.src), str(op.dst), nbytes, begin, time.time()))
+                record.moves.append(("realloc", f"ema:{op.model}", str(op.src), str(op.dst), nbytes, begin,
+                                     self.clock.now_synced()))
             elif op.kind == "free":
                 self.slots[op.model].copies.pop(op.dst, None)
             elif op.kind in ("offload", "reload"):
@@ -234,7 +237,7 @@ class Worker:
         seed = (self.cfg.seed * 1_000_003 + step) * 101 + ctx.coord.dp
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        begin = time.time()
+        begin = self.clock.now_synced()
         if mfc.kind == "generate":
             result = run_generate(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state, seed)
         elif mfc.kind == "inference":
@@ -244,10 +247,10 @@ class Worker:
             with engine_groups(slot.engine):
                 result = run_train(slot.engine, mfc, batch, self.algo, self.cfg, self.state, seed)
             result.stats.update({f"{mfc.name}/{k}": v for k, v in prep_stats.items()})
-        end = time.time()
+        end = self.clock.now_synced()
         if result.batch is not None:
             self.outputs[mfc.name] = result.batch
-        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _rss_bytes()
+        peak = peak_memory_bytes(self.device)
         flops = measured_flops(mfc, slot.cfg, result.batch if result.batch is not None else batch, result.tokens)
         flops /= layout.strategy.tp * layout.strategy.pp  # this rank's share of its replica's work
         tokens = result.tokens // (layout.strategy.tp * layout.strategy.pp)
@@ -356,9 +359,4 @@ def _mark_norm(module: StageModule) -> None:
     duplicate = {"embed.weight"} if (module.tied_head and ctx.pp_size > 1 and not ctx.is_first_stage) else set()
     mark_norm_ownership(module, ctx.tp_rank, replicated, duplicate)
 
-
-def _rss_bytes() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

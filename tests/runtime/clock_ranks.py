@@ -1,0 +1,19 @@
+"""Run under mpirun: each rank's clock is skewed by rank * SKEW seconds; rank 0 writes the offsets every rank measured."""
+
+import json
+import sys
+import time
+
+from mpi4py import MPI
+
+from restage.runtime.clock import measure_offset
+
+SKEW_SECONDS = 37.5
+
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+offset = measure_offset(comm, local_clock=lambda: time.time() + rank * SKEW_SECONDS)
+offsets = comm.gather(offset, root=0)
+if rank == 0:
+    with open(sys.argv[1], "w") as out:
+        json.dump(offsets, out)
