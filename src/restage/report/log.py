@@ -20,8 +20,9 @@ step is past ``last_complete_step``. ``closed`` is set only by a clean ``close()
 HDF5 file locking is off on both sides, so a live log can be read (by ``restage report``, or by
 the master itself) while it is written; one writer per log is the runtime's rule.
 
-Times are seconds on a clock the ranks share (``time.time()``); the report only ever uses
-differences, within a rank for durations and against the step's start for the timeline.
+Times are seconds on the master's clock (each rank corrects its own by an offset measured at
+start-up, ``runtime.clock``); the report only ever uses differences, within a rank for durations
+and against the step's start for the timeline.
 """
 
 from __future__ import annotations
