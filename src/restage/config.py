@@ -42,7 +42,7 @@ class ModelSpec:
     path: str = ""  # HF model directory (optional for planning when ``arch`` names a preset)
     arch: str = ""  # architecture preset (restage.models.presets), e.g. llama-7b; used when path is empty
     trainable: bool = False
-    dtype: str = AUTO_DTYPE
+    dtype: str = "fp32"  # in a config file an absent dtype is AUTO_DTYPE (config_from_dict)
     zero_stage: int = 1
     offload_optimizer: bool = False
     offload_params: bool = False
@@ -312,4 +312,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 def config_from_dict(data: dict) -> ExperimentConfig:
+    models = data.get("models")
+    if isinstance(models, dict) and all(isinstance(m, dict) for m in models.values()):
+        data = {**data, "models": {name: {"dtype": AUTO_DTYPE, **spec} for name, spec in models.items()}}
     return build(ExperimentConfig, data)
