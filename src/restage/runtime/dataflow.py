@@ -28,6 +28,7 @@ from restage.runtime.transfer import (
     BatchMeta,
     KeySpec,
     MpiChannel,
+    TransferPlan,
     contiguous_assignment,
     execute_transfer,
     plan_transfer,
@@ -123,19 +124,22 @@ class DataFlow:
             parts = contiguous_assignment(tokens, op.dst.strategy.dp)
         return self._comms[op.ranks].bcast(parts, root=op.ranks.index(root))
 
+    def plan(self, op, meta: OutputMeta, assignment) -> TransferPlan:
+        """The plan of one transfer op (one key), senders chosen on the receivers' node (the run's ``node_of``)."""
+        kind, dtype_name, trailing = meta.keys[op.key]
+        key = KeySpec(op.key, kind == "tokens", dtype_name.removeprefix("torch."), tuple(trailing))
+        n_samples = len(meta.seqlens) // meta.group_size
+        return plan_transfer(BatchMeta(meta.ids or tuple(range(n_samples)), meta.seqlens, meta.group_size, (key,),
+                                       meta.parts), op.src, op.dst, assignment=assignment, node_of=self.node_of)
+
     def execute(self, op, mine: Batch | None) -> tuple[Batch | None, int]:
         """Move ``op.key`` of the producer's output to the consumer's DP ranks; returns (received, bytes sent)."""
         meta = self._gather_meta(op, mine)
         if op.ranks == (self.rank,) and op.src == op.dst:
             # Producer and consumer are this one rank: the output already is the input, nothing to cut or copy.
             return (_on_cpu(mine.only((op.key,)), mine.ids) if mine is not None and mine.n_samples else None), 0
-        kind, dtype_name, trailing = meta.keys[op.key]
-        key = KeySpec(op.key, kind == "tokens", dtype_name.removeprefix("torch."), tuple(trailing))
-        n_samples = len(meta.seqlens) // meta.group_size
         # The consumer cuts the global order as its dataset-loaded keys are cut, so the two line up.
-        plan = plan_transfer(BatchMeta(meta.ids or tuple(range(n_samples)), meta.seqlens, meta.group_size, (key,),
-                                       meta.parts), op.src, op.dst, assignment=self._assignment(op),
-                             node_of=self.node_of)
+        plan = self.plan(op, meta, self._assignment(op))
         result = execute_transfer(plan, mine, MpiChannel(self._comms[op.ranks], op.ranks), self.rank)
         sent = sum(result.sent_bytes_by_link.values())
         batch = result.batch
