@@ -13,7 +13,8 @@ Each side of a message is in place when the piece is contiguous on that side: th
 straight out of its source tensor, a receiver receives straight into its destination tensor
 (no extra memory). A side that is not (a strided row-parallel slice, or small pieces packed
 together) goes through one half of a bucket (``Workspace``): a round is packed into one half
-while the previous round, in the other half, is in flight. Local copies are made while a rank
+while the previous packing round, in the other half, is in flight; rounds in place on this
+rank are posted at once. Local copies are made while a rank
 waits for its messages. Memory beyond the source: the destination shard, one bucket, and for a
 ZeRO-3 source the parameters of one unit (embeddings, one layer, or the head) gathered at a
 time. Every allocation goes through a meter, so the stats report the measured peak.
@@ -258,8 +259,8 @@ def _check_inputs(plan: ReallocPlan, me: int, src: dict, transfers: list, local:
         if shape != p.src_shape or tensor.dtype != dtype:
             raise ValueError(f"rank {me}: source {p.name} is {tuple(shape)} {tensor.dtype}, "
                              f"the plan expects {p.src_shape} {dtype}")
-    if me not in plan.ranks or not realloc_groups(plan):
-        return None
+    if me not in plan.ranks or not realloc_groups(plan) or not plan.pieces:
+        return None  # nothing moves between ranks (every rank copies locally): no group, no handshake
     return groups.get(plan.ranks)
 
 
@@ -340,26 +341,33 @@ class _Tally:
 class _Batches:
     """Posts rounds as batches; the sides that pack or unpack use one half of the bucket per round.
 
-    A side in place (the piece's own memory, contiguous) needs no room. A round is packed into
-    the half the round before last used (finished by then), posted, and then the previous round
-    is finished (unpacking what arrived), so one round is always in flight while the next is
-    packed. While it waits, the rank makes its local copies. Every rank posts the same rounds in
-    the same order and waits only on its own earlier round, whose members all posted it: no
-    deadlock.
+    A side in place (the piece's own memory, contiguous) needs no room, so a round in place on
+    this rank is posted at once, however many are still in flight. A round that packs takes the
+    next half, after finishing (and unpacking) the earlier rounds still in flight, oldest first,
+    up to the last one that used that half: one packing round can be in flight while the next
+    is packed. While it waits, the rank makes its local copies. Every rank posts the same rounds
+    in the same order and waits only on its own earlier rounds; the oldest unfinished round has
+    every member posted (none of them waits on anything older), so nothing deadlocks.
     """
 
     def __init__(self, buffer: torch.Tensor | None, half_numel: int, me: int, src: dict, dst: dict, group,
                  tally: _Tally):
         self.buffer, self.half_numel = buffer, half_numel
-        self.pending: tuple[list, list[tuple[Transfer, torch.Tensor]]] | None = None  # (works, payloads to unpack)
-        self.posted = 0
+        # In flight, oldest first: (works, payloads to unpack, the half used or None).
+        self.pending: deque[tuple[list, list[tuple[Transfer, torch.Tensor]], int | None]] = deque()
+        self.halves_used = 0
         self.local: deque[Piece] = deque()  # local copies still to make
         self.me, self.src, self.dst, self.group, self.tally = me, src, dst, group, tally
 
     def post(self, r: Round) -> None:
         me = self.me
-        start = (self.posted % 2) * self.half_numel
-        self.posted += 1
+        half = None
+        if r.packed_numel(me):
+            half = self.halves_used % 2
+            self.halves_used += 1
+            while any(h == half for _, _, h in self.pending):
+                self._finish_oldest()
+        start = (half or 0) * self.half_numel
         ops, unpack = [], []
         for t in r.transfers:
             sender = t.src_rank == me
@@ -387,15 +395,11 @@ class _Batches:
             else:
                 ops.append(dist.P2POp(dist.irecv, payload, t.src_rank, self.group))
                 self.tally.received[(t.src_rank, me)] += nbytes
-        works = dist.batch_isend_irecv(ops) if ops else []
-        self._finish()
-        self.pending = (works, unpack)
+        if ops:
+            self.pending.append((dist.batch_isend_irecv(ops), unpack, half))
 
-    def _finish(self) -> None:
-        if self.pending is None:
-            return
-        works, unpack = self.pending
-        self.pending = None
+    def _finish_oldest(self) -> None:
+        works, unpack, _ = self.pending.popleft()
         for work in works:
             while self.local and not work.is_completed():
                 self._copy_one_local()
@@ -411,10 +415,11 @@ class _Batches:
         _view(self.dst[p.name], p.dim, p.dst_range).copy_(_view(self.src[p.name], p.dim, p.src_range))
 
     def drain(self) -> None:
-        """Make the remaining local copies and finish the round in flight (unpacking what arrived)."""
+        """Make the remaining local copies and finish every round in flight (unpacking what arrived)."""
         while self.local:
             self._copy_one_local()
-        self._finish()
+        while self.pending:
+            self._finish_oldest()
 
 
 def groups_for(*plans: ReallocPlan) -> list[tuple[int, ...]]:

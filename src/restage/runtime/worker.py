@@ -86,6 +86,7 @@ class Worker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.slots: dict[str, ModelSlot] = {}
         self.realloc_plans = {}
+        self.frozen_copies: set[tuple[str, Layout]] = set()  # (model, layout) copies of frozen models already made
         # Block placement, as the planner costed it: runtime plans equal the estimator's (same node_of).
         self.node_of = comm_budget.block_node_of(comm_budget.ranks_per_node(schedule))
         self.dataflow = DataFlow(self.graph, self.layouts, self.rank, self.node_of)
@@ -277,15 +278,19 @@ class Worker:
     def _realloc(self, op) -> int:
         slot = self.slots[op.model]
         plan = self._realloc_plan(op.model, op.src, op.dst)
-        frozen = not slot.spec.trainable
-        if frozen and op.dst in slot.copies:
-            return 0  # a frozen model's copy never goes stale
+        frozen = not slot.spec.trainable and op.model not in self.ema  # its weights never change
+        if frozen and (op.model, op.dst) in self.frozen_copies:
+            # Its copy never goes stale. Decided from what every rank of the op knows (not from holding
+            # the copy, which only destination ranks do): a sender must not send what no one receives.
+            return 0
         source = slot.engine if slot.engine is not None else slot.module
         # The copy is read-only and dropped before its source next changes (a trained model's after
         # its last use, a reference's once its EMA moves), so tensors this rank holds whole are shared.
         # The executor allocates the rest; the module adopts the tensors (built on "meta", it holds none).
         result = execute_reallocation(plan, source if self.rank in op.src else None, self.groups,
                                       dtype=DTYPES[slot.spec.dtype], share_local=True, device=self.device)
+        if frozen:
+            self.frozen_copies.add((op.model, op.dst))
         if self.rank in op.dst:
             ctx = ParallelContext.from_layout(op.dst, self.groups, self.rank)
             module = StageModule(slot.cfg, ctx, DTYPES[slot.spec.dtype], torch.device("meta"))
