@@ -171,10 +171,11 @@ def test_rounds_keep_the_global_order_stay_in_a_stage_and_fill_at_most_half_a_bu
     assert [t for r in rounds for t in r.transfers] == list(schedule_transfers(plan, bucket_bytes // SLOTS, 2048))
     for r in rounds:
         assert {t.stage for t in r.transfers} == {r.stage}
+        assert len({t.packed for t in r.transfers}) == 1  # in place on both sides, or not: never mixed
         assert all(r.packed_numel(rank) * 4 <= bucket_bytes // 2 for rank in range(8))
     # Rounds are as few as the rule allows: each new one starts a stage or would have overflowed someone's half.
     for before, after in zip(rounds, rounds[1:]):
         t = after.transfers[0]
         packers = [x for x in (t.src_rank, *t.dst_ranks) if not t.in_place_for(x)]
-        assert before.stage != after.stage or any(
+        assert before.stage != after.stage or before.transfers[-1].packed != t.packed or any(
             (before.packed_numel(x) + t.numel) * 4 > bucket_bytes // 2 for x in packers)

@@ -12,9 +12,8 @@ be a communicator of its own).
 Each side of a message is in place when the piece is contiguous on that side: the sender sends
 straight out of its source tensor, a receiver receives straight into its destination tensor
 (no extra memory). A side that is not (a strided row-parallel slice, or small pieces packed
-together) goes through one half of a bucket (``Workspace``): a round is packed into one half
-while the previous packing round, in the other half, is in flight; rounds in place on this
-rank are posted at once. Local copies are made while a rank
+together) goes through a circular buffer of one bucket (``Workspace``): as many packing rounds
+in flight as fit (each at most half a bucket); rounds in place on this rank are posted at once. Local copies are made while a rank
 waits for its messages. Memory beyond the source: the destination shard, one bucket, and for a
 ZeRO-3 source the parameters of one unit (embeddings, one layer, or the head) gathered at a
 time. Every allocation goes through a meter, so the stats report the measured peak.
@@ -214,15 +213,16 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
     shared_bytes = sum(t.numel() * t.element_size() for t in shared.values())
     shard_bytes += shared_bytes
     bpe = plan.bytes_per_element
-    # Two halves, each as large as this rank's fullest round (at most half a bucket each).
-    half_numel = max((r.packed_numel(me) for r in rounds), default=0)
+    # The ring holds as many packing rounds in flight as fit in one bucket (each is at most half of
+    # it), but no more than this rank packs or unpacks in all (a small plan does not need a whole bucket).
+    ring_numel = min(bucket_bytes // bpe, sum(r.packed_numel(me) for r in rounds))
     workspace = workspace or Workspace()
-    buffer = workspace.take(2 * half_numel, dtype, device) if half_numel else None
+    buffer = workspace.take(ring_numel, dtype, device) if ring_numel else None
     held_bytes = workspace.nbytes  # what the workspace really holds, perhaps more than this plan needs
     meter.add("buffer", held_bytes)
 
     tally = _Tally()
-    batches = _Batches(buffer, half_numel, me, src, dst, group, tally)
+    batches = _Batches(buffer, me, src, dst, group, tally)
     stages = sorted({r.stage for r in rounds} | {p.unit for p in local} | set(needs))
     for stage in stages:
         gather = needs.get(stage, ())
@@ -339,35 +339,30 @@ class _Tally:
 
 
 class _Batches:
-    """Posts rounds as batches; the sides that pack or unpack use one half of the bucket per round.
+    """Posts rounds as batches; the sides that pack or unpack take room in one circular buffer.
 
     A side in place (the piece's own memory, contiguous) needs no room, so a round in place on
-    this rank is posted at once, however many are still in flight. A round that packs takes the
-    next half, after finishing (and unpacking) the earlier rounds still in flight, oldest first,
-    up to the last one that used that half: one packing round can be in flight while the next
-    is packed. While it waits, the rank makes its local copies. Every rank posts the same rounds
-    in the same order and waits only on its own earlier rounds; the oldest unfinished round has
-    every member posted (none of them waits on anything older), so nothing deadlocks.
+    this rank is posted at once and waited on only at the end (or before a gathered unit is
+    released). A round that packs takes the next room of its size after the newest packing round
+    in flight (wrapping around), finishing (and unpacking) the oldest packing rounds until it
+    fits, so every round that fits is in flight at once and together they never exceed the
+    buffer. While it waits, the rank makes its local copies. Every rank posts the same rounds in
+    the same order and waits only on rounds it has posted: the lowest unfinished round has every
+    member posted (a member waits only on lower rounds, all finished), so nothing deadlocks.
     """
 
-    def __init__(self, buffer: torch.Tensor | None, half_numel: int, me: int, src: dict, dst: dict, group,
-                 tally: _Tally):
-        self.buffer, self.half_numel = buffer, half_numel
-        # In flight, oldest first: (works, payloads to unpack, the half used or None).
-        self.pending: deque[tuple[list, list[tuple[Transfer, torch.Tensor]], int | None]] = deque()
-        self.halves_used = 0
+    def __init__(self, buffer: torch.Tensor | None, me: int, src: dict, dst: dict, group, tally: _Tally):
+        self.buffer = buffer
+        # In flight, oldest first: (works, payloads to unpack, (start, stop) of its room or None).
+        self.pending: deque[tuple[list, list[tuple[Transfer, torch.Tensor]], tuple[int, int] | None]] = deque()
         self.local: deque[Piece] = deque()  # local copies still to make
         self.me, self.src, self.dst, self.group, self.tally = me, src, dst, group, tally
 
     def post(self, r: Round) -> None:
         me = self.me
-        half = None
-        if r.packed_numel(me):
-            half = self.halves_used % 2
-            self.halves_used += 1
-            while any(h == half for _, _, h in self.pending):
-                self._finish_oldest()
-        start = (half or 0) * self.half_numel
+        numel = r.packed_numel(me)
+        start = self._room(numel) if numel else 0
+        room = (start, start + numel) if numel else None
         ops, unpack = [], []
         for t in r.transfers:
             sender = t.src_rank == me
@@ -396,10 +391,28 @@ class _Batches:
                 ops.append(dist.P2POp(dist.irecv, payload, t.src_rank, self.group))
                 self.tally.received[(t.src_rank, me)] += nbytes
         if ops:
-            self.pending.append((dist.batch_isend_irecv(ops), unpack, half))
+            self.pending.append((dist.batch_isend_irecv(ops), unpack, room))
 
-    def _finish_oldest(self) -> None:
-        works, unpack, _ = self.pending.popleft()
+    def _room(self, numel: int) -> int:
+        """Where ``numel`` elements fit after the newest packing round in flight, finishing the oldest until they do."""
+        size = self.buffer.numel()
+        while True:
+            rooms = [room for _, _, room in self.pending if room is not None]
+            if not rooms:
+                return 0
+            head, tail = rooms[-1][1], rooms[0][0]
+            if head > tail:  # not wrapped: room after the head, or at the start before the tail
+                if head + numel <= size:
+                    return head
+                if numel <= tail:
+                    return 0
+            elif head + numel <= tail:
+                return head
+            self._finish(next(entry for entry in self.pending if entry[2] is not None))
+
+    def _finish(self, entry) -> None:
+        del self.pending[next(i for i, e in enumerate(self.pending) if e is entry)]  # by identity: entries hold tensors
+        works, unpack, _ = entry
         for work in works:
             while self.local and not work.is_completed():
                 self._copy_one_local()
@@ -419,7 +432,7 @@ class _Batches:
         while self.local:
             self._copy_one_local()
         while self.pending:
-            self._finish_oldest()
+            self._finish(self.pending[0])
 
 
 def groups_for(*plans: ReallocPlan) -> list[tuple[int, ...]]:

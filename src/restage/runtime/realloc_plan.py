@@ -377,9 +377,10 @@ def schedule_rounds(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: int 
 
     A round is one ``batch_isend_irecv`` on every rank taking part; a batch completes as a whole,
     so batches must match across ranks or two ranks could each wait on a batch holding a message
-    the other posts only later. Cutting by the global order alone (a new round at each stage and
-    whenever some rank's packed elements would pass half the bucket) makes them match. A rank
-    fills one half of its bucket while the other half's round is in flight.
+    the other posts only later. Cutting by the global order alone (a new round at each stage, where
+    transfers in place on both sides end and packed ones begin, and whenever some rank's packed
+    elements would pass half the bucket) makes them match. Keeping the rounds that need no bucket
+    apart lets a rank free bucket room without waiting for the large in-place messages.
     """
     bpe = plan.bytes_per_element
     capacity = bucket_bytes // 2 // bpe
@@ -388,7 +389,8 @@ def schedule_rounds(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: int 
     room: dict[int, int] = defaultdict(int)  # packed elements per rank in the open round
     for t in schedule_transfers(plan, bucket_bytes // SLOTS, direct_min_bytes):
         packers = [r for r in (t.src_rank, *t.dst_ranks) if not t.in_place_for(r)]
-        if current and (t.stage != current[0].stage or any(room[r] + t.numel > capacity for r in packers)):
+        if current and (t.stage != current[0].stage or t.packed != current[-1].packed
+                        or any(room[r] + t.numel > capacity for r in packers)):
             rounds.append(Round(current[0].stage, tuple(current)))
             current, room = [], defaultdict(int)
         current.append(t)

@@ -66,9 +66,6 @@ class ModelSlot:
         return self.copies[layout]
 
 
-_is_critic = comm_budget.is_critic
-
-
 class Worker:
     """Everything one rank does in a run."""
 
@@ -91,6 +88,7 @@ class Worker:
         self.node_of = comm_budget.block_node_of(comm_budget.ranks_per_node(schedule))
         self.dataflow = DataFlow(self.graph, self.layouts, self.rank, self.node_of)
         self.groups: ProcessGroups | None = None
+        self.communicator_bound: comm_budget.CommunicatorBound | None = None  # set with the groups
         self.master = Master(control, cfg, schedule, trial_dir, self.train_set, bool(resume)) if control.is_master else None
         self.start_step = 0
         self.resume = resume
@@ -144,7 +142,7 @@ class Worker:
             spec = self.cfg.models[name]
             home = Layout.from_json(info["home_layout"])
             cfg = self._model_cfg(name)
-            critic = _is_critic(name, spec, cfg)
+            critic = comm_budget.is_critic(name, spec, cfg)
             slot = ModelSlot(name, spec, cfg.as_critic() if critic and not cfg.is_critic else cfg, home)
             if spec.trainable and spec.zero_stage == 3 and home.size != self.control.world_size:
                 # DeepSpeed 0.19's ZeRO-3 synchronises the whole world while setting up and while
