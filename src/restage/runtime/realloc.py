@@ -13,8 +13,8 @@ Each side of a message is in place when the piece is contiguous on that side: th
 straight out of its source tensor, a receiver receives straight into its destination tensor
 (no extra memory). A side that is not (a strided row-parallel slice, or small pieces packed
 together) goes through a circular buffer of one bucket (``Workspace``): as many packing rounds
-in flight as fit (each at most half a bucket); rounds in place on this rank are posted at once. Local copies are made while a rank
-waits for its messages. Memory beyond the source: the destination shard, one bucket, and for a
+in flight as fit (each at most half a bucket); rounds in place are posted at once. Local copies
+are made while a rank waits for its messages. Memory beyond the source: the destination shard, one bucket, and for a
 ZeRO-3 source the parameters of one unit (embeddings, one layer, or the head) gathered at a
 time. Every allocation goes through a meter, so the stats report the measured peak.
 
