@@ -12,8 +12,8 @@ For each layout pair it times three ways of producing every destination shard:
 * ``equal-link broadcast``: a stricter ceiling: the same broadcast with each receiver getting
   total/receivers bytes, so it puts exactly the plan's bytes on links, as restage does;
 * ``raw channels``: a stricter ceiling: the plan's exact (sender, receivers) channels, each as
-  one flat pre-allocated buffer, posted all at once the way restage posts (on gloo one send per
-  receiver), with no planning, packing, local copies or bucketing;
+  one flat pre-allocated buffer, posted as one batch on the plan's group the way restage posts
+  (one send per receiver), with no planning, packing, local copies or bucketing;
 * ``naive``: every destination rank all-gathers the full model from the source shards, then slices;
 * ``copies`` (not a way, a cost): only the memory copies restage cannot avoid, on every rank at
   once with no communication: the local pieces (destination bytes a rank already holds) and the
@@ -95,25 +95,19 @@ def _channels(plan: ReallocPlan) -> list[tuple[int, tuple[int, ...], int]]:
 
 
 def _raw(plan: ReallocPlan, groups: ProcessGroups, buffers: dict) -> None:
-    """The plan's channels as flat buffers, sent the way restage sends them, all at once.
-
-    On gloo a channel with several receivers is one send per receiver (as restage does: gloo's
-    asynchronous broadcast costs about 0.6 ms a call); on NCCL a broadcast on the channel's group.
-    """
+    """The plan's channels as flat buffers, sent the way restage sends them: one batch of one send per
+    receiver and one receive per message, on the plan's one group (src | dst)."""
     me = dist.get_rank()
-    fan_out = dist.get_backend() != "nccl"
-    works = []
+    if me not in plan.ranks:
+        return
+    group = groups.get(plan.ranks)
+    ops = []
     for sender, receivers, _ in _channels(plan):
-        if me != sender and me not in receivers:
-            continue
-        buf = buffers[(sender, receivers)]
-        if len(receivers) > 1 and not fan_out:
-            works.append(dist.broadcast(buf, src=sender, group=groups.get((sender, *receivers)), async_op=True))
-        elif me == sender:
-            works += [dist.isend(buf, dst=r) for r in receivers]
-        else:
-            works.append(dist.irecv(buf, src=sender))
-    for work in works:
+        if me == sender:
+            ops += [dist.P2POp(dist.isend, buffers[(sender, receivers)], r, group) for r in receivers]
+        elif me in receivers:
+            ops.append(dist.P2POp(dist.irecv, buffers[(sender, receivers)], sender, group))
+    for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
 
 
@@ -235,9 +229,8 @@ def _bench(rank: int, world_size: int, dtype_name: str, bucket_bytes: int, repea
     bpe = torch.empty((), dtype=dtype).element_size()
     plans = [plan_reallocation(cfg, a, b, bytes_per_element=bpe, world_size=world_size) for a, b, _ in CASES]
     naive_groups = [tuple(sorted({h, *p.dst.mesh})) for p in plans for _, h, _ in _naive_sources(p)]
-    raw_groups = [tuple(sorted((s, *r))) for p in plans for s, r, _ in _channels(p) if len(r) > 1]
     bcast_groups = [_broadcast_shape(p)[1] for p in plans if len(_broadcast_shape(p)[1]) > 2]
-    groups = ProcessGroups(groups_for(*plans) + naive_groups + raw_groups + bcast_groups)
+    groups = ProcessGroups(groups_for(*plans) + naive_groups + bcast_groups)
     full = _full_state(cfg, dtype)
     rows = []
     for plan, (src_layout, dst_layout, what) in zip(plans, CASES):

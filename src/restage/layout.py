@@ -162,14 +162,17 @@ class ProcessGroups:
     (sorted, deduplicated), never lazily on a subset of ranks.
     """
 
-    def __init__(self, groups: Iterable[Iterable[int]], backend: str | None = None, singletons: bool = False):
+    def __init__(self, groups: Iterable[Iterable[int]], backend: str | None = None,
+                 singletons: bool | Iterable[int] = False):
         import torch.distributed as dist
 
         self._rank = dist.get_rank()
         self._groups: dict[tuple[int, ...], object] = {}
         wanted = {tuple(sorted(g)) for g in groups if len(tuple(g)) > 1}
-        if singletons:  # DeepSpeed wants a real group even where a degree is 1
-            wanted |= {(r,) for r in range(dist.get_world_size())}
+        # DeepSpeed wants a real group even where a degree is 1: True makes one for every rank,
+        # an iterable only for the ranks named (each is a communicator, so name only those needed).
+        lone = range(dist.get_world_size()) if singletons is True else (singletons or ())
+        wanted |= {(r,) for r in lone}
         for ranks in sorted(wanted):
             group = dist.new_group(list(ranks), backend=backend)
             if self._rank in ranks:

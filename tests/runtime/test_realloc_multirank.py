@@ -16,7 +16,7 @@ from restage.layout import ProcessGroups
 from restage.runtime.realloc import SLOTS, Workspace, execute_reallocation, groups_for
 from restage.runtime.realloc_plan import plan_reallocation, schedule_transfers
 from restage.runtime.spawn import spawn
-from restage.runtime.transfer import execute_transfer, plan_transfer, possible_transfer_groups, transfer_groups
+from restage.runtime.transfer import GlooChannel, execute_transfer, plan_transfer
 
 pytestmark = pytest.mark.multirank
 
@@ -99,21 +99,18 @@ def _check(pairs, results, world_size) -> Counter:
 
 
 def _walk_transfers(rank: int, world_size: int, assignment: str | None = None) -> list[dict]:
-    """Run every data transfer case; return what this rank received, checked against the regenerated samples.
-
-    ``assignment="contiguous"`` runs as the SPMD runtime does: groups made up front from the layouts alone.
+    """Run every data transfer case over the default gloo group (no group of its own); return what this rank
+    received, checked against the regenerated samples. ``assignment="contiguous"`` cuts as the SPMD runtime does.
     """
     plans = [plan_transfer(make_meta(i, n, prod.strategy.dp, group), prod, cons, consumer_stages=stages,
                            world_size=world_size, assignment=assignment)
              for i, (prod, cons, stages, n, group, _) in enumerate(TRANSFERS_8)]
-    groups = ProcessGroups(transfer_groups(*plans) if assignment is None else
-                           [g for prod, cons, stages, *_ in TRANSFERS_8
-                            for g in possible_transfer_groups(prod, cons, consumer_stages=stages)])
+    dist.barrier()  # a collective first: batched sends are never the group's first call
     out = []
     for plan in plans:
         meta = plan.meta
         part = next((d for d, ranks in enumerate(plan.holders) if rank in ranks), None)
-        result = execute_transfer(plan, producer_batch(meta, part) if part is not None else None, groups)
+        result = execute_transfer(plan, producer_batch(meta, part) if part is not None else None, GlooChannel(), rank)
         consumer = next((d for d, ranks in enumerate(plan.receivers) if rank in ranks), None)
         wrong = []
         if consumer is not None:

@@ -8,27 +8,30 @@ holding it.
 
 Metadata (sample ids, sequence lengths, key dtypes) goes over MPI, on a sub-communicator of
 the ranks taking part in the transfer; from it every rank builds the same
-``transfer.BatchMeta`` and plan (``assignment="contiguous"``), and ``transfer.execute_transfer``
-moves the tensors over torch.distributed.
+``transfer.BatchMeta`` and plan (``assignment="contiguous"``, senders chosen on the
+receivers' node by ``node_of``), and ``transfer.execute_transfer`` moves the tensors (KB to
+MB) over the same MPI sub-communicator: no torch.distributed group, no NCCL communicator.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from restage.data.batch import Batch
 from restage.graph import MFC, DataflowGraph
-from restage.layout import Layout, ProcessGroups
+from restage.layout import Layout
 from restage.models.config import ModelConfig
 from restage.plan.compute import attended_tokens
 from restage.plan.flops import forward_flops
 from restage.runtime.transfer import (
     BatchMeta,
     KeySpec,
+    MpiChannel,
+    TransferPlan,
     contiguous_assignment,
     execute_transfer,
     plan_transfer,
-    possible_transfer_groups,
 )
 
 
@@ -46,21 +49,17 @@ class OutputMeta:
 class DataFlow:
     """Per-step sample assignment and output transfer for one rank."""
 
-    def __init__(self, graph: DataflowGraph, layouts: dict[str, Layout], rank: int):
-        self.graph, self.layouts, self.rank = graph, layouts, rank
+    def __init__(self, graph: DataflowGraph, layouts: dict[str, Layout], rank: int,
+                 node_of: Callable[[int], int] = lambda r: 0):
+        self.graph, self.layouts, self.rank, self.node_of = graph, layouts, rank, node_of
         self._comms: dict[tuple[int, ...], object] = {}
         self.meta: dict[tuple[str, tuple[int, ...]], OutputMeta] = {}
         self._dataset_tokens: list[int] = []
         self.ids: list[int] = []
 
     # -- start-up -------------------------------------------------------------------------------------
-    def groups(self, op) -> list[tuple[int, ...]]:
-        """Process groups a transfer op may use, whatever the lengths (unknown at start-up): every possible sender
-        x the consumer replica's ranks lacking the data."""
-        return possible_transfer_groups(op.src, op.dst)
-
     def create_comms(self, ops, comm) -> None:
-        """MPI sub-communicators for the metadata of each transfer, created in op order by their members."""
+        """MPI sub-communicators for the metadata and payloads of each transfer, created in op order by their members."""
         world = comm.Get_group()
         for index, op in enumerate(ops):
             if op.kind != "transfer" or op.ranks in self._comms or self.rank not in op.ranks:
@@ -125,19 +124,23 @@ class DataFlow:
             parts = contiguous_assignment(tokens, op.dst.strategy.dp)
         return self._comms[op.ranks].bcast(parts, root=op.ranks.index(root))
 
-    def execute(self, op, mine: Batch | None, groups: ProcessGroups) -> tuple[Batch | None, int]:
+    def plan(self, op, meta: OutputMeta, assignment) -> TransferPlan:
+        """The plan of one transfer op (one key), senders chosen on the receivers' node (the run's ``node_of``)."""
+        kind, dtype_name, trailing = meta.keys[op.key]
+        key = KeySpec(op.key, kind == "tokens", dtype_name.removeprefix("torch."), tuple(trailing))
+        n_samples = len(meta.seqlens) // meta.group_size
+        return plan_transfer(BatchMeta(meta.ids or tuple(range(n_samples)), meta.seqlens, meta.group_size, (key,),
+                                       meta.parts), op.src, op.dst, assignment=assignment, node_of=self.node_of)
+
+    def execute(self, op, mine: Batch | None) -> tuple[Batch | None, int]:
         """Move ``op.key`` of the producer's output to the consumer's DP ranks; returns (received, bytes sent)."""
         meta = self._gather_meta(op, mine)
         if op.ranks == (self.rank,) and op.src == op.dst:
             # Producer and consumer are this one rank: the output already is the input, nothing to cut or copy.
             return (_on_cpu(mine.only((op.key,)), mine.ids) if mine is not None and mine.n_samples else None), 0
-        kind, dtype_name, trailing = meta.keys[op.key]
-        key = KeySpec(op.key, kind == "tokens", dtype_name.removeprefix("torch."), tuple(trailing))
-        n_samples = len(meta.seqlens) // meta.group_size
         # The consumer cuts the global order as its dataset-loaded keys are cut, so the two line up.
-        plan = plan_transfer(BatchMeta(meta.ids or tuple(range(n_samples)), meta.seqlens, meta.group_size, (key,),
-                                       meta.parts), op.src, op.dst, assignment=self._assignment(op))
-        result = execute_transfer(plan, mine, groups)
+        plan = self.plan(op, meta, self._assignment(op))
+        result = execute_transfer(plan, mine, MpiChannel(self._comms[op.ranks], op.ranks), self.rank)
         sent = sum(result.sent_bytes_by_link.values())
         batch = result.batch
         if batch is None or not batch.n_samples:

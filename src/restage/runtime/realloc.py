@@ -1,18 +1,20 @@
 """Execute a reallocation plan over torch.distributed (NCCL on GPUs, gloo on CPU).
 
 Every rank of the plan's meshes calls :func:`execute_reallocation` with the same plan and arguments.
-Ranks post the transfers in one global order (``schedule_transfers``) and only ever wait on
-their own earlier transfers, so every pair of ranks meets its broadcasts and send/recv pairs in
-the same order and nothing deadlocks. A transfer with several receivers is a broadcast on a
-cached group on NCCL (create them collectively up front from :func:`groups_for`) and one send
-per receiver on gloo; one receiver means send/recv.
+All traffic runs on ONE process group, the ranks of src and dst (``realloc_groups``): first a
+one-element all-reduce (so a batched P2P is never the group's first call, as NCCL requires,
+and ranks walking different plans fail instead of hanging), then one ``batch_isend_irecv``
+per *round* (``schedule_rounds``): rounds stay inside one unit and are cut by the global order
+alone, so every rank's batches match. A message to k receivers is k sends in the batch (NCCL
+aggregates them); no broadcast groups, no unbatched send/recv (each unbatched NCCL pair would
+be a communicator of its own).
 
 Each side of a message is in place when the piece is contiguous on that side: the sender sends
-straight out of its source tensor, a receiver receives straight into its destination tensor,
-and in-place sides are all posted at once (no extra memory). A side that is not (a strided
-row-parallel slice, or small pieces packed together) goes through a circular buffer of one
-bucket (``Workspace``), as many messages in flight as fit. Local copies are made while a rank
-waits for its messages. Memory beyond the source: the destination shard, one bucket, and for a
+straight out of its source tensor, a receiver receives straight into its destination tensor
+(no extra memory). A side that is not (a strided row-parallel slice, or small pieces packed
+together) goes through a circular buffer of one bucket (``Workspace``): as many packing rounds
+in flight as fit (each at most half a bucket); rounds in place are posted at once. Local copies
+are made while a rank waits for its messages. Memory beyond the source: the destination shard, one bucket, and for a
 ZeRO-3 source the parameters of one unit (embeddings, one layer, or the head) gathered at a
 time. Every allocation goes through a meter, so the stats report the measured peak.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+import zlib
 from collections import defaultdict, deque
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -39,17 +42,19 @@ from restage.errors import LayoutError
 from restage.layout import ProcessGroups
 from restage.models.sharding import shard_specs
 from restage.runtime.realloc_plan import (
+    SLOTS,
     Piece,
     ReallocPlan,
+    Round,
     Transfer,
     check_layouts,
     realloc_groups,
-    schedule_transfers,
+    schedule_rounds,
 )
 
+__all__ = ["SLOTS", "ReallocResult", "ReallocStats", "Workspace", "execute_reallocation", "groups_for"]
+
 DEFAULT_BUCKET_BYTES = 32 << 20
-# A message through the ring is at most 1/SLOTS of the bucket, so at least SLOTS are in flight at once.
-SLOTS = 4
 # Smaller contiguous pieces are packed: per message overhead outweighs a copy below this size.
 DEFAULT_DIRECT_MIN_BYTES = 1 << 18
 
@@ -184,15 +189,18 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
     src = source_state(source) if me in plan.src else {}
     # Unit by unit on every rank, even where no source is ZeRO-3: the order must not depend on
     # anything a rank knows alone (costs a few more, smaller buckets; measured within noise).
-    transfers = [t for t in schedule_transfers(plan, bucket_bytes // SLOTS, direct_min_bytes, by_unit=True)
-                 if t.src_rank == me or me in t.dst_ranks]
+    rounds = [r for r in schedule_rounds(plan, bucket_bytes, direct_min_bytes)
+              if any(t.src_rank == me or me in t.dst_ranks for t in r.transfers)]
+    transfers = [t for r in rounds for t in r.transfers if t.src_rank == me or me in t.dst_ranks]
     local = [p for p in plan.local_pieces if p.src_rank == me]
-    _check_inputs(plan, me, src, transfers, local, groups, dtype)
+    group = _check_inputs(plan, me, src, transfers, local, groups, dtype)
     zero3 = any(_is_zero3(t) for t in src.values())
     needs = _units_needed_by_my_dp_group(plan, me) if zero3 else {}
     missing = sorted({n for names in needs.values() for n in names} - set(src))
     if missing:
         raise KeyError(f"rank {me}: the ZeRO-3 source has no parameters {missing[:4]}")
+    if group is not None:
+        _agree(plan, group, device)
 
     meter = _Meter()
     # share_local: a tensor this rank holds whole becomes the destination tensor (never a ZeRO-3
@@ -205,30 +213,28 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
     shared_bytes = sum(t.numel() * t.element_size() for t in shared.values())
     shard_bytes += shared_bytes
     bpe = plan.bytes_per_element
-    # The ring holds as many messages in flight as fit in one bucket, but no more than this rank
-    # packs or unpacks in all (a small plan does not need a whole bucket).
-    ring_numel = min(bucket_bytes // bpe, sum(t.numel for t in transfers if not t.in_place_for(me)))
+    # The ring holds as many packing rounds in flight as fit in one bucket (each is at most half of
+    # it), but no more than this rank packs or unpacks in all (a small plan does not need a whole bucket).
+    ring_numel = min(bucket_bytes // bpe, sum(r.packed_numel(me) for r in rounds))
     workspace = workspace or Workspace()
     buffer = workspace.take(ring_numel, dtype, device) if ring_numel else None
     held_bytes = workspace.nbytes  # what the workspace really holds, perhaps more than this plan needs
     meter.add("buffer", held_bytes)
 
     tally = _Tally()
-    ring = _Ring(buffer, me, src, dst, groups, tally, fan_out=dist.get_backend() != "nccl")
-    stages = sorted({t.stage for t in transfers} | {p.unit for p in local} | set(needs))
+    batches = _Batches(buffer, me, src, dst, group, tally)
+    stages = sorted({r.stage for r in rounds} | {p.unit for p in local} | set(needs))
     for stage in stages:
-        mine = [t for t in transfers if t.stage == stage]
         gather = needs.get(stage, ())
         with _gathered(src, gather, meter, bpe):
-            # Local copies are made while this rank waits for its messages (see _Ring).
-            ring.local.extend(p for p in local if p.unit == stage)
-            # Post in the global order. A side in place needs no buffer and is posted at once;
-            # a side that packs or unpacks takes room in the ring, many messages in flight.
-            for t in mine:
-                ring.post(t)
+            # Local copies are made while this rank waits for its messages (see _Batches).
+            batches.local.extend(p for p in local if p.unit == stage)
+            for r in rounds:
+                if r.stage == stage:
+                    batches.post(r)
             if gather:  # a gathered unit is released at the end of the block: finish everything reading it
-                ring.drain()
-    ring.drain()
+                batches.drain()
+    batches.drain()
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     del buffer
@@ -241,9 +247,10 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
     return ReallocResult(dst, stats)
 
 
-def _check_inputs(plan: ReallocPlan, me: int, src: dict, transfers: list[Transfer], local: list[Piece],
-                  groups: ProcessGroups, dtype: torch.dtype) -> None:
-    """Fail on this rank before it communicates: missing parameters, wrong shapes or dtypes, missing groups."""
+def _check_inputs(plan: ReallocPlan, me: int, src: dict, transfers: list, local: list[Piece],
+                  groups: ProcessGroups, dtype: torch.dtype):
+    """Fail on this rank before it communicates (missing parameters, wrong shapes or dtypes, a missing group);
+    return the plan's group (None for a rank outside the plan or a one-rank plan)."""
     for p in [p for t in transfers if t.src_rank == me for p in t.pieces] + local:
         tensor = src.get(p.name)
         if tensor is None:
@@ -252,9 +259,19 @@ def _check_inputs(plan: ReallocPlan, me: int, src: dict, transfers: list[Transfe
         if shape != p.src_shape or tensor.dtype != dtype:
             raise ValueError(f"rank {me}: source {p.name} is {tuple(shape)} {tensor.dtype}, "
                              f"the plan expects {p.src_shape} {dtype}")
-    for t in transfers:
-        if len(t.dst_ranks) > 1:
-            groups.get(t.group)
+    if me not in plan.ranks or not realloc_groups(plan) or not plan.pieces:
+        return None  # nothing moves between ranks (every rank copies locally): no group, no handshake
+    return groups.get(plan.ranks)
+
+
+def _agree(plan: ReallocPlan, group, device: torch.device) -> None:
+    """The group's first call is a collective every member joins (NCCL wants it before any batched P2P);
+    it also checks that every member walks the same plan, which would otherwise hang."""
+    fingerprint = zlib.crc32(f"{plan.src} {plan.dst} {len(plan.pieces)} {plan.total_bytes}".encode())
+    seen = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+    if int(seen[0]) != -int(seen[1]):
+        raise RuntimeError(f"rank {dist.get_rank()}: the ranks of {plan.src} -> {plan.dst} hold different plans")
 
 
 def _destination(plan: ReallocPlan, me: int, given: dict[str, torch.Tensor] | None, dtype: torch.dtype,
@@ -321,84 +338,69 @@ class _Tally:
     received: dict[tuple[int, int], int] = field(default_factory=lambda: defaultdict(int))
 
 
-class _FanOut:
-    """The sends of one message to each receiver, waited on as one."""
+class _Batches:
+    """Posts rounds as batches; the sides that pack or unpack take room in one circular buffer.
 
-    def __init__(self, works: list):
-        self.works = works
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-
-def _communicate(payload: torch.Tensor, t: Transfer, me: int, groups: ProcessGroups, tally: _Tally, fan_out: bool):
-    """Start a broadcast on the transfer's group, or send/recv for one receiver; count the bytes.
-
-    ``fan_out`` (gloo): several receivers get one send each instead of a broadcast. Gloo runs an
-    asynchronous broadcast on the group's worker thread at about 0.6 ms a call (measured: 256
-    broadcasts of 192 KiB to 3 ranks take 3.4x as long as one of 48 MiB), while sends and
-    receives cost next to nothing per message; the bytes on each link are the same.
-    """
-    nbytes = payload.numel() * payload.element_size()
-    if t.src_rank == me:
-        for r in t.dst_ranks:
-            tally.sent[(me, r)] += nbytes
-    else:
-        tally.received[(t.src_rank, me)] += nbytes
-    if len(t.dst_ranks) > 1 and not fan_out:
-        return dist.broadcast(payload, src=t.src_rank, group=groups.get(t.group), async_op=True)
-    if t.src_rank != me:
-        return dist.irecv(payload, src=t.src_rank)
-    if len(t.dst_ranks) == 1:
-        return dist.isend(payload, dst=t.dst_ranks[0])
-    return _FanOut([dist.isend(payload, dst=r) for r in t.dst_ranks])
-
-
-class _Ring:
-    """Posts transfers; the sides that pack or unpack take room in one circular buffer.
-
-    A side in place (the piece's own memory, contiguous) is posted at once and needs no room.
-    A packed side takes the next ``numel`` elements of the buffer, after waiting for the oldest
-    messages there to finish if it is full, so every message that fits is in flight at once
-    and together they never exceed the buffer. While it waits, the rank makes its local copies.
-    Ranks post in the schedule's global order and wait only on their own earlier transfers, so
-    the oldest unfinished transfer always has every participant posted: no deadlock.
+    A side in place (the piece's own memory, contiguous) needs no room, so a round in place on
+    this rank is posted at once and waited on only at the end (or before a gathered unit is
+    released). A round that packs takes the next room of its size after the newest packing round
+    in flight (wrapping around), finishing (and unpacking) the oldest packing rounds until it
+    fits, so every round that fits is in flight at once and together they never exceed the
+    buffer. While it waits, the rank makes its local copies. Every rank posts the same rounds in
+    the same order and waits only on rounds it has posted: the lowest unfinished round has every
+    member posted (a member waits only on lower rounds, all finished), so nothing deadlocks.
     """
 
-    def __init__(self, buffer: torch.Tensor | None, me: int, src: dict, dst: dict, groups: ProcessGroups,
-                 tally: _Tally, fan_out: bool):
+    def __init__(self, buffer: torch.Tensor | None, me: int, src: dict, dst: dict, group, tally: _Tally):
         self.buffer = buffer
-        self.live: deque[tuple[int, int, object, Transfer, torch.Tensor]] = deque()  # (start, stop, work, t, payload)
-        self.in_place: list = []
+        # In flight, oldest first: (works, payloads to unpack, (start, stop) of its room or None).
+        self.pending: deque[tuple[list, list[tuple[Transfer, torch.Tensor]], tuple[int, int] | None]] = deque()
         self.local: deque[Piece] = deque()  # local copies still to make
-        self.me, self.src, self.dst, self.groups, self.tally, self.fan_out = me, src, dst, groups, tally, fan_out
+        self.me, self.src, self.dst, self.group, self.tally = me, src, dst, group, tally
 
-    def post(self, t: Transfer) -> None:
-        sender = t.src_rank == self.me
-        if t.in_place_for(self.me):
-            (p,) = t.pieces
-            payload = _view(self.src[p.name], p.dim, p.src_range) if sender else _view(self.dst[p.name], p.dim, p.dst_range)
-            self.in_place.append(_communicate(payload, t, self.me, self.groups, self.tally, self.fan_out))
-            return
-        start = self._room(t.numel)
-        payload = self.buffer[start: start + t.numel]
-        if sender:
-            offset = 0
-            for p in t.pieces:
-                payload[offset: offset + p.numel].view(p.block_shape).copy_(_view(self.src[p.name], p.dim, p.src_range))
-                offset += p.numel
-        work = _communicate(payload, t, self.me, self.groups, self.tally, self.fan_out)
-        self.live.append((start, start + t.numel, work, t, payload))
+    def post(self, r: Round) -> None:
+        me = self.me
+        numel = r.packed_numel(me)
+        start = self._room(numel) if numel else 0
+        room = (start, start + numel) if numel else None
+        ops, unpack = [], []
+        for t in r.transfers:
+            sender = t.src_rank == me
+            if not sender and me not in t.dst_ranks:
+                continue
+            if t.in_place_for(me):
+                (p,) = t.pieces
+                payload = _view(self.src[p.name], p.dim, p.src_range) if sender else _view(self.dst[p.name], p.dim, p.dst_range)
+            else:
+                payload = self.buffer[start: start + t.numel]
+                start += t.numel
+                if sender:
+                    offset = 0
+                    for p in t.pieces:
+                        payload[offset: offset + p.numel].view(p.block_shape).copy_(
+                            _view(self.src[p.name], p.dim, p.src_range))
+                        offset += p.numel
+                else:
+                    unpack.append((t, payload))
+            nbytes = payload.numel() * payload.element_size()
+            if sender:  # one send per receiver, from the same memory
+                for dst in t.dst_ranks:
+                    ops.append(dist.P2POp(dist.isend, payload, dst, self.group))
+                    self.tally.sent[(me, dst)] += nbytes
+            else:
+                ops.append(dist.P2POp(dist.irecv, payload, t.src_rank, self.group))
+                self.tally.received[(t.src_rank, me)] += nbytes
+        if ops:
+            self.pending.append((dist.batch_isend_irecv(ops), unpack, room))
 
     def _room(self, numel: int) -> int:
-        """Where ``numel`` elements fit after the newest live message (wrapping around), finishing the oldest until they do."""
+        """Where ``numel`` elements fit after the newest packing round in flight, finishing the oldest until they do."""
         size = self.buffer.numel()
-        while self.live:
-            head, tail = self.live[-1][1], self.live[0][0]
+        while True:
+            rooms = [room for _, _, room in self.pending if room is not None]
+            if not rooms:
+                return 0
+            head, tail = rooms[-1][1], rooms[0][0]
             if head > tail:  # not wrapped: room after the head, or at the start before the tail
                 if head + numel <= size:
                     return head
@@ -406,16 +408,16 @@ class _Ring:
                     return 0
             elif head + numel <= tail:
                 return head
-            self._finish_oldest()
-        return 0
+            self._finish(next(entry for entry in self.pending if entry[2] is not None))
 
-    def _finish_oldest(self) -> None:
-        _, _, work, t, payload = self.live[0]
-        while self.local and not work.is_completed():
-            self._copy_one_local()
-        work.wait()
-        self.live.popleft()
-        if t.src_rank != self.me:
+    def _finish(self, entry) -> None:
+        del self.pending[next(i for i, e in enumerate(self.pending) if e is entry)]  # by identity: entries hold tensors
+        works, unpack, _ = entry
+        for work in works:
+            while self.local and not work.is_completed():
+                self._copy_one_local()
+            work.wait()
+        for t, payload in unpack:
             offset = 0
             for p in t.pieces:
                 _view(self.dst[p.name], p.dim, p.dst_range).copy_(payload[offset: offset + p.numel].view(p.block_shape))
@@ -426,14 +428,11 @@ class _Ring:
         _view(self.dst[p.name], p.dim, p.dst_range).copy_(_view(self.src[p.name], p.dim, p.src_range))
 
     def drain(self) -> None:
-        """Make the remaining local copies and finish every posted transfer (unpacking what arrived)."""
+        """Make the remaining local copies and finish every round in flight (unpacking what arrived)."""
         while self.local:
             self._copy_one_local()
-        while self.live:
-            self._finish_oldest()
-        for work in self.in_place:
-            work.wait()
-        self.in_place = []
+        while self.pending:
+            self._finish(self.pending[0])
 
 
 def groups_for(*plans: ReallocPlan) -> list[tuple[int, ...]]:

@@ -25,6 +25,9 @@ from restage.layout import Layout
 from restage.models.config import ModelConfig
 from restage.models.sharding import ParamSpec, param_specs, shard_specs, validate_strategy
 
+# A message is at most 1/SLOTS of the bucket, so a round (half a bucket) holds at least SLOTS // 2 of them.
+SLOTS = 4
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -270,8 +273,8 @@ class Transfer:
     side of a one-piece transfer may still go through a bucket (the sender packs a strided
     source block, or the receivers unpack into a strided destination block). ``packed``
     transfers use a bucket on at least one side and hold at most the bucket size; a transfer
-    of several pieces is packed on both sides. A broadcast when there are several receivers,
-    send/recv for one. ``stage`` is the pieces' unit when gathering unit by unit, else 0.
+    of several pieces is packed on both sides. The sender sends it once to each receiver, in
+    one batch (``schedule_rounds``). ``stage`` is the pieces' unit when gathering unit by unit, else 0.
     """
 
     stage: int
@@ -292,10 +295,6 @@ class Transfer:
     @cached_property
     def numel(self) -> int:
         return sum(p.numel for p in self.pieces)
-
-    @property
-    def group(self) -> tuple[int, ...]:
-        return tuple(sorted((self.src_rank, *self.dst_ranks)))
 
 
 @lru_cache(maxsize=64)  # a run replays the same few plans every iteration
@@ -351,8 +350,55 @@ def schedule_transfers(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: i
 
 
 def realloc_groups(plan: ReallocPlan) -> list[tuple[int, ...]]:
-    """Process groups (sorted global ranks) the plan broadcasts on; create them collectively up front."""
-    return sorted({tuple(sorted((p.src_rank, *p.dst_ranks))) for p in plan.pieces if len(p.dst_ranks) > 1})
+    """The one process group the plan's batched sends and receives run on: every rank of src and dst.
+
+    One group per reallocation (not one per broadcast): each NCCL communicator costs GPU memory
+    and set-up time, so the executor sends a message to k receivers as k sends in one batch.
+    """
+    return [plan.ranks] if len(plan.ranks) > 1 else []
+
+
+@dataclass(frozen=True)
+class Round:
+    """Transfers every rank posts as one batch: inside one stage, and packing at most ``round_bytes`` on any rank."""
+
+    stage: int
+    transfers: tuple[Transfer, ...]
+
+    def packed_numel(self, rank: int) -> int:
+        """Elements ``rank`` packs (as sender) or unpacks (as receiver) in this round: its room in the bucket."""
+        return sum(t.numel for t in self.transfers if (rank == t.src_rank or rank in t.dst_ranks)
+                   and not t.in_place_for(rank))
+
+
+@lru_cache(maxsize=64)
+def schedule_rounds(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: int = 1 << 18) -> tuple[Round, ...]:
+    """The plan's transfers (messages of at most a quarter bucket) cut into rounds all ranks agree on.
+
+    A round is one ``batch_isend_irecv`` on every rank taking part; a batch completes as a whole,
+    so batches must match across ranks or two ranks could each wait on a batch holding a message
+    the other posts only later. Cutting by the global order alone (a new round at each stage, where
+    transfers in place on both sides end and packed ones begin, and whenever some rank's packed
+    elements would pass half the bucket) makes them match. Keeping the rounds that need no bucket
+    apart lets a rank free bucket room without waiting for the large in-place messages.
+    """
+    bpe = plan.bytes_per_element
+    capacity = bucket_bytes // 2 // bpe
+    rounds: list[Round] = []
+    current: list[Transfer] = []
+    room: dict[int, int] = defaultdict(int)  # packed elements per rank in the open round
+    for t in schedule_transfers(plan, bucket_bytes // SLOTS, direct_min_bytes):
+        packers = [r for r in (t.src_rank, *t.dst_ranks) if not t.in_place_for(r)]
+        if current and (t.stage != current[0].stage or t.packed != current[-1].packed
+                        or any(room[r] + t.numel > capacity for r in packers)):
+            rounds.append(Round(current[0].stage, tuple(current)))
+            current, room = [], defaultdict(int)
+        current.append(t)
+        for r in packers:
+            room[r] += t.numel
+    if current:
+        rounds.append(Round(current[0].stage, tuple(current)))
+    return tuple(rounds)
 
 
 def destination_shard_bytes(plan: ReallocPlan, rank: int) -> int:

@@ -1,8 +1,11 @@
 """Data transfer: move an MFC's output batch from the producer's DP ranks to the consumer's DP ranks.
 
 The master knows the batch's metadata (sample ids, sequence lengths, keys, which producer DP
-rank holds which samples) and hands the same :class:`BatchMeta` to every rank (over MPI);
-only tensors travel over torch.distributed.
+rank holds which samples) and hands the same :class:`BatchMeta` to every rank (over MPI).
+The payloads are KB to MB, so they travel on the CPU over a :class:`Channel`: the control
+plane's MPI communicator of the transfer (:class:`MpiChannel`, what the runtime uses) or a
+gloo group (:class:`GlooChannel`). Never over NCCL: no communicator per (sender, receivers)
+set, none created up front for every possible sender.
 
 Planning is pure: :func:`plan_transfer` assigns the samples to consumer DP ranks, balanced by
 tokens (largest first onto the lightest rank, which keeps every rank within one sample's
@@ -26,7 +29,7 @@ import torch.distributed as dist
 
 from restage.data.batch import Batch, contiguous_parts
 from restage.errors import LayoutError
-from restage.layout import Layout, ProcessGroups
+from restage.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -91,10 +94,6 @@ class Message:
     dst_ranks: tuple[int, ...]
     samples: tuple[int, ...]
     nbytes: int
-
-    @property
-    def group(self) -> tuple[int, ...]:
-        return tuple(sorted((self.src_rank, *self.dst_ranks)))
 
 
 @dataclass(frozen=True)
@@ -224,24 +223,43 @@ def plan_transfer(meta: BatchMeta, producer: Layout, consumer: Layout, *, consum
                         tuple(sorted(messages, key=lambda m: (m.src_rank, m.dst_ranks, m.samples))), dict(links))
 
 
-def transfer_groups(*plans: TransferPlan) -> list[tuple[int, ...]]:
-    """Process groups the plans broadcast on, for ``ProcessGroups`` to create collectively up front."""
-    return sorted({m.group for plan in plans for m in plan.messages if len(m.dst_ranks) > 1})
+class Channel:
+    """Moves byte tensors between global ranks: every rank posts its sends and receives in the plan's order."""
+
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], receives: Sequence[tuple[torch.Tensor, int]]) -> None:
+        """Send each ``(tensor, dst)`` and fill each ``(tensor, src)``; returns when all are done."""
+        raise NotImplementedError
 
 
-def possible_transfer_groups(producer: Layout, consumer: Layout, *, consumer_stages: Sequence[int] | None = None,
-                             producer_stages: Sequence[int] | None = None, node_of: Callable[[int], int] = lambda r: 0
-                             ) -> list[tuple[int, ...]]:
-    """Every group any plan between these layouts may broadcast on, whatever the batch (every possible
-    sender x the consumer replica's receivers lacking the data): for creating groups before lengths are known."""
-    out = set()
-    for p in range(producer.strategy.dp):
-        candidates = _ranks(producer, p, producer_stages)
-        for d in range(consumer.strategy.dp):
-            pool, targets = _sender_pool(candidates, _ranks(consumer, d, consumer_stages), node_of)
-            if len(targets) > 1:
-                out |= {tuple(sorted((s, *targets))) for s in pool}
-    return sorted(out)
+class MpiChannel(Channel):
+    """Over an MPI communicator whose rank ``i`` is global rank ``ranks[i]`` (mpi4py, host memory)."""
+
+    TAG = 13
+
+    def __init__(self, comm, ranks: Sequence[int]):
+        self.comm = comm
+        self.index = {r: i for i, r in enumerate(ranks)}
+
+    def exchange(self, sends, receives) -> None:
+        from mpi4py import MPI  # the control plane's library; only runtime processes have it
+
+        # MPI keeps the order of messages between two ranks, so posting in the plan's order matches them.
+        requests = [self.comm.Irecv([t.numpy(), MPI.BYTE], source=self.index[r], tag=self.TAG) for t, r in receives]
+        requests += [self.comm.Isend([t.numpy(), MPI.BYTE], dest=self.index[r], tag=self.TAG) for t, r in sends]
+        MPI.Request.Waitall(requests)
+
+
+class GlooChannel(Channel):
+    """Over a gloo process group (None: the default group, when it is gloo), as one batch of sends and receives."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def exchange(self, sends, receives) -> None:
+        ops = [dist.P2POp(dist.irecv, t, r, self.group) for t, r in receives]
+        ops += [dist.P2POp(dist.isend, t, r, self.group) for t, r in sends]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
 
 
 @dataclass(frozen=True)
@@ -281,52 +299,35 @@ def _pack(meta: BatchMeta, mine: Batch, order: Sequence[int], samples: Sequence[
     return torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.uint8, device=device)
 
 
-def execute_transfer(plan: TransferPlan, mine: Batch | None, groups: ProcessGroups, *,
-                     device: torch.device | None = None) -> TransferResult:
-    """Carry out ``plan`` on this rank; every rank of the world calls it with the same plan.
+def execute_transfer(plan: TransferPlan, mine: Batch | None, channel: Channel, rank: int) -> TransferResult:
+    """Carry out ``plan`` as global rank ``rank``; every rank of the producer and consumer calls it with the same plan.
 
     ``mine``: the producer batch this rank holds (None if it holds none): the samples of its
     producer DP rank, in ``meta.producer_parts`` order. Returns, on each receiver, a Batch
-    of its consumer DP rank's samples in global order with every key.
+    of its consumer DP rank's samples in global order with every key, on the CPU.
     """
-    meta, me = plan.meta, dist.get_rank()
-    for layout in (plan.producer, plan.consumer):
-        layout.check_world(dist.get_world_size())
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    meta, me = plan.meta, rank
     my_part = next((d for d, ranks in enumerate(plan.holders) if me in ranks), None)
     order = meta.producer_parts[my_part] if my_part is not None else ()
     if my_part is not None and (0 if mine is None else mine.n_samples) != len(order):
         raise ValueError(f"rank {me} holds producer part {my_part} of {len(order)} samples but was given "
                          f"{None if mine is None else mine.n_samples}")
-    mine_msgs = [m for m in plan.messages if m.src_rank == me or me in m.dst_ranks]
-    for m in mine_msgs:
-        if len(m.dst_ranks) > 1:
-            groups.get(m.group)  # fail before any traffic if a group is missing
-
     sent, received = defaultdict(int), defaultdict(int)
     buffers: dict[Message, torch.Tensor] = {}
-    works = []
-    for m in mine_msgs:  # global order; everything async, so no rank blocks another
-        sending = m.src_rank == me
-        payload = _pack(meta, mine, order, m.samples, device) if sending else torch.empty(
-            m.nbytes, dtype=torch.uint8, device=device)
-        if len(m.dst_ranks) > 1:
-            works.append(dist.broadcast(payload, src=m.src_rank, group=groups.get(m.group), async_op=True))
-        elif sending:
-            works.append(dist.isend(payload, dst=m.dst_ranks[0]))
-        else:
-            works.append(dist.irecv(payload, src=m.src_rank))
-        buffers[m] = payload
-        if sending:
+    sends, receives = [], []
+    for m in plan.messages:  # global order: both sides of every pair post in it
+        if m.src_rank == me:
+            payload = _pack(meta, mine, order, m.samples, torch.device("cpu"))
+            sends += [(payload, r) for r in m.dst_ranks]  # one send per receiver, from the same bytes
             for r in m.dst_ranks:
                 sent[(me, r)] += m.nbytes
-        else:
+        elif me in m.dst_ranks:
+            buffers[m] = torch.empty(m.nbytes, dtype=torch.uint8)
+            receives.append((buffers[m], m.src_rank))
             received[(m.src_rank, me)] += m.nbytes
-    for work in works:
-        work.wait()
+    channel.exchange(sends, receives)
     d = next((d for d, ranks in enumerate(plan.receivers) if me in ranks), None)
-    batch = None if d is None else _assemble(plan, d, me, mine, order, buffers, device)
+    batch = None if d is None else _assemble(plan, d, me, mine, order, buffers, torch.device("cpu"))
     return TransferResult(batch, dict(sent), dict(received))
 
 

@@ -1,7 +1,8 @@
 """One rank of a run: its model shards, the iteration loop, and the ops it takes part in.
 
 Start-up (the same on every rank): read the schedule, join torch.distributed, create every
-process group the schedule needs (collectively, in one order), load each model's shard in its
+process group the schedule needs (collectively, in one order; ``comm_budget`` says which and
+bounds them), load each model's shard in its
 home layout (each rank reads only its slices), wrap trainable ones in DeepSpeed. Then, every
 iteration: the master's sample ids arrive over MPI, the ops run, records go back to the master,
 the master's decision (checkpoint, stop) comes back.
@@ -30,6 +31,7 @@ from restage.models.decoder import StageModule
 from restage.models.parallel import ParallelContext
 from restage.plan.schedule import read_schedule
 from restage.runtime import checkpoint as ckpt
+from restage.runtime import comm_budget
 from restage.runtime.clock import Clock, measure_offset, peak_memory_bytes
 from restage.runtime.control import Control, init_torch_distributed
 from restage.runtime.dataflow import DataFlow, measured_flops
@@ -40,7 +42,7 @@ from restage.runtime.offload import ModelCopy
 from restage.runtime.ops import prepare_run_ops
 from restage.runtime.program import check_ema_architectures, ema_targets
 from restage.runtime.realloc import execute_reallocation
-from restage.runtime.realloc_plan import plan_reallocation, realloc_groups
+from restage.runtime.realloc_plan import plan_reallocation
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -65,10 +67,6 @@ class ModelSlot:
         return self.copies[layout]
 
 
-def _is_critic(name: str, spec: ModelSpec, cfg: ModelConfig) -> bool:
-    return cfg.is_critic or spec.init_critic_from_lm or name in ("critic", "reward")
-
-
 class Worker:
     """Everything one rank does in a run."""
 
@@ -86,8 +84,12 @@ class Worker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.slots: dict[str, ModelSlot] = {}
         self.realloc_plans = {}
-        self.dataflow = DataFlow(self.graph, self.layouts, self.rank)
+        self.frozen_copies: set[tuple[str, Layout]] = set()  # (model, layout) copies of frozen models already made
+        # Block placement, as the planner costed it: runtime plans equal the estimator's (same node_of).
+        self.node_of = comm_budget.block_node_of(comm_budget.ranks_per_node(schedule))
+        self.dataflow = DataFlow(self.graph, self.layouts, self.rank, self.node_of)
         self.groups: ProcessGroups | None = None
+        self.communicator_bound: comm_budget.CommunicatorBound | None = None  # set with the groups
         self.master = Master(control, cfg, schedule, trial_dir, self.train_set, bool(resume)) if control.is_master else None
         self.start_step = 0
         self.resume = resume
@@ -119,27 +121,22 @@ class Worker:
         return ModelConfig.from_json(self.schedule.models[name]["arch"])
 
     def _create_groups(self) -> None:
-        wanted: list[tuple[int, ...]] = []
-        for layout in {*self.layouts.values()}:
-            wanted += layout.all_groups()
-        for op in self.ops:
-            if op.kind == "realloc":
-                wanted += realloc_groups(self._realloc_plan(op.model, op.src, op.dst))
-            elif op.kind == "ema":
-                wanted += realloc_groups(self._realloc_plan(self.graph[op.mfc].model, op.src, op.dst))
-            elif op.kind == "transfer":
-                wanted += self.dataflow.groups(op)
-        self.groups = ProcessGroups(wanted, singletons=True)
+        """The run's process groups (``comm_budget.run_groups``: layouts and one per reallocation; singletons
+        only where DeepSpeed needs them); data transfers use the MPI communicators made here, not groups."""
+        bound = comm_budget.communicator_bound(self.schedule, self._realloc_plan)
+        if self.control.is_master:
+            print(f"restage: {bound.summary()}", flush=True)
+        self.communicator_bound = bound
+        self.groups = ProcessGroups(comm_budget.run_groups(self.layouts.values(), self.ops),
+                                    singletons=comm_budget.singleton_ranks(self.schedule))
         self.dataflow.create_comms(self.ops, self.control.comm)
 
     def _realloc_plan(self, model: str, src: Layout, dst: Layout):
         key = (model, src, dst)
         if key not in self.realloc_plans:
-            spec = self.cfg.models[model]
-            cfg = self._model_cfg(model)
-            if _is_critic(model, spec, cfg) and not cfg.is_critic:
-                cfg = cfg.as_critic()
-            self.realloc_plans[key] = plan_reallocation(cfg, src, dst, bytes_per_element=DTYPES[spec.dtype].itemsize)
+            cfg = comm_budget.realloc_model_config(self.schedule, self.cfg, model)
+            self.realloc_plans[key] = plan_reallocation(cfg, src, dst, node_of=self.node_of,
+                                                        bytes_per_element=DTYPES[self.cfg.models[model].dtype].itemsize)
         return self.realloc_plans[key]
 
     def _load_models(self) -> None:
@@ -149,7 +146,7 @@ class Worker:
             spec = self.cfg.models[name]
             home = Layout.from_json(info["home_layout"])
             cfg = self._model_cfg(name)
-            critic = _is_critic(name, spec, cfg)
+            critic = comm_budget.is_critic(name, spec, cfg)
             slot = ModelSlot(name, spec, cfg.as_critic() if critic and not cfg.is_critic else cfg, home)
             if spec.trainable and spec.zero_stage == 3 and home.size != self.control.world_size:
                 # DeepSpeed 0.19's ZeRO-3 synchronises the whole world while setting up and while
@@ -284,15 +281,19 @@ class Worker:
     def _realloc(self, op) -> int:
         slot = self.slots[op.model]
         plan = self._realloc_plan(op.model, op.src, op.dst)
-        frozen = not slot.spec.trainable
-        if frozen and op.dst in slot.copies:
-            return 0  # a frozen model's copy never goes stale
+        frozen = not slot.spec.trainable and op.model not in self.ema  # its weights never change
+        if frozen and (op.model, op.dst) in self.frozen_copies:
+            # Its copy never goes stale. Decided from what every rank of the op knows (not from holding
+            # the copy, which only destination ranks do): a sender must not send what no one receives.
+            return 0
         source = slot.engine if slot.engine is not None else slot.module
         # The copy is read-only and dropped before its source next changes (a trained model's after
         # its last use, a reference's once its EMA moves), so tensors this rank holds whole are shared.
         # The executor allocates the rest; the module adopts the tensors (built on "meta", it holds none).
         result = execute_reallocation(plan, source if self.rank in op.src else None, self.groups,
                                       dtype=DTYPES[slot.spec.dtype], share_local=True, device=self.device)
+        if frozen:
+            self.frozen_copies.add((op.model, op.dst))
         if self.rank in op.dst:
             ctx = ParallelContext.from_layout(op.dst, self.groups, self.rank)
             module = StageModule(slot.cfg, ctx, DTYPES[slot.spec.dtype], torch.device("meta"))
@@ -320,7 +321,7 @@ class Worker:
 
     def _transfer(self, op) -> int:
         mine = self.outputs.get(op.producer)
-        received, nbytes = self.dataflow.execute(op, mine, self.groups)
+        received, nbytes = self.dataflow.execute(op, mine)
         if received is not None:
             self.inputs.setdefault(op.mfc, []).append(received)
         return nbytes
