@@ -159,10 +159,18 @@ class ProcessGroups:
 
     ``torch.distributed.new_group`` must be called by every rank of the world in the same
     order, so groups are created collectively up front from the full list a schedule needs
-    (sorted, deduplicated), never lazily on a subset of ranks.
+    (sorted, deduplicated), never lazily on a subset of ranks. Each group is then warmed: its
+    members run one small all-reduce on it, in the same sorted order everywhere (a single global
+    order cannot deadlock). With NCCL that builds the group's communicator now, under start-up,
+    and a later batched P2P among a few of its ranks is allowed (a batched P2P that is a group's
+    first call would need all of them). ``timeout_seconds``: each group's data-plane timeout.
     """
 
-    def __init__(self, groups: Iterable[Iterable[int]], backend: str | None = None, singletons: bool = False):
+    def __init__(self, groups: Iterable[Iterable[int]], backend: str | None = None, singletons: bool = False,
+                 timeout_seconds: float | None = None):
+        import datetime
+
+        import torch
         import torch.distributed as dist
 
         self._rank = dist.get_rank()
@@ -170,10 +178,17 @@ class ProcessGroups:
         wanted = {tuple(sorted(g)) for g in groups if len(tuple(g)) > 1}
         if singletons:  # DeepSpeed wants a real group even where a degree is 1
             wanted |= {(r,) for r in range(dist.get_world_size())}
+        timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
         for ranks in sorted(wanted):
-            group = dist.new_group(list(ranks), backend=backend)
+            group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
             if self._rank in ranks:
                 self._groups[ranks] = group
+        from restage.runtime.nccl_rules import rank_device  # runtime helper; imported here to keep layout light
+
+        device = rank_device() if backend in (None, "nccl") else torch.device("cpu")
+        for ranks, group in sorted(self._groups.items()):
+            if len(ranks) > 1:
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
 
     def get(self, ranks: Iterable[int]):
         """The group over ``ranks``; None for a single rank unless singletons were made. The caller must be a member."""
