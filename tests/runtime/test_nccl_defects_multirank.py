@@ -57,8 +57,10 @@ DATA_PLANE_TIMEOUT_SECONDS = 3.0
 
 
 def _late_senders(rank, world_size):
+    from restage.runtime.control import set_world_timeout
     from restage.runtime.worker import reallocate_when_ready
 
+    set_world_timeout(DATA_PLANE_TIMEOUT_SECONDS)  # unbatched P2P runs on the world group
     cfg = tiny()
     src, dst = L((0, 1), tp=2), L((2,))
     plan = plan_reallocation(cfg, src, dst, bytes_per_element=4, world_size=world_size)

@@ -77,8 +77,15 @@ def init_torch_distributed(control: Control, timeout_seconds: float, backend: st
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=control.rank,
                             world_size=control.world_size, timeout=datetime.timedelta(seconds=startup))
     warm_world()
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_seconds))  # no public setter
+    set_world_timeout(timeout_seconds)
     return backend
+
+
+def set_world_timeout(timeout_seconds: float) -> None:
+    """The world group's timeout for every later op (NCCL's watchdog); start-up ran under its own."""
+    import torch.distributed as dist
+
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_seconds))  # no public setter
 
 
 _ready_rounds: dict[tuple[int, ...], int] = {}

@@ -14,6 +14,8 @@ c. ``device``: a data-plane collective or P2P takes tensors on the rank's device
    (``.cpu()``, ``.to("cpu")``) returns a ``HostTensor``, so a stray ``.cpu()`` is caught.
 d. ``bound``: at most ``max_groups`` communicators (world + ``new_group``) and ``max_pairs``
    distinct rank pairs of unbatched P2P (one 2-rank NCCL communicator each); see ``set_bound``.
+e. ``watchdog``: an op must complete within its group's timeout counted from when it was queued
+   (NCCL's watchdog aborts it; gloo's receives just keep waiting).
 
 Groups created with ``backend="gloo"`` are host groups: NCCL's rules do not apply to them.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -154,16 +157,56 @@ def _bound_args(name: str, args, kwargs) -> dict:
     return inspect.signature(_original[name]).bind(*args, **kwargs).arguments
 
 
+class _WatchedWork:
+    """A ``Work`` whose ``wait`` fails like NCCL's watchdog once the op took longer than its group's timeout."""
+
+    def __init__(self, work, op: str, group, queued: float):
+        self._work, self._op, self._group, self._queued = work, op, group, queued
+
+    def wait(self, *args, **kwargs):
+        out = self._work.wait(*args, **kwargs)
+        _watchdog(self._op, self._group, self._queued)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _timeout_seconds(group) -> float | None:
+    try:
+        backend = (group or dist.GroupMember.WORLD)._get_backend(rank_device())
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _watchdog(op: str, group, queued: float) -> None:
+    took, limit = time.monotonic() - queued, _timeout_seconds(group)
+    if limit is not None and took > limit:
+        _fail("watchdog", group, op, f"took {took:.1f} s from when it was queued, over the group's timeout of "
+              f"{limit:.0f} s (NCCL's watchdog would abort the job); wait for the peers first or raise the timeout")
+
+
+def _watched(op: str, group, queued: float, out):
+    if isinstance(out, list):
+        return [_watched(op, group, queued, work) for work in out]
+    if out is None:
+        _watchdog(op, group, queued)
+        return out
+    return _WatchedWork(out, op, group, queued)
+
+
 def _collective(name: str):
     original = _original[name]
 
     def wrapped(*args, **kwargs):
         given = _bound_args(name, args, kwargs)
         group = given.get("group")
-        if not _exempt(group):
-            _check_tensors(name, group, _flatten([v for k, v in given.items() if k != "group"]))
-            _state.warm.add(_key(group))
-        return original(*args, **kwargs)
+        if _exempt(group):
+            return original(*args, **kwargs)
+        _check_tensors(name, group, _flatten([v for k, v in given.items() if k != "group"]))
+        _state.warm.add(_key(group))
+        return _watched(name, group, time.monotonic(), original(*args, **kwargs))
 
     return wrapped
 
@@ -188,7 +231,12 @@ def _p2p(name: str):
         _compare_now(name, group, peer, len(log) - 1, wait=name in ("send", "recv"))
         _state.pairs.add((min(_state.rank, peer), max(_state.rank, peer)))
         _check_bound(name, _name(group))
-        return original(*args, **kwargs)
+        queued = time.monotonic()
+        out = original(*args, **kwargs)
+        if name in ("send", "recv"):  # blocking; recv returns the sender's rank
+            _watchdog(name, group, queued)
+            return out
+        return _watched(name, group, queued, out)
 
     return wrapped
 
@@ -223,7 +271,9 @@ def _batch_isend_irecv(p2p_op_list):
             _state.warm.add(_key(group))
     _in_batch.active = True
     try:
-        return _original["batch_isend_irecv"](p2p_op_list)
+        queued = time.monotonic()
+        works = _original["batch_isend_irecv"](p2p_op_list)
+        return works if _exempt(group) else _watched("batch_isend_irecv", group, queued, works)
     finally:
         _in_batch.active = False
 
