@@ -320,10 +320,11 @@ def _barrier(*args, **kwargs):
 
 
 def _destroy_process_group(group=None):
+    original = _original["destroy_process_group"]
     if group in (None, dist.GroupMember.WORLD) and _state is not None:
         check()
         uninstall()
-    return _original["destroy_process_group"](group)
+    return original(group)
 
 
 def _host_move(name: str):
