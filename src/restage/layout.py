@@ -183,11 +183,10 @@ class ProcessGroups:
             group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
             if self._rank in ranks:
                 self._groups[ranks] = group
-        from restage.runtime.nccl_rules import rank_device  # runtime helper; imported here to keep layout light
-
-        device = rank_device() if backend in (None, "nccl") else torch.device("cpu")
         for ranks, group in sorted(self._groups.items()):
             if len(ranks) > 1:
+                on_gpu = dist.get_backend(group) == "nccl"
+                device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
                 dist.all_reduce(torch.zeros(1, device=device), group=group)
 
     def get(self, ranks: Iterable[int]):
