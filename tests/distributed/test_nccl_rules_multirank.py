@@ -13,8 +13,8 @@ pytestmark = pytest.mark.multirank
 
 def _batched_first(rank, world_size, warm):
     group = dist.new_group([0, 1, 2])
-    if warm:
-        dist.barrier(group=group) if rank < 3 else None
+    if warm:  # done right: a collective by every rank of the group first
+        dist.barrier(group=group)
     if rank in (0, 1):
         buffer = torch.zeros(2)
         peer = 1 - rank
