@@ -97,7 +97,16 @@ class RunConfig:
     save_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
     log_every: int = 1
-    collective_timeout_seconds: float = 60.0
+    # NCCL's watchdog counts from when an op is queued, so every timeout must outlast a peer's long step
+    # (a 70B train step can take many minutes). Start-up: rendezvous and the first set-up of every
+    # communicator, while peers may still be importing or loading shards.
+    startup_timeout_seconds: float = 3600.0
+    # Data plane: one collective or P2P once its ranks take part (pipeline neighbours and DP replicas
+    # still wait on each other's compute inside a step).
+    collective_timeout_seconds: float = 1800.0
+    # Before a reallocation its ranks wait for each other over the rendezvous store (no watchdog),
+    # so a receiver does not queue an irecv while its senders are still generating or training.
+    peer_wait_timeout_seconds: float = 7200.0
     nprocs: int = 1
     results_dir: str = "results"
 

@@ -159,11 +159,18 @@ class ProcessGroups:
 
     ``torch.distributed.new_group`` must be called by every rank of the world in the same
     order, so groups are created collectively up front from the full list a schedule needs
-    (sorted, deduplicated), never lazily on a subset of ranks.
+    (sorted, deduplicated), never lazily on a subset of ranks. Each group is then warmed: its
+    members run one small all-reduce on it, in the same sorted order everywhere (a single global
+    order cannot deadlock). With NCCL that builds the group's communicator now, under start-up,
+    and a later batched P2P among a few of its ranks is allowed (a batched P2P that is a group's
+    first call would need all of them). ``timeout_seconds``: each group's data-plane timeout.
     """
 
     def __init__(self, groups: Iterable[Iterable[int]], backend: str | None = None,
-                 singletons: bool | Iterable[int] = False):
+                 singletons: bool | Iterable[int] = False, timeout_seconds: float | None = None):
+        import datetime
+
+        import torch
         import torch.distributed as dist
 
         self._rank = dist.get_rank()
@@ -173,10 +180,16 @@ class ProcessGroups:
         # an iterable only for the ranks named (each is a communicator, so name only those needed).
         lone = range(dist.get_world_size()) if singletons is True else (singletons or ())
         wanted |= {(r,) for r in lone}
+        timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
         for ranks in sorted(wanted):
-            group = dist.new_group(list(ranks), backend=backend)
+            group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
             if self._rank in ranks:
                 self._groups[ranks] = group
+        for ranks, group in sorted(self._groups.items()):
+            if len(ranks) > 1:
+                on_gpu = dist.get_backend(group) == "nccl"
+                device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
 
     def get(self, ranks: Iterable[int]):
         """The group over ``ranks``; None for a single rank unless singletons were made. The caller must be a member."""

@@ -12,7 +12,7 @@ import os
 import socket
 from typing import Any
 
-from restage.runtime.spawn import free_port
+from restage.runtime.spawn import free_port, warm_world
 
 
 class Control:
@@ -54,8 +54,14 @@ def local_rank() -> int:
     return 0
 
 
-def init_torch_distributed(control: Control, timeout_seconds: float, backend: str | None = None) -> str:
-    """Join torch.distributed over all MPI ranks; NCCL with CUDA, gloo otherwise. Returns the backend."""
+def init_torch_distributed(control: Control, timeout_seconds: float, backend: str | None = None,
+                           startup_timeout_seconds: float | None = None) -> str:
+    """Join torch.distributed over all MPI ranks; NCCL with CUDA, gloo otherwise. Returns the backend.
+
+    The rendezvous and the world's first collective (``warm_world``) wait up to
+    ``startup_timeout_seconds`` (peers may still be importing); afterwards the world's ops time out
+    after ``timeout_seconds`` (the data-plane timeout, NCCL's watchdog).
+    """
     import torch
     import torch.distributed as dist
 
@@ -67,6 +73,40 @@ def init_torch_distributed(control: Control, timeout_seconds: float, backend: st
     if control.is_master:
         address = (os.environ.get("RESTAGE_RENDEZVOUS_HOST") or socket.gethostname(), free_port())
     host, port = control.bcast(address)
+    startup = timeout_seconds if startup_timeout_seconds is None else startup_timeout_seconds
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=control.rank,
-                            world_size=control.world_size, timeout=datetime.timedelta(seconds=timeout_seconds))
+                            world_size=control.world_size, timeout=datetime.timedelta(seconds=startup))
+    warm_world()
+    set_world_timeout(timeout_seconds)
     return backend
+
+
+def set_world_timeout(timeout_seconds: float) -> None:
+    """The world group's timeout for every later op (NCCL's watchdog); start-up ran under its own."""
+    import torch.distributed as dist
+
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_seconds))  # no public setter
+
+
+_ready_rounds: dict[tuple[int, ...], int] = {}
+
+
+def wait_for_ranks(ranks, timeout_seconds: float) -> None:
+    """Return once every rank of ``ranks`` has called this (in the same order on each): a barrier over the store.
+
+    Run before a transfer whose ranks may still be in a long step, so NCCL's watchdog (counted
+    from when an op is queued) only times the transfer; the wait itself is bounded by
+    ``timeout_seconds`` and no communicator is involved.
+    """
+    import torch.distributed as dist
+
+    key = tuple(sorted(set(ranks)))
+    if dist.get_rank() not in key or len(key) < 2:
+        return
+    round_ = _ready_rounds.get(key, 0)
+    _ready_rounds[key] = round_ + 1
+    name = f"restage_ready/{','.join(map(str, key))}/{round_}"
+    store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank shares
+    if store.add(name, 1) == len(key):
+        store.set(name + "/all", "1")
+    store.wait([name + "/all"], datetime.timedelta(seconds=timeout_seconds))

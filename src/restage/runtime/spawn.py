@@ -30,7 +30,7 @@ def free_port() -> int:
 
 def init_process_group(rank: int, world_size: int, port: int, backend: str | None = None,
                        timeout_seconds: float = 120.0) -> None:
-    """Join the default group; backend is NCCL when CUDA is available, gloo otherwise."""
+    """Join the default group (NCCL when CUDA is available, gloo otherwise) and warm it; see ``warm_world``."""
     import torch
     import torch.distributed as dist
 
@@ -42,6 +42,22 @@ def init_process_group(rank: int, world_size: int, port: int, backend: str | Non
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(backend, rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}",
                             timeout=datetime.timedelta(seconds=timeout_seconds))
+    warm_world()
+
+
+def warm_world() -> None:
+    """Turn on NCCL's rules when asked (``nccl_rules``), then run the world's first collective with every rank.
+
+    With NCCL a batched P2P that is a group's first call must involve every rank of the group;
+    after this barrier a pipeline may exchange over the world among a few ranks. The barrier also
+    makes start-up (peers still importing or loading) end here, under the start-up timeout.
+    """
+    import torch.distributed as dist
+
+    from restage.runtime import nccl_rules
+
+    nccl_rules.install()
+    dist.barrier()
 
 
 def _worker(rank, world_size, port, fn, args, results, env):
@@ -73,7 +89,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_seconds: 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    # Every spawned rank checks NCCL's rules unless the caller says otherwise (RESTAGE_NCCL_RULES=0).
+    env = {"OMP_NUM_THREADS": "1", "RESTAGE_NCCL_RULES": os.environ.get("RESTAGE_NCCL_RULES", "1"), **(env or {})}
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, env), daemon=True)
              for r in range(world_size)]
     for p in procs:

@@ -33,11 +33,12 @@ from restage.plan.schedule import read_schedule
 from restage.runtime import checkpoint as ckpt
 from restage.runtime import comm_budget
 from restage.runtime.clock import Clock, measure_offset, peak_memory_bytes
-from restage.runtime.control import Control, init_torch_distributed
+from restage.runtime.control import Control, init_torch_distributed, wait_for_ranks
 from restage.runtime.dataflow import DataFlow, measured_flops
 from restage.runtime.engines import build_engine, engine_groups, mark_norm_ownership
 from restage.runtime.execute import run_generate, run_inference, run_train
 from restage.runtime.master import Master, StepRecord
+from restage.runtime.nccl_rules import rank_device
 from restage.runtime.offload import ModelCopy
 from restage.runtime.ops import prepare_run_ops
 from restage.runtime.program import check_ema_architectures, ema_targets
@@ -81,7 +82,7 @@ class Worker:
         self.tokenizer = load_tokenizer(default_tokenizer_dir(cfg))
         self.state = self.algo.init_state(cfg, self.tokenizer)
         self.train_set, _ = load_splits(cfg, self.tokenizer)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = rank_device()
         self.slots: dict[str, ModelSlot] = {}
         self.realloc_plans = {}
         self.frozen_copies: set[tuple[str, Layout]] = set()  # (model, layout) copies of frozen models already made
@@ -105,7 +106,8 @@ class Worker:
             raise ConfigError(f"the schedule is for {schedule.world_size} ranks but {control.world_size} started; "
                               f"start {schedule.world_size} ranks (restage run -n {schedule.world_size}) or plan again")
         cfg = config_from_dict(schedule.config)
-        init_torch_distributed(control, cfg.run.collective_timeout_seconds)
+        init_torch_distributed(control, cfg.run.collective_timeout_seconds,
+                               startup_timeout_seconds=cfg.run.startup_timeout_seconds)
         torch.manual_seed(cfg.seed * 1000 + control.rank)
         if resume == "if-any" and ckpt.checkpoint_dir.latest(trial_dir) is None:
             resume = ""
@@ -128,7 +130,8 @@ class Worker:
             print(f"restage: {bound.summary()}", flush=True)
         self.communicator_bound = bound
         self.groups = ProcessGroups(comm_budget.run_groups(self.layouts.values(), self.ops),
-                                    singletons=comm_budget.singleton_ranks(self.schedule))
+                                    singletons=comm_budget.singleton_ranks(self.schedule),
+                                    timeout_seconds=self.cfg.run.collective_timeout_seconds)
         self.dataflow.create_comms(self.ops, self.control.comm)
 
     def _realloc_plan(self, model: str, src: Layout, dst: Layout):
@@ -258,14 +261,7 @@ class Worker:
     def _dp_reduce(self, ctx: ParallelContext):
         if ctx.strategy.dp == 1:
             return None
-        group = self.groups.get(ctx.dp_ranks)
-
-        def reduce(tensor: torch.Tensor) -> torch.Tensor:
-            out = tensor.clone()
-            dist.all_reduce(out, group=group)
-            return out
-
-        return reduce
+        return dp_reducer(self.groups.get(ctx.dp_ranks), self.device)
 
     def _input_batch(self, mfc, layout: Layout, dp_rank: int) -> Batch:
         """This DP rank's slice of the MFC's inputs: dataset keys read locally, the rest as transferred."""
@@ -290,8 +286,9 @@ class Worker:
         # The copy is read-only and dropped before its source next changes (a trained model's after
         # its last use, a reference's once its EMA moves), so tensors this rank holds whole are shared.
         # The executor allocates the rest; the module adopts the tensors (built on "meta", it holds none).
-        result = execute_reallocation(plan, source if self.rank in op.src else None, self.groups,
-                                      dtype=DTYPES[slot.spec.dtype], share_local=True, device=self.device)
+        result = reallocate_when_ready(plan, source if self.rank in op.src else None, self.groups,
+                                       self.cfg.run.peer_wait_timeout_seconds, dtype=DTYPES[slot.spec.dtype],
+                                       share_local=True, device=self.device)
         if frozen:
             self.frozen_copies.add((op.model, op.dst))
         if self.rank in op.dst:
@@ -309,7 +306,8 @@ class Worker:
         trained, target = self.slots[mfc.model], self.slots[op.model]
         plan = self._realloc_plan(mfc.model, op.src, op.dst)
         source = trained.engine if self.rank in op.src else None
-        result = execute_reallocation(plan, source, self.groups, dtype=DTYPES[trained.spec.dtype], share_local=True)
+        result = reallocate_when_ready(plan, source, self.groups, self.cfg.run.peer_wait_timeout_seconds,
+                                       dtype=DTYPES[trained.spec.dtype], share_local=True)
         if self.rank in op.dst:
             eta = float(mfc.options["ref_ema_eta"])
             params = dict(target.module.named_parameters())
@@ -331,6 +329,23 @@ class Worker:
             self.master.close()
         dist.barrier()
         dist.destroy_process_group()
+
+
+def dp_reducer(group, device: torch.device):
+    """Sum over the DP group: tensors computed on the host go to the rank's device for the collective and come back."""
+
+    def reduce(tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.to(device, copy=True)  # NCCL has no host backend; copy: the caller's tensor stays as it was
+        dist.all_reduce(out, group=group)
+        return out.to(tensor.device)
+
+    return reduce
+
+
+def reallocate_when_ready(plan, source, groups: ProcessGroups, peer_wait_timeout_seconds: float, **options):
+    """``execute_reallocation`` once every rank of the plan has arrived, so the data-plane timeout times only the move."""
+    wait_for_ranks(sorted({*plan.src.mesh, *plan.dst.mesh}), peer_wait_timeout_seconds)
+    return execute_reallocation(plan, source, groups, **options)
 
 
 def _merge(parts: list[Batch]) -> Batch:
