@@ -31,7 +31,7 @@ from restage.models.decoder import StageModule
 from restage.models.parallel import ParallelContext
 from restage.plan.schedule import read_schedule
 from restage.runtime import checkpoint as ckpt
-from restage.runtime import comm_budget
+from restage.runtime import comm_budget, nccl_rules
 from restage.runtime.clock import Clock, measure_offset, peak_memory_bytes
 from restage.runtime.control import Control, init_torch_distributed, wait_for_ranks
 from restage.runtime.dataflow import DataFlow, measured_flops
@@ -129,6 +129,7 @@ class Worker:
         if self.control.is_master:
             print(f"restage: {bound.summary()}", flush=True)
         self.communicator_bound = bound
+        nccl_rules.set_bound(max_groups=bound.max_communicators, max_pairs=bound.max_pairs)  # when the checks are on
         self.groups = ProcessGroups(comm_budget.run_groups(self.layouts.values(), self.ops),
                                     singletons=comm_budget.singleton_ranks(self.schedule),
                                     timeout_seconds=self.cfg.run.collective_timeout_seconds)
