@@ -86,6 +86,7 @@ class Worker:
         self.device = rank_device()
         self.slots: dict[str, ModelSlot] = {}
         self.realloc_plans = {}
+        self.kept_copies: set[tuple[str, Layout]] = set()  # (model, layout) of frozen copies kept, on every rank
         self.dataflow = DataFlow(self.graph, self.layouts, self.rank)
         self.groups: ProcessGroups | None = None
         self.master = Master(control, cfg, schedule, trial_dir, self.train_set, bool(resume)) if control.is_master else None
@@ -214,6 +215,7 @@ class Worker:
                 record.moves.append(("realloc", f"ema:{op.model}", str(op.src), str(op.dst), nbytes, begin, time.time()))
             elif op.kind == "free":
                 self.slots[op.model].copies.pop(op.dst, None)
+                self.kept_copies.discard((op.model, op.dst))
             elif op.kind in ("offload", "reload"):
                 slot = self.slots[op.model]
                 if slot.module is not None:
@@ -275,8 +277,10 @@ class Worker:
         slot = self.slots[op.model]
         plan = self._realloc_plan(op.model, op.src, op.dst)
         frozen = not slot.spec.trainable
-        if frozen and op.dst in slot.copies:
-            return 0  # a frozen model's copy never goes stale
+        # A frozen model's copy never goes stale. Decided the same way on every rank (src-only ranks hold
+        # no copy), so senders and receivers agree on skipping and on the wait before the move.
+        if frozen and (op.model, op.dst) in self.kept_copies:
+            return 0
         source = slot.engine if slot.engine is not None else slot.module
         # The copy is read-only and dropped before its source next changes (a trained model's after
         # its last use, a reference's once its EMA moves), so tensors this rank holds whole are shared.
@@ -291,6 +295,8 @@ class Worker:
             module.requires_grad_(False)
             module.eval()
             slot.copies[op.dst] = module
+        if frozen:
+            self.kept_copies.add((op.model, op.dst))
         return result.stats.sent_bytes
 
     def _ema(self, op) -> int:
