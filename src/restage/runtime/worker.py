@@ -218,6 +218,7 @@ class Worker:
                                      self.clock.now_synced()))
             elif op.kind == "free":
                 self.slots[op.model].copies.pop(op.dst, None)
+                self.frozen_copies.discard((op.model, op.dst))
             elif op.kind in ("offload", "reload"):
                 slot = self.slots[op.model]
                 if slot.module is not None:
