@@ -41,6 +41,7 @@ import torch.distributed as dist
 from restage.errors import LayoutError
 from restage.layout import ProcessGroups
 from restage.models.sharding import shard_specs
+from restage.runtime.nccl_rules import same_device
 from restage.runtime.realloc_plan import (
     SLOTS,
     Piece,
@@ -112,7 +113,7 @@ class Workspace:
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat tensor of ``numel`` elements of ``dtype`` on ``device``, reusing the held bytes."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if self._buffer is None or self._buffer.device != device or self._buffer.numel() < nbytes:
+        if self._buffer is None or not same_device(self._buffer.device, device) or self._buffer.numel() < nbytes:
             self._buffer = None  # free the old one first, so two buffers never coexist
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return self._buffer[:nbytes].view(dtype)
@@ -205,7 +206,7 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
     meter = _Meter()
     # share_local: a tensor this rank holds whole becomes the destination tensor (never a ZeRO-3
     # source's: its gathered parameters are released after use).
-    shared = {p.name: src[p.name] for p in local if p.whole and src[p.name].device == device} \
+    shared = {p.name: src[p.name] for p in local if p.whole and same_device(src[p.name].device, device)} \
         if share_local and not zero3 else {}
     local = [p for p in local if p.name not in shared]
     dst = _destination(plan, me, destination, dtype, device, meter, shared)
