@@ -12,7 +12,8 @@
 # rmbr1 (10.78.0.0/24) that only the nodes are on: an extra interface, so the job must pin the right one.
 # The nodes' traffic stays between these namespaces and the host (no route out, no NAT). Each slurmd runs
 # under `unshare --uts --mount`: its own host name (socket.gethostname() == node name inside every task) and
-# its own mount table, in which $DIR/unshared is a per-node private directory (the "results directory that
+# its own mount table, in which $DIR/unshared is a per-node private directory (and $DIR/nodetmp the node's
+# TmpFS, where PMIx puts its per-step directories: named by job and step only, they collide on a shared /tmp) (the "results directory that
 # the nodes do not share" of the tests); everything else, munge's socket and the results directories
 # included, is the one shared file system. The node names resolve through lines added to /etc/hosts.
 #
@@ -97,7 +98,7 @@ remove_network() {
 }
 
 write_conf() {
-  mkdir -p "$DIR/state" "$DIR/log" "$DIR/dev" "$DIR/unshared" "$DIR/results"
+  mkdir -p "$DIR/state" "$DIR/log" "$DIR/dev" "$DIR/unshared" "$DIR/nodetmp" "$DIR/results"
   local i
   # slurmd wants GRES files to be device nodes: stubs with the numbers of /dev/null (1,3) and /dev/zero (1,5).
   [ -c "$DIR/dev/gpu0" ] || { rm -f "$DIR/dev/gpu0"; mknod "$DIR/dev/gpu0" c 1 3; }
@@ -121,6 +122,9 @@ MpiDefault=none
 GresTypes=gpu
 ReturnToService=2
 JobRequeue=1
+# Job ids of their own: easier to tell from slurm_local.sh's cluster in shared places.
+FirstJobId=100000
+TmpFS=$DIR/nodetmp
 # A lost node is declared DOWN quickly (the node-loss test), and jobs on it are ended then.
 SlurmdTimeout=10
 KillWait=5
@@ -149,9 +153,10 @@ EOF
     echo "NodeName=$(node_name "$i") NodeAddr=10.77.0.$((10 + i)) CPUs=$CPUS RealMemory=$mem_mb Gres=gpu:2 State=UNKNOWN" >>"$tmp"
   done
   echo "Name=gpu File=$DIR/dev/gpu[0-1]" >"$DIR/gres.conf"
+  echo "PMIxCliTmpDirBase=$DIR/nodetmp" >"$DIR/mpi.conf"
   local changed=1
   if cmp -s "$tmp" "$CONF" 2>/dev/null; then changed=0; rm -f "$tmp"; else mv "$tmp" "$CONF"; chmod 644 "$CONF"; fi
-  for i in $(seq 1 "$NODES"); do mkdir -p "$DIR/$(node_name "$i")/spool" "$DIR/private/$(node_name "$i")"; done
+  for i in $(seq 1 "$NODES"); do mkdir -p "$DIR/$(node_name "$i")/spool" "$DIR/$(node_name "$i")/tmp" "$DIR/private/$(node_name "$i")"; done
   return $((1 - changed))
 }
 
@@ -178,6 +183,7 @@ start_node() {
   nsenter --net="/var/run/netns/$name" unshare --uts --mount --propagation private sh -c "
     hostname $name
     mount --bind $DIR/private/$name $DIR/unshared
+    mount --bind $DIR/$name/tmp $DIR/nodetmp
     exec slurmd -N $name -f $CONF" </dev/null >>"$DIR/log/start-$name.log" 2>&1
   for _ in $(seq 50); do pid_alive "$(node_pid_file "$name")" && return 0; sleep 0.1; done
   log "slurmd of $name did not start; see $DIR/log/slurmd-$name.log"; exit 1

@@ -77,6 +77,29 @@ def prepare(env=os.environ) -> RankEnv:
     return info
 
 
+def write_facts(info: RankEnv, env=os.environ) -> None:
+    """With RESTAGE_RANK_FACTS=1: record where this rank runs as ``<trial>/rank-facts/rank<R>.json`` (host,
+    local rank, the device index DeepSpeed and the runtime will use, CPU set, rendezvous) for the launch tests."""
+    import json
+    import socket
+
+    if env.get("RESTAGE_RANK_FACTS") != "1" or not env.get("RESTAGE_TRIAL_DIR"):
+        return
+    folder = os.path.join(env["RESTAGE_TRIAL_DIR"], "rank-facts")
+    os.makedirs(folder, exist_ok=True)
+    facts = {"rank": info.rank, "world_size": info.world_size, "node_rank": info.node_rank, "host": socket.gethostname(),
+             "local_rank": int(env["LOCAL_RANK"]), "ompi_local_rank": env.get("OMPI_COMM_WORLD_LOCAL_RANK"),
+             "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
+             "device_index": int(env["RESTAGE_DEVICE_INDEX"]) if "RESTAGE_DEVICE_INDEX" in env else None,
+             "cpus": sorted(os.sched_getaffinity(0)), "omp_num_threads": env.get("OMP_NUM_THREADS"),
+             "rendezvous_host": env.get("RESTAGE_RENDEZVOUS_HOST"), "master_addr": env.get("MASTER_ADDR"),
+             "gloo_socket_ifname": env.get("GLOO_SOCKET_IFNAME"), "nccl_socket_ifname": env.get("NCCL_SOCKET_IFNAME")}
+    path = os.path.join(folder, f"rank{info.rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(facts, f)
+    os.replace(path + ".tmp", path)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
@@ -84,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # SLURM may deliver the pre-timeout signal to every process of the job; a rank must not die of it.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    prepare()
+    write_facts(prepare())
     module, args = argv[0], argv[1:]
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
