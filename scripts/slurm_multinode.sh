@@ -12,7 +12,8 @@
 # rmbr1 (10.78.0.0/24) that only the nodes are on: an extra interface, so the job must pin the right one.
 # The nodes' traffic stays between these namespaces and the host (no route out, no NAT). Each slurmd runs
 # under `unshare --uts --mount`: its own host name (socket.gethostname() == node name inside every task) and
-# its own mount table, in which $DIR/unshared is a per-node private directory (and $DIR/nodetmp the node's
+# its own mount table, in which $DIR/unshared is a private directory on every node but the first (the
+# first, where a job's driver runs, sees the host's: the sbatch files submitit writes there must reach it) (and $DIR/nodetmp the node's
 # TmpFS, where PMIx puts its per-step directories: named by job and step only, they collide on a shared /tmp) (the "results directory that
 # the nodes do not share" of the tests); everything else, munge's socket and the results directories
 # included, is the one shared file system. The node names resolve through lines added to /etc/hosts.
@@ -182,7 +183,7 @@ start_node() {
   # nsenter, not `ip netns exec`: the latter remounts /sys, which hides /sys/fs/cgroup from slurmd.
   nsenter --net="/var/run/netns/$name" unshare --uts --mount --propagation private sh -c "
     hostname $name
-    mount --bind $DIR/private/$name $DIR/unshared
+    [ $name = rmn1 ] || mount --bind $DIR/private/$name $DIR/unshared
     mount --bind $DIR/$name/tmp $DIR/nodetmp
     exec slurmd -N $name -f $CONF" </dev/null >>"$DIR/log/start-$name.log" 2>&1
   for _ in $(seq 50); do pid_alive "$(node_pid_file "$name")" && return 0; sleep 0.1; done

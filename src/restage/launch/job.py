@@ -258,12 +258,36 @@ def run_trial(config_dict: dict, trial_dir: str, resume: bool = False, holder: d
         pass
     if paths.preempt_file.exists():  # stopped on request; TrialJob.checkpoint records the outcome
         return {"trial_dir": str(paths.root), "attempt": attempt, "world_size": geometry.world_size, "preempted": True}
+    if launched.returncode != 0 and in_slurm and len(hosts) > 1:
+        _requeue_if_a_node_was_lost(paths, hosts, cfg.slurm.requeue)
     if launched.returncode != 0:
         reason = describe_failure(paths.root, launched.output())
         update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome=f"failed ({launched.returncode}): {reason}")
         raise LaunchError(f"{paths.root}: {reason}")
     update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome="completed")
     return {"trial_dir": str(paths.root), "attempt": attempt, "world_size": geometry.world_size}
+
+
+NODE_LOSS_WAIT_SECONDS = 30.0  # slurmctld marks a silent node after SlurmdTimeout; sites set 30-300 s
+
+
+def _requeue_if_a_node_was_lost(paths: TrialPaths, hosts: Sequence[str], may_requeue: bool) -> None:
+    """After a failed launch: if SLURM reports a node of the allocation lost, say which and requeue the job
+    (it resumes from the last whole checkpoint); the requeue ends this driver."""
+    from restage.launch.allocation import lost_nodes, requeue
+
+    lost = lost_nodes(hosts, float(os.environ.get("RESTAGE_NODE_LOSS_WAIT_SECONDS", NODE_LOSS_WAIT_SECONDS)))
+    if not lost:
+        return
+    named = ", ".join(f"{h} ({s})" for h, s in lost.items())
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    will = may_requeue and job_id
+    update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                   outcome=f"lost node(s) {named}" + ("; requeued" if will else ""))
+    print(f"restage: lost node(s) {named}: " + (f"requeueing job {job_id} to resume from the last checkpoint"
+          if will else "slurm.requeue is off; resubmit with --resume"), flush=True)
+    if will and requeue(job_id):
+        time.sleep(120.0)  # SLURM ends this batch step now
 
 
 class TrialJob(Checkpointable):
