@@ -47,6 +47,8 @@ def test_each_rank_gets_its_share_of_the_cores_on_both_paths(write_config):
     assert cpus_per_rank(cfg, geometry, {"SLURM_CPUS_ON_NODE": "96"}) == 12  # the node's cores / its ranks
     assert cpus_per_rank(cfg, geometry, {}) is None  # outside SLURM nothing is bound
     assert cpus_per_rank(load_config(write_config(), ["slurm.cpus_per_task=6"]), geometry, {"SLURM_CPUS_ON_NODE": "96"}) == 6
+    assert cpus_per_rank(cfg, geometry, {"SLURM_CPUS_ON_NODE": "96"}, usable_cpus=16) == 2  # fewer real cores
+    assert cpus_per_rank(cfg, geometry, {"SLURM_CPUS_ON_NODE": "96"}, usable_cpus=4) is None  # oversubscribed
 
 
 def test_the_driver_binds_and_sets_omp_threads(write_config, tmp_path, monkeypatch):
@@ -61,6 +63,7 @@ def test_the_driver_binds_and_sets_omp_threads(write_config, tmp_path, monkeypat
             raise SystemExit(0)
 
     monkeypatch.setattr(job, "_Launched", Fake)
+    monkeypatch.setattr(job.os, "sched_getaffinity", lambda pid: set(range(64)))
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_CPUS_ON_NODE", "8")
     monkeypatch.setenv("RESTAGE_HOSTS", "n1")

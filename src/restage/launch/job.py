@@ -117,14 +117,23 @@ def forwarded_names(env: Mapping[str, str] = os.environ, extra: Sequence[str] = 
     return sorted(names | set(extra))
 
 
-def cpus_per_rank(cfg, geometry: JobGeometry, env: Mapping[str, str] = os.environ) -> int | None:
+def cpus_per_rank(cfg, geometry: JobGeometry, env: Mapping[str, str] = os.environ,
+                  usable_cpus: int | None = None) -> int | None:
     """The cores each rank is bound to: slurm.cpus_per_task, else the node's CPUs in this allocation
-    (SLURM_CPUS_ON_NODE) divided among its ranks; None outside SLURM (nothing is bound)."""
+    (SLURM_CPUS_ON_NODE) divided among its ranks; None outside SLURM (nothing is bound).
+
+    ``usable_cpus`` (the driver's own CPU set; nodes are alike) caps it: a node that advertises more CPUs
+    than it has (a test cluster) or more ranks than cores gets fewer cores per rank, or no binding at all.
+    """
     if cfg.slurm.cpus_per_task:
-        return cfg.slurm.cpus_per_task
-    if env.get("SLURM_CPUS_ON_NODE", "").isdigit():
-        return max(1, int(env["SLURM_CPUS_ON_NODE"]) // geometry.ranks_per_node)
-    return None
+        cpus = cfg.slurm.cpus_per_task
+    elif env.get("SLURM_CPUS_ON_NODE", "").isdigit():
+        cpus = max(1, int(env["SLURM_CPUS_ON_NODE"]) // geometry.ranks_per_node)
+    else:
+        return None
+    if usable_cpus is not None:
+        cpus = min(cpus, usable_cpus // geometry.ranks_per_node)
+    return cpus or None
 
 
 def network_interface(cfg, env: Mapping[str, str] = os.environ) -> str:
@@ -232,7 +241,7 @@ def run_trial(config_dict: dict, trial_dir: str, resume: bool = False, holder: d
     in_slurm = "SLURM_JOB_ID" in os.environ
     hosts = allocation_hosts() if in_slurm else None
     host, port = rendezvous(hosts or [socket.gethostname()], os.environ.get("SLURM_JOB_ID"))
-    cpus = cpus_per_rank(cfg, geometry) if in_slurm else None
+    cpus = cpus_per_rank(cfg, geometry, os.environ, len(os.sched_getaffinity(0))) if in_slurm else None
     interface = network_interface(cfg)
     rank_env = {**rank_environment(paths, geometry, module, resume, host, port, cpus),
                 **interface_environment(interface)}
