@@ -51,11 +51,14 @@ make_network() {
     ip link show "$b" >/dev/null 2>&1 || ip link add "$b" type bridge
     ip link set "$b" up
   done
-  ip addr show rmbr0 | grep -q "$CTLD_ADDR/24" || ip addr add "$CTLD_ADDR/24" dev rmbr0
+  # Not `ip ... | grep -q`: with pipefail, grep's early exit can fail the pipeline (SIGPIPE) and the test.
+  local addrs
+  addrs=$(ip -o addr show dev rmbr0)
+  [[ $addrs == *"$CTLD_ADDR/24"* ]] || ip addr add "$CTLD_ADDR/24" dev rmbr0
   local i name
   for i in $(seq 1 "$NODES"); do
     name=$(node_name "$i")
-    ip netns list | grep -qw "$name" || ip netns add "$name"
+    [ -e "/var/run/netns/$name" ] || ip netns add "$name"
     if ! ip link show "rmv${i}a" >/dev/null 2>&1; then
       ip link add "rmv${i}a" type veth peer name "rmv${i}b"
       ip link set "rmv${i}b" netns "$name"

@@ -267,16 +267,20 @@ def run_trial(config_dict: dict, trial_dir: str, resume: bool = False, holder: d
         pass
     if paths.preempt_file.exists():  # stopped on request; TrialJob.checkpoint records the outcome
         return {"trial_dir": str(paths.root), "attempt": attempt, "world_size": geometry.world_size, "preempted": True}
-    if launched.returncode != 0 and in_slurm and len(hosts) > 1:
+    returncode = launched.returncode
+    if returncode == 0 and LOST_DAEMON in launched.output():
+        returncode = 1  # Open MPI 5's mpirun exits 0 after losing a node's daemon (and the ranks there)
+    if returncode != 0 and in_slurm and len(hosts) > 1:
         _requeue_if_a_node_was_lost(paths, hosts, cfg.slurm.requeue)
-    if launched.returncode != 0:
+    if returncode != 0:
         reason = describe_failure(paths.root, launched.output())
-        update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome=f"failed ({launched.returncode}): {reason}")
+        update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome=f"failed ({returncode}): {reason}")
         raise LaunchError(f"{paths.root}: {reason}")
     update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome="completed")
     return {"trial_dir": str(paths.root), "attempt": attempt, "world_size": geometry.world_size}
 
 
+LOST_DAEMON = "PRTE has lost communication with a remote daemon"
 NODE_LOSS_WAIT_SECONDS = 30.0  # slurmctld marks a silent node after SlurmdTimeout; sites set 30-300 s
 
 
