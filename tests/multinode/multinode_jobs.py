@@ -30,7 +30,7 @@ def overrides(results: Path, trial: str, launcher: str, *more: str) -> list[str]
     return [f"run.results_dir={results}", f"trial={trial}", "cluster.name=multinode-test", f"cluster.nodes={NODES}",
             f"cluster.devices_per_node={RANKS_PER_NODE}", f"run.nprocs={NODES * RANKS_PER_NODE}",
             "slurm.template=generic", "slurm.network_interface=eth0", f"slurm.launcher={launcher}",
-            "slurm.time_minutes=10", f"run.steps={STEPS}", f"run.save_every={SAVE_EVERY}", *PLAN4, *more]
+            "slurm.time_minutes=20", f"run.steps={STEPS}", f"run.save_every={SAVE_EVERY}", *PLAN4, *more]
 
 
 def submit(results: Path, trial: str, launcher: str, *more: str, config: str = "jobs/ppo_tiny.yaml") -> tuple[str, Path]:
@@ -57,7 +57,7 @@ def wait_until(predicate, timeout_seconds: float, what: str, poll_seconds: float
     raise AssertionError(f"timed out after {timeout_seconds:.0f} s waiting for {what}")
 
 
-def wait_finished(job_id: str, timeout_seconds: float = 400) -> str:
+def wait_finished(job_id: str, timeout_seconds: float = 900) -> str:
     return wait_until(lambda: (s := job_state(job_id)) in FINISHED and s, timeout_seconds, f"job {job_id} to finish", 1.0)
 
 
