@@ -25,7 +25,7 @@ test: install
 	bash scripts/run_tests.sh
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not multirank and not slurm and not e2e"
+	$(BIN)/python -m pytest -q -m "not multirank and not slurm and not e2e and not multinode"
 
 lint: install
 	$(BIN)/ruff check src tests bench

@@ -124,7 +124,8 @@ class SlurmConfig:
     launcher: str = "mpirun"  # mpirun or srun
     requeue: bool = True
     template_vars: dict[str, str] = field(default_factory=dict)
-    cpus_per_task: int = 0  # 0: SLURM's default
+    cpus_per_task: int = 0  # cores per rank; 0: the node's CPUs in the allocation / ranks per node
+    network_interface: str = ""  # e.g. ib0: pins Open MPI's TCP/OOB, NCCL and gloo to it ($RESTAGE_NETWORK_INTERFACE wins)
     signal_delay_seconds: int = 90  # the pre-timeout signal comes this long before the limit: time to checkpoint
     max_requeues: int = 3  # submitit requeues a timed-out job at most this many times
     program: str = ""  # the SPMD module each rank runs; "" = restage.runtime.spmd (env RESTAGE_PROGRAM wins)

@@ -2,7 +2,7 @@ import pytest
 
 from restage.config import load_config
 from restage.errors import ConfigError, LaunchError
-from restage.launch.geometry import JobGeometry, job_geometry, placement, placements, visible_device
+from restage.launch.geometry import JobGeometry, device_binding, job_geometry, placement, placements, visible_device
 
 
 def test_block_placement_16_nodes_8_gpus():
@@ -38,14 +38,18 @@ def test_geometry_from_config_and_cluster_file(write_config):
         job_geometry(load_config(write_config(), ["run.nprocs=5"]))
 
 
-@pytest.mark.parametrize("local_rank,gpus,visible,expected", [
-    (3, 8, None, "3"),            # nothing inherited: node-local index
-    (1, 4, "4,5,6,7", "5"),       # SLURM gave this job GPUs 4-7 of the node
-    (2, 4, "6", "6"),             # srun already bound the task to one GPU
-    (0, 0, "0,1", None),          # CPU ranks: leave the variable alone
+@pytest.mark.parametrize("local_rank,gpus,visible,expected,index", [
+    (3, 8, None, "0,1,2,3,4,5,6,7", 3),  # nothing inherited: all of the node's GPUs, index = local rank
+    (1, 4, "4,5,6,7", "4,5,6,7", 1),     # SLURM gave this job GPUs 4-7 of the node: kept, the rank's is "5"
+    (2, 4, "6", "6", 0),                 # srun already bound the task to one GPU: device index 0
+    (0, 0, "0,1", None, None),           # CPU ranks: leave the variable alone
 ])
-def test_visible_device(local_rank, gpus, visible, expected):
+def test_visible_device(local_rank, gpus, visible, expected, index):
     assert visible_device(local_rank, gpus, visible) == expected
+    binding = device_binding(local_rank, gpus, visible)
+    assert (binding.index if binding else None) == index
+    if binding:
+        assert binding.gpu == {None: str(local_rank), "4,5,6,7": "5", "6": "6"}[visible]
 
 
 def test_visible_device_too_few():

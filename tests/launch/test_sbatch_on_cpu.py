@@ -50,7 +50,9 @@ def test_dry_run_rendezvous_and_binding(big_script):
     assert " -n 128 " in launch
     assert "--host " + ",".join(f"<host{i}>:8" for i in range(16)) in launch
     assert "restage.launch.rank restage.runtime.spmd <trial_dir>/schedule.json" in launch
-    assert "# rank r runs on host r // 8 as LOCAL_RANK r % 8, CUDA_VISIBLE_DEVICES = r % 8" in lines
+    assert ("# rank r runs on host r // 8 as LOCAL_RANK r % 8, CUDA_VISIBLE_DEVICES = the node's 8 GPUs, "
+            "device index LOCAL_RANK") in lines
+    assert "--map-by slot:PE=12 --bind-to core" in launch  # slurm.cpus_per_task=12 cores per rank
     # the driver replaces the batch shell, so the B: signal reaches it
     assert re.search(r"^exec \S+python\S* -u -m submitit.core._submit \S+/slurm$", big_script, re.M)
 
@@ -66,7 +68,53 @@ def test_dry_run_preamble_comes_before_the_driver(big_script):
 def test_srun_launcher_line(write_config, capsys):
     assert cli.main(["submit", str(write_config()), "--dry-run", *BIG, "slurm.launcher=srun"]) == 0
     out = capsys.readouterr().out
-    assert "#   srun --mpi=pmix --nodes=16 --ntasks=128 --ntasks-per-node=8 --kill-on-bad-exit=1" in out
+    assert ("#   srun --mpi=pmix --nodes=16 --ntasks=128 --ntasks-per-node=8 --cpus-per-task=12 --cpu-bind=cores "
+            "--kill-on-bad-exit=1") in out
+
+
+GENERIC_BIG = [b for b in BIG if not b.startswith(("slurm.template", "slurm.cpus_per_task"))] + ["slurm.template=generic"]
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+def test_dry_run_with_the_default_template_16_by_8(write_config, capsys, launcher):
+    """The default template (generic) renders: it once held a literal placeholder in a comment."""
+    assert cli.main(["submit", str(write_config()), "--dry-run", *GENERIC_BIG, f"slurm.launcher={launcher}"]) == 0
+    script = capsys.readouterr().out
+    flags = sbatch_flags(script)
+    assert (flags["nodes"], flags["ntasks-per-node"], flags["gpus-per-node"]) == ("16", "8", "8")
+    assert "cpus-per-task" not in flags  # the whole node is shared out at run time: SLURM_CPUS_ON_NODE / 8
+    assert "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}" in script
+    launch = next(line for line in script.splitlines() if line.startswith("#   ") and launcher in line)
+    cpus = "<cpus_on_node/ranks_per_node>"
+    if launcher == "srun":
+        assert launch.startswith(f"#   srun --mpi=pmix --nodes=16 --ntasks=128 --ntasks-per-node=8 --cpus-per-task={cpus} "
+                                 "--cpu-bind=cores --kill-on-bad-exit=1 --export=ALL ")
+    else:
+        assert " -n 128 --allow-run-as-root --host " in launch or " -n 128 --host " in launch
+        assert f"--map-by slot:PE={cpus} --bind-to core" in launch
+        assert "-x NCCL_SOCKET_IFNAME" not in launch  # no interface configured: nothing pinned
+    assert launch.endswith("restage.launch.rank restage.runtime.spmd <trial_dir>/schedule.json")
+
+
+def test_every_shipped_template_renders():
+    from pathlib import Path
+
+    from restage.launch.geometry import JobGeometry
+    from restage.launch.slurm import template_variables
+
+    site = {"cuda_module": "c", "nccl_module": "n", "container_image": "i", "ib_interface": "ib0"}
+    cfg = load_config(Path(__file__).resolve().parents[2] / "jobs" / "ppo_tiny.yaml")
+    templates = sorted((Path(__file__).resolve().parents[2] / "templates").glob("*.sh"))
+    assert len(templates) >= 3
+    for path in templates:
+        text = render_template(path.read_text(), {**template_variables(cfg, JobGeometry(2, 2, 0)), **site}, path.name)
+        code = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
+        assert not any("{{" in ln for ln in code), path.name
+
+
+def test_a_placeholder_in_a_comment_is_no_error():
+    text = "# use {{ name }} in a template\nexport A={{ a }}\n# export B={{ a }}\n"
+    assert render_template(text, {"a": 1}) == "# use {{ name }} in a template\nexport A=1\n# export B=1\n"
 
 
 def test_render_names_the_missing_variable():

@@ -1,9 +1,14 @@
 """How many ranks a job has, where each one runs, and which device it gets.
 
 Ranks are placed in blocks: global rank ``r`` runs on node ``r // ranks_per_node`` as local
-rank ``r % ranks_per_node`` and, on GPU nodes, sees only GPU ``r % ranks_per_node``
-(``CUDA_VISIBLE_DEVICES``). Block placement keeps the tensor-parallel ranks of a layout
-(adjacent ranks, see ``restage.layout``) on one node, which is what the planner assumes.
+rank ``r % ranks_per_node``. On GPU nodes every rank sees ALL of its node's GPUs
+(``CUDA_VISIBLE_DEVICES`` = the node's list as SLURM or the user gave it: NCCL needs them all
+visible for NVLink/P2P between local ranks) and uses device index ``LOCAL_RANK`` among them,
+which is what DeepSpeed's ``set_device(LOCAL_RANK)`` and ``torch.cuda.set_device`` pick.
+If the launcher already bound one GPU per task (``srun --gpus-per-task=1``: one entry), that
+entry is the rank's GPU and its device index is 0 (see ``device_binding``).
+Block placement keeps the tensor-parallel ranks of a layout (adjacent ranks, see
+``restage.layout``) on one node, which is what the planner assumes.
 """
 
 from __future__ import annotations
@@ -78,19 +83,39 @@ def placements(geometry: JobGeometry) -> list[RankPlacement]:
     return [placement(r, geometry) for r in range(geometry.world_size)]
 
 
-def visible_device(local_rank: int, gpus_per_node: int, visible: str | None) -> str | None:
-    """The ``CUDA_VISIBLE_DEVICES`` value for one rank, or None to leave it alone (CPU ranks).
+@dataclass(frozen=True)
+class DeviceBinding:
+    """What one GPU rank is given: ``visible`` for CUDA_VISIBLE_DEVICES, ``index`` the device it uses among
+    them (LOCAL_RANK for DeepSpeed), ``gpu`` the physical entry that index names."""
 
-    ``visible`` is what the rank inherited (SLURM sets it to the job's GPUs on the node, possibly
-    not 0..n-1). One entry means the launcher already bound this rank (``srun --gpus-per-task``).
+    visible: str
+    index: int
+
+    @property
+    def gpu(self) -> str:
+        return self.visible.split(",")[self.index]
+
+
+def device_binding(local_rank: int, gpus_per_node: int, visible: str | None) -> DeviceBinding | None:
+    """The device binding of one rank, or None to leave CUDA_VISIBLE_DEVICES alone (CPU ranks).
+
+    ``visible`` is what the rank inherited: SLURM sets it to the job's GPUs on the node, possibly
+    not 0..n-1; it is kept as given, and the rank uses entry ``local_rank`` of it. One entry while
+    the node has several GPUs means the launcher bound this task to its own GPU: index 0.
     """
     if gpus_per_node <= 0:
         return None
-    entries = [e for e in (visible or "").split(",") if e.strip()]
-    if len(entries) == 1:
-        return entries[0]
+    entries = [e.strip() for e in (visible or "").split(",") if e.strip()]
     if not entries:
         entries = [str(i) for i in range(gpus_per_node)]
+    if len(entries) == 1:
+        return DeviceBinding(entries[0], 0)
     if local_rank >= len(entries):
         raise LaunchError(f"local rank {local_rank} has no GPU: this node shows {len(entries)} ({','.join(entries)})")
-    return entries[local_rank]
+    return DeviceBinding(",".join(entries), local_rank)
+
+
+def visible_device(local_rank: int, gpus_per_node: int, visible: str | None) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` value for one rank (the node's whole list), or None for CPU ranks."""
+    binding = device_binding(local_rank, gpus_per_node, visible)
+    return None if binding is None else binding.visible

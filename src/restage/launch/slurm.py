@@ -7,8 +7,9 @@ geometry), then the job driver: submitit's ``_submit`` runs ``restage.launch.job
 in the batch step itself (``exec``, no srun), so the pre-timeout signal (``B:USR2``) reaches
 only the driver, which asks the ranks to checkpoint and requeues the job.
 
-Templates are shell with ``{{ name }}`` placeholders, filled from the job's own values and
-``slurm.template_vars``; a placeholder without a value is an error that names it.
+Templates are shell with double-brace placeholders, filled from the job's own values and
+``slurm.template_vars``; a placeholder without a value is an error that names it, except on a
+comment line (``#`` first), where it is left as written: a comment may show the syntax.
 """
 
 from __future__ import annotations
@@ -53,12 +54,19 @@ def find_template(name: str) -> Path:
 
 
 def render_template(text: str, variables: Mapping[str, object], source: str = "template") -> str:
-    """Fill ``{{ name }}`` placeholders; a placeholder with no value raises naming it."""
-    missing = sorted({m.group(1) for m in _PLACEHOLDER.finditer(text) if m.group(1) not in variables})
+    """Fill double-brace placeholders; one with no value raises naming it, unless it sits on a comment line."""
+    lines = text.splitlines(keepends=True)
+    comment = [ln.lstrip().startswith("#") for ln in lines]
+    missing = sorted({m.group(1) for ln, c in zip(lines, comment) if not c
+                      for m in _PLACEHOLDER.finditer(ln) if m.group(1) not in variables})
     if missing:
         raise ConfigError(f"{source}: variable {missing[0]!r} has no value; set slurm.template_vars.{missing[0]}=..."
                           + (f" (also missing: {', '.join(missing[1:])})" if len(missing) > 1 else ""))
-    return _PLACEHOLDER.sub(lambda m: str(variables[m.group(1)]), text)
+
+    def fill(match: re.Match) -> str:
+        return str(variables[match.group(1)]) if match.group(1) in variables else match.group(0)
+
+    return "".join(_PLACEHOLDER.sub(fill, ln) for ln in lines)
 
 
 def job_name(cfg) -> str:
@@ -96,7 +104,8 @@ def restage_block(geometry: JobGeometry, launcher: str, launch_preview: str) -> 
         "# restage: the driver below starts the ranks as",
         f"#   {launch_preview}",
         f"# rank r runs on host r // {geometry.ranks_per_node} as LOCAL_RANK r % {geometry.ranks_per_node}"
-        + (f", CUDA_VISIBLE_DEVICES = r % {geometry.gpus_per_node}" if geometry.gpus_per_node else " (CPU)"),
+        + (f", CUDA_VISIBLE_DEVICES = the node's {geometry.gpus_per_node} GPUs, device index LOCAL_RANK"
+           if geometry.gpus_per_node else " (CPU)"),
     ]
 
 

@@ -17,7 +17,17 @@ from restage.config import load_config
 from restage.errors import LaunchError
 from restage.launch import slurm
 from restage.launch.geometry import JobGeometry, job_geometry
-from restage.launch.job import RUNTIME_MODULE, launch_command, program_module, rank_environment, rank_program
+from restage.launch.job import (
+    RUNTIME_MODULE,
+    cpus_per_rank,
+    forwarded_names,
+    interface_environment,
+    launch_command,
+    network_interface,
+    program_module,
+    rank_environment,
+    rank_program,
+)
 from restage.launch.trial import TrialPaths, write_json_atomic
 
 
@@ -54,8 +64,12 @@ def launch_preview(cfg, geometry: JobGeometry) -> str:
     hosts = [f"<host{i}>" for i in range(geometry.nodes)] if cfg.slurm.launcher == "mpirun" else None
     module = os.environ.get("RESTAGE_PROGRAM") or cfg.slurm.program or RUNTIME_MODULE
     paths = TrialPaths(Path("<trial_dir>"))
-    names = rank_environment(paths, geometry, module, False, "<host0>", 0)
-    command = launch_command(cfg.slurm.launcher, geometry, hosts, rank_program(module, paths.schedule), sorted(names))
+    # The driver divides the allocation's SLURM_CPUS_ON_NODE among the ranks when slurm.cpus_per_task is 0.
+    cpus = cpus_per_rank(cfg, geometry, {}) or "<cpus_on_node/ranks_per_node>"
+    interface = network_interface(cfg)
+    names = {**rank_environment(paths, geometry, module, False, "<host0>", 0), **interface_environment(interface)}
+    command = launch_command(cfg.slurm.launcher, geometry, hosts, rank_program(module, paths.schedule),
+                             forwarded_names({**os.environ, **names}), (), cpus, interface)
     return " ".join(command)  # a comment in the script: placeholders stay readable
 
 

@@ -1,0 +1,82 @@
+"""Helpers for tests/multinode: submit the shipped tiny PPO job to the multinode cluster of
+scripts/slurm_multinode.sh (nodes rmn1..rmn3, each a slurmd in its own network namespace with its own host name
+and two stub GPUs) across two nodes with two ranks each, and watch it."""
+
+import contextlib
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import yaml
+
+from restage import cli
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "slurm_multinode.sh"
+CLUSTER_DIR = Path(os.environ.get("RESTAGE_MULTINODE_DIR", "/var/tmp/restage-multinode"))
+SLURM_CONF = CLUSTER_DIR / "slurm.conf"
+NODES, RANKS_PER_NODE = 2, 2
+STEPS, SAVE_EVERY = 12, 2
+# Four ranks: generation and inference in dp4, the actor trains in dp2 x tp2 (tp inside a node), the critic in dp4.
+PLAN4 = ("plan.mode=manual", "plan.layouts.actor_gen=ranks:0-3 dp4", "plan.layouts.ref_inf=ranks:0-3 dp4",
+         "plan.layouts.critic_inf=ranks:0-3 dp4", "plan.layouts.actor_train=ranks:0-3 dp2tp2",
+         "plan.layouts.critic_train=ranks:0-3 dp4")
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "GONE"}
+
+
+def overrides(results: Path, trial: str, launcher: str, *more: str) -> list[str]:
+    return [f"run.results_dir={results}", f"trial={trial}", "cluster.name=multinode-test", f"cluster.nodes={NODES}",
+            f"cluster.devices_per_node={RANKS_PER_NODE}", f"run.nprocs={NODES * RANKS_PER_NODE}",
+            "slurm.template=generic", "slurm.network_interface=eth0", f"slurm.launcher={launcher}",
+            "slurm.time_minutes=20", f"run.steps={STEPS}", f"run.save_every={SAVE_EVERY}", *PLAN4, *more]
+
+
+def submit(results: Path, trial: str, launcher: str, *more: str, config: str = "jobs/ppo_tiny.yaml") -> tuple[str, Path]:
+    with contextlib.chdir(REPO):
+        assert cli.main(["submit", config, *overrides(results, trial, launcher, *more)]) == 0
+    experiment = yaml.safe_load((REPO / config).read_text())["experiment"]
+    trial_dir = results / experiment / trial
+    return json.loads((trial_dir / "submission.json").read_text())["job_id"], trial_dir
+
+
+def job_state(job_id: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-r", "--states=all", "-o", "%T", "-j", job_id],
+                         capture_output=True, text=True).stdout.split()
+    return out[0] if out else "GONE"
+
+
+def wait_until(predicate, timeout_seconds: float, what: str, poll_seconds: float = 0.25):
+    deadline = time.monotonic() + timeout_seconds
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_seconds)
+    raise AssertionError(f"timed out after {timeout_seconds:.0f} s waiting for {what}")
+
+
+def wait_finished(job_id: str, timeout_seconds: float = 900) -> str:
+    return wait_until(lambda: (s := job_state(job_id)) in FINISHED and s, timeout_seconds, f"job {job_id} to finish", 1.0)
+
+
+def slurm_output(trial_dir: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted((trial_dir / "slurm").glob("*_log.out")))
+
+
+def failure_report(trial_dir: Path) -> str:
+    log = trial_dir / "output.log"
+    text = log.read_text(errors="replace") if log.is_file() else slurm_output(trial_dir)
+    return "\n".join(text.splitlines()[-40:])
+
+
+def rank_facts(trial_dir: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((trial_dir / "rank-facts").glob("rank*.json"),
+                                                     key=lambda p: int(p.stem[4:]))]
+
+
+def node_address(name: str) -> str:
+    import socket
+
+    return socket.gethostbyname(name)
