@@ -22,6 +22,9 @@ def test_gpu_training_uses_torch_adamw_not_a_jit_built_op(monkeypatch):
     assert ops.needed_ops([ModelSpec(path="-", trainable=True)]) == []
     assert ops.needed_ops([ModelSpec(path="-", trainable=True, offload_optimizer=True)]) == ["cpu_adam"]
     assert ops.needed_ops([ModelSpec(path="-", trainable=False, offload_optimizer=True)]) == []
+    # DeepSpeed's cpu accelerator builds its shared-memory all-reduce when an engine starts: once per node, first.
+    assert ops.needed_ops([ModelSpec(path="-", trainable=True)], accelerator="cpu") == ["deepspeed_shm_comm"]
+    assert ops.needed_ops([ModelSpec(path="-", trainable=False)], accelerator="cpu") == []
 
 
 @pytest.fixture

@@ -7,9 +7,10 @@ queue on that lock; a rank killed while compiling leaves it behind, and every la
 machine then waits forever without a word.
 
 restage trains with torch's own AdamW on GPUs (multi-tensor CUDA kernels, nothing to compile,
-no nvcc on compute nodes; see ``runtime.engines.deepspeed_config``), so the only op it needs is
-``cpu_adam``, for ZeRO optimizer offload. ``prepare_ops`` makes one rank per node load (and if
-needed build) it while the others wait at a barrier; then they load the finished build.
+no nvcc on compute nodes; see ``runtime.engines.deepspeed_config``), so the only op it needs there
+is ``cpu_adam``, for ZeRO optimizer offload; on CPU ranks DeepSpeed's communication backend also
+loads ``deepspeed_shm_comm``. ``prepare_ops`` makes one rank per node load (and if needed build)
+them while the others wait at a barrier; then they load the finished build.
 """
 
 from __future__ import annotations
@@ -23,12 +24,20 @@ from restage.errors import LaunchError
 
 # Building cpu_adam takes about a minute; a lock this old belongs to a build that was killed.
 STALE_LOCK_SECONDS = 600.0
-_BUILDERS = {"cpu_adam": "CPUAdamBuilder"}
+_BUILDERS = {"cpu_adam": "CPUAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder"}
 
 
-def needed_ops(specs: Iterable) -> list[str]:
-    """The compiled DeepSpeed ops the trainable models of a config need (``ModelSpec`` values)."""
-    return ["cpu_adam"] if any(s.trainable and s.offload_optimizer for s in specs) else []
+def needed_ops(specs: Iterable, accelerator: str = "cuda") -> list[str]:
+    """The compiled DeepSpeed ops the trainable models of a config need (``ModelSpec`` values).
+
+    On DeepSpeed's cpu accelerator every engine's communication backend also loads its
+    shared-memory all-reduce op (``deepspeed_shm_comm``) when it starts.
+    """
+    specs = list(specs)
+    names = ["cpu_adam"] if any(s.trainable and s.offload_optimizer for s in specs) else []
+    if accelerator == "cpu" and any(s.trainable for s in specs):
+        names.append("deepspeed_shm_comm")
+    return names
 
 
 def _builder(name: str):
@@ -102,7 +111,7 @@ def prepare_ops(names: Iterable[str], *, node_leader: bool, node_barrier: Callab
 
 def prepare_run_ops(comm, specs: Iterable) -> None:
     """``prepare_ops`` for a run over the MPI world ``comm`` (collective: every rank calls it with the same specs)."""
-    names = needed_ops(specs)
+    names = needed_ops(specs, os.environ.get("DS_ACCELERATOR", "cuda"))
     if not names:
         return
     from mpi4py import MPI
