@@ -5,11 +5,10 @@ and two stub GPUs) across two nodes with two ranks each, and watch it."""
 import contextlib
 import json
 import os
-import subprocess
-import time
 from pathlib import Path
 
 import yaml
+from slurm_queue import FINISHED, job_state, wait_until  # noqa: F401 (the tests import them from here)
 
 from restage import cli
 
@@ -23,7 +22,6 @@ STEPS, SAVE_EVERY = 12, 2
 PLAN4 = ("plan.mode=manual", "plan.layouts.actor_gen=ranks:0-3 dp4", "plan.layouts.ref_inf=ranks:0-3 dp4",
          "plan.layouts.critic_inf=ranks:0-3 dp4", "plan.layouts.actor_train=ranks:0-3 dp2tp2",
          "plan.layouts.critic_train=ranks:0-3 dp4")
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "GONE"}
 
 
 def overrides(results: Path, trial: str, launcher: str, *more: str) -> list[str]:
@@ -39,22 +37,6 @@ def submit(results: Path, trial: str, launcher: str, *more: str, config: str = "
     experiment = yaml.safe_load((REPO / config).read_text())["experiment"]
     trial_dir = results / experiment / trial
     return json.loads((trial_dir / "submission.json").read_text())["job_id"], trial_dir
-
-
-def job_state(job_id: str) -> str:
-    out = subprocess.run(["squeue", "-h", "-r", "--states=all", "-o", "%T", "-j", job_id],
-                         capture_output=True, text=True).stdout.split()
-    return out[0] if out else "GONE"
-
-
-def wait_until(predicate, timeout_seconds: float, what: str, poll_seconds: float = 0.25):
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_seconds)
-    raise AssertionError(f"timed out after {timeout_seconds:.0f} s waiting for {what}")
 
 
 def wait_finished(job_id: str, timeout_seconds: float = 900) -> str:

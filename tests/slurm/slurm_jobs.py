@@ -9,11 +9,10 @@ only where it shows what the runtime does not report: where each rank ran.
 
 import contextlib
 import json
-import subprocess
-import time
 from pathlib import Path
 
 import yaml
+from slurm_queue import FINISHED, job_state, wait_until  # noqa: F401 (the tests import them from here)
 
 from restage import cli
 
@@ -35,7 +34,6 @@ RELAYOUT_PLAN = ("plan.mode=manual", "plan.layouts.actor_gen=ranks:0-1 dp2", "pl
 REAL_RANKS = 2
 REFERENCE_STEPS = 20
 SAVE_EVERY = 2
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "GONE"}
 
 
 def real_overrides(results: Path, trial: str, *more: str) -> list[str]:
@@ -65,22 +63,6 @@ def submit(config: Path, *overrides: str) -> str:
     data = yaml.safe_load(config.read_text())
     trial = Path(data["run"]["results_dir"]) / data["experiment"] / data.get("trial", "t")
     return json.loads((trial / "submission.json").read_text())["job_id"]
-
-
-def job_state(job_id: str) -> str:
-    out = subprocess.run(["squeue", "-h", "-r", "--states=all", "-o", "%T", "-j", job_id],
-                         capture_output=True, text=True).stdout.split()
-    return out[0] if out else "GONE"
-
-
-def wait_until(predicate, timeout_seconds: float, what: str, poll_seconds: float = 0.5):
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_seconds)
-    raise AssertionError(f"timed out after {timeout_seconds:.0f} s waiting for {what}")
 
 
 def wait_finished(job_id: str, timeout_seconds: float = 240) -> str:
