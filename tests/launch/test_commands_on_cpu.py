@@ -69,6 +69,7 @@ def test_the_driver_binds_and_sets_omp_threads(write_config, tmp_path, monkeypat
     monkeypatch.setenv("RESTAGE_HOSTS", "n1")
     monkeypatch.setenv("NCCL_IB_HCA", "mlx5_0")
     monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/nccl/lib")
+    monkeypatch.setenv("PYTHONPATH", "/opt/site")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     monkeypatch.setenv("RESTAGE_NETWORK_INTERFACE", "eth7")
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
