@@ -35,7 +35,8 @@ NODES=${RESTAGE_MULTINODE_NODES:-3}
 CONF=$DIR/slurm.conf
 export SLURM_CONF=$CONF
 PARTITION=multinode
-CPUS=$(nproc)
+# getconf, not nproc: nproc obeys OMP_NUM_THREADS, which the test runner sets to 1.
+CPUS=$(getconf _NPROCESSORS_ONLN)
 HOSTS_MARK="# restage-multinode"
 CTLD_ADDR=10.77.0.1
 CTLD_HOST=$(hostname -s)  # slurmctld checks that it runs on SlurmctldHost
