@@ -17,7 +17,7 @@ SCRIPT = REPO / "scripts" / "slurm_multinode.sh"
 CLUSTER_DIR = Path(os.environ.get("RESTAGE_MULTINODE_DIR", "/var/tmp/restage-multinode"))
 SLURM_CONF = CLUSTER_DIR / "slurm.conf"
 NODES, RANKS_PER_NODE = 2, 2
-STEPS, SAVE_EVERY = 12, 2
+STEPS, SAVE_EVERY = 6, 2  # a node is killed after the step-2 checkpoint, four steps before the end
 # Four ranks: generation and inference in dp4, the actor trains in dp2 x tp2 (tp inside a node), the critic in dp4.
 PLAN4 = ("plan.mode=manual", "plan.layouts.actor_gen=ranks:0-3 dp4", "plan.layouts.ref_inf=ranks:0-3 dp4",
          "plan.layouts.critic_inf=ranks:0-3 dp4", "plan.layouts.actor_train=ranks:0-3 dp2tp2",
