@@ -88,6 +88,7 @@ def test_the_driver_binds_and_sets_omp_threads(write_config, tmp_path, monkeypat
     at = command.index("btl_tcp_if_include")
     assert command[at - 1:at + 5] == ["--mca", "btl_tcp_if_include", "eth7", "--mca", "oob_tcp_if_include", "eth7"]
     assert (env["NCCL_SOCKET_IFNAME"], env["GLOO_SOCKET_IFNAME"]) == ("eth7", "lo")
+    assert env["OMPI_MCA_btl_tcp_if_include"] == "eth7"  # ranks srun starts read Open MPI's settings from here
     with pytest.raises(LaunchError, match="slurm.launcher: 'ssh' must be one of mpirun, srun"):
         launch_command("ssh", JobGeometry(1, 1, 0), None, PROGRAM)
 

@@ -142,10 +142,13 @@ def network_interface(cfg, env: Mapping[str, str] = os.environ) -> str:
 
 
 def interface_environment(interface: str, env: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """NCCL's and gloo's socket interface follow the pinned one unless the user set them."""
+    """NCCL's, gloo's and Open MPI's (for ranks srun starts, which read no mpirun flags) interface follow the
+    pinned one unless the user set them: an interface the nodes cannot reach each other on costs a TCP
+    connect timeout (minutes) at the first message."""
     if not interface:
         return {}
-    return {name: interface for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if not env.get(name)}
+    names = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "OMPI_MCA_btl_tcp_if_include")
+    return {name: interface for name in names if not env.get(name)}
 
 
 def rank_program(module: str, schedule: Path | str) -> list[str]:
