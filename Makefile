@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast lint clean
+.PHONY: install demo test test-multinode test-fast lint clean
 
 $(STAMP): setup.cfg pyproject.toml scripts/install_system.sh
 	bash scripts/install_system.sh
@@ -20,9 +20,15 @@ install: $(STAMP)
 demo: install
 	$(BIN)/python -m restage.demo
 
+# The multinode tests (three-node cluster in network namespaces) are not part of `make test` yet: on this
+# 2-core machine a two-node PPO run's first inter-node step waited ~150 s and one run hung in a checkpoint
+# (docs/slurm.md, "The multinode test cluster"). `make test-multinode` runs them.
 test: install
 	$(BIN)/ruff check src tests bench
-	bash scripts/run_tests.sh
+	bash scripts/run_tests.sh -m "not multinode"
+
+test-multinode: install
+	bash scripts/run_tests.sh -s -m multinode tests/multinode
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not multirank and not slurm and not e2e and not multinode"
