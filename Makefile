@@ -21,8 +21,8 @@ demo: install
 	$(BIN)/python -m restage.demo
 
 # The multinode tests (three-node cluster in network namespaces) are not part of `make test` yet: on this
-# 2-core machine a two-node PPO run's first inter-node step waited ~150 s and one run hung in a checkpoint
-# (docs/slurm.md, "The multinode test cluster"). `make test-multinode` runs them.
+# 2-core machine some steps of a two-node PPO run stall for minutes, cause not found (docs/slurm.md, "The
+# multinode test cluster"). `make test-multinode` runs them.
 test: install
 	$(BIN)/ruff check src tests bench
 	bash scripts/run_tests.sh -m "not multinode"
