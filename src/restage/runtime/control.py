@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
+import time
 from typing import Any
+
+import numpy as np
 
 from restage.runtime.spawn import free_port, warm_world
 
@@ -33,17 +37,105 @@ class Control:
 
     def bcast(self, obj: Any = None) -> Any:
         """Master's object to everyone."""
-        return self.comm.bcast(obj, root=0)
+        return bcast(self.comm, obj, root=0)
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Everyone's object to the master (None elsewhere)."""
-        return self.comm.gather(obj, root=0)
+        return gather(self.comm, obj, root=0)
 
     def allgather(self, obj: Any) -> list[Any]:
-        return self.comm.allgather(obj)
+        return allgather(self.comm, obj)
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        arrive(self.comm)
+
+
+# Every wait of the control plane is a non-blocking MPI operation tested with sleeps in between, never one of
+# Open MPI's blocking calls: those busy-poll, and a rank waiting minutes for peers in a long generate or train
+# step then holds a core at 100%. Every thread bound to that core starves (NCCL's proxy thread, gloo's I/O
+# threads, DeepSpeed's CPU ops, the kernel's deferred network processing). On the multinode test cluster
+# (nodes sharing this machine's two cores) a spinning rank held 94-100% of its core while a peer bound to the
+# same core got about 3%, and packets between the nodes waited so long that TCP retransmitted with
+# exponential backoff: transfers took 13, 25, 51, 102 and 204 s.
+#
+# Polling intervals: short at first (a peer that is nearly there costs little), then at most this long, so a
+# wait adds at most ~2 ms to a control message.
+_FIRST_POLL_SECONDS, _LONGEST_POLL_SECONDS = 5e-5, 2e-3
+
+
+def wait_quietly(requests) -> None:
+    """Complete MPI ``requests``, sleeping between tests instead of spinning."""
+    from mpi4py import MPI  # the control plane's library; only runtime processes have it
+
+    requests = list(requests)
+    pause = _FIRST_POLL_SECONDS
+    while not MPI.Request.Testall(requests):
+        time.sleep(pause)
+        pause = min(2 * pause, _LONGEST_POLL_SECONDS)
+
+
+def arrive(comm) -> None:
+    """A barrier over ``comm`` that waits without spinning.
+
+    The collectives below end with one: it keeps every member calling into MPI until all have
+    finished. Open MPI can complete a small send once it is copied, while the message still waits
+    behind the first TCP handshake with that peer; a rank that then left for a long gloo/NCCL wait
+    would leave it undelivered. The barrier's own messages take pairs its earlier rounds connected.
+    """
+    wait_quietly([comm.Ibarrier()])
+
+
+# mpi4py's object collectives (comm.bcast, ...) are blocking; these pickle into byte buffers and use MPI's
+# non-blocking collectives instead, a size exchange first.
+def _pickled(obj: Any) -> np.ndarray:
+    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+
+
+def _unpickled(buffer: np.ndarray, sizes: np.ndarray) -> list[Any]:
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    return [pickle.loads(buffer[offsets[i]:offsets[i + 1]].tobytes()) for i in range(len(sizes))]
+
+
+def bcast(comm, obj: Any, root: int) -> Any:
+    """``root``'s object to every member of ``comm``."""
+    mine = comm.Get_rank() == root
+    data = _pickled(obj) if mine else None
+    size = np.array([data.size if mine else 0], dtype=np.int64)
+    wait_quietly([comm.Ibcast(size, root=root)])
+    if not mine:
+        data = np.empty(int(size[0]), dtype=np.uint8)
+    wait_quietly([comm.Ibcast(data, root=root)])
+    arrive(comm)
+    return obj if mine else pickle.loads(data.tobytes())
+
+
+def gather(comm, obj: Any, root: int) -> list[Any] | None:
+    """Every member's object, in rank order, at ``root`` (None elsewhere)."""
+    from mpi4py import MPI
+
+    mine = comm.Get_rank() == root
+    data = _pickled(obj)
+    sizes = np.zeros(comm.Get_size() if mine else 0, dtype=np.int64)
+    wait_quietly([comm.Igather(np.array([data.size], dtype=np.int64), sizes if mine else None, root=root)])
+    buffer = np.empty(int(sizes.sum()), dtype=np.uint8) if mine else None
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if mine else None
+    wait_quietly([comm.Igatherv(data, [buffer, sizes, offsets, MPI.BYTE] if mine else None, root=root)])
+    arrive(comm)
+    return _unpickled(buffer, sizes) if mine else None
+
+
+def allgather(comm, obj: Any) -> list[Any]:
+    """Every member's object, in rank order, everywhere."""
+    from mpi4py import MPI
+
+    data = _pickled(obj)
+    sizes = np.zeros(comm.Get_size(), dtype=np.int64)
+    wait_quietly([comm.Iallgather(np.array([data.size], dtype=np.int64), sizes)])
+    buffer = np.empty(int(sizes.sum()), dtype=np.uint8)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    wait_quietly([comm.Iallgatherv(data, [buffer, sizes, offsets, MPI.BYTE])])
+    arrive(comm)
+    return _unpickled(buffer, sizes)
 
 
 def local_rank() -> int:

@@ -24,6 +24,7 @@ from restage.layout import Layout
 from restage.models.config import ModelConfig
 from restage.plan.compute import attended_tokens
 from restage.plan.flops import forward_flops
+from restage.runtime.control import allgather, bcast
 from restage.runtime.transfer import (
     BatchMeta,
     KeySpec,
@@ -59,14 +60,24 @@ class DataFlow:
 
     # -- start-up -------------------------------------------------------------------------------------
     def create_comms(self, ops, comm) -> None:
-        """MPI sub-communicators for the metadata and payloads of each transfer, created in op order by their members."""
-        world = comm.Get_group()
-        for index, op in enumerate(ops):
-            if op.kind != "transfer" or op.ranks in self._comms or self.rank not in op.ranks:
+        """MPI sub-communicators for the metadata and payloads of each transfer, split from ``comm`` in op order.
+
+        ``Split`` is collective over all of ``comm`` (a rank outside a transfer passes MPI_UNDEFINED), once per
+        distinct rank set, at start-up. Not ``Create_group``: Open MPI 5 gives such communicators extended ids
+        agreed through a PMIx group operation, which under srun goes through Slurm's PMIx server; ``Split``
+        agrees on ids among the ranks themselves.
+        """
+        from mpi4py import MPI  # the control plane's library; only runtime processes have it
+
+        split: set[tuple[int, ...]] = set()
+        for op in ops:
+            if op.kind != "transfer" or op.ranks in split:
                 continue
-            group = world.Incl(list(op.ranks))
-            self._comms[op.ranks] = comm.Create_group(group, tag=index + 1)  # the tag is the same on every member
-            group.Free()
+            split.add(op.ranks)
+            member = self.rank in op.ranks
+            sub = comm.Split(0 if member else MPI.UNDEFINED, op.ranks.index(self.rank) if member else 0)
+            if member:
+                self._comms[op.ranks] = sub
 
     # -- per step ---------------------------------------------------------------------------------------
     def begin_step(self, ids: list[int], dataset) -> None:
@@ -92,7 +103,7 @@ class DataFlow:
             keys = {k: ("tokens", str(v.dtype), tuple(v.shape[1:])) for k, v in mine.tokens.items()}
             keys |= {k: ("seqs", str(v.dtype), tuple(v.shape[1:])) for k, v in mine.seqs.items()}
             contribution = (coord.dp, mine.ids, mine.seqlens, mine.group_size, keys)
-        gathered = [c for c in self._comms[op.ranks].allgather(contribution) if c is not None]
+        gathered = [c for c in allgather(self._comms[op.ranks], contribution) if c is not None]
         gathered.sort(key=lambda c: c[0])
         group = gathered[0][3] if gathered else 1
         parts, start = [[] for _ in range(producer_layout.strategy.dp)], 0
@@ -122,7 +133,7 @@ class DataFlow:
             g = first.group_size
             tokens = [sum(first.seqlens[i:i + g]) for i in range(0, len(first.seqlens), g)]
             parts = contiguous_assignment(tokens, op.dst.strategy.dp)
-        return self._comms[op.ranks].bcast(parts, root=op.ranks.index(root))
+        return bcast(self._comms[op.ranks], parts, root=op.ranks.index(root))
 
     def plan(self, op, meta: OutputMeta, assignment) -> TransferPlan:
         """The plan of one transfer op (one key), senders chosen on the receivers' node (the run's ``node_of``)."""

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from restage.data.batch import Batch, contiguous_parts
 from restage.errors import LayoutError
 from restage.layout import Layout
+from restage.runtime.control import wait_quietly
 
 
 @dataclass(frozen=True)
@@ -244,9 +245,12 @@ class MpiChannel(Channel):
         from mpi4py import MPI  # the control plane's library; only runtime processes have it
 
         # MPI keeps the order of messages between two ranks, so posting in the plan's order matches them.
+        # Synchronous sends: a sender is done only once its receiver has matched the message. A plain Isend can
+        # complete while the message still waits in the sender's queue (behind Open MPI's first TCP handshake
+        # with that peer), undelivered until the sender calls MPI again: after its next gloo/NCCL step.
         requests = [self.comm.Irecv([t.numpy(), MPI.BYTE], source=self.index[r], tag=self.TAG) for t, r in receives]
-        requests += [self.comm.Isend([t.numpy(), MPI.BYTE], dest=self.index[r], tag=self.TAG) for t, r in sends]
-        MPI.Request.Waitall(requests)
+        requests += [self.comm.Issend([t.numpy(), MPI.BYTE], dest=self.index[r], tag=self.TAG) for t, r in sends]
+        wait_quietly(requests)  # receivers may wait long for senders still in their step
 
 
 class GlooChannel(Channel):
