@@ -9,14 +9,10 @@ waiting rank below burns about as much CPU as it waits.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-from restage.launch.mpirun import mpirun_command
+from mpi_script import run_mpi_script
 
 pytestmark = pytest.mark.multirank
 
@@ -26,11 +22,7 @@ LATE_SECONDS = 2.0  # as in quiet_wait_ranks.py
 
 def test_waiting_for_a_late_peer_costs_almost_no_cpu(tmp_path):
     out = tmp_path / "out.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE}:{HERE.parents[1] / 'src'}"}
-    command = mpirun_command(2, [sys.executable, str(HERE / "quiet_wait_ranks.py"), str(out)],
-                             env=["PYTHONPATH", "OMP_NUM_THREADS"])
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_mpi_script(2, HERE / "quiet_wait_ranks.py", str(out), timeout_seconds=300)
     result = json.loads(out.read_text())
     assert result.pop("received") == 1.0
     values = result.pop("values")  # the object collectives deliver what blocking ones would (JSON: lists)

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from mpi_script import run_mpi_script
 from transfer_cases import TRANSFERS_8, make_meta
 
-from restage.launch.mpirun import mpirun_command
 from restage.runtime.transfer import plan_transfer
 
 pytestmark = pytest.mark.multirank
@@ -22,11 +19,7 @@ HERE = Path(__file__).resolve().parent
 
 def test_every_transfer_case_is_delivered_exactly_over_mpi(tmp_path):
     out = tmp_path / "out.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{HERE}:{HERE.parents[1] / 'src'}"}
-    command = mpirun_command(8, [sys.executable, str(HERE / "transfer_mpi_ranks.py"), str(out)],
-                             env=["PYTHONPATH", "OMP_NUM_THREADS"])
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_mpi_script(8, HERE / "transfer_mpi_ranks.py", str(out))
     results = json.loads(out.read_text())
     for i, (prod, cons, stages, n, group, what) in enumerate(TRANSFERS_8):
         plan = plan_transfer(make_meta(i, n, prod.strategy.dp, group), prod, cons, consumer_stages=stages,
