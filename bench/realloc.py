@@ -5,12 +5,13 @@ For each layout pair it times three ways of producing every destination shard:
 * ``restage``: the planned, bucketed reallocation (``runtime.realloc``), called as the runtime
   calls it: a destination tensor a rank holds whole shares the source's storage
   (``share_local``; ``--copy-local`` copies it instead);
-* ``raw broadcast`` (the issue's baseline): one ``dist.broadcast`` of the same number of bytes
-  between the same ranks: a message of the plan's total bytes from the plan's busiest sender
-  to every rank that receives (send/recv when one rank receives). Its throughput is message
-  bytes / seconds, the usual "algorithm bandwidth" of a broadcast;
-* ``equal-link broadcast``: a stricter ceiling: the same broadcast with each receiver getting
-  total/receivers bytes, so it puts exactly the plan's bytes on links, as restage does;
+* ``equal-link broadcast`` (the target's baseline): one ``dist.broadcast`` from the plan's
+  busiest sender to every rank that receives, each receiver getting total/receivers bytes, so
+  it puts exactly the plan's bytes on the links, as restage does;
+* ``raw broadcast`` (shown, not a target): the same broadcast of the plan's whole byte count to
+  every receiver (send/recv when one rank receives): up to receivers x the bytes the plan moves.
+  It was the target's baseline until the target against the equal-link one was missed; a
+  baseline is not redefined after a miss, so the target is against the equal-link broadcast;
 * ``raw channels``: a stricter ceiling: the plan's exact (sender, receivers) channels, each as
   one flat pre-allocated buffer, posted as one batch on the plan's group the way restage posts
   (one send per receiver), with no planning, packing, local copies or bucketing;
@@ -307,11 +308,11 @@ def result_local_bytes(plan: ReallocPlan, rank: int) -> int:
 
 def _targets(rows: list[dict]) -> str:
     """One line: whether the issue's two targets hold in this run."""
-    moving = [r for r in rows if r["throughput_vs_raw_broadcast"] is not None]
-    bcast = sum(r["throughput_vs_raw_broadcast"] >= 0.8 for r in moving)
+    moving = [r for r in rows if r["throughput_vs_equal_link_broadcast"] is not None]
+    link = sum(r["throughput_vs_equal_link_broadcast"] >= 0.8 for r in moving)
     changing = [r for r in rows if r["tp_or_pp_changes"]]
     naive = sum(r["speedup_vs_naive"] >= 2 for r in changing)
-    return (f"targets: >= 0.8x the raw broadcast in {bcast} of {len(moving)} cases that move bytes; "
+    return (f"targets: >= 0.8x the equal-link broadcast in {link} of {len(moving)} cases that move bytes; "
             f">= 2x the naive way in {naive} of {len(changing)} cases where TP or PP changes")
 
 
@@ -349,8 +350,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['raw_channels_seconds']:6.3f} {ratio(r['throughput_vs_raw_channels'])} | {r['copy_seconds']:6.3f} | "
               f"{r['naive_seconds']:7.3f} {r['speedup_vs_naive']:6.2f}x | {r['exact'] and r['naive_exact']}")
     print("ratio: baseline seconds / restage seconds (throughput relative to it); speedup: naive seconds / restage seconds.\n"
-          "bcast: one broadcast of the plan's bytes (the target's baseline); link: the same broadcast carrying only the "
-          "plan's bytes on links (total/receivers each); chan: the plan's own channels as flat buffers; copy s: "
+          "link: one broadcast carrying the plan's bytes on links (total/receivers each; the target's baseline); "
+          "bcast: the same broadcast of the plan's whole byte count to every receiver;\n"
+          "chan: the plan's own channels as flat buffers; copy s: "
           "restage's unavoidable memory copies alone")
     print(_targets(rows))
     return 0
