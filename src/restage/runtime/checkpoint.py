@@ -11,6 +11,7 @@ data cursor and step. A resume needs the same schedule (same layouts and world s
 from __future__ import annotations
 
 import contextlib
+import pickle
 from pathlib import Path
 
 import torch
@@ -72,12 +73,12 @@ def load(worker) -> int:
             _load_weights(slot, path / name / "hf", worker)
         if slot.engine is None:
             continue
-        with barriers_on(_engine_group(worker, slot)), engine_groups(slot.engine):
+        with barriers_on(_engine_group(worker, slot)), engine_groups(slot.engine), _safe_engine_loads(slot.engine):
             loaded, _ = slot.engine.load_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG)
         if loaded is None:
             raise CheckpointError(f"{path / name / 'engine'}: DeepSpeed found no state for rank {worker.rank}; "
                                   "resume with the same schedule and number of ranks")
-    state = torch.load(path / "ranks" / f"rank{worker.rank}.pt", weights_only=False)
+    state = safe_load(path / "ranks" / f"rank{worker.rank}.pt")
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -86,6 +87,47 @@ def load(worker) -> int:
         worker.master.load_checkpoint_state(manifest)
     dist.barrier()
     return int(manifest["step"])
+
+
+def safe_load(path: Path, map_location=None, allowed: list | tuple = ()):
+    """``torch.load`` that cannot run code: tensors, containers and plain values, plus the ``allowed`` classes.
+
+    A checkpoint is data; a pickle can name any callable, and ``weights_only=False`` would call it on
+    ``--resume``. A file that needs anything else is refused in one line.
+    """
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        what = next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "global" in line),
+                    str(e).splitlines()[0] if str(e) else "unsupported content")
+        raise CheckpointError(f"{path}: not loaded, it holds a Python object that loading would have to construct "
+                              f"or call ({what}); restore it from a trusted copy or resume from another "
+                              "checkpoint") from None
+
+
+def _deepspeed_state_types() -> list:
+    """The classes DeepSpeed's engine and ZeRO optimizer files hold besides tensors and containers (listed by
+    ``torch.serialization.get_unsafe_globals_in_checkpoint`` on its files), allowed in a weights-only load."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def _safe_engine_loads(engine):
+    """DeepSpeed's engine reads its files through ``engine.checkpoint_engine.load``, with ``weights_only=False``;
+    for the block, it reads them through ``safe_load`` instead (DeepSpeed has no switch for it)."""
+    checkpoint_engine = engine.checkpoint_engine
+    original = checkpoint_engine.load
+    allowed = _deepspeed_state_types()
+    checkpoint_engine.load = lambda path, map_location=None: safe_load(Path(path), map_location, allowed)
+    try:
+        yield
+    finally:
+        checkpoint_engine.load = original
 
 
 def _load_weights(slot, hf_dir: Path, worker) -> None:
