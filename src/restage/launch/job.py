@@ -39,7 +39,7 @@ from restage.config import config_from_dict
 from restage.errors import LaunchError
 from restage.launch.geometry import JobGeometry, job_geometry
 from restage.launch.mpirun import mpirun_command
-from restage.launch.trial import TrialPaths, record_attempt, update_attempt
+from restage.launch.trial import TrialPaths, record_attempt, trial_lock, update_attempt
 
 RUNTIME_MODULE = "restage.runtime.spmd"
 SELFTEST_MODULE = "restage.launch.selftest"
@@ -227,6 +227,11 @@ def _job_ids(env: Mapping[str, str] = os.environ) -> dict[str, str]:
 
 def run_trial(config_dict: dict, trial_dir: str, resume: bool = False, holder: dict | None = None) -> dict:
     """Run one trial's ranks to the end; returns a summary. ``holder`` receives the running launcher."""
+    with trial_lock(Path(trial_dir)):  # before anything of the trial is read or written
+        return _attempt(config_dict, trial_dir, resume, holder)
+
+
+def _attempt(config_dict: dict, trial_dir: str, resume: bool, holder: dict | None) -> dict:
     cfg = config_from_dict(config_dict)
     paths = TrialPaths(Path(trial_dir))
     paths.root.mkdir(parents=True, exist_ok=True)

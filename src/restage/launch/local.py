@@ -16,6 +16,7 @@ from pathlib import Path
 from restage.config import ExperimentConfig, load_config
 from restage.errors import ConfigError, LaunchError
 from restage.launch.mpirun import mpirun_command
+from restage.launch.trial import trial_lock
 
 _TRIAL_KEYS = ("experiment", "trial", "run.results_dir")
 
@@ -69,6 +70,11 @@ def main(args: argparse.Namespace) -> int:
         saved = _saved_config(cfg)
         cfg = saved if saved is not None else cfg
     nprocs = cfg.run.nprocs if not args.nproc else args.nproc
+    with trial_lock(cfg.trial_dir):  # before anything of the trial is read or written
+        return _run(args, cfg, nprocs)
+
+
+def _run(args: argparse.Namespace, cfg: ExperimentConfig, nprocs: int) -> int:
     trial_dir = cfg.trial_dir
     log = trial_dir / "log.h5"
     if log.exists() and not (args.resume or args.overwrite):

@@ -13,6 +13,7 @@
                        <model>/hf/ (transformers loads it), <model>/engine/, ranks/, manifest.json
     failures/          rank<N>.txt of a rank that raised (restage.runtime.failure)
     PREEMPT            present while the job asks the ranks to checkpoint and stop
+    .lock              held (flock) by the process that runs the trial, for its whole life: who holds it
     slurm/             submitit's folder for a single `restage submit`: sbatch script, SLURM stdout/err
                        (a sweep keeps one submitit folder for the whole array under the sweep directory)
 
@@ -21,11 +22,17 @@ The self-test program (``restage.launch.selftest``) keeps the same layout and ad
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from restage.errors import LaunchError
 
 
 @dataclass(frozen=True)
@@ -97,3 +104,27 @@ def update_attempt(paths: TrialPaths, **fields) -> None:
     record = read_json(paths.job_record, {"attempts": [{}]})
     record["attempts"][-1].update(fields)
     write_json_atomic(paths.job_record, record)
+
+
+@contextlib.contextmanager
+def trial_lock(root: Path) -> Iterator[None]:
+    """Hold ``root/.lock`` for the block: one run per trial (a second run would overwrite the first's schedule,
+    log and checkpoints). An flock belongs to the open file, so it ends with its holder, however that dies;
+    the file names the holder for the message a second run gets."""
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / ".lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = path.read_text(errors="replace").strip() or "another process"
+        raise LaunchError(f"{root} is in use by {holder}; wait for that run to end or choose another trial=NAME") from None
+    job = os.environ.get("SLURM_JOB_ID")
+    os.ftruncate(fd, 0)
+    os.write(fd, (f"pid {os.getpid()} on {socket.gethostname()}" + (f" (SLURM job {job})" if job else "")
+                  + f" since {time.strftime('%Y-%m-%d %H:%M:%S')}\n").encode())
+    try:
+        yield
+    finally:
+        os.close(fd)
