@@ -8,7 +8,9 @@ fails ends with one line naming the failed rank and its error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -111,10 +113,13 @@ def _saved_config(cfg: ExperimentConfig) -> ExperimentConfig | None:
 
 
 def launch(schedule: Path, trial_dir: Path, nprocs: int, resume: bool = False) -> int:
-    """Start the ranks; return 0, or raise LaunchError with the failed rank's one line."""
+    """Start the ranks; return 0 (or 128 + the signal that stopped them), or raise LaunchError with the failed
+    rank's one line."""
     from restage.runtime.failure import clear_failures, describe_failure
 
     clear_failures(trial_dir)
+    preempt = trial_dir / "PREEMPT"
+    preempt.unlink(missing_ok=True)  # a request belongs to the run that received it
     program = [sys.executable, "-m", "restage.runtime.spmd", str(schedule), "--trial-dir", str(trial_dir)]
     if resume:
         program.append("--resume")
@@ -123,13 +128,64 @@ def launch(schedule: Path, trial_dir: Path, nprocs: int, resume: bool = False) -
         env["DS_ACCELERATOR"] = os.environ["DS_ACCELERATOR"]
     command = mpirun_command(nprocs, program, env=env)
     full_env = {**os.environ, **env}
-    process = subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # mpirun in a session of its own, so a terminal's Ctrl-C reaches only this launcher (which stops the ranks
+    # at a step boundary), and killed with it, however it dies.
+    process = subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, preexec_fn=_die_with_parent)
+    stop = _StopOnSignal(preempt, process)
     tail: list[str] = []
     assert process.stdout is not None
-    for line in process.stdout:
-        sys.stdout.write(line)
-        tail = (tail + [line])[-200:]
-    code = process.wait()
+    with stop.installed():
+        for line in process.stdout:
+            sys.stdout.write(line)
+            tail = (tail + [line])[-200:]
+        code = process.wait()
+    preempt.unlink(missing_ok=True)
+    if stop.signals:
+        name = signal.Signals(stop.signals[0]).name
+        how = ("after checkpointing at the end of its step" if code == 0 else
+               "at once, without a checkpoint (the newest whole one stays)")
+        print(f"restage: stopped on {name} {how}: {trial_dir}", file=sys.stderr, flush=True)
+        return 128 + stop.signals[0]
     if code != 0:
         raise LaunchError(describe_failure(trial_dir, "".join(tail)))
     return 0
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel sends it SIGTERM when this launcher exits (PR_SET_PDEATHSIG); mpirun
+    then ends every rank."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG (linux/prctl.h)
+
+
+class _StopOnSignal:
+    """SIGINT or SIGTERM to the launcher: the first asks the ranks to checkpoint at the end of the step and stop
+    (the PREEMPT file, as a SLURM preemption does; the master closes the log); a second stops them at once
+    (SIGTERM to mpirun, which ends every rank)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, preempt: Path, process: subprocess.Popen):
+        self.preempt, self.process = preempt, process
+        self.signals: list[int] = []
+
+    def __call__(self, signum, frame) -> None:
+        self.signals.append(signum)
+        name = signal.Signals(signum).name
+        if len(self.signals) == 1:
+            self.preempt.write_text(f"{name} to restage run (pid {os.getpid()})\n")
+            print(f"restage: {name}: the ranks checkpoint at the end of this step and stop; "
+                  f"send {name} again to stop them at once", file=sys.stderr, flush=True)
+        else:
+            self.process.send_signal(signal.SIGTERM)
+
+    @contextlib.contextmanager
+    def installed(self):
+        previous = {s: signal.signal(s, self) for s in self.SIGNALS}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
