@@ -109,6 +109,10 @@ class RunConfig:
     peer_wait_timeout_seconds: float = 7200.0
     nprocs: int = 1
     results_dir: str = "results"
+    # NaN or inf in a train MFC's inputs: skip that MFC this step, or stop the run (runtime/nonfinite.py);
+    # this many consecutive skipped steps of one MFC stop it too.
+    nonfinite: str = "skip"
+    max_skipped_steps: int = 3
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,10 @@ class ExperimentConfig:
         self._resolve_auto_dtypes()
         if self.run.steps < 1 or self.run.batch_size < 1 or self.run.micro_batches < 1:
             raise ConfigError("run.steps, run.batch_size and run.micro_batches must be >= 1")
+        if self.run.nonfinite not in ("skip", "stop"):
+            raise ConfigError(f"run.nonfinite: {self.run.nonfinite!r} must be skip or stop")
+        if self.run.max_skipped_steps < 1:
+            raise ConfigError(f"run.max_skipped_steps: {self.run.max_skipped_steps} must be >= 1")
         if self.plan.mode not in ("search", "heuristic", "manual"):
             raise ConfigError(f"plan.mode: {self.plan.mode!r} must be search, heuristic or manual")
 

@@ -21,6 +21,7 @@ from restage.errors import CheckpointError
 from restage.models.checkpoint import load_stage, save_checkpoint
 from restage.runtime import checkpoint_dir
 from restage.runtime.engines import barriers_on, engine_groups
+from restage.runtime.nonfinite import NonFiniteError, any_rank, finite_weights
 
 ENGINE_TAG = "state"
 
@@ -39,6 +40,11 @@ def _rank_state(worker) -> dict:
 def save(worker, step: int) -> None:
     """Collective over all ranks: write checkpoint ``step`` and seal it."""
     control = worker.control
+    trained = [slot.module for slot in worker.slots.values() if slot.engine is not None and slot.module is not None]
+    if any_rank(not finite_weights(trained), dist.group.WORLD, worker.device):  # before anything is written
+        last = checkpoint_dir.latest(worker.trial_dir)
+        raise NonFiniteError(f"step {step}: non-finite weights; not checkpointed (the newest checkpoint, "
+                             f"{last.name if last else 'none'}, stays the last)")
     path = Path(control.bcast(str(checkpoint_dir.begin(worker.trial_dir, step)) if control.is_master else None))
     for name, slot in worker.slots.items():
         if name in worker.ema and slot.module is not None:  # a reference the EMA changes: its weights, no engine
@@ -78,6 +84,10 @@ def load(worker) -> int:
         if loaded is None:
             raise CheckpointError(f"{path / name / 'engine'}: DeepSpeed found no state for rank {worker.rank}; "
                                   "resume with the same schedule and number of ranks")
+    trained = [slot.module for slot in worker.slots.values() if slot.engine is not None and slot.module is not None]
+    if any_rank(not finite_weights(trained), dist.group.WORLD, worker.device):
+        raise CheckpointError(f"{path}: holds non-finite weights; move it aside to resume from the checkpoint before "
+                              "it, or start the trial afresh")
     state = safe_load(path / "ranks" / f"rank{worker.rank}.pt")
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():

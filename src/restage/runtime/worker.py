@@ -36,9 +36,10 @@ from restage.runtime.clock import Clock, measure_offset, peak_memory_bytes
 from restage.runtime.control import Control, init_torch_distributed, wait_for_ranks
 from restage.runtime.dataflow import DataFlow, measured_flops
 from restage.runtime.engines import build_engine, engine_groups, mark_norm_ownership
-from restage.runtime.execute import run_generate, run_inference, run_train
+from restage.runtime.execute import MFCResult, run_generate, run_inference, run_train
 from restage.runtime.master import Master, StepRecord
 from restage.runtime.nccl_rules import rank_device
+from restage.runtime.nonfinite import NonFiniteError, any_rank, nonfinite_samples, nonfinite_stats
 from restage.runtime.offload import ModelCopy
 from restage.runtime.ops import prepare_run_ops
 from restage.runtime.program import check_ema_architectures, ema_targets
@@ -94,6 +95,7 @@ class Worker:
         self.master = Master(control, cfg, schedule, trial_dir, self.train_set, bool(resume)) if control.is_master else None
         self.start_step = 0
         self.resume = resume
+        self.skipped: dict[str, int] = {}  # train MFC -> consecutive steps skipped for non-finite inputs
         # Every timestamp this rank reports is on the master's clock, taken once the device is idle.
         self.clock = Clock(measure_offset(control.comm), self.device)
 
@@ -245,10 +247,21 @@ class Worker:
         elif mfc.kind == "inference":
             result = run_inference(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state)
         else:
-            batch, prep_stats = self.algo.prepare_train(batch, self.cfg, self.state, step, self._dp_reduce(ctx))
-            with engine_groups(slot.engine):
-                result = run_train(slot.engine, mfc, batch, self.algo, self.cfg, self.state, seed)
-            result.stats.update({f"{mfc.name}/{k}": v for k, v in prep_stats.items()})
+            # Checked before prepare_train too: it folds rewards into algorithm state (normalisers, KL control).
+            skip = self._nonfinite_inputs(mfc, layout, batch, step)
+            if not skip:
+                batch, prep_stats = self.algo.prepare_train(batch, self.cfg, self.state, step, self._dp_reduce(ctx))
+                skip = self._nonfinite_inputs(mfc, layout, batch, step)
+            if skip:
+                result = MFCResult(None, {f"{mfc.name}/skipped_nonfinite": 1.0}, 0)
+            else:
+                with engine_groups(slot.engine):
+                    result = run_train(slot.engine, mfc, batch, self.algo, self.cfg, self.state, seed)
+                result.stats.update({f"{mfc.name}/{k}": v for k, v in prep_stats.items()})
+                if bad := nonfinite_stats(result.stats):
+                    raise NonFiniteError(f"step {step + 1}: {mfc.name} trained on finite inputs but its "
+                                         f"{', '.join(bad)} is not finite; its weights are not saved (the newest "
+                                         "checkpoint is the last finite one)")
         end = self.clock.now_synced()
         if result.batch is not None:
             self.outputs[mfc.name] = result.batch
@@ -259,6 +272,26 @@ class Worker:
         record.mfcs.append((mfc.name, mfc.model, mfc.kind, begin, end, tokens, flops, peak))
         if ctx.coord.tp == 0 and ctx.coord.pp == ctx.strategy.pp - 1:  # one reporter per DP replica
             record.stats.append((result.stats, batch.n_samples))
+
+    def _nonfinite_inputs(self, mfc, layout: Layout, batch: Batch, step: int) -> bool:
+        """Whether this train MFC skips the step: NaN or inf in its inputs on any of its ranks (runtime/nonfinite.py)."""
+        samples, keys = nonfinite_samples(batch)
+        group = self.groups.get(layout.mesh) if layout.size > 1 else None
+        if not any_rank(bool(samples), group, self.device):
+            self.skipped[mfc.name] = 0
+            return False
+        where = f"step {step + 1}: {mfc.name}"
+        if samples:
+            print(f"restage: {where}: non-finite {', '.join(keys)} in samples {samples} on rank {self.rank}", flush=True)
+        self.skipped[mfc.name] = self.skipped.get(mfc.name, 0) + 1
+        run = self.cfg.run
+        if run.nonfinite == "stop":
+            raise NonFiniteError(f"{where}: non-finite inputs (NaN or inf rewards, advantages or log-probs); "
+                                 "fix the reward or data, or set run.nonfinite=skip to skip such steps")
+        if self.skipped[mfc.name] >= run.max_skipped_steps:
+            raise NonFiniteError(f"{where}: non-finite inputs in {self.skipped[mfc.name]} steps in a row "
+                                 f"(run.max_skipped_steps={run.max_skipped_steps}); fix the reward or data")
+        return True
 
     def _dp_reduce(self, ctx: ParallelContext):
         if ctx.strategy.dp == 1:
