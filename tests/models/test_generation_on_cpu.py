@@ -76,3 +76,29 @@ def test_half_precision_logits_track_transformers(tiny_models, dtype, tolerance)
     assert (logits.float() - reference.float()).abs().max().item() <= tolerance
     out = generate(ours, PROMPTS, SamplingParams(max_new_tokens=8, greedy=True, eos_token_ids=()))
     assert out.tokens.shape == (len(PROMPTS), 8) and torch.isfinite(out.logprobs).all()
+
+
+def test_every_eos_id_of_the_checkpoint_stops_a_sequence(llama, tiny_models, tmp_path, monkeypatch):
+    """Llama-3-Instruct lists several EOS ids (config.json and generation_config.json); each ends an answer."""
+    import json
+    import shutil
+    from dataclasses import replace
+
+    from restage.models.config import ModelConfig
+
+    greedy = generate(llama, PROMPTS, SamplingParams(max_new_tokens=10, greedy=True, eos_token_ids=())).sequences()
+    first = greedy[0]
+    stop = next(i for i, t in enumerate(first) if first.index(t) == i and i >= 2)
+    eos = first[stop]
+    unused = next(t for t in range(llama.cfg.vocab_size) if all(t not in s for s in greedy))
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_models["llama"], folder)
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf, "eos_token_id": [unused, unused + 1]}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [unused + 1, eos]}))
+    cfg = ModelConfig.from_pretrained(folder)
+    assert (cfg.eos_token_id, cfg.stop_token_ids) == (unused, (unused, unused + 1, eos))
+    monkeypatch.setattr(llama, "cfg", replace(llama.cfg, eos_token_id=cfg.eos_token_id, eos_token_ids=cfg.eos_token_ids))
+    out = generate(llama, PROMPTS, SamplingParams(max_new_tokens=10, greedy=True, pad_token_id=0)).sequences()
+    for b, seq in enumerate(greedy):  # the third id, from generation_config.json, ends the answers that reach it
+        assert out[b] == (seq[: seq.index(eos) + 1] if eos in seq else seq)

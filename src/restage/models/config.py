@@ -7,7 +7,7 @@ GPT-2. Everything downstream (the decoder, sharding, the estimator) reads only t
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from restage.errors import CheckpointError
@@ -51,9 +51,20 @@ class ModelConfig:
     is_critic: bool = False  # scalar head (critic, reward) instead of the LM head
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Every id that ends an answer: config.json's eos_token_id (an id or a list) and generation_config.json's
+    # (Llama-3-Instruct ends turns with <|eot_id|>, not the first id). Empty: eos_token_id alone.
+    eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` tokens only
     activation: str = ""  # "" is the family's default: silu (SwiGLU) for llama, gelu_tanh for gpt2
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))  # JSON gives a list
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The token ids that end generation."""
+        return self.eos_token_ids or (() if self.eos_token_id is None else (self.eos_token_id,))
 
     @property
     def head_dim(self) -> int:
@@ -103,8 +114,8 @@ class ModelConfig:
                     norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                     tied_embeddings=bool(hf.get("tie_word_embeddings", True)) and not is_critic,
                     qkv_bias=True, o_bias=True, is_critic=is_critic, bos_token_id=hf.get("bos_token_id"),
-                    eos_token_id=_first(hf.get("eos_token_id")), pad_token_id=hf.get("pad_token_id"),
-                    activation=activation,
+                    eos_token_id=_first(hf.get("eos_token_id")), eos_token_ids=_ids(hf.get("eos_token_id")),
+                    pad_token_id=hf.get("pad_token_id"), activation=activation,
                 )
             model_type = hf.get("model_type", "llama")
             if model_type not in ("llama", "mistral", "qwen2"):
@@ -136,7 +147,8 @@ class ModelConfig:
                 qkv_bias=(model_type == "qwen2") or bool(hf.get("attention_bias", False)),
                 o_bias=bool(hf.get("attention_bias", False)), is_critic=is_critic,
                 bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
-                pad_token_id=hf.get("pad_token_id"), sliding_window=sliding_window, activation="silu",
+                eos_token_ids=_ids(hf.get("eos_token_id")), pad_token_id=hf.get("pad_token_id"),
+                sliding_window=sliding_window, activation="silu",
             )
         except KeyError as missing:
             raise CheckpointError(f"{source}: config.json lacks {missing}; is it a HF model config?") from None
@@ -154,8 +166,23 @@ class ModelConfig:
             hf = json.loads(config_file.read_text())
         except json.JSONDecodeError as err:
             raise CheckpointError(f"{config_file} is not valid JSON ({err.msg} at line {err.lineno}); fix or replace it") from None
-        return cls.from_hf_dict(hf, source=str(path))
+        cfg = cls.from_hf_dict(hf, source=str(path))
+        generation = path / "generation_config.json"
+        if generation.is_file():
+            try:
+                extra = _ids(json.loads(generation.read_text()).get("eos_token_id"))
+            except json.JSONDecodeError as err:
+                raise CheckpointError(f"{generation} is not valid JSON ({err.msg} at line {err.lineno}); fix or "
+                                      "remove it") from None
+            ids = tuple(dict.fromkeys((*cfg.stop_token_ids, *extra)))
+            cfg = replace(cfg, eos_token_ids=ids) if ids != cfg.stop_token_ids else cfg
+        return cfg
 
 
 def _first(value):
     return value[0] if isinstance(value, list) and value else value
+
+
+def _ids(value) -> tuple[int, ...]:
+    """An eos_token_id entry (None, an id, or a list of ids) as a tuple."""
+    return () if value is None else tuple(int(v) for v in (value if isinstance(value, list) else [value]))

@@ -158,7 +158,7 @@ def _run(args, nproc: int, use_mpi: bool) -> int:
     groups = ProcessGroups(layout.all_groups()) if world > 1 else None
     module = load_stage(path, layout, groups, rank, dtype=getattr(torch, args.dtype))
     cfg = module.cfg
-    eos = (cfg.eos_token_id,) if cfg.eos_token_id is not None else ()
+    eos = cfg.stop_token_ids
     params = SamplingParams(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, greedy=args.greedy,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             eos_token_ids=eos, pad_token_id=cfg.pad_token_id or 0)

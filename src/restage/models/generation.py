@@ -31,7 +31,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    eos_token_ids: tuple[int, ...] | None = None  # None: the model config's eos_token_id
+    eos_token_ids: tuple[int, ...] | None = None  # None: the model config's stop_token_ids (every EOS id)
     pad_token_id: int = 0  # fills tokens after a sequence ended
     seed: int = 0
 
@@ -123,8 +123,7 @@ def generate(module: StageModule, prompts: Sequence[Sequence[int]], params: Samp
     if longest + params.max_new_tokens > cfg.max_positions:
         raise ConfigError(f"prompt of {longest} tokens + max_new_tokens={params.max_new_tokens} exceeds the model's "
                           f"{cfg.max_positions} positions; shorten the prompts or max_new_tokens")
-    eos_ids = list(params.eos_token_ids) if params.eos_token_ids is not None else (
-        [] if cfg.eos_token_id is None else [cfg.eos_token_id])
+    eos_ids = list(params.eos_token_ids if params.eos_token_ids is not None else cfg.stop_token_ids)
     generator = torch.Generator(device=device).manual_seed(params.seed) if not params.greedy else None
     cache = module.new_cache(batch_size, longest + params.max_new_tokens)
     inputs, batch = pack(prompts, device=device)

@@ -88,7 +88,9 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = Non
     """A ``config.json`` for ``cfg`` that transformers loads; keeps every key of ``base`` it does not own."""
     out = dict(base or {})
     out.update(architectures=[cfg.hf_architecture], model_type=cfg.model_type, vocab_size=cfg.vocab_size,
-               bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
+               bos_token_id=cfg.bos_token_id, pad_token_id=cfg.pad_token_id,
+               # a list of EOS ids in the source's config.json stays as it was (generation_config.json is copied)
+               eos_token_id=out["eos_token_id"] if isinstance(out.get("eos_token_id"), list) else cfg.eos_token_id,
                dtype=_DTYPE_NAMES[dtype], tie_word_embeddings=cfg.tied_embeddings)
     if cfg.is_critic:
         out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
