@@ -166,12 +166,43 @@ class ExperimentConfig:
         self._resolve_auto_dtypes()
         if self.run.steps < 1 or self.run.batch_size < 1 or self.run.micro_batches < 1:
             raise ConfigError("run.steps, run.batch_size and run.micro_batches must be >= 1")
+        self._check_values()
         if self.run.nonfinite not in ("skip", "stop"):
             raise ConfigError(f"run.nonfinite: {self.run.nonfinite!r} must be skip or stop")
         if self.run.max_skipped_steps < 1:
             raise ConfigError(f"run.max_skipped_steps: {self.run.max_skipped_steps} must be >= 1")
         if self.plan.mode not in ("search", "heuristic", "manual"):
             raise ConfigError(f"plan.mode: {self.plan.mode!r} must be search, heuristic or manual")
+
+    def _check_values(self) -> None:
+        """Values whose validity needs no rank: refused here, in one line, before anything starts."""
+        for name, spec in self.models.items():
+            optim = spec.optim
+            if spec.trainable and not optim.lr > 0:
+                raise ConfigError(f"models.{name}.optim.lr: {optim.lr} must be > 0")
+            if optim.lr_schedule not in ("constant", "linear", "cosine"):
+                raise ConfigError(f"models.{name}.optim.lr_schedule: {optim.lr_schedule!r} must be constant, linear "
+                                  "or cosine")
+            if optim.grad_clip < 0 or optim.weight_decay < 0 or optim.warmup_steps < 0:
+                raise ConfigError(f"models.{name}.optim: grad_clip, weight_decay and warmup_steps must be >= 0")
+        gen, run = self.generation, self.run
+        if gen.max_new_tokens < 1:
+            raise ConfigError(f"generation.max_new_tokens: {gen.max_new_tokens} must be >= 1")
+        if not 0 <= gen.min_new_tokens <= gen.max_new_tokens:
+            raise ConfigError(f"generation.min_new_tokens: {gen.min_new_tokens} must be in 0..max_new_tokens "
+                              f"({gen.max_new_tokens})")
+        if not gen.temperature > 0:
+            raise ConfigError(f"generation.temperature: {gen.temperature} must be > 0 (for greedy decoding set "
+                              "generation.greedy=true)")
+        if gen.top_k < 0 or not 0 < gen.top_p <= 1:
+            raise ConfigError("generation.top_k must be >= 0 and generation.top_p in (0, 1]")
+        if run.save_every < 0 or run.stop_at_step < 0 or run.log_every < 1:
+            raise ConfigError("run.save_every and run.stop_at_step must be >= 0 (0: off), run.log_every >= 1")
+        if run.keep_checkpoints < 1:
+            raise ConfigError(f"run.keep_checkpoints: {run.keep_checkpoints} must be >= 1 (the newest is always kept)")
+        if run.micro_batches > run.batch_size:
+            raise ConfigError(f"run.micro_batches: {run.micro_batches} is more than run.batch_size "
+                              f"({run.batch_size}); use at most one micro-batch per prompt")
 
     def _resolve_auto_dtypes(self) -> None:
         """``dtype: auto`` becomes bf16 where the cluster's devices are GPUs (flash-attn, tensor cores) and fp32 on CPUs."""

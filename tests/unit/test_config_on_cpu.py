@@ -25,6 +25,15 @@ def test_load_with_overrides(config_file):
     ("models.actor.dtype=f8", "models.actor.dtype: 'f8' is not one of fp32, bf16, fp16"),
     ("algorithm=ppx", "algorithm: 'ppx' is unknown"),
     ("models.actor.optim.betas=[0.9]", "models.actor.optim.betas: expected 2 values, got 1"),
+    # Refused before any rank starts (they failed inside a rank's traceback, or were taken silently):
+    ("models.actor.optim.lr=-1e-5", "models.actor.optim.lr: -1e-05 must be > 0"),
+    ("generation.max_new_tokens=0", "generation.max_new_tokens: 0 must be >= 1"),
+    ("generation.max_new_tokens=-5", "generation.max_new_tokens: -5 must be >= 1"),
+    ("generation.temperature=0", "generation.temperature: 0.0 must be > 0 (for greedy decoding set generation.greedy=true)"),
+    ("run.save_every=-1", "run.save_every and run.stop_at_step must be >= 0"),
+    ("run.keep_checkpoints=0", "run.keep_checkpoints: 0 must be >= 1"),
+    ("run.micro_batches=10", "run.micro_batches: 10 is more than run.batch_size (8)"),
+    ("run.nonfinite=ignore", "run.nonfinite: 'ignore' must be skip or stop"),
 ])
 def test_bad_config_gets_one_line_naming_the_key(config_file, override, message):
     with pytest.raises(ConfigError) as err:
