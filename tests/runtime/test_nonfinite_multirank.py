@@ -12,7 +12,8 @@ from restage.runtime import checkpoint_dir
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e]
 
-JOB = ["jobs/ppo_tiny.yaml", "-n", "2", "run.batch_size=8", "run.steps=4", "run.save_every=1", "run.keep_checkpoints=9", "plan.mode=manual",
+JOB = ["jobs/ppo_tiny.yaml", "-n", "2", "run.batch_size=8", "run.steps=4", "run.save_every=1", "run.keep_checkpoints=9",
+       "plan.mode=manual",
        "plan.layouts.actor_gen=ranks:0-1 dp2", "plan.layouts.ref_inf=ranks:0-1 dp2",
        "plan.layouts.critic_inf=ranks:0-1 dp2", "plan.layouts.actor_train=ranks:0-1 tp2",
        "plan.layouts.critic_train=ranks:0-1 dp2"]

@@ -77,12 +77,25 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, cfg: ExperimentConfig, nprocs: int) -> int:
+    from restage.runtime.checkpoint_dir import latest
+
     trial_dir = cfg.trial_dir
     log = trial_dir / "log.h5"
+    saved = latest(trial_dir) is not None
+    if args.resume and not saved:  # said here, before ranks start and fail to find one
+        raise ConfigError(f"{trial_dir} has no checkpoint to resume from (no step of it was saved); run it without "
+                          "--resume to start it afresh")
+    fresh = args.overwrite and not args.resume
     if log.exists() and not (args.resume or args.overwrite):
-        raise ConfigError(f"{trial_dir} already holds a run; pass --resume to continue it, --overwrite to replace it, "
-                          f"or choose another trial=NAME")
-    if args.overwrite and not args.resume:
+        if saved:
+            raise ConfigError(f"{trial_dir} already holds a run; pass --resume to continue it, --overwrite to replace "
+                              "it, or choose another trial=NAME")
+        if _completed_steps(log) > 0:
+            raise ConfigError(f"{trial_dir} holds a run that saved no checkpoint; pass --overwrite to start it afresh "
+                              "or choose another trial=NAME")
+        print(f"restage: {trial_dir}: the earlier run ended before its first step; starting it afresh", flush=True)
+        fresh = True
+    if fresh:
         import shutil
 
         for stale in (log, trial_dir / "checkpoints", trial_dir / "failures"):
@@ -105,6 +118,16 @@ def _run(args: argparse.Namespace, cfg: ExperimentConfig, nprocs: int) -> int:
     if world != nprocs:
         raise ConfigError(f"the schedule needs {world} ranks but -n/run.nprocs is {nprocs}; make them equal")
     return launch(schedule, trial_dir, nprocs, resume=args.resume)
+
+
+def _completed_steps(log: Path) -> int:
+    from restage.errors import LogError
+    from restage.report.log import read_log
+
+    try:
+        return read_log(log).last_complete_step + 1
+    except LogError:
+        return 0  # a log that was never written past its header
 
 
 def _saved_config(cfg: ExperimentConfig) -> ExperimentConfig | None:
