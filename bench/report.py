@@ -45,7 +45,7 @@ def command_seconds(argv: list[str], repeats: int) -> tuple[float, float]:
 
 
 def writer_seconds_per_step(folder: Path, steps: int, ranks: int) -> tuple[float, float]:
-    """Seconds the master spends in LogWriter per step: recording 6 MFC rows per rank, then end_step (append + 2 flushes)."""
+    """Seconds the master spends in LogWriter per step: recording 6 MFC rows per rank, then end_step (one journal line)."""
     from restage.report.log import LogWriter
 
     writer = LogWriter(folder / "writer.h5", world_size=ranks)
@@ -105,7 +105,7 @@ def main() -> None:
     print(f"synthetic log: {args.steps} steps, {args.ranks} ranks, {figures['mfc_rows']} MFC rows, "
           f"{figures['log_bytes'] / 1e6:.2f} MB, generated and written in {write_seconds:.2f} s")
     print(f"LogWriter per step ({args.ranks} ranks x 6 MFCs): recording rows {1e3 * record_seconds:.3f} ms, "
-          f"end_step (append + flush) {1e3 * end_step_seconds:.3f} ms")
+          f"end_step (one journal line) {1e3 * end_step_seconds:.3f} ms")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; seconds as wall / CPU")
     rows = (("report in process (read, numbers, text)", "report_in_process"), ("plots in process (3 PNGs)", "plots_in_process"),
             ("restage report RUN (fresh interpreter)", "command_text"), ("restage report RUN --json", "command_json"),

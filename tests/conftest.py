@@ -2,8 +2,35 @@
 
 ``runtime.spawn`` turns the layer on for its children itself; this covers ranks started through
 mpirun (``restage run``, ``restage generate``, the e2e jobs), which inherit the environment.
+Also the ``small_tmpfs`` fixture, for tests that fill a disk.
 """
 
 import os
+import subprocess
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("RESTAGE_NCCL_RULES", "1")
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """``mount(size_bytes, name)``: a fresh tmpfs of that size under ``tmp_path`` (root only), unmounted at teardown."""
+    mounted: list[Path] = []
+
+    def mount(size_bytes: int, name: str = "tmpfs") -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs needs root")
+        point = tmp_path / name
+        point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(point)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            pytest.skip(f"mount -t tmpfs failed here: {done.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in reversed(mounted):
+        subprocess.run(["umount", "--lazy", str(point)], check=False)

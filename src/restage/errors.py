@@ -31,3 +31,7 @@ class RankFailure(RestageError):
 
 class LogError(RestageError):
     """A run log (log.h5) is missing, unreadable, of another format version, or would be overwritten."""
+
+
+class DiskFullError(RestageError):
+    """A write ran out of space (or quota); the message names the file system and what was being written."""

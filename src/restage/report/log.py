@@ -1,24 +1,29 @@
-"""The HDF5 run log (``log.h5``): ``LogWriter`` for the master rank, ``read_log`` for everyone else.
+"""The run log (``log.h5`` and its journal): ``LogWriter`` for the master rank, ``read_log`` for everyone else.
 
-Layout of format version 1 (docs/report.md has the full table):
+Layout of format version 2 (docs/report.md has the full table):
 
-* four resizable (chunked, ``maxshape=None``) compound datasets, one row per record:
-  ``steps`` (one row per completed step), ``mfcs`` (one row per MFC per rank per step),
-  ``transfers`` (reallocations and data transfers) and ``stats`` (long format
-  ``step, name, value``, so new statistics can appear at any step);
-* root attributes: ``format_version``, ``world_size``, ``dtype``, ``config``, ``schedule``,
-  ``cluster``, ``versions`` (text, JSON but for the config), ``created_unix_seconds``,
-  ``resumed_at_steps`` (JSON list), ``last_complete_step`` and ``closed``.
+* ``log.h5``, an HDF5 *snapshot*: four compound datasets, one row per record: ``steps`` (one row
+  per completed step), ``mfcs`` (one row per MFC per rank per step), ``transfers`` (reallocations
+  and data transfers) and ``stats`` (long format ``step, name, value``, so new statistics can appear
+  at any step); root attributes ``format_version``, ``world_size``, ``dtype``, ``config``,
+  ``schedule``, ``cluster``, ``versions`` (text, JSON but for the config), ``created_unix_seconds``,
+  ``resumed_at_steps`` (JSON list), ``last_complete_step``, ``closed`` and ``journal_id``;
+* ``log.h5.journal``, an append-only text file: a header line ``restage-log-journal <journal_id>``,
+  then one line per completed step after the snapshot, ``<crc32 hex> <JSON of the step's rows>``.
 
-Crash safety uses plain ``flush`` rather than SWMR: SWMR forbids creating attributes and
-objects after it starts and leaves a file that ordinary readers refuse after a crash. The writer
-keeps the rows of the step in flight in memory and touches the file only in ``end_step``: it
-appends every table, flushes, then sets ``last_complete_step`` and flushes again. A SIGKILL
-between two ``end_step`` calls therefore finds the file exactly as last flushed; a kill inside
-the flush window can leave rows of the step in flight, which the reader drops because their
-step is past ``last_complete_step``. ``closed`` is set only by a clean ``close()``.
-HDF5 file locking is off on both sides, so a live log can be read (by ``restage report``, or by
-the master itself) while it is written; one writer per log is the runtime's rule.
+Why a journal: HDF5 rewrites its own metadata (superblock end-of-allocation, chunk indexes, the
+heap of variable-length strings) in place, so a write cut short by SIGKILL or by a full disk could
+damage the rows of *earlier* steps ("actual len exceeds EOA"); a preallocated HDF5 file cannot hold
+strings or statistics that appear mid-run without growing. So the file being appended to is never
+HDF5: a step is one line appended with a single ``write``, earlier bytes are never touched, and a
+reader stops at the first line that is incomplete or fails its checksum. ``log.h5`` is only ever
+replaced whole (written to a temporary file, fsynced, renamed): when the writer opens (a new log,
+or a resume, which drops the steps after the checkpoint) and when it closes cleanly (every
+journal step folded in, ``closed`` set, the journal removed). A journal whose id is not the
+snapshot's belongs to a replaced log and is ignored. A step costs one ``write`` (no fsync: a killed
+process loses nothing written; a machine crash may lose the last steps, never earlier ones).
+A write that finds the disk full raises ``DiskFullError`` (one line) and leaves the journal as it
+was before that step. Format version 1 logs (rows appended to ``log.h5`` in place) are still read.
 
 Times are seconds on the master's clock (each rank corrects its own by an offset measured at
 start-up, ``runtime.clock``); the report only ever uses differences, within a rank for durations
@@ -28,6 +33,7 @@ and against the step's start for the timeline.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from dataclasses import dataclass
 from importlib import metadata
@@ -37,9 +43,12 @@ from typing import Any
 import h5py
 import numpy as np
 
+from restage.disk import writing
 from restage.errors import LogError
+from restage.report import journal
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: rows appended to log.h5 in place, no journal
 LOG_NAME = "log.h5"
 _STR = h5py.string_dtype("utf-8")
 _CHUNK_ROWS = 1024
@@ -76,22 +85,24 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
-def _check_version(handle: h5py.File, path: Path) -> None:
-    version = handle.attrs.get("format_version")
+def _check_version(attrs, path: Path) -> None:
+    version = attrs.get("format_version")
     if version is None:
         raise LogError(f"{path} has no format_version attribute; it was not written by restage's LogWriter")
-    if int(version) != FORMAT_VERSION:
-        raise LogError(f"{path} is log format version {int(version)}, this restage reads version {FORMAT_VERSION}; "
-                       f"report it with the restage release that wrote it")
+    if int(version) not in READABLE_VERSIONS:
+        raise LogError(f"{path} is log format version {int(version)}, this restage reads version {FORMAT_VERSION} "
+                       f"(and {', '.join(str(v) for v in READABLE_VERSIONS if v != FORMAT_VERSION)}); report it with "
+                       "the restage release that wrote it")
 
 
 class LogWriter:
-    """Append-only writer of ``log.h5``, used by the master rank only.
+    """Append-only writer of ``log.h5`` and its journal, used by the master rank only.
 
     ``path`` is the log file (``*.h5``) or the run directory that gets ``log.h5``.
     Record the rows of a step with ``mfc``, ``realloc``, ``transfer`` and ``stats``, then call
-    ``end_step``, which writes them and flushes. ``resume_step=k`` reopens an existing log
-    (a run resumed from its checkpoint at step k): rows of steps after k are dropped first.
+    ``end_step``, which appends them to the journal as one line. ``resume_step=k`` reopens an existing
+    log (a run resumed from its checkpoint at step k): rows of steps after k are dropped first.
+    A write that finds the disk full raises ``DiskFullError``; every step before it stays readable.
     """
 
     def __init__(self, path: str | Path, *, world_size: int, config: Any = None, schedule: Any = None,
@@ -103,48 +114,33 @@ class LogWriter:
             self.path = self.path / LOG_NAME
         self._pending: dict[str, list[tuple]] = {name: [] for name in TABLES}
         if resume_step is not None and self.path.exists():
-            self._file = h5py.File(self.path, "a", locking=False)
-            _check_version(self._file, self.path)
-            self._truncate_after(resume_step)
-            resumed = json.loads(self._file.attrs.get("resumed_at_steps", "[]")) + [int(resume_step)]
-            self._file.attrs["resumed_at_steps"] = json.dumps(resumed)
+            contents = _load(self.path)
+            tables = {name: rows[rows["step"] <= resume_step] for name, rows in contents.tables.items()}
+            attrs = dict(contents.attrs)
+            attrs["resumed_at_steps"] = json.dumps(json.loads(attrs.get("resumed_at_steps", "[]")) + [int(resume_step)])
+            attrs["last_complete_step"] = min(contents.last_complete_step, int(resume_step))
         else:
             if self.path.exists() and not overwrite and resume_step is None:
                 raise LogError(f"{self.path} already exists; resume the run or give it a new results directory")
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = h5py.File(self.path, "w", locking=False)
-            for name, dtype_ in TABLES.items():
-                self._file.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype_, chunks=(_CHUNK_ROWS,))
-            self._file.attrs["format_version"] = FORMAT_VERSION
-            self._file.attrs["created_unix_seconds"] = time.time()
-            self._file.attrs["last_complete_step"] = -1
-            self._file.attrs["resumed_at_steps"] = "[]"
-            for key in ("config", "schedule", "cluster"):
-                self._file.attrs[key] = ""
-        self._tables = {name: self._file[name] for name in TABLES}  # looked up once: h5py's lookup is slow
-        attrs = self._file.attrs
-        attrs["world_size"] = int(world_size)
-        attrs["closed"] = False
+            tables = {name: np.empty(0, dtype=dtype_) for name, dtype_ in TABLES.items()}
+            attrs = {"created_unix_seconds": time.time(), "last_complete_step": -1, "resumed_at_steps": "[]",
+                     "config": "", "schedule": "", "cluster": ""}
+        attrs.update(format_version=FORMAT_VERSION, world_size=int(world_size), closed=False,
+                     journal_id=secrets.token_hex(8), versions=_text(package_versions() if versions is None else versions))
         if dtype or "dtype" not in attrs:
             attrs["dtype"] = dtype
         for key, value in (("config", config), ("schedule", schedule), ("cluster", cluster)):
             if value is not None:
                 attrs[key] = _text(value)
-        attrs["versions"] = _text(package_versions() if versions is None else versions)
+        self._attrs = attrs
         self.last_complete_step = int(attrs["last_complete_step"])
-        self._file.flush()
-
-    def _truncate_after(self, step: int) -> None:
-        for name in TABLES:
-            data = self._file[name]
-            rows = data[:]
-            keep = rows[rows["step"] <= step]
-            if len(keep) != len(rows):
-                data.resize((len(keep),))
-                data[:] = keep
-        last = min(int(self._file.attrs["last_complete_step"]), int(step))
-        self._file.attrs["last_complete_step"] = last
-        self._file.flush()
+        self._journal_path = journal.journal_path(self.path)
+        with writing("the run log", self.path):
+            # The snapshot first: until the journal of its id exists, a reader ignores the old journal.
+            _write_snapshot(self.path, attrs, tables)
+            journal.create(self._journal_path, attrs["journal_id"])
+            self._journal: journal.Appender | None = journal.Appender(self._journal_path)
 
     def _check_step(self, step: int) -> int:
         step = int(step)
@@ -179,35 +175,42 @@ class LogWriter:
 
     def end_step(self, step: int, start_seconds: float, end_seconds: float, samples: int, tokens: int,
                  flops: float = 0.0) -> None:
-        """Close ``step``: append its row and every row recorded for it, flush, then mark it complete."""
+        """Close ``step``: append its row and every row recorded for it to the journal, as one line."""
         step = self._check_step(step)
         self._pending["steps"].append((step, float(start_seconds), float(end_seconds), int(samples), int(tokens),
                                        float(flops)))
         for name, rows in self._pending.items():
             stray = sorted({row[0] for row in rows} - {step})
             if stray:
+                self._pending["steps"].pop()
                 raise ValueError(f"{name} rows of steps {stray} recorded while closing step {step}; "
                                  f"close each step before recording the next")
-        for name, rows in self._pending.items():
-            if rows:
-                _append(self._tables[name], np.array(rows, dtype=TABLES[name]))
+        line = journal.encode({"step": step, **self._pending})
+        for rows in self._pending.values():
             rows.clear()
-        self._file.flush()
-        # Marked only once the rows are on disk, so a reader never trusts a half-written step.
-        self._file.attrs["last_complete_step"] = step
-        self._file.flush()
+        if self._journal is None:
+            raise ValueError(f"{self.path} is closed; step {step} was not written")
+        with writing(f"the run log (step {step})", self._journal_path):
+            self._journal.append(line)
         self.last_complete_step = step
 
     def close(self) -> None:
-        """Mark the log as cleanly closed (the run ended normally) and close the file."""
-        if self._file.id.valid:
-            self._file.attrs["closed"] = True
-            self._file.close()
+        """Fold the journal into ``log.h5``, mark it cleanly closed (the run ended normally) and remove the journal."""
+        if self._journal is None:
+            return
+        self._journal.close()
+        self._journal = None
+        contents = _load(self.path)
+        attrs = {**self._attrs, "closed": True, "journal_id": "", "last_complete_step": contents.last_complete_step}
+        with writing("the run log (folding its journal into log.h5)", self.path):
+            _write_snapshot(self.path, attrs, contents.tables)
+        self._journal_path.unlink(missing_ok=True)
 
     def abort(self) -> None:
-        """Close the file without marking it closed: the report will say the run did not finish."""
-        if self._file.id.valid:
-            self._file.close()
+        """Stop writing without marking the log closed: the report will say the run did not finish."""
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
 
     def __enter__(self) -> LogWriter:
         return self
@@ -283,41 +286,113 @@ def resolve_log_path(path: str | Path) -> Path:
     return candidate
 
 
-def read_log(path: str | Path) -> RunLog:
-    """Read a log, keeping only rows of completed steps. Safe on a log whose writer is still running or died."""
-    path = resolve_log_path(path)
+@dataclass(frozen=True)
+class _Contents:
+    """A log's snapshot and journal merged: attributes as written, rows (strings not yet decoded) of complete steps."""
+
+    attrs: dict
+    tables: dict[str, np.ndarray]
+    last_complete_step: int
+    dropped_rows: int
+
+
+def _load(path: Path) -> _Contents:
+    """Read the snapshot, then the journal of its id. ``log.h5`` is replaced whole by an opening or closing writer:
+    if that happened while reading, read again."""
+    for _ in range(3):
+        before = _identity(path)
+        contents = _load_once(path)
+        if _identity(path) == before:
+            return contents
+    return contents
+
+
+def _identity(path: Path) -> tuple[int, int]:
     try:
-        # locking=False: a running (or SIGKILLed) writer may still hold the HDF5 file lock.
-        handle = h5py.File(path, "r", locking=False)
+        stat = path.stat()
+    except OSError:
+        return (-1, -1)
+    return (stat.st_ino, stat.st_mtime_ns)
+
+
+def _load_once(path: Path) -> _Contents:
+    try:
+        # locking=False: the file may be replaced while it is read, and a version 1 writer held its lock.
+        with h5py.File(path, "r", locking=False) as handle:
+            attrs = {key: _plain(value) for key, value in handle.attrs.items()}
+            _check_version(attrs, path)
+            snapshot = {name: handle[name][:] for name in TABLES}
+    except LogError:
+        raise
+    except (OSError, KeyError, ValueError, TypeError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise LogError(f"{path} is not a readable restage log ({first}); was it written by restage?") from None
+    last = int(attrs.get("last_complete_step", -1))
+    tables, dropped = {}, 0
+    for name, rows in snapshot.items():
+        keep = rows["step"] <= last  # version 1: rows of a step in flight when the writer died
+        dropped += int((~keep).sum())
+        tables[name] = rows[keep]
+    try:
+        records = journal.read(journal.journal_path(path), str(attrs.get("journal_id", "")))
     except OSError as err:
-        raise LogError(f"{path} is not a readable HDF5 file ({err}); was it written by restage?") from None
-    with handle:
-        _check_version(handle, path)
-        attrs = handle.attrs
-        last = int(attrs["last_complete_step"])
-        tables, dropped = {}, 0
-        for name in TABLES:
-            rows = handle[name][:]
-            keep = rows["step"] <= last
-            dropped += int((~keep).sum())
-            tables[name] = _decoded(rows[keep])
+        raise LogError(f"{journal.journal_path(path)} is not readable ({err.strerror or err})") from None
+    records = [r for r in records if int(r["step"]) > last]
+    if records:
+        for name, dtype_ in TABLES.items():
+            added = np.array([tuple(row) for record in records for row in record[name]], dtype=dtype_)
+            tables[name] = np.concatenate([tables[name].astype(dtype_), added])
+        last = int(records[-1]["step"])
+    return _Contents(attrs=attrs, tables=tables, last_complete_step=last, dropped_rows=dropped)
+
+
+def _plain(value):
+    """An HDF5 attribute as a plain Python value."""
+    if isinstance(value, bytes):
+        return value.decode()
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def read_log(path: str | Path) -> RunLog:
+    """Read a log, keeping only rows of completed steps. Safe on a log whose writer is still running or died;
+    a damaged log is a one-line ``LogError``, never a raw ``OSError``."""
+    path = resolve_log_path(path)
+    contents = _load(path)
+    attrs = contents.attrs
+    try:
         return RunLog(
             path=path, format_version=int(attrs["format_version"]), world_size=int(attrs["world_size"]),
             dtype=str(attrs.get("dtype", "")), config=str(attrs.get("config", "")),
             schedule=_json_attr(attrs, "schedule"), cluster=_json_attr(attrs, "cluster"),
-            versions=_json_attr(attrs, "versions") or {}, last_complete_step=last, closed=bool(attrs["closed"]),
-            resumed_at_steps=json.loads(attrs.get("resumed_at_steps", "[]")), dropped_rows=dropped, **tables)
+            versions=_json_attr(attrs, "versions") or {}, last_complete_step=contents.last_complete_step,
+            closed=bool(attrs["closed"]), resumed_at_steps=json.loads(attrs.get("resumed_at_steps", "[]")),
+            dropped_rows=contents.dropped_rows, **{name: _decoded(rows) for name, rows in contents.tables.items()})
+    except (KeyError, ValueError) as err:
+        raise LogError(f"{path} is not a readable restage log (attribute {err}); was it written by restage?") from None
 
 
-def _append(data, rows: np.ndarray) -> None:
-    """Append ``rows`` (already of the table's dtype) to a 1-D resizable dataset.
+def _write_snapshot(path: Path, attrs: dict, tables: dict[str, np.ndarray]) -> None:
+    """Replace ``path`` whole by an HDF5 file of ``tables`` and ``attrs`` (temporary file, fsync, rename).
 
-    Through h5py's low-level write: ``data[start:] = rows`` re-inspects the compound dtype field
-    by field on every call. With the tables looked up once, a step's log write went from 2.9 ms
-    to 1.1 ms (a tiny CPU GRPO step is ~65 ms, and the master writes between steps).
+    The file is built in memory and written with one plain write: a full disk is then one clean ``OSError``,
+    where HDF5 writing to disk would leave half-closed objects that complain again when collected.
     """
-    start = data.shape[0]
-    data.resize((start + len(rows),))
-    file_space = data.id.get_space()
-    file_space.select_hyperslab((start,), (len(rows),))
-    data.id.write(h5py.h5s.create_simple((len(rows),)), file_space, rows)
+    with h5py.File(path.name, "w", driver="core", backing_store=False, locking=False) as handle:
+        for name, dtype_ in TABLES.items():
+            handle.create_dataset(name, data=_encodable(tables[name], dtype_), maxshape=(None,), chunks=(_CHUNK_ROWS,))
+        for key, value in attrs.items():
+            handle.attrs[key] = value
+        handle.flush()
+        image = handle.id.get_file_image()
+    journal.replace_atomically(path, image)
+
+
+def _encodable(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``rows`` in the table's dtype, variable-length strings as ``str`` (HDF5 gives them back as bytes)."""
+    out = np.empty(len(rows), dtype=dtype)
+    for name in dtype.names:
+        column = rows[name]
+        if dtype[name].kind == "O":
+            column = np.array([v.decode() if isinstance(v, bytes) else str(v) for v in column] or [], dtype=object)
+        out[name] = column
+    return out
