@@ -47,6 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     except RestageError as err:
         print(f"restage: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a write of the command's own (config.yaml, schedule.json, plots) on a full disk
+        from restage.disk import is_disk_full, place
+
+        if not is_disk_full(err):
+            raise
+        where = place(err.filename) if err.filename else "the disk"
+        print(f"restage: error: no space left on {where} while writing {err.filename or 'a file'}; free space there",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("restage: interrupted", file=sys.stderr)
         return 130

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from restage.disk import writing
 from restage.errors import CheckpointError
 from restage.models.checkpoint import load_stage, save_checkpoint
 from restage.runtime import checkpoint_dir
@@ -39,12 +40,18 @@ def _rank_state(worker) -> dict:
 
 def save(worker, step: int) -> None:
     """Collective over all ranks: write checkpoint ``step`` and seal it."""
-    control = worker.control
     trained = [slot.module for slot in worker.slots.values() if slot.engine is not None and slot.module is not None]
     if any_rank(not finite_weights(trained), dist.group.WORLD, worker.device):  # before anything is written
         last = checkpoint_dir.latest(worker.trial_dir)
         raise NonFiniteError(f"step {step}: non-finite weights; not checkpointed (the newest checkpoint, "
                              f"{last.name if last else 'none'}, stays the last)")
+    # Every rank writes: a full disk on any of them is one line naming the checkpoint (the earlier ones stay whole).
+    with writing(f"checkpoint step-{step}", checkpoint_dir.checkpoints_root(worker.trial_dir)):
+        _write(worker, step)
+
+
+def _write(worker, step: int) -> None:
+    control = worker.control
     path = Path(control.bcast(str(checkpoint_dir.begin(worker.trial_dir, step)) if control.is_master else None))
     for name, slot in worker.slots.items():
         if name in worker.ema and slot.module is not None:  # a reference the EMA changes: its weights, no engine

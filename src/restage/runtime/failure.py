@@ -4,6 +4,12 @@ A rank that raises writes its error to ``<trial>/failures/rank<N>.txt`` and abor
 so mpirun kills every other rank at once (no rank waits in a collective for a dead peer). A rank
 killed outright (SIGKILL, OOM killer) is noticed by mpirun itself, which names it in its output.
 The launcher turns either into one last line: ``rank N failed: <error>``.
+
+The failure file may not get written (a full disk is a common reason to fail), so the rank also
+prints ``[rank N] <error>`` to stderr, and the launcher reads that from mpirun's output when the
+file is missing. A file is written whole or not at all (temporary file, rename): a half-written,
+0-byte one never misleads the launcher. A user-caused error (``RestageError``, e.g. a full disk)
+prints no traceback; the failure file keeps it.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
+
+from restage.errors import RestageError
 
 
 def failure_dir(trial_dir: str | Path) -> Path:
@@ -35,14 +43,24 @@ def abort_on_error(rank: int, trial_dir: str | Path):
             # killed rank is the root cause; this rank's closed connection is only the echo).
             time.sleep(3)
         try:
-            folder = failure_dir(trial_dir)
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / f"rank{rank}.txt").write_text(summary + "\n" + traceback.format_exc())
+            _record(failure_dir(trial_dir) / f"rank{rank}.txt", summary + "\n" + traceback.format_exc())
         finally:
             print(f"[rank {rank}] {summary}", file=sys.stderr, flush=True)
-            traceback.print_exc(file=sys.stderr)
+            if not isinstance(err, RestageError):
+                traceback.print_exc(file=sys.stderr)
             sys.stderr.flush()
             _abort()
+
+
+def _record(path: Path, text: str) -> None:
+    """Write a failure file whole or not at all; on a full disk the stderr line is the record."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def _abort() -> None:
@@ -58,19 +76,24 @@ def _abort() -> None:
 _COMMUNICATION = re.compile(r"gloo|nccl|connection closed|connection reset|timed out|timeout|peer|pair closure|broken pipe",
                             re.I)
 _MPIRUN_DEATH = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on\s+signal (\d+)", re.S)
-
-
+_RANK_LINE = re.compile(r"^\[rank (\d+)\] (\S.*)$", re.M)
+_DISK_FULL = "DiskFullError: "
 
 
 def describe_failure(trial_dir: str | Path, launcher_output: str = "") -> str:
     """One line naming the failed rank and its error, from the failure files or mpirun's output.
 
+    A full disk beats everything (every other error is then its consequence), and says what it kept.
     A rank's own error beats the errors its peers then hit in collectives (a dead peer shows up
     on the others as a closed connection or a timeout), and a rank killed by a signal beats both.
     """
-    folder = failure_dir(trial_dir)
-    recorded = sorted(folder.glob("rank*.txt"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
-    errors = [(path.stem.removeprefix("rank"), path.read_text().splitlines()[0]) for path in recorded]
+    errors = _recorded_errors(failure_dir(trial_dir))
+    seen = {rank for rank, _ in errors}
+    errors += [(rank, error) for rank, error in _RANK_LINE.findall(launcher_output) if rank not in seen]
+    full = [(rank, error) for rank, error in errors if error.startswith(_DISK_FULL)]
+    if full:
+        rank, error = full[0]
+        return f"{error.removeprefix(_DISK_FULL)} (rank {rank}); kept: {_kept(trial_dir)}"
     match = _MPIRUN_DEATH.search(" ".join(launcher_output.split()))
     if match and match.group(1) not in {rank for rank, _ in errors}:
         return f"rank {match.group(1)} died from signal {match.group(2)}"
@@ -79,6 +102,34 @@ def describe_failure(trial_dir: str | Path, launcher_output: str = "") -> str:
         rank, error = (own or errors)[0]
         return f"rank {rank} failed: {error}"
     return "a rank exited abnormally without a recorded error (see the launcher output above)"
+
+
+def _recorded_errors(folder: Path) -> list[tuple[str, str]]:
+    """(rank, first line) of each failure file, oldest first; an empty or unreadable file is skipped."""
+    found = []
+    for path in folder.glob("rank*.txt") if folder.is_dir() else []:
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+            found.append((path.stat().st_mtime, path.stem.removeprefix("rank"), lines[0]))
+        except (OSError, IndexError):
+            continue
+    return [(rank, line) for _, rank, line in sorted(found) if line.strip()]
+
+
+def _kept(trial_dir: str | Path) -> str:
+    """What a failed run leaves behind: its readable log steps and whole checkpoints."""
+    from restage.errors import LogError
+    from restage.report.log import read_log
+    from restage.runtime.checkpoint_dir import complete_steps
+
+    try:
+        last = read_log(trial_dir).last_complete_step
+        log = f"log steps 0..{last}" if last >= 0 else "no log step"
+    except LogError as err:
+        log = f"no readable log ({err})"
+    saved = complete_steps(trial_dir)
+    checkpoints = f"checkpoints {', '.join(f'step-{s}' for s in saved)}" if saved else "no checkpoint"
+    return f"{log}, {checkpoints}"
 
 
 def clear_failures(trial_dir: str | Path) -> None:
