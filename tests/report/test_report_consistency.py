@@ -10,16 +10,25 @@ import pytest
 from report_text import blocks, close_to_printed
 
 from restage.cli import main as restage_main
+from restage.report import journal
 from restage.report.log import resolve_log_path
 
 
 def raw_tables(path):
-    """Complete steps' rows read with h5py directly, not through the reader under test."""
-    with h5py.File(resolve_log_path(path), "r", locking=False) as f:
+    """Complete steps' rows read with h5py and the journal's lines directly, not through the reader under test."""
+    path = resolve_log_path(path)
+    with h5py.File(path, "r", locking=False) as f:
         last = int(f.attrs["last_complete_step"])
         tables = {name: f[name][:] for name in ("steps", "mfcs", "transfers")}
         world_size = int(f.attrs["world_size"])
-    return {name: rows[rows["step"] <= last] for name, rows in tables.items()}, world_size
+        journal_id = str(f.attrs.get("journal_id", ""))
+    tables = {name: rows[rows["step"] <= last] for name, rows in tables.items()}
+    for record in journal.read(journal.journal_path(path), journal_id):  # steps of a run still going or crashed
+        for name, rows in tables.items():
+            added = np.array([tuple(v.encode() if isinstance(v, str) else v for v in row) for row in record[name]],
+                             dtype=rows.dtype)  # strings as h5py gives them: bytes
+            tables[name] = np.concatenate([rows, added])
+    return tables, world_size
 
 
 def report_json(path, *extra) -> dict:

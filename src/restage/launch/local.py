@@ -98,7 +98,9 @@ def _run(args: argparse.Namespace, cfg: ExperimentConfig, nprocs: int) -> int:
     if fresh:
         import shutil
 
-        for stale in (log, trial_dir / "checkpoints", trial_dir / "failures"):
+        from restage.report.journal import journal_path
+
+        for stale in (log, journal_path(log), trial_dir / "checkpoints", trial_dir / "failures"):
             if stale.is_dir():
                 shutil.rmtree(stale)
             elif stale.exists():

@@ -177,6 +177,8 @@ class LogWriter:
                  flops: float = 0.0) -> None:
         """Close ``step``: append its row and every row recorded for it to the journal, as one line."""
         step = self._check_step(step)
+        if self._journal is None:
+            raise ValueError(f"{self.path} is closed; step {step} was not written")
         self._pending["steps"].append((step, float(start_seconds), float(end_seconds), int(samples), int(tokens),
                                        float(flops)))
         for name, rows in self._pending.items():
@@ -188,8 +190,6 @@ class LogWriter:
         line = journal.encode({"step": step, **self._pending})
         for rows in self._pending.values():
             rows.clear()
-        if self._journal is None:
-            raise ValueError(f"{self.path} is closed; step {step} was not written")
         with writing(f"the run log (step {step})", self._journal_path):
             self._journal.append(line)
         self.last_complete_step = step
@@ -393,6 +393,6 @@ def _encodable(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
     for name in dtype.names:
         column = rows[name]
         if dtype[name].kind == "O":
-            column = np.array([v.decode() if isinstance(v, bytes) else str(v) for v in column] or [], dtype=object)
+            column = np.array([v.decode() if isinstance(v, bytes) else str(v) for v in column], dtype=object)
         out[name] = column
     return out
