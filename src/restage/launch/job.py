@@ -196,7 +196,10 @@ class _Launched:
     def _copy(self) -> None:
         for line in iter(self.proc.stdout.readline, b""):
             self.tail.append(line)
-            self._log.write(line)
+            try:
+                self._log.write(line)
+            except OSError:  # a full disk: keep reading, or the launcher blocks on a full pipe and the job hangs
+                pass
             sys.stdout.buffer.write(line)
             sys.stdout.flush()
 
