@@ -35,19 +35,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def prepare(cfg: ExperimentConfig) -> None:
     """One-line refusals for inputs that would otherwise fail inside the ranks."""
     from restage.algorithms import get_algorithm
-    from restage.data.datasets import load_splits
+    from restage.data.datasets import check_positions, load_splits
     from restage.models.config import ModelConfig
 
+    positions = {}
     for name, spec in cfg.models.items():
-        ModelConfig.from_pretrained(spec.path) if spec.path else None
         if not spec.path:
             raise ConfigError(f"models.{name}.path: a checkpoint directory is needed to run (arch alone only plans)")
+        positions[name] = ModelConfig.from_pretrained(spec.path).max_positions
     algo = get_algorithm(cfg.algorithm)
     algo.validate(cfg)
-    train, _ = load_splits(cfg)
+    train, held_out = load_splits(cfg)
     if cfg.run.batch_size > len(train):
         raise ConfigError(f"run.batch_size {cfg.run.batch_size} exceeds the {len(train)} training examples of "
                           f"{cfg.dataset.path}")
+    check_positions(cfg, (train, held_out), positions)
 
 
 def plan_trial(cfg: ExperimentConfig, trial_dir: Path) -> Path:
