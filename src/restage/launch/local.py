@@ -62,7 +62,7 @@ def plan_trial(cfg: ExperimentConfig, trial_dir: Path) -> Path:
 
 def main(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
-    if args.nproc:
+    if args.nproc and not args.resume:  # a resumed trial keeps its plan: -n need only match it (checked below)
         overrides += [f"run.nprocs={args.nproc}", f"cluster.devices_per_node={args.nproc}", "cluster.nodes=1"]
     cfg = load_config(args.config, overrides)  # picks the trial; on --resume, resume.resumed_config decides the rest
     with trial_lock(cfg.trial_dir):  # before anything of the trial is read or written
@@ -106,7 +106,7 @@ def _run(args: argparse.Namespace, cfg: ExperimentConfig, overrides: list[str]) 
     (trial_dir / "config.yaml").write_text(cfg.to_yaml())
     if recorded is not None:
         write_trial_overrides(trial_dir, recorded)
-    nprocs = cfg.run.nprocs
+    nprocs = args.nproc or cfg.run.nprocs
     if args.schedule:
         schedule = Path(args.schedule)
     elif args.resume and (trial_dir / "schedule.json").is_file():
