@@ -111,6 +111,19 @@ def test_data_errors_are_one_line_with_the_line_number(tmp_path, content, messag
     assert "\n" not in str(err.value)
 
 
+def test_a_file_that_is_not_utf8_is_refused_naming_line_and_byte(tmp_path):
+    good = '{"prompt": "café", "answer": "b"}\n'.encode()
+    bad = '{"prompt": "café", "answer": "b"}\n'.encode("latin-1")  # é is one byte 0xe9 here
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(good + bad)
+    with pytest.raises(ConfigError) as err:
+        datasets.read_jsonl(path, ("prompt", "answer"))
+    assert str(err.value) == f"{path}:2: not UTF-8 (byte {len(good) + bad.index(0xE9)} of the file, 0xe9); save the " \
+                             "file as UTF-8"
+    path.write_bytes(good + good)
+    assert datasets.read_jsonl(path, ("prompt", "answer")) == [{"prompt": "café", "answer": "b"}] * 2
+
+
 def test_missing_tokenizer_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="tokenizer directory .* does not exist"):
         load_tokenizer(tmp_path / "nope")

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from model_cases import PROMPTS
 
 from restage.cli import main as restage
+from restage.config import load_config
+from restage.data.datasets import load_splits
+from restage.data.tokenizer import load_tokenizer
+from restage.demo import ensure_tiny_model
 from restage.layout import Layout, Strategy
 from restage.models.checkpoint import load_stage
 from restage.models.generation import SamplingParams, generate
@@ -20,7 +25,8 @@ def test_json_completions_equal_library_generation(tiny_models, capsys):
     out = json.loads(capsys.readouterr().out)
     completions = out["completions"]
     assert out["strategy"] == "dp1tp1pp1" and len(completions) == 3
-    assert completions[0]["prompt"] == "the cat sat" and completions[0]["prompt_token_ids"] == [4, 106, 108]
+    bos = load_tokenizer(path).bos_token_id
+    assert completions[0]["prompt"] == "the cat sat" and completions[0]["prompt_token_ids"] == [bos, 4, 106, 108]
     module = load_stage(path, Layout((0,), Strategy()), None, 0)
     prompts = [c["prompt_token_ids"] for c in completions]
     assert prompts[1:] == PROMPTS[:2]
@@ -35,3 +41,21 @@ def test_text_output_reads_prompts_from_jsonl(tiny_models, tmp_path, capsys):
     assert restage(["generate", "--model", tiny_models["llama"], "--prompts", str(prompts), "--max-new-tokens", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and lines[0].startswith("[0] hello world -> ") and lines[1].startswith("[1] 5 6 7 -> ")
+
+
+def test_text_prompts_are_encoded_as_training_encodes_them(tmp_path, capsys):
+    """BOS first (the synthetic task's tokenizer adds none itself), cut from the left like dataset.max_prompt_tokens."""
+    root = Path(__file__).resolve().parents[2]
+    model = ensure_tiny_model(root)
+    texts = ["sort 3 1 2 :", "sort 9 8 7 6 5 4 :"]
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    for cut in (0, 5):
+        argv = ["generate", str(root / model), "--greedy", "--json", "--max-new-tokens", "2", "--prompts", str(data)]
+        assert restage(argv + (["--max-prompt-tokens", str(cut)] if cut else [])) == 0
+        generated = [c["prompt_token_ids"] for c in json.loads(capsys.readouterr().out)["completions"]]
+        cfg = load_config(root / "jobs" / "ppo_tiny.yaml", [f"dataset.path={data}", f"dataset.max_prompt_tokens={cut or 64}",
+                                                            f"dataset.tokenizer={root / 'data/synthetic/tokenizer'}"])
+        train, _ = load_splits(cfg)
+        assert generated == [list(e.prompt) for e in train.examples]
+        assert [p[0] for p in generated] == [1, 1] and [len(p) for p in generated] == ([6, 9] if not cut else [5, 5])

@@ -67,3 +67,25 @@ def test_a_reward_that_is_always_nan_stops_the_run(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert "step 2: " in last and "non-finite inputs in 2 steps in a row (run.max_skipped_steps=2)" in last, last
     assert _all_finite(trial) == ["step-1"]
+
+
+def test_resume_from_a_nonfinite_checkpoint_names_the_newest_finite_one(tmp_path):
+    trial = tmp_path / "ppo-tiny" / "resume"
+    done = restage_run(tmp_path, *JOB, "trial=resume", "run.steps=2", timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    newest = last_checkpoint(trial)
+    assert newest.name == "step-2"
+    # The actor trains with dp 1 (tp2: ZeRO runs as stage 0), so its weights load from the engine's module files.
+    files = sorted((newest / "actor" / "engine" / "state").glob("mp_rank_*_model_states.pt"))
+    assert len(files) == 2
+    for file in files:
+        state = torch.load(file, weights_only=False)
+        name = next(k for k, v in state["module"].items() if v.is_floating_point())
+        state["module"][name].fill_(float("nan"))
+        torch.save(state, file)
+    resumed = restage_run(tmp_path, "jobs/ppo_tiny.yaml", "-n", "2", "trial=resume", "run.steps=3", "--resume",
+                          timeout=300)
+    assert resumed.returncode != 0
+    last = resumed.stderr.strip().splitlines()[-1]
+    assert (f"CheckpointError: {newest}: holds non-finite weights; the newest finite checkpoint is step-1: rename "
+            f"step-2 in {trial / 'checkpoints'} (e.g. to step-2.nonfinite) to resume from it") in last, last

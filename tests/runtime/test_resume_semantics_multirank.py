@@ -1,10 +1,12 @@
 """--resume of a trial with nothing saved is refused before any rank starts; a trial whose run failed before its
-first step can be started again without --overwrite (no loop between "pass --resume" and "run without it")."""
+first step can be started again without --overwrite (no loop between "pass --resume" and "run without it"); an
+edited YAML is compared with the trial's config: more steps apply, a new learning rate is refused."""
 
 import time
 
 import pytest
-from runs import restage_run
+import yaml
+from runs import ROOT, restage_run
 
 from restage.report.log import read_log
 
@@ -28,3 +30,51 @@ def test_a_trial_that_failed_before_its_first_step_starts_again(tmp_path):
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert f"restage: {trial}: the earlier run ended before its first step; starting it afresh" in again.stdout
     assert read_log(trial).last_complete_step == 1
+
+
+def _job_yaml(path, **run):
+    """jobs/ppo_tiny.yaml with these run keys, written to ``path`` (the test edits it between runs)."""
+    data = yaml.safe_load((ROOT / "jobs" / "ppo_tiny.yaml").read_text())
+    data["run"].update(run)
+    path.write_text(yaml.safe_dump(data))
+    return data
+
+
+def test_resume_applies_an_edited_step_count_and_refuses_an_edited_learning_rate(tmp_path):
+    trial, config = tmp_path / "ppo-tiny" / "y", tmp_path / "job.yaml"
+    data = _job_yaml(config, steps=2, batch_size=8)
+    layouts = ["plan.mode=manual", "plan.layouts.actor_gen=ranks:0-1 dp2", "plan.layouts.ref_inf=ranks:0-1 dp2",
+               "plan.layouts.critic_inf=ranks:0-1 dp2", "plan.layouts.actor_train=ranks:0-1 dp2",
+               "plan.layouts.critic_train=ranks:0-1 dp2"]
+    first = restage_run(tmp_path, str(config), "-n", "2", "trial=y", *layouts, timeout=300)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert read_log(trial).last_complete_step == 1
+
+    data["models"]["actor"]["optim"]["lr"] = 2.0e-3
+    config.write_text(yaml.safe_dump(data))
+    log_bytes = (trial / "log.h5").read_bytes()
+    started = time.monotonic()
+    refused = restage_run(tmp_path, str(config), "trial=y", "--resume", timeout=120)
+    assert time.monotonic() - started < 30 and refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "restage: error: --resume cannot change models.actor.optim.lr 0.001 -> 0.002 (the checkpoint was trained "
+        "with the old value); undo it, or start a new trial=NAME (on resume only run.steps, run.stop_at_step, "
+        "run.save_every, run.keep_checkpoints, run.log_every, run.startup_timeout_seconds, "
+        "run.collective_timeout_seconds, run.peer_wait_timeout_seconds, run.nonfinite, run.max_skipped_steps, slurm.* "
+        "may change)"]
+    assert (trial / "log.h5").read_bytes() == log_bytes  # no rank started
+
+    data["models"]["actor"]["optim"]["lr"] = 1.0e-3
+    data["run"]["steps"] = 4
+    config.write_text(yaml.safe_dump(data))
+    extended = restage_run(tmp_path, str(config), "trial=y", "--resume", timeout=300)
+    assert extended.returncode == 0, extended.stdout[-2000:] + extended.stderr[-2000:]
+    assert "restage: --resume applies run.steps 2 -> 4" in extended.stdout.splitlines()
+    log = read_log(trial)
+    assert (log.last_complete_step, log.resumed_at_steps) == (3, [1])
+    assert [p.name for p in sorted((trial / "checkpoints").glob("step-*"))] == ["step-2", "step-4"]
+
+    done = restage_run(tmp_path, str(config), "trial=y", "--resume", timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"restage: error: {trial}: all 4 steps are done (checkpoint step-4); to train on, resume with a larger "
+        "run.steps (e.g. run.steps=8)"]

@@ -43,8 +43,15 @@ def read_jsonl(path: str | Path, fields: Sequence[str]) -> list[dict]:
         raise ConfigError(f"data file {path} does not exist; set dataset.path (make the shipped one with "
                           "`python -m restage.data.make`)")
     rows = []
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
+    offset_bytes = 0  # of the line's start in the file
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ConfigError(f"{path}:{number}: not UTF-8 (byte {offset_bytes + err.start} of the file, "
+                                  f"0x{raw[err.start]:02x}); save the file as UTF-8") from None
+            offset_bytes += len(raw)
             if not line.strip():
                 continue
             try:
@@ -164,6 +171,36 @@ def default_tokenizer_dir(cfg: ExperimentConfig) -> str:
         return cfg.dataset.tokenizer
     model = cfg.models.get("actor") or next(iter(cfg.models.values()))
     return model.path
+
+
+def check_positions(cfg: ExperimentConfig, splits: Sequence[Dataset], positions: dict[str, int]) -> None:
+    """Refuse, in one line naming the line, data whose longest sequence (the prompt plus
+    ``generation.max_new_tokens``, or plus its answer) is longer than the fewest positions of the models
+    (``positions``: model name -> max_position_embeddings)."""
+    examples = [e for split in splits for e in split.examples]
+    if not positions or not examples:
+        return
+    name, limit = min(positions.items(), key=lambda item: item[1])
+    generated = cfg.generation.max_new_tokens if cfg.dataset.kind == "prompt" else 0
+
+    def answer_tokens(e: Example) -> int:
+        return max((len(a) for a in e.answers), default=generated)
+
+    longest = max(examples, key=lambda e: len(e.prompt) + answer_tokens(e))
+    prompt, answer = len(longest.prompt), answer_tokens(longest)
+    if prompt + answer <= limit:
+        return
+    where = f"models.{name} has {limit} positions (max_position_embeddings)"
+    if cfg.dataset.kind == "prompt":
+        if generated >= limit:
+            raise ConfigError(f"generation.max_new_tokens {generated} leaves no room for a prompt: {where}; lower it")
+        raise ConfigError(f"{cfg.dataset.path}:{longest.index + 1}: the prompt is {prompt} tokens, and with "
+                          f"generation.max_new_tokens {generated} a sequence reaches {prompt + generated}, but {where}; "
+                          f"set dataset.max_prompt_tokens <= {limit - generated} (prompts are cut from the left) or "
+                          "lower generation.max_new_tokens")
+    raise ConfigError(f"{cfg.dataset.path}:{longest.index + 1}: prompt and answer are {prompt} + {answer} = "
+                      f"{prompt + answer} tokens, but {where}; lower dataset.max_prompt_tokens and "
+                      f"dataset.max_answer_tokens to sum to <= {limit}")
 
 
 def load_splits(cfg: ExperimentConfig, tokenizer=None) -> tuple[Dataset, Dataset]:

@@ -18,9 +18,8 @@ from pathlib import Path
 from restage.config import ExperimentConfig, load_config
 from restage.errors import ConfigError, LaunchError
 from restage.launch.mpirun import mpirun_command
+from restage.launch.resume import resumed_config, write_trial_overrides
 from restage.launch.trial import trial_lock
-
-_TRIAL_KEYS = ("experiment", "trial", "run.results_dir")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,19 +35,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def prepare(cfg: ExperimentConfig) -> None:
     """One-line refusals for inputs that would otherwise fail inside the ranks."""
     from restage.algorithms import get_algorithm
-    from restage.data.datasets import load_splits
+    from restage.data.datasets import check_positions, load_splits
     from restage.models.config import ModelConfig
 
+    positions = {}
     for name, spec in cfg.models.items():
-        ModelConfig.from_pretrained(spec.path) if spec.path else None
         if not spec.path:
             raise ConfigError(f"models.{name}.path: a checkpoint directory is needed to run (arch alone only plans)")
+        positions[name] = ModelConfig.from_pretrained(spec.path).max_positions
     algo = get_algorithm(cfg.algorithm)
     algo.validate(cfg)
-    train, _ = load_splits(cfg)
+    train, held_out = load_splits(cfg)
     if cfg.run.batch_size > len(train):
         raise ConfigError(f"run.batch_size {cfg.run.batch_size} exceeds the {len(train)} training examples of "
                           f"{cfg.dataset.path}")
+    check_positions(cfg, (train, held_out), positions)
 
 
 def plan_trial(cfg: ExperimentConfig, trial_dir: Path) -> Path:
@@ -61,23 +62,15 @@ def plan_trial(cfg: ExperimentConfig, trial_dir: Path) -> Path:
 
 def main(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
-    changes = [o for o in overrides if o.split("=", 1)[0] not in _TRIAL_KEYS]
-    if args.resume and changes:
-        raise ConfigError("--resume continues a trial exactly as it was planned; drop the overrides "
-                          f"{' '.join(changes)} (only {', '.join(_TRIAL_KEYS)} pick the trial) or start a new trial")
-    if args.nproc:
+    if args.nproc and not args.resume:  # a resumed trial keeps its plan: -n need only match it (checked below)
         overrides += [f"run.nprocs={args.nproc}", f"cluster.devices_per_node={args.nproc}", "cluster.nodes=1"]
-    cfg = load_config(args.config, overrides)
-    if args.resume:  # the trial's own config (with its overrides) is the one to continue
-        saved = _saved_config(cfg)
-        cfg = saved if saved is not None else cfg
-    nprocs = cfg.run.nprocs if not args.nproc else args.nproc
+    cfg = load_config(args.config, overrides)  # picks the trial; on --resume, resume.resumed_config decides the rest
     with trial_lock(cfg.trial_dir):  # before anything of the trial is read or written
-        return _run(args, cfg, nprocs)
+        return _run(args, cfg, overrides)
 
 
-def _run(args: argparse.Namespace, cfg: ExperimentConfig, nprocs: int) -> int:
-    from restage.runtime.checkpoint_dir import latest
+def _run(args: argparse.Namespace, cfg: ExperimentConfig, overrides: list[str]) -> int:
+    from restage.runtime.checkpoint_dir import complete_steps, latest
 
     trial_dir = cfg.trial_dir
     log = trial_dir / "log.h5"
@@ -85,6 +78,11 @@ def _run(args: argparse.Namespace, cfg: ExperimentConfig, nprocs: int) -> int:
     if args.resume and not saved:  # said here, before ranks start and fail to find one
         raise ConfigError(f"{trial_dir} has no checkpoint to resume from (no step of it was saved); run it without "
                           "--resume to start it afresh")
+    recorded: list[str] | None = overrides
+    if args.resume:
+        cfg, recorded, applied = resumed_config(args.config, overrides, trial_dir, complete_steps(trial_dir)[-1])
+        for line in applied:
+            print(line, flush=True)
     fresh = args.overwrite and not args.resume
     if log.exists() and not (args.resume or args.overwrite):
         if saved:
@@ -108,10 +106,13 @@ def _run(args: argparse.Namespace, cfg: ExperimentConfig, nprocs: int) -> int:
     prepare(cfg)
     trial_dir.mkdir(parents=True, exist_ok=True)
     (trial_dir / "config.yaml").write_text(cfg.to_yaml())
+    if recorded is not None:
+        write_trial_overrides(trial_dir, recorded)
+    nprocs = args.nproc or cfg.run.nprocs
     if args.schedule:
         schedule = Path(args.schedule)
     elif args.resume and (trial_dir / "schedule.json").is_file():
-        schedule = trial_dir / "schedule.json"
+        schedule = _with_config(trial_dir / "schedule.json", cfg)
     else:
         schedule = plan_trial(cfg, trial_dir)
     from restage.plan.schedule import read_schedule
@@ -122,6 +123,19 @@ def _run(args: argparse.Namespace, cfg: ExperimentConfig, nprocs: int) -> int:
     return launch(schedule, trial_dir, nprocs, resume=args.resume)
 
 
+def _with_config(path: Path, cfg: ExperimentConfig) -> Path:
+    """The trial's schedule, carrying ``cfg`` (the ranks read their config from it): on resume only keys that do
+    not change the plan differ (resume.SAFE_ON_RESUME)."""
+    import dataclasses
+
+    from restage.plan.schedule import read_schedule, write_schedule
+
+    schedule = read_schedule(path)
+    if schedule.config != cfg.to_dict():
+        write_schedule(dataclasses.replace(schedule, config=cfg.to_dict()), path)
+    return path
+
+
 def _completed_steps(log: Path) -> int:
     from restage.errors import LogError
     from restage.report.log import read_log
@@ -130,11 +144,6 @@ def _completed_steps(log: Path) -> int:
         return read_log(log).last_complete_step + 1
     except LogError:
         return 0  # a log that was never written past its header
-
-
-def _saved_config(cfg: ExperimentConfig) -> ExperimentConfig | None:
-    path = cfg.trial_dir / "config.yaml"
-    return load_config(path) if path.is_file() else None
 
 
 def launch(schedule: Path, trial_dir: Path, nprocs: int, resume: bool = False) -> int:

@@ -4,7 +4,9 @@ Generates from a HF model directory on this machine. With more than one process 
 re-launches itself under the environment's ``mpirun`` (N = dp * tp * pp ranks; the prompts are
 dealt round-robin to the data-parallel replicas) and rank 0 prints the completions in prompt
 order. Prompts are text (tokenised with the directory's tokenizer), token ids (``--token-ids``),
-or a JSONL file of ``{"prompt": TEXT}`` / ``{"token_ids": [...]}`` lines.
+or a JSONL file of ``{"prompt": TEXT}`` / ``{"token_ids": [...]}`` lines. A text prompt is encoded
+exactly as training encodes a data set's prompts (``data.datasets.encode_prompt``: BOS, then the
+tokens, cut from the left to ``--max-prompt-tokens`` as to ``dataset.max_prompt_tokens``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from restage.data.datasets import encode_prompt
 from restage.errors import ConfigError
 
 _ARGS_ENV = "RESTAGE_GENERATE_ARGS"
@@ -29,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", help="JSONL file: one {\"prompt\": TEXT} or {\"token_ids\": [...]} per line")
     parser.add_argument("--token-ids", action="append", default=[], metavar="'ID ID ...'",
                         help="a prompt as space-separated token ids (repeatable); needs no tokenizer")
+    parser.add_argument("--max-prompt-tokens", type=int, default=0,
+                        help="cut text prompts from the left to this many tokens, BOS kept, as training's "
+                             "dataset.max_prompt_tokens does (0: no cut)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--min-new-tokens", type=int, default=0)
     parser.add_argument("--greedy", action="store_true", help="argmax decoding instead of sampling")
@@ -83,7 +89,9 @@ def _read_prompts(args, tokenizer) -> tuple[list[list[int]], list[str | None]]:
         if isinstance(item, str):
             if tokenizer is None:
                 raise ConfigError("the model directory has no tokenizer; pass prompts as --token-ids")
-            ids.append(tokenizer(item, add_special_tokens=True)["input_ids"])
+            # Training's own encoding: BOS where the tokenizer has one (its add_special_tokens may not add it).
+            limit = args.max_prompt_tokens or len(tokenizer.encode(item, add_special_tokens=False)) + 1
+            ids.append(list(encode_prompt(tokenizer, item, limit)))
             texts.append(item)
         else:
             ids.append(item)
@@ -111,6 +119,8 @@ def _check(args) -> tuple[int, object]:
     cfg = ModelConfig.from_pretrained(path)
     strategy = Strategy(tp=args.tp, pp=args.pp)
     validate_strategy(cfg, strategy, name=str(path))
+    if args.max_prompt_tokens < 0:
+        raise ConfigError(f"--max-prompt-tokens {args.max_prompt_tokens} must be >= 1 (0: no cut)")
     nproc = args.nproc or args.tp * args.pp
     if nproc % (args.tp * args.pp):
         raise ConfigError(f"-n {nproc} is not a multiple of tp*pp = {args.tp * args.pp}; use -n {args.tp * args.pp}")

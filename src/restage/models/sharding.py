@@ -131,6 +131,25 @@ def validate_strategy(cfg: ModelConfig, strategy: Strategy, name: str = "model")
         raise LayoutError(f"{name}: tp={tp} exceeds the vocabulary or MLP width")
 
 
+def training_layout_problem(name: str, cfg: ModelConfig, zero_stage: int, strategy: Strategy, mesh_size: int,
+                            world_size: int) -> str | None:
+    """Why a trained model cannot train in this layout (what to change), or None if it can.
+
+    One rule for the planner, which proposes no such layout (``plan.problem.strategies_for``) and refuses
+    a manual one, and the runtime, which refuses a schedule that has one.
+    """
+    if zero_stage == 3 and mesh_size != world_size:
+        # DeepSpeed 0.19's ZeRO-3 synchronises the whole world while setting up and while
+        # fetching parameters, which deadlocks when other ranks run other models meanwhile.
+        return (f"models.{name}: zero_stage=3 needs its training layout to span all {world_size} ranks (it spans "
+                f"{mesh_size}); use zero_stage 1 or 2")
+    if cfg.tied_embeddings and strategy.pp > 1:
+        # The two copies' gradients would have to be summed inside DeepSpeed's reduction.
+        return (f"models.{name}: training a model with tied embeddings under pp={strategy.pp} is not supported; "
+                "train it with pp=1 (tp and dp are fine)")
+    return None
+
+
 def split_range(total: int, parts: int, index: int, unit: int = 1) -> tuple[int, int]:
     """``[start, stop)`` of chunk ``index`` when ``total`` (in multiples of ``unit``) is cut into ``parts``."""
     units, rem = divmod(total // unit, parts)

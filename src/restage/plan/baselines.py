@@ -25,7 +25,7 @@ from restage.layout import Layout, Strategy
 from restage.plan.evaluate import PlanEvaluation, evaluate
 from restage.plan.peers import BUILDERS as PEER_BUILDERS
 from restage.plan.peers import PEERS
-from restage.plan.problem import Plan, PlanProblem, strategies_for
+from restage.plan.problem import Plan, PlanProblem, strategies_for, untrainable
 
 BASELINES = PEERS
 REFERENCES = ("colocated", "separated", "per_model", "gen_optimised")
@@ -153,5 +153,7 @@ def all_references(problem: PlanProblem) -> dict[str, tuple[Plan, PlanEvaluation
 
 
 def starting_plans(problem: PlanProblem, found: dict[str, tuple[Plan, PlanEvaluation] | None]) -> list[Plan]:
-    """Every found plan, re-estimated under the problem's own roles: where the search starts."""
-    return [rebased(problem, got[0]) for got in found.values() if got is not None]
+    """Every found plan the runtime can train in, re-estimated under the problem's own roles: where the search
+    starts."""
+    plans = [rebased(problem, got[0]) for got in found.values() if got is not None]
+    return [plan for plan in plans if untrainable(problem, plan) is None]

@@ -15,7 +15,16 @@ from restage.graph import build_graph
 from restage.layout import Layout, Strategy
 from restage.plan.baselines import all_baselines, all_references, baseline, rebased, starting_plans
 from restage.plan.evaluate import PlanEvaluation, evaluate
-from restage.plan.problem import Plan, PlanProblem, micro_batch_options, roles_from_config, strategies_for
+from restage.plan.problem import (
+    Plan,
+    PlanProblem,
+    mesh_options,
+    micro_batch_options,
+    roles_from_config,
+    strategies_for,
+    trains_badly,
+    untrainable,
+)
 from restage.plan.search import SearchResult, search
 
 GIB = 2**30
@@ -39,21 +48,46 @@ def build_problem(cfg, cluster: ClusterSpec | None = None) -> PlanProblem:
 
 
 def lean_plan(problem: PlanProblem) -> Plan | None:
-    """Every MFC on the whole cluster with its least memory-hungry strategy: the plan most likely to fit."""
-    world = problem.cluster.world_size
+    """Every MFC on the widest mesh it can use (the whole cluster unless its batch cannot fill that many DP
+    ranks) with its least memory-hungry strategy: the plan most likely to fit."""
+    sizes = sorted({size for start, size in mesh_options(problem.cluster) if start == 0}, reverse=True)
     plan = []
     for mfc in problem.mfcs:
-        options = [problem.candidate(mfc, Layout.contiguous(0, s), m)
-                   for s in strategies_for(world, problem.role(mfc), mfc, problem.cluster)
-                   for m in micro_batch_options(mfc, s)[-2:]]
+        options: list = []
+        for size in sizes:
+            options = [problem.candidate(mfc, Layout.contiguous(0, s), m)
+                       for s in strategies_for(size, problem.role(mfc), mfc, problem.cluster)
+                       for m in micro_batch_options(mfc, s)[-2:]]
+            if options:
+                break
         if not options:
             return None
         plan.append(min(options, key=lambda c: (problem.alone_bytes(c), c.seconds)))
     return tuple(plan)
 
 
+def check_placeable(problem: PlanProblem) -> None:
+    """Raise PlanError (one line) naming an MFC that no mesh and strategy can run: its batch is too small for
+    the DP ranks (per minibatch) any layout it may take has."""
+    sizes = sorted({size for _, size in mesh_options(problem.cluster)})
+    for mfc in problem.mfcs:
+        role = problem.role(mfc)
+        if any(strategies_for(size, role, mfc, problem.cluster) for size in sizes):
+            continue
+        if mfc.kind == "train_step" and mfc.n_seqs < mfc.minibatches:
+            raise PlanError(f"{mfc.name}: its {mfc.n_seqs} sequences per step cannot fill {mfc.minibatches} "
+                            "minibatches; raise run.batch_size or lower algo.minibatches")
+        if mfc.kind == "train_step" and role.zero_stage == 3:
+            raise PlanError(f"{mfc.name}: models.{mfc.model}: zero_stage=3 trains on all {problem.cluster.world_size} "
+                            f"ranks, and its {mfc.n_seqs} sequences per step fill no DP size a layout over them has; "
+                            "raise run.batch_size or use zero_stage 1 or 2")
+        raise PlanError(f"{mfc.name}: no layout over any mesh of {problem.cluster.world_size} ranks fits its "
+                        f"{mfc.n_seqs} sequences per step; raise run.batch_size")
+
+
 def check_fits(problem: PlanProblem) -> None:
     """Raise PlanError (one line) when even the leanest plan does not fit; name the node count that would."""
+    check_placeable(problem)
     plan = lean_plan(problem)
     ev = evaluate(problem, plan) if plan is not None else None
     if ev is not None and ev.feasible:
@@ -104,6 +138,9 @@ def manual_plan(cfg, problem: PlanProblem) -> Plan:
     for mfc in problem.mfcs:
         layout, mb = parse_manual_layout(layouts[mfc.name], f"plan.layouts.{mfc.name}")
         layout.check_world(problem.cluster.world_size)
+        reason = trains_badly(problem.role(mfc), mfc, layout.strategy, layout.size, problem.cluster)
+        if reason:
+            raise LayoutError(f"plan.layouts.{mfc.name}: {reason}")
         plan.append(problem.candidate(mfc, layout, mb))
     return tuple(plan)
 
@@ -132,6 +169,9 @@ def make_plan(cfg, cluster: ClusterSpec | None = None, *, seed: int | None = Non
             raise PlanError(f"the {name} heuristic has no plan that fits here; use plan.mode=search")
         # A peer's plan was scored with the peer's memory settings; the runtime runs the config's.
         plan = rebased(problem, got[0])
+        reason = untrainable(problem, plan)
+        if reason:
+            raise PlanError(f"the {name} heuristic's layouts cannot train here ({reason}); use plan.mode=search")
         ev = evaluate(problem, plan)
         if not ev.feasible:
             raise PlanError(f"the {name} layouts need {ev.peak_memory_bytes / GIB:.1f} GiB on the fullest device with this "

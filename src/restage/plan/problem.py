@@ -21,6 +21,7 @@ from restage.cluster import ClusterSpec
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout, Strategy
+from restage.models.sharding import training_layout_problem
 from restage.plan.estimator import Estimate, Estimator, ModelRole, dp_size_ok, sequences_per_rank
 from restage.plan.transfer import ReallocCost, data_transfer_seconds, exact_realloc, fast_realloc
 from restage.runtime.program import check_ema_architectures
@@ -110,9 +111,28 @@ def strategies_for(size: int, role: ModelRole, mfc: MFC, cluster: ClusterSpec) -
             continue
         for pp in _divisors(size // tp):
             dp = size // (tp * pp)
-            if pp <= cfg.num_layers and dp_size_ok(mfc, dp):
-                out.append(Strategy(dp=dp, tp=tp, pp=pp))
+            strategy = Strategy(dp=dp, tp=tp, pp=pp)
+            if pp <= cfg.num_layers and dp_size_ok(mfc, dp) and not trains_badly(role, mfc, strategy, size, cluster):
+                out.append(strategy)
     return out
+
+
+def trains_badly(role: ModelRole, mfc: MFC, strategy: Strategy, size: int, cluster: ClusterSpec) -> str | None:
+    """Why ``mfc``, a train step, cannot train its model in this layout (the runtime's rule), or None."""
+    if mfc.kind != "train_step":
+        return None
+    return training_layout_problem(role.name, role.arch, role.zero_stage, strategy, size, cluster.world_size)
+
+
+def untrainable(problem: PlanProblem, plan: Plan) -> str | None:
+    """Why the runtime would refuse to train in one of ``plan``'s layouts (a peer's plan models another system,
+    which may train where restage cannot), or None."""
+    for cand in plan:
+        mfc = problem.graph[cand.mfc]
+        reason = trains_badly(problem.role(mfc), mfc, cand.layout.strategy, cand.layout.size, problem.cluster)
+        if reason:
+            return f"{mfc.name}: {reason}"
+    return None
 
 
 def micro_batch_options(mfc: MFC, strategy: Strategy) -> list[int]:

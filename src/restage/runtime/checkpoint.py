@@ -22,7 +22,7 @@ from restage.errors import CheckpointError
 from restage.models.checkpoint import load_stage, save_checkpoint
 from restage.runtime import checkpoint_dir
 from restage.runtime.engines import barriers_on, engine_groups
-from restage.runtime.nonfinite import NonFiniteError, any_rank, finite_weights
+from restage.runtime.nonfinite import NonFiniteError, any_rank, finite_files, finite_weights
 
 ENGINE_TAG = "state"
 
@@ -93,8 +93,8 @@ def load(worker) -> int:
                                   "resume with the same schedule and number of ranks")
     trained = [slot.module for slot in worker.slots.values() if slot.engine is not None and slot.module is not None]
     if any_rank(not finite_weights(trained), dist.group.WORLD, worker.device):
-        raise CheckpointError(f"{path}: holds non-finite weights; move it aside to resume from the checkpoint before "
-                              "it, or start the trial afresh")
+        control = worker.control  # the master reads the older checkpoints' files, on this failure path only
+        raise CheckpointError(control.bcast(nonfinite_refusal(worker.trial_dir, path) if control.is_master else None))
     state = safe_load(path / "ranks" / f"rank{worker.rank}.pt")
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
@@ -104,6 +104,22 @@ def load(worker) -> int:
         worker.master.load_checkpoint_state(manifest)
     dist.barrier()
     return int(manifest["step"])
+
+
+def nonfinite_refusal(trial_dir: Path, path: Path) -> str:
+    """The one line refusing checkpoint ``path`` (non-finite weights), naming the newest older checkpoint whose
+    saved weights (every ``<model>/hf/``) are all finite, and the ones to move aside to resume from it."""
+    steps = checkpoint_dir.complete_steps(trial_dir)
+    bad = int(path.name.split("-")[1])
+    finite = next((s for s in reversed(steps) if s < bad
+                   and finite_files(checkpoint_dir.final_dir(trial_dir, s))), None)
+    if finite is None:
+        return (f"{path}: holds non-finite weights, and no older checkpoint of {trial_dir} has finite ones; start the "
+                "trial afresh (--overwrite)")
+    newer = [f"step-{s}" for s in steps if s > finite]
+    return (f"{path}: holds non-finite weights; the newest finite checkpoint is step-{finite}: rename "
+            f"{', '.join(newer)} in {checkpoint_dir.checkpoints_root(trial_dir)} (e.g. to {newer[-1]}.nonfinite) to "
+            "resume from it, or start the trial afresh")
 
 
 def safe_load(path: Path, map_location=None, allowed: list | tuple = ()):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -69,3 +70,17 @@ def finite_weights(modules: Iterable[torch.nn.Module]) -> bool:
     # Under ZeRO-3 a parameter is empty outside a gather; the rank's partition is its ds_tensor.
     held = (getattr(p, "ds_tensor", p) for m in modules for p in m.parameters())
     return all(bool(torch.isfinite(t.detach()).all()) for t in held if t.numel())
+
+
+def finite_files(directory: Path) -> bool:
+    """Whether every tensor of the safetensors files under ``directory`` (a checkpoint's ``<model>/hf/``) is finite;
+    read one tensor at a time."""
+    from safetensors import safe_open
+
+    for file in sorted(directory.rglob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                tensor = f.get_tensor(key)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    return False
+    return True

@@ -29,6 +29,7 @@ from restage.models.checkpoint import load_stage
 from restage.models.config import ModelConfig
 from restage.models.decoder import StageModule
 from restage.models.parallel import ParallelContext
+from restage.models.sharding import training_layout_problem
 from restage.plan.schedule import read_schedule
 from restage.runtime import checkpoint as ckpt
 from restage.runtime import comm_budget, nccl_rules
@@ -154,15 +155,10 @@ class Worker:
             cfg = self._model_cfg(name)
             critic = comm_budget.is_critic(name, spec, cfg)
             slot = ModelSlot(name, spec, cfg.as_critic() if critic and not cfg.is_critic else cfg, home)
-            if spec.trainable and spec.zero_stage == 3 and home.size != self.control.world_size:
-                # DeepSpeed 0.19's ZeRO-3 synchronises the whole world while setting up and while
-                # fetching parameters, which deadlocks when other ranks run other models meanwhile.
-                raise LayoutError(f"models.{name}: zero_stage=3 needs its training layout to span all "
-                                  f"{self.control.world_size} ranks (it spans {home.size}); use zero_stage 1 or 2")
-            if spec.trainable and slot.cfg.tied_embeddings and home.strategy.pp > 1:
-                # The two copies' gradients would have to be summed inside DeepSpeed's reduction.
-                raise LayoutError(f"models.{name}: training a model with tied embeddings under pp={home.strategy.pp} "
-                                  "is not supported; train it with pp=1 (tp and dp are fine)")
+            problem = spec.trainable and training_layout_problem(name, slot.cfg, spec.zero_stage, home.strategy,
+                                                                 home.size, self.control.world_size)
+            if problem:  # the planner proposes no such layout; a hand-made schedule may hold one
+                raise LayoutError(problem)
             if self.rank in home:
                 slot.module = load_stage(spec.path, home, self.groups, self.rank, DTYPES[spec.dtype], self.device,
                                          critic=critic)
