@@ -3,7 +3,10 @@
 A rank that raises writes its error to ``<trial>/failures/rank<N>.txt`` and aborts the MPI job,
 so mpirun kills every other rank at once (no rank waits in a collective for a dead peer). A rank
 killed outright (SIGKILL, OOM killer) is noticed by mpirun itself, which names it in its output.
-The launcher turns either into one last line: ``rank N failed: <error>``.
+The launcher turns either into one last line: ``rank N failed: <error>``. A rank that stops making
+progress (stopped, stuck) is found by the launcher's watchdog (``launch/watchdog.py``), which records its
+line as ``<trial>/failures/watchdog.txt`` before it ends the job; that line is the cause, whatever the
+others then report.
 """
 
 from __future__ import annotations
@@ -58,8 +61,14 @@ def _abort() -> None:
 _COMMUNICATION = re.compile(r"gloo|nccl|connection closed|connection reset|timed out|timeout|peer|pair closure|broken pipe",
                             re.I)
 _MPIRUN_DEATH = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on\s+signal (\d+)", re.S)
+WATCHDOG_FILE = "watchdog.txt"
 
 
+def record_watchdog(trial_dir: str | Path, line: str) -> None:
+    """The watchdog's reason for ending the job, kept for ``describe_failure``."""
+    folder = failure_dir(trial_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / WATCHDOG_FILE).write_text(line + "\n")
 
 
 def describe_failure(trial_dir: str | Path, launcher_output: str = "") -> str:
@@ -69,6 +78,8 @@ def describe_failure(trial_dir: str | Path, launcher_output: str = "") -> str:
     on the others as a closed connection or a timeout), and a rank killed by a signal beats both.
     """
     folder = failure_dir(trial_dir)
+    if (folder / WATCHDOG_FILE).is_file():  # it ended the job: the ranks' errors and deaths follow from that
+        return (folder / WATCHDOG_FILE).read_text().splitlines()[0]
     recorded = sorted(folder.glob("rank*.txt"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
     errors = [(path.stem.removeprefix("rank"), path.read_text().splitlines()[0]) for path in recorded]
     match = _MPIRUN_DEATH.search(" ".join(launcher_output.split()))
@@ -84,5 +95,5 @@ def describe_failure(trial_dir: str | Path, launcher_output: str = "") -> str:
 def clear_failures(trial_dir: str | Path) -> None:
     folder = failure_dir(trial_dir)
     if folder.is_dir():
-        for path in folder.glob("rank*.txt"):
-            path.unlink()
+        for path in [*folder.glob("rank*.txt"), folder / WATCHDOG_FILE]:
+            path.unlink(missing_ok=True)
