@@ -162,3 +162,20 @@ def test_the_rank_side_heartbeat_beats_names_its_activity_and_phase(tmp_path):
     assert heartbeat.snapshot().startup is False
     heartbeat.finish()
     assert read_beat(beat_path(heartbeat_dir(tmp_path), 3)).done
+
+
+def test_the_failure_line_puts_the_watchdog_first_and_names_the_busy_peer_of_a_timeout(tmp_path):
+    from restage.runtime.failure import clear_failures, describe_failure, failure_dir, record_watchdog
+
+    folder = failure_dir(tmp_path)
+    folder.mkdir()
+    (folder / "rank0.txt").write_text("RuntimeError: [gloo] Timed out waiting 16000ms for recv operation\n")
+    _write(tmp_path, _beat(0, activity="step 3: run actor_train", activity_seconds=16.0))
+    _write(tmp_path, _beat(1, activity="step 3: run actor_train", activity_seconds=40.0))
+    assert describe_failure(tmp_path) == ("rank 0 failed: RuntimeError: [gloo] Timed out waiting 16000ms for recv "
+                                          "operation; rank 1 on node-a was last seen in step 3: run actor_train (40 s)")
+    record_watchdog(tmp_path, "rank 1 on node-a (pid 101) is stopped (SIGSTOP or a debugger): ...")
+    assert describe_failure(tmp_path, "process rank 1 with PID 101 on node vm exited on signal 9") == (
+        "rank 1 on node-a (pid 101) is stopped (SIGSTOP or a debugger): ...")
+    clear_failures(tmp_path)
+    assert list(folder.iterdir()) == []

@@ -86,10 +86,27 @@ def describe_failure(trial_dir: str | Path, launcher_output: str = "") -> str:
     if match and match.group(1) not in {rank for rank, _ in errors}:
         return f"rank {match.group(1)} died from signal {match.group(2)}"
     own = [e for e in errors if not _COMMUNICATION.search(e[1])]
-    if own or errors:
-        rank, error = (own or errors)[0]
+    if own:
+        rank, error = own[0]
         return f"rank {rank} failed: {error}"
+    if errors:  # only the echo (a timeout, a closed connection): say where the peer it waited on was
+        rank, error = errors[0]
+        return f"rank {rank} failed: {error}" + _busiest_peer(trial_dir, int(rank))
     return "a rank exited abnormally without a recorded error (see the launcher output above)"
+
+
+def _busiest_peer(trial_dir: str | Path, failed_rank: int) -> str:
+    """"; rank R on H was last seen in <activity> (N s)" for the rank longest in a non-waiting activity, from the
+    heartbeats: the one a collective that timed out most likely waited on ("" when none is known)."""
+    from restage.runtime.heartbeat import heartbeat_dir, read_beat
+
+    folder = heartbeat_dir(trial_dir)
+    beats = [read_beat(path) for path in folder.glob("rank*.json")] if folder.is_dir() else []
+    busy = [b for b in beats if b is not None and b.rank != failed_rank and not b.waiting and not b.done]
+    if not busy:
+        return ""
+    beat = max(busy, key=lambda b: b.activity_seconds)
+    return f"; rank {beat.rank} on {beat.host} was last seen in {beat.activity} ({beat.activity_seconds:.0f} s)"
 
 
 def clear_failures(trial_dir: str | Path) -> None:
