@@ -153,7 +153,8 @@ class Worker:
         nccl_rules.set_bound(max_groups=bound.max_communicators, max_pairs=bound.max_pairs)  # when the checks are on
         self.groups = ProcessGroups(comm_budget.run_groups(self.layouts.values(), self.ops),
                                     singletons=comm_budget.singleton_ranks(self.schedule),
-                                    timeout_seconds=self.cfg.run.collective_timeout_seconds)
+                                    timeout_seconds=self.cfg.run.collective_timeout_seconds,
+                                    startup_timeout_seconds=self.cfg.run.startup_timeout_seconds)
         self.dataflow.create_comms(self.ops, self.control.comm)
 
     def _realloc_plan(self, model: str, src: Layout, dst: Layout):
