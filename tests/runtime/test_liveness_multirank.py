@@ -116,3 +116,31 @@ def test_a_rank_stuck_in_an_mfc_with_its_heartbeat_running_is_named_by_what_the_
     assert seconds < 20 + 20, (seconds, output[-2000:])
     print(f"rank 1 stuck in step 3: the launcher exited {seconds:.1f} s after step 2's line: {last}")
     assert read_log(trial).last_complete_step == 1
+
+
+def test_a_jit_build_lock_left_by_a_dead_rank_is_reported_and_removed_and_the_run_goes_on(tmp_path):
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    from restage.runtime.ops import extensions_dir
+
+    extensions = tmp_path / "torch_extensions"
+    folder = extensions / "deepspeed_shm_comm"  # torch builds right under a TORCH_EXTENSIONS_DIR it is given
+    built = extensions_dir() / "deepspeed_shm_comm"
+    if built.is_dir():  # this machine's earlier build: no rebuild here
+        shutil.copytree(built, folder, ignore=shutil.ignore_patterns("lock", "restage.lock"))
+    folder.mkdir(parents=True, exist_ok=True)
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True).stdout)
+    (folder / "restage.lock").write_text(f"{dead_pid} {socket.gethostname()}\n")  # a rank killed mid-build
+    (folder / "lock").touch()
+    done = restage_run(tmp_path, "jobs/ppo_tiny.yaml", "-n", "2", "run.batch_size=8", "run.steps=2", "trial=stale",
+                       env={"TORCH_EXTENSIONS_DIR": str(extensions)}, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert (f"restage: removing {folder / 'lock'}: left by pid {dead_pid} on {socket.gethostname()}, which died "
+            "while loading or building deepspeed_shm_comm") in output
+    assert output.count("restage: removing ") == 1 and not (folder / "lock").exists()
+    assert read_log(tmp_path / "ppo-tiny" / "stale").last_complete_step == 1

@@ -111,8 +111,8 @@ def test_builds_go_to_a_per_user_per_version_directory(monkeypatch, tmp_path):
     env = {"XDG_CACHE_HOME": str(tmp_path)}
     import deepspeed
 
-    expected = tmp_path / "restage" / "torch_extensions" / (f"torch{torch.__version__.split('+')[0]}-"
-                                                             f"deepspeed{deepspeed.__version__.split('+')[0]}")
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    expected = tmp_path / "restage" / "torch_extensions" / f"{python}-torch{torch.__version__}-deepspeed{deepspeed.__version__}"
     assert ops.use_extensions_dir(env) == expected and env["TORCH_EXTENSIONS_DIR"] == str(expected)
     assert ops.use_extensions_dir({"TORCH_EXTENSIONS_DIR": "/elsewhere"}) == Path("/elsewhere")  # the user's wins
 

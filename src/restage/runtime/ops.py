@@ -53,9 +53,11 @@ def needed_ops(specs: Iterable, accelerator: str = "cuda") -> list[str]:
 
 
 def extensions_dir(env=os.environ) -> Path:
-    """restage's extension cache: per user (their cache directory) and per torch and DeepSpeed version."""
+    """restage's extension cache: per user (their cache directory) and per Python, torch (with its CUDA or CPU
+    tag) and DeepSpeed version. torch puts builds directly under a ``TORCH_EXTENSIONS_DIR`` it is given."""
     cache = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    versions = "-".join(f"{package}{_version(package)}" for package in ("torch", "deepspeed"))
+    versions = "-".join([f"py{sys.version_info.major}{sys.version_info.minor}",
+                         *(f"{package}{_version(package)}" for package in ("torch", "deepspeed"))])
     return cache / "restage" / "torch_extensions" / versions
 
 
@@ -66,7 +68,7 @@ def use_extensions_dir(env=os.environ) -> Path:
 
 def _version(package: str) -> str:
     try:
-        return metadata.version(package).split("+")[0]
+        return metadata.version(package)
     except metadata.PackageNotFoundError:
         return "none"
 
