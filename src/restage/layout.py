@@ -163,15 +163,19 @@ class ProcessGroups:
     members run one small all-reduce on it, in the same sorted order everywhere (a single global
     order cannot deadlock). With NCCL that builds the group's communicator now, under start-up,
     and a later batched P2P among a few of its ranks is allowed (a batched P2P that is a group's
-    first call would need all of them). ``timeout_seconds``: each group's data-plane timeout.
+    first call would need all of them). ``timeout_seconds``: each group's data-plane timeout;
+    ``startup_timeout_seconds`` (if given) bounds the creation and warm-up instead, while peers may
+    still be loading (a gloo group's creation waits on the store for every member).
     """
 
     def __init__(self, groups: Iterable[Iterable[int]], backend: str | None = None,
-                 singletons: bool | Iterable[int] = False, timeout_seconds: float | None = None):
+                 singletons: bool | Iterable[int] = False, timeout_seconds: float | None = None,
+                 startup_timeout_seconds: float | None = None):
         import datetime
 
         import torch
         import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _set_pg_timeout  # no public setter
 
         self._rank = dist.get_rank()
         self._groups: dict[tuple[int, ...], object] = {}
@@ -181,8 +185,9 @@ class ProcessGroups:
         lone = range(dist.get_world_size()) if singletons is True else (singletons or ())
         wanted |= {(r,) for r in lone}
         timeout = None if timeout_seconds is None else datetime.timedelta(seconds=timeout_seconds)
+        during_startup = timeout if startup_timeout_seconds is None else datetime.timedelta(seconds=startup_timeout_seconds)
         for ranks in sorted(wanted):
-            group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
+            group = dist.new_group(list(ranks), backend=backend, timeout=during_startup)
             if self._rank in ranks:
                 self._groups[ranks] = group
         for ranks, group in sorted(self._groups.items()):
@@ -190,6 +195,8 @@ class ProcessGroups:
                 on_gpu = dist.get_backend(group) == "nccl"
                 device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
                 dist.all_reduce(torch.zeros(1, device=device), group=group)
+            if during_startup != timeout and timeout is not None:
+                _set_pg_timeout(timeout, group)  # from now on: the data plane's timeout (NCCL's watchdog)
 
     def get(self, ranks: Iterable[int]):
         """The group over ``ranks``; None for a single rank unless singletons were made. The caller must be a member."""

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,16 +39,82 @@ def extensions_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_a_killed_builds_lock_is_removed_and_a_live_one_kept(extensions_dir):
+def _holder(lock, *, restage_lock: bool, seconds: float) -> subprocess.Popen:
+    """A process that holds the build locks as a loading rank does (restage's flock, torch's lock file open), then
+    releases them as torch does; returns once it holds them."""
+    code = f"""
+import fcntl, os, socket, sys, time
+restage = os.open({str(lock.parent / "restage.lock")!r}, os.O_RDWR | os.O_CREAT)
+if {restage_lock}:
+    fcntl.flock(restage, fcntl.LOCK_EX)
+    os.write(restage, f"{{os.getpid()}} {{socket.gethostname()}}\\n".encode())
+baton = os.open({str(lock)!r}, os.O_CREAT | os.O_EXCL)
+print("held", flush=True)
+time.sleep({seconds})
+os.close(baton)
+os.remove({str(lock)!r})
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_a_lock_left_by_a_dead_pid_is_reported_and_removed(extensions_dir):
     lock = ops.lock_path("cpu_adam")
     assert extensions_dir in lock.parents
-    lock.parent.mkdir(parents=True, exist_ok=True)  # torch makes the build directory when asked for it
-    lock.touch()
-    assert not ops.clear_stale_lock("cpu_adam", stale_seconds=600) and lock.exists()
-    old = lock.stat().st_mtime - 601
-    os.utime(lock, (old, old))
-    assert ops.clear_stale_lock("cpu_adam", stale_seconds=600) and not lock.exists()
-    assert not ops.clear_stale_lock("cpu_adam", stale_seconds=600)  # nothing left to remove
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    (lock.parent / "restage.lock").write_text(f"{dead_pid} {socket.gethostname()}\n")  # its last holder's name
+    lock.touch()  # torch's lock, never removed: the holder was killed mid-build
+    said = []
+    with ops.build_lock("cpu_adam", say=said.append):
+        assert not lock.exists()
+        assert (lock.parent / "restage.lock").read_text() == f"{os.getpid()} {socket.gethostname()}\n"
+    assert said == [f"restage: removing {lock}: left by pid {dead_pid} on {socket.gethostname()}, which died while "
+                    "loading or building cpu_adam (no live process holds restage's build lock or has the file open)"]
+
+
+def test_a_live_holder_is_waited_for_with_its_name_and_its_lock_removed_once_it_is_killed(extensions_dir):
+    lock = ops.lock_path("cpu_adam")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    holder = _holder(lock, restage_lock=True, seconds=600)
+    said, doing = [], []
+    killer = threading.Timer(1.5, holder.kill)  # a rank killed while it builds
+    killer.start()
+    started = time.monotonic()
+    with ops.build_lock("cpu_adam", say=said.append, doing=lambda what, waiting=False: doing.append((what, waiting)),
+                        poll_seconds=0.05, notice_seconds=0.5):
+        waited = time.monotonic() - started
+    holder.wait()
+    host = socket.gethostname()
+    assert waited >= 1.4 and not lock.exists()
+    assert said[0] == (f"restage: rank waits for pid {holder.pid} on {host}, which holds restage's build lock of "
+                       f"DeepSpeed's cpu_adam op ({lock.parent}); 0 s so far")
+    assert len(said) >= 3 and said[-1].startswith(f"restage: removing {lock}: left by pid {holder.pid} on {host}")
+    assert doing[0] == (f"start-up: waiting for pid {holder.pid} on {host}, which holds restage's build lock of "
+                        "cpu_adam", True)
+
+
+def test_a_build_outside_restage_holding_torchs_lock_is_waited_for_not_broken(extensions_dir):
+    lock = ops.lock_path("cpu_adam")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    holder = _holder(lock, restage_lock=False, seconds=1.0)
+    said = []
+    with ops.build_lock("cpu_adam", say=said.append, poll_seconds=0.05, notice_seconds=10):
+        assert holder.poll() == 0 and not lock.exists()  # it finished and removed its own lock
+    assert said == [f"restage: rank waits for pid {holder.pid} on {socket.gethostname()}, which holds torch's build "
+                    f"lock of DeepSpeed's cpu_adam op ({lock.parent}); 0 s so far"]
+
+
+def test_builds_go_to_a_per_user_per_version_directory(monkeypatch, tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    import deepspeed
+
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    expected = tmp_path / "restage" / "torch_extensions" / f"{python}-torch{torch.__version__}-deepspeed{deepspeed.__version__}"
+    assert ops.use_extensions_dir(env) == expected and env["TORCH_EXTENSIONS_DIR"] == str(expected)
+    assert ops.use_extensions_dir({"TORCH_EXTENSIONS_DIR": "/elsewhere"}) == Path("/elsewhere")  # the user's wins
 
 
 @pytest.mark.parametrize("leader", [True, False])
@@ -50,15 +122,12 @@ def test_only_the_node_leader_builds_before_the_barrier(extensions_dir, monkeypa
     monkeypatch.setattr(ops, "_prebuilt", lambda name: False)
     lock = ops.lock_path("cpu_adam")
     lock.parent.mkdir(parents=True, exist_ok=True)  # torch makes the build directory when asked for it
-    lock.touch()
-    os.utime(lock, (1.0, 1.0))  # a lock from 1970: a killed build's
+    lock.touch()  # a killed build's: nobody holds it
     events = []
     ops.prepare_ops(["cpu_adam"], node_leader=leader, node_barrier=lambda: events.append("barrier"),
                     load=lambda name: events.append(f"load {name} lock={lock.exists()}"))
-    if leader:  # the stale lock is gone before the leader loads, so its build cannot wait on it forever
-        assert events == ["load cpu_adam lock=False", "barrier"]
-    else:  # the others wait for the leader's build, and never touch the lock themselves
-        assert events == ["barrier", "load cpu_adam lock=True"]
+    # The stale lock is gone before the load, so it cannot wait on it forever; the others wait for the leader.
+    assert events == (["load cpu_adam lock=False", "barrier"] if leader else ["barrier", "load cpu_adam lock=False"])
     events.clear()
     ops.prepare_ops([], node_leader=leader, node_barrier=lambda: events.append("barrier"))
     assert events == []  # nothing to build: no barrier either

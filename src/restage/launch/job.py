@@ -271,11 +271,21 @@ def _attempt(config_dict: dict, trial_dir: str, resume: bool, holder: dict | Non
             print(f"restage: {err}", flush=True)
             raise
     print(f"restage: attempt {attempt} of {paths.root} on {len(hosts or [1])} host(s): {shlex.join(command)}", flush=True)
+    if module == RUNTIME_MODULE:  # its ranks write heartbeats (another program's may not)
+        from restage.launch import watchdog
+
+        watchdog.clear_heartbeats(paths.root)
     launched = _Launched(command, {**os.environ, **rank_env}, paths.output_log)
     if holder is not None:
         holder["launched"] = launched
+    stalled = None
+    if module == RUNTIME_MODULE:  # a stalled rank ends the job, named with its host and activity
+        stalled = watchdog.guard(paths.root, geometry.world_size, watchdog.Limits.from_run(cfg.run),
+                                 lambda: launched.stop(0.0), say=lambda line: print(line, flush=True))
     while not launched.done.wait(1.0):
         pass
+    if stalled is not None:
+        stalled.set()
     if paths.preempt_file.exists():  # stopped on request; TrialJob.checkpoint records the outcome
         return {"trial_dir": str(paths.root), "attempt": attempt, "world_size": geometry.world_size, "preempted": True}
     returncode = launched.returncode

@@ -13,9 +13,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from restage.config import ExperimentConfig, load_config
+from restage.config import ExperimentConfig, config_from_dict, load_config
 from restage.errors import ConfigError, LaunchError
 from restage.launch.mpirun import mpirun_command
 from restage.launch.resume import resumed_config, write_trial_overrides
@@ -103,6 +104,8 @@ def _run(args: argparse.Namespace, cfg: ExperimentConfig, overrides: list[str]) 
                 shutil.rmtree(stale)
             elif stale.exists():
                 stale.unlink()
+    began = time.monotonic()
+    print(f"restage: start-up: checking the config, data and models of {trial_dir}", flush=True)
     prepare(cfg)
     trial_dir.mkdir(parents=True, exist_ok=True)
     (trial_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -114,7 +117,9 @@ def _run(args: argparse.Namespace, cfg: ExperimentConfig, overrides: list[str]) 
     elif args.resume and (trial_dir / "schedule.json").is_file():
         schedule = _with_config(trial_dir / "schedule.json", cfg)
     else:
+        print(f"restage: start-up: planning (plan.mode={cfg.plan.mode})", flush=True)
         schedule = plan_trial(cfg, trial_dir)
+        print(f"restage: start-up: planned in {time.monotonic() - began:.1f} s: {schedule}", flush=True)
     from restage.plan.schedule import read_schedule
 
     world = read_schedule(schedule).world_size
@@ -149,9 +154,13 @@ def _completed_steps(log: Path) -> int:
 def launch(schedule: Path, trial_dir: Path, nprocs: int, resume: bool = False) -> int:
     """Start the ranks; return 0 (or 128 + the signal that stopped them), or raise LaunchError with the failed
     rank's one line."""
+    from restage.launch import watchdog
+    from restage.plan.schedule import read_schedule
     from restage.runtime.failure import clear_failures, describe_failure
 
     clear_failures(trial_dir)
+    watchdog.clear_heartbeats(trial_dir)
+    limits = watchdog.Limits.from_run(config_from_dict(read_schedule(schedule).config).run)
     preempt = trial_dir / "PREEMPT"
     preempt.unlink(missing_ok=True)  # a request belongs to the run that received it
     program = [sys.executable, "-m", "restage.runtime.spmd", str(schedule), "--trial-dir", str(trial_dir)]
@@ -161,12 +170,16 @@ def launch(schedule: Path, trial_dir: Path, nprocs: int, resume: bool = False) -
     if "DS_ACCELERATOR" in os.environ:
         env["DS_ACCELERATOR"] = os.environ["DS_ACCELERATOR"]
     command = mpirun_command(nprocs, program, env=env)
+    print(f"restage: start-up: starting {nprocs} rank(s) under mpirun", flush=True)
     full_env = {**os.environ, **env}
     # mpirun in a session of its own, so a terminal's Ctrl-C reaches only this launcher (which stops the ranks
     # at a step boundary), and killed with it, however it dies.
     process = subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True, preexec_fn=_die_with_parent)
     stop = _StopOnSignal(preempt, process)
+    # A stalled rank (stopped, stuck) ends the job with its name, host and activity, from outside MPI.
+    stalled = watchdog.guard(trial_dir, nprocs, limits, lambda: watchdog.end_session(process.pid),
+                             say=lambda line: print(line, flush=True))
     tail: list[str] = []
     assert process.stdout is not None
     with stop.installed():
@@ -174,6 +187,7 @@ def launch(schedule: Path, trial_dir: Path, nprocs: int, resume: bool = False) -
             sys.stdout.write(line)
             tail = (tail + [line])[-200:]
         code = process.wait()
+    stalled.set()
     preempt.unlink(missing_ok=True)
     if stop.signals:
         name = signal.Signals(stop.signals[0]).name

@@ -1,4 +1,4 @@
-"""Measured compute profiles (``cluster/profiles/*.json``): the table ``restage profile`` writes.
+"""Measured compute profiles (``cluster/profiles/*.json``, ``~/.cache/restage/profiles/``): the table ``restage profile`` writes.
 
 A profile holds seconds measured on one device kind for one architecture's pieces (see
 ``profiler.py``) over a grid of (batch, seq) per TP size. ``lookup`` interpolates bilinearly
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -116,10 +117,17 @@ def _bilinear(table: dict, batches: list, seqs: list, b: float, s: float) -> flo
     return math.exp(low * (1 - ws) + high * ws)
 
 
+def user_profile_dir(env=os.environ) -> Path:
+    """Where ``restage profile`` writes by default: the user's cache, never the repository."""
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "restage" / "profiles"
+
+
 def profile_dirs() -> list[Path]:
+    """Searched in order: each cluster directory's ``profiles/`` ($RESTAGE_CLUSTER_DIR, ./cluster, the
+    repository's), then the user's cache (so a profile kept with the clusters wins over a local measurement)."""
     from restage.cluster import cluster_dirs
 
-    return [d / "profiles" for d in cluster_dirs()]
+    return [d / "profiles" for d in cluster_dirs()] + [user_profile_dir()]
 
 
 def find_profile(cluster: str, cfg: ModelConfig, dtype: str) -> Profile | None:

@@ -1,4 +1,9 @@
-"""``restage profile``: time a decoder's pieces on this device and store the table under cluster/profiles/.
+"""``restage profile``: time a decoder's pieces on this device and store the table.
+
+The table goes to ``$RESTAGE_CLUSTER_DIR/profiles/`` when that is set, else to the user's cache
+(``~/.cache/restage/profiles/``, ``plan.profile.user_profile_dir``), never into the repository unless
+``--out`` says so; the planner searches both (``plan.profile.profile_dirs``). A line is printed per TP size
+built and per timing round, with the time left.
 
 For every TP size in the grid, one process builds the TP shard of a one-block model with the
 real decoder (``restage.models.decoder.StageModule``) and times, over a grid of batch sizes and
@@ -19,6 +24,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seqs", default="32,64,128,256", help="comma-separated sequence / KV lengths")
     parser.add_argument("--tp", default="1,2", help="comma-separated TP sizes")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", help="output file (default cluster/profiles/<cluster>--<arch>--<dtype>.local.json)")
+    parser.add_argument("--out", help="output file (default <cache>/<cluster>--<arch>--<dtype>.local.json, <cache> being "
+                        "$RESTAGE_CLUSTER_DIR/profiles if set, else ~/.cache/restage/profiles)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -56,15 +63,21 @@ def main(args: argparse.Namespace) -> int:
     name = Path(args.model).name if args.model else args.arch
     grid = {k: [int(x) for x in getattr(args, k).split(",") if x] for k in ("batches", "seqs", "tp")}
     started = time.perf_counter()
+    print(f"restage profile: {name} ({dtype}) on {cluster}: batches {grid['batches']}, seqs {grid['seqs']}, "
+          f"tp {grid['tp']}, {args.repeats} rounds", flush=True)
     profile = measure(arch, cluster, dtype, grid["batches"], grid["seqs"], grid["tp"], args.repeats,
-                      device="cuda" if cuda else "cpu")
-    from restage.cluster import cluster_dirs
+                      device="cuda" if cuda else "cpu", say=lambda line: print(f"restage profile: {line}", flush=True))
+    from restage.plan.profile import find_profile, user_profile_dir
 
-    root = next((d for d in cluster_dirs() if d.is_dir()), cluster_dirs()[-1])
-    out = Path(args.out) if args.out else root / "profiles" / f"{cluster}--{name}--{dtype}.local.json"
+    cache = Path(os.environ["RESTAGE_CLUSTER_DIR"]) / "profiles" if os.environ.get("RESTAGE_CLUSTER_DIR") else None
+    out = Path(args.out) if args.out else (cache or user_profile_dir()) / f"{cluster}--{name}--{dtype}.local.json"
     profile.save(out)
     print(f"{len(profile.entries)} timings of {name} ({dtype}, tp {grid['tp']}) on {profile.meta['device']} "
           f"in {time.perf_counter() - started:.1f} s -> {out}")
+    used = find_profile(cluster, arch, dtype)
+    if used is not None and used.name != out.name:
+        print(f"restage profile: note: the planner takes {used.name}, found first (plan.profile.profile_dirs); "
+              "pass --out with that file's path to replace it")
     return 0
 
 
@@ -84,7 +97,8 @@ def _one_process_group():
             dist.destroy_process_group()
 
 
-def _timed_rounds(jobs: list[tuple[tuple, object]], repeats: int, sync) -> dict[tuple, float]:
+def _timed_rounds(jobs: list[tuple[tuple, object]], repeats: int, sync,
+                  say: Callable[[str], None] = lambda line: None) -> dict[tuple, float]:
     """Median seconds of every job; one warm-up each, then ``repeats`` rounds that time every job once.
 
     Round-robin over the whole grid rather than ``repeats`` calls in a row: on a shared machine a
@@ -94,25 +108,31 @@ def _timed_rounds(jobs: list[tuple[tuple, object]], repeats: int, sync) -> dict[
     """
     import random
 
+    began = time.perf_counter()
     for _, fn in jobs:
         fn()
     sync()
+    round_seconds = time.perf_counter() - began
+    say(f"warm-up of {len(jobs)} pieces done in {round_seconds:.1f} s; about {repeats * round_seconds:.0f} s left")
     samples: dict[tuple, list[float]] = {key: [] for key, _ in jobs}
     order = list(jobs)
     shuffle = random.Random(0).shuffle
-    for _ in range(repeats):
+    for done in range(1, repeats + 1):
         shuffle(order)
+        round_began = time.perf_counter()
         for key, fn in order:
             start = time.perf_counter()
             fn()
             sync()
             samples[key].append(time.perf_counter() - start)
+        round_seconds = time.perf_counter() - round_began
+        say(f"round {done}/{repeats} done in {round_seconds:.1f} s; about {(repeats - done) * round_seconds:.0f} s left")
     return {key: statistics.median(values) for key, values in samples.items()}
 
 
 def measure(arch, cluster: str, dtype: str, batches: list[int], seqs: list[int], tps: list[int], repeats: int = 3,
-            device: str = "cpu") -> Profile:
-    """Time the pieces of ``arch`` over the grid; returns the profile (not saved)."""
+            device: str = "cpu", say: Callable[[str], None] = lambda line: None) -> Profile:
+    """Time the pieces of ``arch`` over the grid; returns the profile (not saved). ``say`` gets progress lines."""
     import torch
 
     from restage.layout import Coord, Strategy
@@ -128,6 +148,7 @@ def measure(arch, cluster: str, dtype: str, batches: list[int], seqs: list[int],
     with _one_process_group() as group:
         for tp in tps:
             validate_strategy(arch, Strategy(tp=tp))
+            say(f"tp {tp}: building the one-block shard and its {len(batches) * len(seqs)} shapes")
             ctx = ParallelContext(Strategy(tp=tp), Coord(0, 0, 0), (0,), (0,), (0,), tp_group=group if tp > 1 else None)
             torch.manual_seed(0)
             module = StageModule(one_block, ctx, torch_dtype, device)
@@ -144,7 +165,7 @@ def measure(arch, cluster: str, dtype: str, batches: list[int], seqs: list[int],
             for batch in batches:
                 for seq in seqs:
                     jobs += _shape_jobs(module, block, batch, seq, tp, device)
-        timed = _timed_rounds(jobs, repeats, sync)
+        timed = _timed_rounds(jobs, repeats, sync, say)
     entries = [ProfileEntry("optimizer_step_per_param", 1, 1, 1, timed[("optimizer_step", 1, 1, 1)] / numel[1])]
     for (op, tp, b, s), seconds in timed.items():
         if op in ("optimizer_step", "block_forward_backward", "head_forward_backward"):

@@ -10,6 +10,10 @@ prints ``[rank N] <error>`` to stderr, and the launcher reads that from mpirun's
 file is missing. A file is written whole or not at all (temporary file, rename): a half-written,
 0-byte one never misleads the launcher. A user-caused error (``RestageError``, e.g. a full disk)
 prints no traceback; the failure file keeps it.
+
+A rank that stops making progress (stopped, stuck) is found by the launcher's watchdog
+(``launch/watchdog.py``), which records its line as ``<trial>/failures/watchdog.txt`` before it ends
+the job; that line is the cause, whatever the others then report.
 """
 
 from __future__ import annotations
@@ -79,15 +83,29 @@ _MPIRUN_DEATH = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited 
 _RANK_LINE = re.compile(r"^\[rank (\d+)\] (\S.*)$", re.M)
 _DISK_FULL = "DiskFullError: "
 
+WATCHDOG_FILE = "watchdog.txt"
+
+
+def record_watchdog(trial_dir: str | Path, line: str) -> None:
+    """The watchdog's reason for ending the job, kept for ``describe_failure``."""
+    folder = failure_dir(trial_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / WATCHDOG_FILE).write_text(line + "\n")
+
 
 def describe_failure(trial_dir: str | Path, launcher_output: str = "") -> str:
     """One line naming the failed rank and its error, from the failure files or mpirun's output.
 
-    A full disk beats everything (every other error is then its consequence), and says what it kept.
+    The watchdog's line beats everything (it ended the job); then a full disk (every other error is
+    then its consequence), which says what it kept.
     A rank's own error beats the errors its peers then hit in collectives (a dead peer shows up
     on the others as a closed connection or a timeout), and a rank killed by a signal beats both.
     """
-    errors = _recorded_errors(failure_dir(trial_dir))
+    folder = failure_dir(trial_dir)
+    watchdog = _first_line(folder / WATCHDOG_FILE)
+    if watchdog:  # it ended the job: the ranks' errors and deaths follow from that
+        return watchdog
+    errors = _recorded_errors(folder)
     seen = {rank for rank, _ in errors}
     errors += [(rank, error) for rank, error in _RANK_LINE.findall(launcher_output) if rank not in seen]
     full = [(rank, error) for rank, error in errors if error.startswith(_DISK_FULL)]
@@ -98,10 +116,21 @@ def describe_failure(trial_dir: str | Path, launcher_output: str = "") -> str:
     if match and match.group(1) not in {rank for rank, _ in errors}:
         return f"rank {match.group(1)} died from signal {match.group(2)}"
     own = [e for e in errors if not _COMMUNICATION.search(e[1])]
-    if own or errors:
-        rank, error = (own or errors)[0]
+    if own:
+        rank, error = own[0]
         return f"rank {rank} failed: {error}"
+    if errors:  # only the echo (a timeout, a closed connection): say where the peer it waited on was
+        rank, error = errors[0]
+        return f"rank {rank} failed: {error}" + _busiest_peer(trial_dir, int(rank))
     return "a rank exited abnormally without a recorded error (see the launcher output above)"
+
+
+def _first_line(path: Path) -> str:
+    """The first line of a failure file; "" when it is missing, empty or unreadable (e.g. a full disk)."""
+    try:
+        return next(iter(path.read_text(errors="replace").splitlines()), "").strip()
+    except OSError:
+        return ""
 
 
 def _recorded_errors(folder: Path) -> list[tuple[str, str]]:
@@ -132,8 +161,22 @@ def _kept(trial_dir: str | Path) -> str:
     return f"{log}, {checkpoints}"
 
 
+def _busiest_peer(trial_dir: str | Path, failed_rank: int) -> str:
+    """"; rank R on H was last seen in <activity> (N s)" for the rank longest in a non-waiting activity, from the
+    heartbeats: the one a collective that timed out most likely waited on ("" when none is known)."""
+    from restage.runtime.heartbeat import heartbeat_dir, read_beat
+
+    folder = heartbeat_dir(trial_dir)
+    beats = [read_beat(path) for path in folder.glob("rank*.json")] if folder.is_dir() else []
+    busy = [b for b in beats if b is not None and b.rank != failed_rank and not b.waiting and not b.done]
+    if not busy:
+        return ""
+    beat = max(busy, key=lambda b: b.activity_seconds)
+    return f"; rank {beat.rank} on {beat.host} was last seen in {beat.activity} ({beat.activity_seconds:.0f} s)"
+
+
 def clear_failures(trial_dir: str | Path) -> None:
     folder = failure_dir(trial_dir)
     if folder.is_dir():
-        for path in folder.glob("rank*.txt"):
-            path.unlink()
+        for path in [*folder.glob("rank*.txt"), folder / WATCHDOG_FILE]:
+            path.unlink(missing_ok=True)

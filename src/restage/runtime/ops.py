@@ -1,30 +1,42 @@
 """DeepSpeed's compiled ops: built once per node before any engine needs them, never by every rank at once.
 
 DeepSpeed compiles an op that was not prebuilt (``DS_BUILD_<OP>=1 pip install deepspeed``) the
-first time it is loaded, into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``) under a file lock that holds no process id. Ranks loading at once
-queue on that lock; a rank killed while compiling leaves it behind, and every later load on the
-machine then waits forever without a word.
+first time it is loaded, into torch's extension cache under torch's file lock (``<build dir>/lock``),
+which holds no process id and is only removed by its holder: every loader, built or not, takes it
+briefly, and a process killed while holding it leaves it behind; every later load then waits
+forever without a word.
+
+So restage (1) builds into a directory of its own per user and per torch/DeepSpeed version
+(``extensions_dir``; ``TORCH_EXTENSIONS_DIR`` if set wins), and (2) loads every op under its own
+lock, ``<build dir>/restage.lock``: an ``flock`` the kernel drops when its holder dies, with the
+holder's pid and host written in it. A rank waiting for a live holder says who it waits for; one
+that gets the lock and still finds torch's ``lock`` knows its maker is dead (no live process holds
+restage's lock, and none on this host has the file open), reports it and removes it.
 
 restage trains with torch's own AdamW on GPUs (multi-tensor CUDA kernels, nothing to compile,
 no nvcc on compute nodes; see ``runtime.engines.deepspeed_config``), so the only op it needs there
 is ``cpu_adam``, for ZeRO optimizer offload; on CPU ranks DeepSpeed's communication backend also
 loads ``deepspeed_shm_comm``. ``prepare_ops`` makes one rank per node load (and if needed build)
-them while the others wait at a barrier; then they load the finished build.
+them while the others wait at a barrier; then they load the finished build, one at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import socket
+import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from importlib import metadata
 from pathlib import Path
 
 from restage.errors import LaunchError
+from restage.runtime.control import arrive
 
-# Building cpu_adam takes about a minute; a lock this old belongs to a build that was killed.
-STALE_LOCK_SECONDS = 600.0
 _BUILDERS = {"cpu_adam": "CPUAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder"}
+NOTICE_SECONDS = 30.0  # while waiting for another build, say so at most this often
 
 
 def needed_ops(specs: Iterable, accelerator: str = "cuda") -> list[str]:
@@ -40,6 +52,27 @@ def needed_ops(specs: Iterable, accelerator: str = "cuda") -> list[str]:
     return names
 
 
+def extensions_dir(env=os.environ) -> Path:
+    """restage's extension cache: per user (their cache directory) and per Python, torch (with its CUDA or CPU
+    tag) and DeepSpeed version. torch puts builds directly under a ``TORCH_EXTENSIONS_DIR`` it is given."""
+    cache = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    versions = "-".join([f"py{sys.version_info.major}{sys.version_info.minor}",
+                         *(f"{package}{_version(package)}" for package in ("torch", "deepspeed"))])
+    return cache / "restage" / "torch_extensions" / versions
+
+
+def use_extensions_dir(env=os.environ) -> Path:
+    """Point torch's JIT builds at ``extensions_dir`` unless ``TORCH_EXTENSIONS_DIR`` is set; returns the one used."""
+    return Path(env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir(env))))
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
 def _builder(name: str):
     from deepspeed.accelerator import get_accelerator
 
@@ -53,24 +86,74 @@ def _prebuilt(name: str) -> bool:
 
 
 def lock_path(name: str) -> Path:
-    """The lock torch's extension loader takes while it builds ``name``."""
+    """The lock torch's extension loader takes while it loads or builds ``name``."""
     from torch.utils.cpp_extension import _get_build_directory
 
     return Path(_get_build_directory(name, verbose=False)) / "lock"
 
 
-def clear_stale_lock(name: str, stale_seconds: float = STALE_LOCK_SECONDS, now: float | None = None) -> bool:
-    """Remove ``name``'s build lock if it is older than ``stale_seconds`` (a killed build's); True if removed."""
-    path = lock_path(name)
+def local_openers(path: Path) -> list[int]:
+    """Pids of the processes on this host that have ``path`` open (torch's lock holder keeps it open)."""
+    target = str(path)
+    found = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) == target for fd in fd_dir.iterdir()):
+                found.append(int(fd_dir.parent.name))
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
+
+
+def _owner(path: Path) -> str:
+    """Who holds (or last held) restage's lock, as written in it: "pid P on HOST"."""
     try:
-        age_seconds = (time.time() if now is None else now) - path.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age_seconds < stale_seconds:
-        return False
-    print(f"restage: removing {path}, left {age_seconds:.0f} s ago by a build of {name} that did not finish", flush=True)
-    path.unlink(missing_ok=True)
-    return True
+        pid, host = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return "a process that wrote no name"
+    return f"pid {pid} on {host}"
+
+
+@contextlib.contextmanager
+def build_lock(name: str, *, say: Callable[[str], None] = print,
+               doing: Callable[..., None] = lambda activity, waiting=False: None,
+               poll_seconds: float = 0.2, notice_seconds: float = NOTICE_SECONDS) -> Iterator[None]:
+    """Hold restage's lock on ``name``'s build directory; on the way in, wait for a live holder (saying who) and
+    remove torch's lock if its maker is dead."""
+    torch_lock = lock_path(name)
+    torch_lock.parent.mkdir(parents=True, exist_ok=True)
+    path = torch_lock.parent / "restage.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        waited_since, said_at = time.monotonic(), -notice_seconds
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = f"{_owner(path)}, which holds restage's build lock"
+            else:
+                openers = [pid for pid in local_openers(torch_lock) if pid != os.getpid()]
+                if not openers:
+                    break
+                fcntl.flock(fd, fcntl.LOCK_UN)  # a build outside restage: wait for it too
+                holder = f"pid {openers[0]} on {socket.gethostname()}, which holds torch's build lock"
+            now = time.monotonic()
+            if now - said_at >= notice_seconds:
+                said_at = now
+                say(f"restage: rank waits for {holder} of DeepSpeed's {name} op ({torch_lock.parent}); "
+                    f"{now - waited_since:.0f} s so far")
+                doing(f"start-up: waiting for {holder} of {name}", waiting=True)
+            time.sleep(poll_seconds)
+        if torch_lock.exists():
+            say(f"restage: removing {torch_lock}: left by {_owner(path)}, which died while loading or building "
+                f"{name} (no live process holds restage's build lock or has the file open)")
+            torch_lock.unlink(missing_ok=True)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        yield
+        os.ftruncate(fd, 0)  # released cleanly: no name left to blame
+    finally:
+        os.close(fd)  # drops the flock; the kernel does the same when the holder dies
 
 
 def load_op(name: str) -> None:
@@ -89,27 +172,39 @@ def load_op(name: str) -> None:
                           ) from None
 
 
+def locked_load(name: str, *, load: Callable[[str], None] = load_op,
+                doing: Callable[..., None] = lambda activity, waiting=False: None) -> None:
+    """``load(name)`` under ``build_lock`` (a prebuilt op takes no lock: nothing is built)."""
+    if _prebuilt(name):
+        load(name)
+        return
+    with build_lock(name, say=lambda line: print(line, file=sys.stderr, flush=True), doing=doing):
+        doing(f"start-up: loading (building if needed) DeepSpeed's {name} op")
+        load(name)
+
+
 def prepare_ops(names: Iterable[str], *, node_leader: bool, node_barrier: Callable[[], None],
-                load: Callable[[str], None] = load_op, stale_seconds: float = STALE_LOCK_SECONDS) -> None:
+                load: Callable[[str], None] = load_op,
+                doing: Callable[..., None] = lambda activity, waiting=False: None) -> None:
     """Every rank calls this before building its engines: the node leader builds, then everyone loads.
 
-    ``node_barrier`` waits for every rank of this node (an MPI barrier on the node's communicator).
+    ``node_barrier`` waits for every rank of this node (an MPI barrier on the node's communicator);
+    ``doing(activity, waiting=)`` names each step to the rank's heartbeat.
     """
     names = list(names)
     if not names:
         return
     if node_leader:
         for name in names:
-            if not _prebuilt(name):
-                clear_stale_lock(name, stale_seconds)
-            load(name)
+            locked_load(name, load=load, doing=doing)
+    doing(f"start-up: waiting for this node's build of {', '.join(names)}", waiting=True)
     node_barrier()
     if not node_leader:
         for name in names:
-            load(name)
+            locked_load(name, load=load, doing=doing)
 
 
-def prepare_run_ops(comm, specs: Iterable) -> None:
+def prepare_run_ops(comm, specs: Iterable, doing: Callable[..., None] = lambda activity, waiting=False: None) -> None:
     """``prepare_ops`` for a run over the MPI world ``comm`` (collective: every rank calls it with the same specs)."""
     names = needed_ops(specs, os.environ.get("DS_ACCELERATOR", "cuda"))
     if not names:
@@ -118,6 +213,6 @@ def prepare_run_ops(comm, specs: Iterable) -> None:
 
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:
-        prepare_ops(names, node_leader=node.Get_rank() == 0, node_barrier=node.Barrier)
+        prepare_ops(names, node_leader=node.Get_rank() == 0, node_barrier=lambda: arrive(node), doing=doing)
     finally:
         node.Free()

@@ -3,7 +3,8 @@
 Every rank reads the same schedule and walks the same op list each iteration, doing the ops it
 takes part in (``runtime.program``). Rank 0 is also the master (``runtime.master``): it owns the
 data cursor, the log and the decisions to checkpoint and stop, and talks to the others over MPI.
-Any exception on any rank aborts the whole job with the rank named (``runtime.failure``).
+Any exception on any rank aborts the whole job with the rank named (``runtime.failure``). Each rank's
+heartbeat (``runtime.heartbeat``) tells the launcher's watchdog that it lives and what it is doing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 from restage.runtime.failure import abort_on_error
+from restage.runtime.heartbeat import Heartbeat, heartbeat_dir
+from restage.runtime.ops import use_extensions_dir
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -27,18 +30,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
+    use_extensions_dir()  # DeepSpeed's JIT builds: restage's per-user, per-version cache (runtime/ops.py)
     from restage.runtime.control import Control
 
     control = Control()
     trial_dir = Path(args.trial_dir or os.environ.get("RESTAGE_TRIAL_DIR") or Path(args.schedule).resolve().parent)
     # --resume insists on a checkpoint; RESTAGE_RESUME=1 (a requeued SLURM job) takes one if there is one.
     resume = "required" if args.resume else ("if-any" if os.environ.get("RESTAGE_RESUME") == "1" else "")
+    heartbeat = Heartbeat(heartbeat_dir(trial_dir), control.rank).start()
     with abort_on_error(control.rank, trial_dir):
+        heartbeat.doing("start-up: importing the runtime (torch, DeepSpeed)")
         from restage.runtime.worker import Worker
 
-        worker = Worker.start(control, args.schedule, trial_dir, resume=resume)
+        worker = Worker.start(control, args.schedule, trial_dir, resume=resume, heartbeat=heartbeat)
         worker.run()
         worker.close()
+    heartbeat.finish()
     return 0
 
 

@@ -10,6 +10,7 @@ the master's decision (checkpoint, stop) comes back.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from restage.runtime.control import Control, init_torch_distributed, wait_for_ra
 from restage.runtime.dataflow import DataFlow, measured_flops
 from restage.runtime.engines import build_engine, engine_groups, mark_norm_ownership
 from restage.runtime.execute import MFCResult, run_generate, run_inference, run_train
+from restage.runtime.heartbeat import Heartbeat, beat_interval_seconds
 from restage.runtime.master import Master, StepRecord
 from restage.runtime.nccl_rules import rank_device
 from restage.runtime.nonfinite import NonFiniteError, any_rank, nonfinite_samples, nonfinite_stats
@@ -73,8 +75,10 @@ class ModelSlot:
 class Worker:
     """Everything one rank does in a run."""
 
-    def __init__(self, control: Control, cfg: ExperimentConfig, schedule, trial_dir: Path, resume: str):
+    def __init__(self, control: Control, cfg: ExperimentConfig, schedule, trial_dir: Path, resume: str,
+                 heartbeat: Heartbeat):
         self.control, self.cfg, self.schedule, self.trial_dir = control, cfg, schedule, trial_dir
+        self.heartbeat = heartbeat  # what this rank is doing, for the launcher's watchdog
         self.rank = control.rank
         self.ops = schedule.ops()
         self.graph = DataflowGraph(tuple(schedule.mfc(entry["name"]) for entry in schedule.mfcs))
@@ -102,24 +106,39 @@ class Worker:
 
     # -- start-up ------------------------------------------------------------------------------------
     @classmethod
-    def start(cls, control: Control, schedule_path: str | Path, trial_dir: Path, resume: str = "") -> Worker:
-        """``resume``: "" starts afresh, "required" continues from the last checkpoint, "if-any" does when one exists."""
+    def start(cls, control: Control, schedule_path: str | Path, trial_dir: Path, resume: str = "",
+              heartbeat: Heartbeat | None = None) -> Worker:
+        """``resume``: "" starts afresh, "required" continues from the last checkpoint, "if-any" does when one exists.
+
+        Each phase is named to ``heartbeat`` (the watchdog bounds start-up by run.startup_timeout_seconds)."""
+        beat = heartbeat or Heartbeat(trial_dir / "heartbeats", control.rank)  # not started: nobody reads it
+        beat.doing("start-up: reading the schedule")
         schedule = read_schedule(schedule_path)
         if control.world_size != schedule.world_size:
             raise ConfigError(f"the schedule is for {schedule.world_size} ranks but {control.world_size} started; "
                               f"start {schedule.world_size} ranks (restage run -n {schedule.world_size}) or plan again")
         cfg = config_from_dict(schedule.config)
+        beat.interval_seconds = beat_interval_seconds(cfg.run.collective_timeout_seconds)
+        beat.doing("start-up: waiting for every rank to join torch.distributed", waiting=True)
         init_torch_distributed(control, cfg.run.collective_timeout_seconds,
                                startup_timeout_seconds=cfg.run.startup_timeout_seconds)
+        beat.reached("ranks up")
         torch.manual_seed(cfg.seed * 1000 + control.rank)
         if resume == "if-any" and ckpt.checkpoint_dir.latest(trial_dir) is None:
             resume = ""
-        worker = cls(control, cfg, schedule, trial_dir, resume)
-        prepare_run_ops(control.comm, cfg.models.values())  # before any engine loads a compiled op
+        beat.doing("start-up: reading the tokenizer and data set, measuring the clock offset to rank 0")
+        worker = cls(control, cfg, schedule, trial_dir, resume, beat)
+        prepare_run_ops(control.comm, cfg.models.values(), doing=beat.doing)  # before any engine loads a compiled op
+        beat.reached("compiled ops ready")
+        beat.doing("start-up: creating process groups (with every rank)", waiting=True)
         worker._create_groups()
+        beat.reached("process groups made")
         worker._load_models()
+        worker._build_engines()
         if resume:
+            beat.doing("start-up: loading the newest checkpoint")
             worker.start_step = ckpt.load(worker)
+        beat.reached("ready")
         return worker
 
     def _model_cfg(self, name: str) -> ModelConfig:
@@ -135,7 +154,8 @@ class Worker:
         nccl_rules.set_bound(max_groups=bound.max_communicators, max_pairs=bound.max_pairs)  # when the checks are on
         self.groups = ProcessGroups(comm_budget.run_groups(self.layouts.values(), self.ops),
                                     singletons=comm_budget.singleton_ranks(self.schedule),
-                                    timeout_seconds=self.cfg.run.collective_timeout_seconds)
+                                    timeout_seconds=self.cfg.run.collective_timeout_seconds,
+                                    startup_timeout_seconds=self.cfg.run.startup_timeout_seconds)
         self.dataflow.create_comms(self.ops, self.control.comm)
 
     def _realloc_plan(self, model: str, src: Layout, dst: Layout):
@@ -147,7 +167,6 @@ class Worker:
         return self.realloc_plans[key]
 
     def _load_models(self) -> None:
-        steps = self.cfg.run.steps
         check_ema_architectures(self.graph, {name: self._model_cfg(name) for name in self.schedule.models})
         for name, info in self.schedule.models.items():
             spec = self.cfg.models[name]
@@ -160,34 +179,51 @@ class Worker:
             if problem:  # the planner proposes no such layout; a hand-made schedule may hold one
                 raise LayoutError(problem)
             if self.rank in home:
+                self.heartbeat.doing(f"start-up: loading {name} ({spec.path})")
                 slot.module = load_stage(spec.path, home, self.groups, self.rank, DTYPES[spec.dtype], self.device,
                                          critic=critic)
                 slot.cfg = slot.module.cfg
-                if spec.trainable:
-                    train_mfc = next(m for m in self.graph if m.model == name and m.kind == "train_step")
-                    optimizer_steps = steps * train_mfc.minibatches * train_mfc.epochs
-                    _mark_norm(slot.module)
-                    slot.engine = build_engine(slot.module, spec, home, self.rank, self.groups,
-                                               train_mfc.micro_batches, optimizer_steps)
-                else:
+                if not spec.trainable:
                     slot.module.requires_grad_(False)
-                slot.module.eval()
+                    slot.module.eval()
             self.slots[name] = slot
+        self.heartbeat.reached("models loaded")
+
+    def _build_engines(self) -> None:
+        """A DeepSpeed engine over each trainable model's home layout (collective over its ranks, in model order)."""
+        for name, slot in self.slots.items():
+            if slot.module is None or not slot.spec.trainable:
+                continue
+            self.heartbeat.doing(f"start-up: building {name}'s DeepSpeed engine (with its ranks)", waiting=True)
+            train_mfc = next(m for m in self.graph if m.model == name and m.kind == "train_step")
+            optimizer_steps = self.cfg.run.steps * train_mfc.minibatches * train_mfc.epochs
+            _mark_norm(slot.module)
+            slot.engine = build_engine(slot.module, slot.spec, slot.home, self.rank, self.groups,
+                                       train_mfc.micro_batches, optimizer_steps)
+            slot.module.eval()
+        self.heartbeat.reached("engines built")
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self) -> None:
         step = self.start_step
+        beat = self.heartbeat
         while True:
+            beat.doing(f"step {step + 1}: waiting for the step's sample ids from rank 0", waiting=True)
             ids = self.control.bcast(self.master.next_ids() if self.master else None)
             if ids is None:
                 break
+            if self.master and step == self.start_step:  # every rank has passed start-up and this bcast
+                print(f"restage: start-up: ready on all {self.control.world_size} ranks "
+                      f"({time.monotonic() - beat.started_at:.1f} s since rank 0 started)", flush=True)
             started = self.clock.now_synced()
             record = self.run_step(step, ids)
             record.step_start_seconds, record.step_end_seconds = started, self.clock.now_synced()
+            beat.doing(f"step {step + 1}: waiting for every rank's end of the step", waiting=True)
             records = self.control.gather(record)
             decision = self.control.bcast(self.master.end_step(step, records) if self.master else None)
             step += 1
             if decision["checkpoint"]:
+                beat.doing(f"step {step}: saving checkpoint step-{step}")
                 ckpt.save(self, step)
             if decision["stop"]:
                 break
@@ -200,6 +236,8 @@ class Worker:
         for op in self.ops:
             if self.rank not in op.ranks:
                 continue
+            # Moves wait for their peers to finish what they are doing (bounded by run.peer_wait_timeout_seconds).
+            self.heartbeat.doing(f"step {step + 1}: {describe_op(op)}", waiting=op.kind in ("realloc", "transfer", "ema"))
             begin = self.clock.now_synced()
             if op.kind == "run":
                 self._run(op, step, record)
@@ -358,8 +396,18 @@ class Worker:
     def close(self) -> None:
         if self.master is not None:
             self.master.close()
+        self.heartbeat.doing("closing: waiting for every rank", waiting=True)
         dist.barrier()
         dist.destroy_process_group()
+
+
+def describe_op(op) -> str:
+    """What an op does, for the heartbeat: its kind and the MFC, model or key it serves."""
+    if op.kind == "run":
+        return f"run {op.mfc}"
+    if op.kind == "transfer":
+        return f"transfer {op.key} {op.producer} -> {op.mfc}"
+    return f"{op.kind} {op.model}" + (f" for {op.mfc}" if op.mfc else "")
 
 
 def dp_reducer(group, device: torch.device):
