@@ -136,11 +136,12 @@ class LogWriter:
         self._attrs = attrs
         self.last_complete_step = int(attrs["last_complete_step"])
         self._journal_path = journal.journal_path(self.path)
+        self._journal: journal.Appender | None = None
         with writing("the run log", self.path):
             # The snapshot first: until the journal of its id exists, a reader ignores the old journal.
             _write_snapshot(self.path, attrs, tables)
             journal.create(self._journal_path, attrs["journal_id"])
-            self._journal: journal.Appender | None = journal.Appender(self._journal_path)
+            self._journal = journal.Appender(self._journal_path)
 
     def _check_step(self, step: int) -> int:
         step = int(step)
