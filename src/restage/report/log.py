@@ -1,6 +1,6 @@
 """The HDF5 run log (``log.h5``): ``LogWriter`` for the master rank, ``read_log`` for everyone else.
 
-Layout of format version 1 (docs/report.md has the full table):
+Layout of format version 2 (docs/report.md has the full table):
 
 * four resizable (chunked, ``maxshape=None``) compound datasets, one row per record:
   ``steps`` (one row per completed step), ``mfcs`` (one row per MFC per rank per step),
@@ -9,6 +9,11 @@ Layout of format version 1 (docs/report.md has the full table):
 * root attributes: ``format_version``, ``world_size``, ``dtype``, ``config``, ``schedule``,
   ``cluster``, ``versions`` (text, JSON but for the config), ``created_unix_seconds``,
   ``resumed_at_steps`` (JSON list), ``last_complete_step`` and ``closed``.
+
+Steps count from 1, as in the progress line and in checkpoint names: step N is the Nth completed
+step, ``last_complete_step`` is 0 while none is, and a run resumed from checkpoint ``step-N``
+keeps the rows of steps up to N. Version 1 logs counted from 0; ``read_log`` shifts them by one,
+and a resumed run's writer upgrades its version 1 log in place.
 
 Crash safety uses plain ``flush`` rather than SWMR: SWMR forbids creating attributes and
 objects after it starts and leaves a file that ordinary readers refuse after a crash. The writer
@@ -39,7 +44,8 @@ import numpy as np
 
 from restage.errors import LogError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1 counted steps from 0
 LOG_NAME = "log.h5"
 _STR = h5py.string_dtype("utf-8")
 _CHUNK_ROWS = 1024
@@ -76,13 +82,27 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
-def _check_version(handle: h5py.File, path: Path) -> None:
+def _check_version(handle: h5py.File, path: Path) -> int:
     version = handle.attrs.get("format_version")
     if version is None:
         raise LogError(f"{path} has no format_version attribute; it was not written by restage's LogWriter")
-    if int(version) != FORMAT_VERSION:
-        raise LogError(f"{path} is log format version {int(version)}, this restage reads version {FORMAT_VERSION}; "
-                       f"report it with the restage release that wrote it")
+    if int(version) not in READABLE_VERSIONS:
+        raise LogError(f"{path} is log format version {int(version)}, this restage reads versions "
+                       f"{', '.join(map(str, READABLE_VERSIONS))}; report it with the restage release that wrote it")
+    return int(version)
+
+
+def _upgrade_v1(handle: h5py.File) -> None:
+    """Renumber a version 1 log's steps (from 0) as version 2's (from 1), in place."""
+    for name in TABLES:
+        rows = handle[name][:]
+        if len(rows):
+            rows["step"] += 1
+            handle[name][:] = rows
+    attrs = handle.attrs
+    attrs["last_complete_step"] = int(attrs["last_complete_step"]) + 1
+    attrs["resumed_at_steps"] = json.dumps([s + 1 for s in json.loads(attrs.get("resumed_at_steps", "[]"))])
+    attrs["format_version"] = FORMAT_VERSION
 
 
 class LogWriter:
@@ -90,8 +110,8 @@ class LogWriter:
 
     ``path`` is the log file (``*.h5``) or the run directory that gets ``log.h5``.
     Record the rows of a step with ``mfc``, ``realloc``, ``transfer`` and ``stats``, then call
-    ``end_step``, which writes them and flushes. ``resume_step=k`` reopens an existing log
-    (a run resumed from its checkpoint at step k): rows of steps after k are dropped first.
+    ``end_step``, which writes them and flushes. Steps count from 1. ``resume_step=k`` reopens an
+    existing log (a run resumed from its checkpoint ``step-k``): rows of steps after k are dropped first.
     """
 
     def __init__(self, path: str | Path, *, world_size: int, config: Any = None, schedule: Any = None,
@@ -104,7 +124,8 @@ class LogWriter:
         self._pending: dict[str, list[tuple]] = {name: [] for name in TABLES}
         if resume_step is not None and self.path.exists():
             self._file = h5py.File(self.path, "a", locking=False)
-            _check_version(self._file, self.path)
+            if _check_version(self._file, self.path) == 1:
+                _upgrade_v1(self._file)
             self._truncate_after(resume_step)
             resumed = json.loads(self._file.attrs.get("resumed_at_steps", "[]")) + [int(resume_step)]
             self._file.attrs["resumed_at_steps"] = json.dumps(resumed)
@@ -117,7 +138,7 @@ class LogWriter:
                 self._file.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype_, chunks=(_CHUNK_ROWS,))
             self._file.attrs["format_version"] = FORMAT_VERSION
             self._file.attrs["created_unix_seconds"] = time.time()
-            self._file.attrs["last_complete_step"] = -1
+            self._file.attrs["last_complete_step"] = 0  # steps count from 1
             self._file.attrs["resumed_at_steps"] = "[]"
             for key in ("config", "schedule", "cluster"):
                 self._file.attrs[key] = ""
@@ -148,6 +169,8 @@ class LogWriter:
 
     def _check_step(self, step: int) -> int:
         step = int(step)
+        if step < 1:
+            raise ValueError(f"step {step}: steps count from 1 (step N is the Nth completed step)")
         if step <= self.last_complete_step:
             raise ValueError(f"step {step} is already complete in the log (last complete step {self.last_complete_step})")
         return step
@@ -292,21 +315,24 @@ def read_log(path: str | Path) -> RunLog:
     except OSError as err:
         raise LogError(f"{path} is not a readable HDF5 file ({err}); was it written by restage?") from None
     with handle:
-        _check_version(handle, path)
+        version = _check_version(handle, path)
+        shift = 1 if version == 1 else 0  # version 1 counted steps from 0
         attrs = handle.attrs
-        last = int(attrs["last_complete_step"])
+        last = int(attrs["last_complete_step"]) + shift
         tables, dropped = {}, 0
         for name in TABLES:
             rows = handle[name][:]
+            rows["step"] += shift
             keep = rows["step"] <= last
             dropped += int((~keep).sum())
             tables[name] = _decoded(rows[keep])
         return RunLog(
-            path=path, format_version=int(attrs["format_version"]), world_size=int(attrs["world_size"]),
+            path=path, format_version=version, world_size=int(attrs["world_size"]),
             dtype=str(attrs.get("dtype", "")), config=str(attrs.get("config", "")),
             schedule=_json_attr(attrs, "schedule"), cluster=_json_attr(attrs, "cluster"),
             versions=_json_attr(attrs, "versions") or {}, last_complete_step=last, closed=bool(attrs["closed"]),
-            resumed_at_steps=json.loads(attrs.get("resumed_at_steps", "[]")), dropped_rows=dropped, **tables)
+            resumed_at_steps=[s + shift for s in json.loads(attrs.get("resumed_at_steps", "[]"))], dropped_rows=dropped,
+            **tables)
 
 
 def _append(data, rows: np.ndarray) -> None:
