@@ -75,8 +75,8 @@ def test_statistic_panels_are_distinct_quantities_losses_first(synthetic_log):
     """reward and KL are logged under both train MFCs: one panel each; losses first, then reward, KL, eval curves."""
     series = read_log(synthetic_log).stat_series()
     panels = stat_panels(series)
-    assert [title for title, _ in panels] == ["actor_train/loss", "critic_train/loss", "reward", "kl", "eval/reward",
-                                              "eval/accuracy"]
+    assert [title for title, _ in panels] == ["actor_train/loss", "critic_train/loss", "reward (actor_train, critic_train)",
+                                              "kl (actor_train, critic_train)", "eval/reward", "eval/accuracy"]
     assert panels[2][1] == ["actor_train/reward", "critic_train/reward"]
     assert panels[3][1] == ["actor_train/kl", "critic_train/kl"]
     curves = {series[names[0]][1].tobytes() for _, names in panels}
@@ -89,6 +89,6 @@ def test_a_loss_equal_to_another_statistic_is_one_panel():
     series = {"actor_train/policy_loss": (steps, np.array([0.3, 0.2, 0.1])),
               "actor_train/loss": (steps, np.array([0.3, 0.2, 0.1])), "actor_train/lr": (steps, np.ones(3)),
               "actor_train/reward": (steps, np.array([1.0, 2.0, 3.0]))}
-    assert stat_panels(series) == [("actor_train/policy_loss = actor_train/loss",
+    assert stat_panels(series) == [("actor_train/policy_loss = loss",
                                      ["actor_train/policy_loss", "actor_train/loss"]),
                                     ("actor_train/reward", ["actor_train/reward"]), ("actor_train/lr", ["actor_train/lr"])]

@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen befor
 import numpy as np  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from restage.report.log import RunLog  # noqa: E402
 from restage.report.throughput import layout_ranks, mfc_order  # noqa: E402
@@ -118,18 +119,28 @@ def stat_panels(series: dict[str, tuple[np.ndarray, np.ndarray]]) -> list[tuple[
 
     Series with the same steps and values are one quantity (``prepare_train``'s reward and KL are
     logged under every train MFC; a loss equal to its policy loss): one panel, titled by their common
-    last name part. Losses come first, then reward, KL and the evaluation's curves, then the rest.
+    last name parts and the MFCs they were logged under. Losses come first, then reward, KL and the
+    evaluation's curves, then the rest.
     """
     groups: dict[tuple, list[str]] = {}
     for name, (steps, values) in series.items():
         groups.setdefault((steps.tobytes(), values.tobytes()), []).append(name)
     panels = []
     for names in groups.values():
-        bases = {n.split("/")[-1] for n in names}
-        title = names[0] if len(names) == 1 else (bases.pop() if len(bases) == 1 else " = ".join(names))
-        panels.append((min(_stat_rank(n) for n in names), title, names))
+        panels.append((min(_stat_rank(n) for n in names), _panel_title(names), names))
     panels.sort(key=lambda panel: panel[0])  # stable: first-logged first within a rank
     return [(title, names) for _, title, names in panels[:MAX_STAT_PANELS]]
+
+
+def _panel_title(names: list[str]) -> str:
+    """``actor_train/loss``; ``actor_train/loss = policy_loss``; ``reward = shaped_reward (actor_train, critic_train)``."""
+    if len(names) == 1:
+        return names[0]
+    prefixes = list(dict.fromkeys(n.rpartition("/")[0] for n in names))
+    bases = " = ".join(dict.fromkeys(n.rpartition("/")[2] for n in names))
+    if len(prefixes) == 1:
+        return f"{prefixes[0]}/{bases}" if prefixes[0] else bases
+    return f"{bases} ({', '.join(p for p in prefixes if p)})"
 
 
 def _rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
@@ -164,6 +175,7 @@ def plot_throughput(log: RunLog, path: Path, window: int = 10) -> Path:
                 markersize=3)
         ax.set_title(title)
     for ax in axes.flat[:panels]:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, counted from 1
         ax.set_xlabel("step", labelpad=1)
         ax.grid(alpha=0.3)
     for ax in axes.flat[panels:]:
