@@ -4,8 +4,9 @@ Start-up (the same on every rank): read the schedule, join torch.distributed, cr
 process group the schedule needs (collectively, in one order; ``comm_budget`` says which and
 bounds them), load each model's shard in its
 home layout (each rank reads only its slices), wrap trainable ones in DeepSpeed. Then, every
-iteration: the master's sample ids arrive over MPI, the ops run, records go back to the master,
-the master's decision (checkpoint, stop) comes back.
+iteration: the master's sample ids arrive over MPI, the ops run, at the ``run.eval_every`` cadence
+the held-out prompts are evaluated (``runtime/evaluate.py``), records go back to the master, the
+master's decision (checkpoint, stop) comes back.
 """
 
 from __future__ import annotations
