@@ -50,7 +50,7 @@ def writer_seconds_per_step(folder: Path, steps: int, ranks: int) -> tuple[float
 
     writer = LogWriter(folder / "writer.h5", world_size=ranks)
     record = close = 0.0
-    for step in range(steps):
+    for step in range(1, steps + 1):  # steps count from 1
         start = time.perf_counter()
         for mfc in range(6):
             for rank in range(ranks):

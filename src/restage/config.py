@@ -95,6 +95,9 @@ class RunConfig:
     batch_size: int = 8  # prompts (or pairs) per step
     micro_batches: int = 1
     save_every: int = 0  # 0: only at the end
+    # > 0: after every eval_every-th step and the last, the actor answers every held-out prompt
+    # (dataset.eval_fraction) greedily and the run's reward scores it (runtime/evaluate.py); 0: off
+    eval_every: int = 0
     keep_checkpoints: int = 2
     log_every: int = 1
     # NCCL's watchdog counts from when an op is queued, so every timeout must outlast a peer's long step
@@ -198,6 +201,14 @@ class ExperimentConfig:
             raise ConfigError("generation.top_k must be >= 0 and generation.top_p in (0, 1]")
         if run.save_every < 0 or run.stop_at_step < 0 or run.log_every < 1:
             raise ConfigError("run.save_every and run.stop_at_step must be >= 0 (0: off), run.log_every >= 1")
+        if run.eval_every < 0:
+            raise ConfigError(f"run.eval_every: {run.eval_every} must be >= 0 (0: no evaluation)")
+        if run.eval_every > 0 and not self.dataset.eval_fraction > 0:
+            raise ConfigError(f"run.eval_every: {run.eval_every} evaluates held-out prompts, but dataset.eval_fraction "
+                              "is 0; hold some out (e.g. dataset.eval_fraction=0.02) or set run.eval_every=0")
+        if run.eval_every > 0 and self.dataset.kind != "prompt":
+            raise ConfigError(f"run.eval_every: evaluation generates answers to held-out prompts, but dataset.kind is "
+                              f"{self.dataset.kind!r} ({self.algorithm} does not generate); set run.eval_every=0")
         if run.keep_checkpoints < 1:
             raise ConfigError(f"run.keep_checkpoints: {run.keep_checkpoints} must be >= 1 (the newest is always kept)")
         if run.micro_batches > run.batch_size:

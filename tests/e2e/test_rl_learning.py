@@ -27,8 +27,8 @@ def _check_actor_reallocated_every_step(run, steps: int) -> int:
     layouts = {m["name"]: m["layout"] for m in log.schedule["mfcs"]}
     assert layouts["actor_gen"] != layouts["actor_train"]
     moves = log.transfers[(log.transfers["kind"] == "realloc") & (log.transfers["name"] == "actor")]
-    assert sorted({int(s) for s in moves["step"]}) == list(range(steps))
-    per_step = np.array([moves["num_bytes"][moves["step"] == s].sum() for s in range(steps)])
+    assert sorted({int(s) for s in moves["step"]}) == list(range(1, steps + 1))  # steps count from 1
+    per_step = np.array([moves["num_bytes"][moves["step"] == s].sum() for s in range(1, steps + 1)])
     assert (per_step > 0).all()
     return int(per_step[0])
 

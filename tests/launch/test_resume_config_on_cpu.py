@@ -66,7 +66,7 @@ def test_an_edited_learning_rate_is_refused_with_the_diff(trial):
     assert str(err.value) == (
         "--resume cannot change models.actor.optim.lr 1e-05 -> 3e-05 (the checkpoint was trained with the old value); "
         "undo it, or start a new trial=NAME (on resume only run.steps, run.stop_at_step, run.save_every, "
-        "run.keep_checkpoints, run.log_every, run.startup_timeout_seconds, run.collective_timeout_seconds, "
+        "run.keep_checkpoints, run.eval_every, run.log_every, run.startup_timeout_seconds, run.collective_timeout_seconds, "
         "run.peer_wait_timeout_seconds, run.nonfinite, run.max_skipped_steps, slurm.* may change)")
 
 

@@ -20,7 +20,7 @@ import sys, time
 from restage.report.log import LogWriter
 path, pause = sys.argv[1], float(sys.argv[2])
 writer = LogWriter(path, world_size={RANKS})
-step = 0
+step = 1  # steps count from 1
 print("started", flush=True)
 while True:
     start = time.time()
@@ -29,7 +29,7 @@ while True:
             writer.mfc(step, f"mfc{{mfc}}", "actor", "inference", rank, time.time(), time.time() + 0.001, 8, 1e6, 1000)
         time.sleep(pause)
     writer.realloc(step, "actor", "[0-3]dp4tp1pp1", "[0-3]dp1tp4pp1", 1000, start, time.time())
-    writer.stats(step, {{"loss": 1.0 / (step + 1)}})
+    writer.stats(step, {{"loss": 1.0 / step}})
     writer.end_step(step, start, time.time(), 4, 32, 0.0)
     print("step", step, flush=True)
     step += 1
@@ -47,26 +47,26 @@ def check_consistent(path) -> int:
     log = read_log(path)
     complete = log.last_complete_step
     assert not log.closed
-    assert log.steps["step"].tolist() == list(range(complete + 1))
-    assert len(log.mfcs) == RANKS * MFCS * (complete + 1)
-    assert log.transfers["step"].tolist() == list(range(complete + 1))
-    assert log.stat_series()["loss"][0].tolist() == list(range(complete + 1)) if complete >= 0 else True
+    assert log.steps["step"].tolist() == list(range(1, complete + 1))
+    assert len(log.mfcs) == RANKS * MFCS * complete
+    assert log.transfers["step"].tolist() == list(range(1, complete + 1))
+    assert log.stat_series()["loss"][0].tolist() == list(range(1, complete + 1)) if complete >= 1 else True
     return complete
 
 
 def test_sigkill_mid_step(tmp_path):
     proc = start_writer(tmp_path / "log.h5", pause=0.02)
-    for expected in range(4):
+    for expected in range(1, 5):
         assert proc.stdout.readline().split() == ["step", str(expected)]
     live = read_log(tmp_path / "log.h5")  # read while the writer still holds the file
-    assert not live.closed and live.last_complete_step >= 3
-    time.sleep(0.03)  # inside step 4: some of its MFC rows are recorded, none written
+    assert not live.closed and live.last_complete_step >= 4
+    time.sleep(0.03)  # inside step 5: some of its MFC rows are recorded, none written
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     complete = check_consistent(tmp_path / "log.h5")
-    assert complete >= 3
+    assert complete >= 4
     summary = summarize(read_log(tmp_path / "log.h5"))
-    assert summary["crashed"] and summary["throughput"]["all"]["steps"] == complete + 1
+    assert summary["crashed"] and summary["throughput"]["all"]["steps"] == complete
     assert summary["status"].endswith(f"reported up to its last complete step {complete}")
 
 

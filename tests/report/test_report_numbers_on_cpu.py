@@ -34,7 +34,7 @@ def test_throughput_and_mfu(report):
     assert overall["tflops_per_device"] == pytest.approx(FLOPS / STEP / 4 / 1e12)
     assert overall["mfu"] == pytest.approx(FLOPS / STEP / 4 / 312e12)
     assert report["throughput"]["last"]["steps"] == 2
-    assert report["throughput"]["last"]["first_step"] == 3
+    assert report["throughput"]["last"]["first_step"] == 4  # steps 1..5: the last 2 are steps 4 and 5
 
 
 def test_shares_per_rank(report):
@@ -74,10 +74,42 @@ def test_predicted_against_measured(report):
 
 
 def test_statistics(report):
-    assert report["stats"]["reward"]["count"] == STEPS
-    assert report["stats"]["reward"]["first_step"] == 0 and report["stats"]["reward"]["last"] == pytest.approx(1.0)
-    assert report["stats"]["kl"]["count"] == STEPS - 2 and report["stats"]["kl"]["first_step"] == 2
+    reward, kl = report["stats"]["actor_train/reward"], report["stats"]["actor_train/kl"]
+    assert reward["count"] == STEPS and reward["first_step"] == 1 and reward["last"] == pytest.approx(1.0)
+    assert kl["count"] == STEPS - 2 and kl["first_step"] == 3
+    assert report["stats"]["eval/reward"]["count"] == 1 and report["stats"]["eval/reward"]["first_step"] == STEPS
     assert report["warnings"] == []
+
+
+def test_steps_count_from_one_in_the_report(report, exact_log):
+    from restage.report.summary import format_text
+
+    assert (report["throughput"]["all"]["first_step"], report["throughput"]["all"]["last_step"]) == (1, STEPS)
+    assert report["last_complete_step"] == STEPS
+    text = format_text(report)
+    assert f"steps 1..{STEPS} ({STEPS} complete)" in text
+    assert f"complete: the run closed its log after step {STEPS}" in text
+
+
+def test_memory_is_compared_only_where_it_means_something(exact_log):
+    """On GPUs, against a non-zero prediction; on CPU ranks (peak RSS) or without a prediction, measured only."""
+    import dataclasses
+
+    from restage.report.summary import format_text
+    from restage.report.throughput import memory_comparison
+
+    log = read_log(exact_log)
+    gpu = summarize(log)
+    assert all(m["memory_compared"] for m in gpu["mfcs"]) and gpu["memory_note"] == ""
+    cpu = summarize(dataclasses.replace(log, cluster={**log.cluster, "device": "AMD EPYC (Zen 3) core, CPU"}))
+    assert not any(m["memory_compared"] or m["memory_error_percent"] is not None for m in cpu["mfcs"])
+    assert cpu["memory_note"] == memory_comparison({"device": "a CPU"}) != ""
+    assert f"warning: peak memory is shown measured only: {cpu['memory_note']}" in format_text(cpu)
+    schedule = {"mfcs": [{**m, "predicted": {**m["predicted"], "peak_memory_bytes": 0}} for m in log.schedule["mfcs"]]}
+    unpredicted = summarize(dataclasses.replace(log, schedule=schedule))
+    assert not any(m["memory_compared"] for m in unpredicted["mfcs"])
+    assert unpredicted["memory_note"] == "the schedule predicts no peak memory for these MFCs"
+    assert [m["peak_memory_bytes"] for m in unpredicted["mfcs"]] == [m["peak_memory_bytes"] for m in gpu["mfcs"]]
 
 
 def test_mfu_reads_the_cluster_and_dtype_where_the_runtime_may_put_them():
@@ -96,7 +128,7 @@ def test_dtype_and_cluster_fall_back_to_the_schedule(tmp_path):
     schedule = {"models": {"actor": {"dtype": "fp32"}, "ref": {"dtype": "fp32"}},
                 "cluster": {"peak_fp32_flops_per_second": 1e12, "peak_bf16_flops_per_second": 8e12}}
     with LogWriter(tmp_path, world_size=2, schedule=schedule) as writer:
-        writer.end_step(0, 0.0, 2.0, samples=4, tokens=40, flops=4e12)
+        writer.end_step(1, 0.0, 2.0, samples=4, tokens=40, flops=4e12)
     report = summarize(read_log(tmp_path))
     assert (report["mfu_dtype"], report["peak_flops_per_device"]) == ("fp32", 1e12)
     assert report["throughput"]["all"]["mfu"] == pytest.approx(4e12 / 2.0 / 2 / 1e12)

@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from restage.report.log import read_log
-from restage.report.plots import mfc_colors, plot_sweep, write_plots
+from restage.report.plots import mfc_colors, plot_sweep, stat_panels, write_plots
 from restage.report.summary import summarize
 from restage.report.throughput import mfc_order
 
@@ -36,9 +36,9 @@ def test_plots_exist_with_documented_sizes(any_log, tmp_path):
     written = {p.name: p for p in write_plots(log, summary, tmp_path)}
     predicted = any(m["predicted_seconds"] for m in summary["mfcs"])
     assert set(written) == {"timeline.png", "throughput.png"} | ({"predicted.png"} if predicted else set())
-    stat_panels = min(5, len(log.stat_series()))
+    panels = len(stat_panels(log.stat_series()))
     assert Image.open(written["timeline.png"]).size == (1200, round(100 * min(16.0, 2.4 + 0.4 * log.world_size)))
-    assert Image.open(written["throughput.png"]).size == (1200, 300 * math.ceil((2 + stat_panels) / 2))
+    assert Image.open(written["throughput.png"]).size == (1200, 300 * math.ceil((2 + panels) / 2))
     if predicted:
         assert Image.open(written["predicted.png"]).size == (1200, 500)
 
@@ -69,3 +69,26 @@ def test_short_logs_plot(tmp_path, steps):
 
     log = read_log(write_synthetic_log(tmp_path / "log.h5", steps=steps, world_size=2))
     assert len(write_plots(log, summarize(log), tmp_path / "png")) == 3
+
+
+def test_statistic_panels_are_distinct_quantities_losses_first(synthetic_log):
+    """reward and KL are logged under both train MFCs: one panel each; losses first, then reward, KL, eval curves."""
+    series = read_log(synthetic_log).stat_series()
+    panels = stat_panels(series)
+    assert [title for title, _ in panels] == ["actor_train/loss", "critic_train/loss", "reward (actor_train, critic_train)",
+                                              "kl (actor_train, critic_train)", "eval/reward", "eval/accuracy"]
+    assert panels[2][1] == ["actor_train/reward", "critic_train/reward"]
+    assert panels[3][1] == ["actor_train/kl", "critic_train/kl"]
+    curves = {series[names[0]][1].tobytes() for _, names in panels}
+    assert len(curves) == len(panels)  # no two panels draw the same curve
+    assert series["eval/reward"][0].tolist() == [10, 20, 30]  # evaluated at the cadence and the last step
+
+
+def test_a_loss_equal_to_another_statistic_is_one_panel():
+    steps = np.arange(1, 4)
+    series = {"actor_train/policy_loss": (steps, np.array([0.3, 0.2, 0.1])),
+              "actor_train/loss": (steps, np.array([0.3, 0.2, 0.1])), "actor_train/lr": (steps, np.ones(3)),
+              "actor_train/reward": (steps, np.array([1.0, 2.0, 3.0]))}
+    assert stat_panels(series) == [("actor_train/policy_loss = loss",
+                                     ["actor_train/policy_loss", "actor_train/loss"]),
+                                    ("actor_train/reward", ["actor_train/reward"]), ("actor_train/lr", ["actor_train/lr"])]

@@ -36,7 +36,7 @@ def test_rows_per_trial(sweep_dir):
     for row, folder in zip(rows[:2], ("ws2", "ws4")):
         expected = summarize(read_log(sweep_dir / folder))["throughput"]["all"]
         assert row["samples_per_second"] == expected["samples_per_second"] and row["steps"] == 4
-    assert rows[0]["status"] == "complete" and rows[1]["status"] == "not closed, up to step 3"
+    assert rows[0]["status"] == "complete" and rows[1]["status"] == "not closed, up to step 4"  # of steps 1..4
     assert rows[2]["samples_per_second"] is None and "no log.h5" in rows[2]["status"]
 
 

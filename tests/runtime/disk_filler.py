@@ -1,7 +1,7 @@
 """A rule-based reward (all 0) that fills the trial's disk on one call of rank 0: the run's next write finds no room.
 
 ``RESTAGE_TEST_FILL_DIR``: where the filler file goes (on the disk to fill); ``RESTAGE_TEST_FILL_AT``: the call
-that fills (1-based; each generating rank calls once per step, so call S+1 is step S);
+that fills (each generating rank calls once per step, so call S is step S, counted from 1);
 ``RESTAGE_TEST_FILL_LEAVE_BYTES``: space left free; ``RESTAGE_TEST_FILL_STAMP``: a file (elsewhere) that gets
 the time of the fill.
 """

@@ -24,9 +24,9 @@ EXIT_SECONDS = 60  # from the fill to the launcher's exit
 
 
 @pytest.mark.parametrize("case", [
-    # Filled with nothing left during step 2: the master's log write of step 2 fails.
-    {"fill_at": 3, "leave_bytes": 0, "what": "the run log \\(step 2\\) \\(\\S+/log\\.h5\\.journal\\)", "log_steps": 2},
-    # Filled during step 3 leaving 1 MiB: step 3's log line fits, checkpoint step-4 (about 2.5 MB) does not.
+    # Filled with nothing left during step 3: the master's log write of step 3 fails (steps count from 1).
+    {"fill_at": 3, "leave_bytes": 0, "what": "the run log \\(step 3\\) \\(\\S+/log\\.h5\\.journal\\)", "log_steps": 2},
+    # Filled during step 4 leaving 1 MiB: step 4's log line fits, checkpoint step-4 (about 2.5 MB) does not.
     {"fill_at": 4, "leave_bytes": 1 << 20, "what": "checkpoint step-4 \\(\\S+/checkpoints\\)", "log_steps": 4},
 ], ids=["log", "checkpoint"])
 def test_a_disk_filling_mid_run_ends_it_in_one_line_and_keeps_everything_before(tmp_path, small_tmpfs, case):
@@ -44,16 +44,16 @@ def test_a_disk_filling_mid_run_ends_it_in_one_line_and_keeps_everything_before(
     assert ended - float(stamp.read_text()) < EXIT_SECONDS
     steps = case["log_steps"]
     pattern = (f"restage: error: no space left on {disk} \\(tmpfs\\) while writing {case['what']}; free space there "
-               f"\\(or move run.results_dir\\) and --resume \\(rank [01]\\); kept: log steps 0..{steps - 1}, "
+               f"\\(or move run.results_dir\\) and --resume \\(rank [01]\\); kept: log steps 1..{steps}, "
                "checkpoints step-2")
     assert re.fullmatch(pattern, last), last
 
     log = read_log(trial)  # every step before the failed write, whole
-    assert log.last_complete_step == steps - 1 and log.steps["step"].tolist() == list(range(steps))
-    for step in range(steps):
+    assert log.last_complete_step == steps and log.steps["step"].tolist() == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
         rows = log.mfcs[log.mfcs["step"] == step]
         assert sorted(set(rows["rank"].tolist())) == [0, 1] and len(set(rows["name"].tolist())) == 5
-    assert log.stat_series()["actor_train/loss"][0].tolist() == list(range(steps))
+    assert log.stat_series()["actor_train/loss"][0].tolist() == list(range(1, steps + 1))
 
     assert complete_steps(trial) == [2]  # the checkpoint before the failure, whole and loadable
     from transformers import AutoModelForCausalLM

@@ -25,7 +25,7 @@ def test_an_empty_failure_file_does_not_mislead_the_launcher(tmp_path):
 
 def test_a_full_disk_is_reported_as_itself_with_what_was_kept(tmp_path):
     with LogWriter(tmp_path, world_size=2) as writer:
-        for step in range(4):
+        for step in range(1, 5):
             writer.end_step(step, 0.0, 1.0, 1, 1)
     begin(tmp_path, 2)
     commit(tmp_path, 2, {}, keep=5)
@@ -36,7 +36,7 @@ def test_a_full_disk_is_reported_as_itself_with_what_was_kept(tmp_path):
     output = f"[rank 1] {FULL}\n"
     assert describe_failure(tmp_path, output) == (
         "no space left on /scratch (tmpfs) while writing checkpoint step-4 (/scratch/t/checkpoints); free space "
-        "there (or move run.results_dir) and --resume (rank 1); kept: log steps 0..3, checkpoints step-2")
+        "there (or move run.results_dir) and --resume (rank 1); kept: log steps 1..4, checkpoints step-2")
 
 
 def test_a_failure_file_is_whole_or_absent(tmp_path, monkeypatch):

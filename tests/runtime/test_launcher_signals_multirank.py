@@ -52,9 +52,9 @@ def test_one_signal_checkpoints_at_the_step_end_and_stops(tmp_path, signum):
                                                f"of its step: {trial}")
     log = read_log(trial)
     # The master checks for the request right after printing a step's line, so a signal sent on seeing "step 1/"
-    # may still stop at the end of that step (log step 0) on a loaded machine.
-    assert log.closed and 0 <= log.last_complete_step < 199
-    assert last_checkpoint(trial).name == f"step-{log.last_complete_step + 1}"  # steps count from 0 in the log
+    # may still stop at the end of that step on a loaded machine.
+    assert log.closed and 1 <= log.last_complete_step < 200
+    assert last_checkpoint(trial).name == f"step-{log.last_complete_step}"  # one step numbering: from 1
     assert not (trial / "PREEMPT").exists() and _ranks_of(trial) == []
 
 

@@ -42,8 +42,8 @@ def test_a_nan_reward_skips_that_steps_training(tmp_path):
     assert all(": non-finite rewards in samples [" in line for line in warned)
     log = read_log(trial)
     series = log.stat_series()
-    assert list(series["actor_train/skipped_nonfinite"][0]) == [1] == list(series["critic_train/skipped_nonfinite"][0])
-    assert log.last_complete_step == 3
+    assert list(series["actor_train/skipped_nonfinite"][0]) == [2] == list(series["critic_train/skipped_nonfinite"][0])
+    assert log.last_complete_step == 4
     assert _all_finite(trial) == ["step-1", "step-2", "step-3", "step-4"]
     losses = series["actor_train/loss"][1]
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)  # steps 1, 3, 4 trained
@@ -55,7 +55,7 @@ def test_nonfinite_stop_ends_the_run_and_keeps_the_finite_checkpoints(tmp_path):
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert "NonFiniteError: step 2: " in last and "set run.nonfinite=skip" in last, done.stderr[-2000:]
-    assert read_log(trial).last_complete_step == 0
+    assert read_log(trial).last_complete_step == 1
     assert _all_finite(trial) == ["step-1"] and last_checkpoint(trial).name == "step-1"
 
 

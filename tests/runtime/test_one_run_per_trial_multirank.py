@@ -30,6 +30,6 @@ def test_a_second_run_on_a_trial_in_use_is_refused(tmp_path):
     assert (trial / "schedule.json").read_bytes() == schedule  # nothing of the first run was touched
     output, _ = first.communicate(timeout=600)
     assert first.returncode == 0, output[-3000:]
-    assert read_log(trial).last_complete_step == 2
+    assert read_log(trial).last_complete_step == 3
     assert (last_checkpoint(trial) / "manifest.json").is_file()
     assert "seed: 1" in (trial / "config.yaml").read_text()

@@ -19,7 +19,7 @@ def test_a_trial_that_failed_before_its_first_step_starts_again(tmp_path):
     trial = tmp_path / "ppo-tiny" / "t"
     failed = restage_run(tmp_path, *JOB, "trial=t", "reward_fn=faulty_reward:broken", timeout=300)
     assert failed.returncode != 0 and "reward function broke before the first step" in failed.stderr
-    assert read_log(trial).last_complete_step == -1
+    assert read_log(trial).last_complete_step == 0  # steps count from 1: none complete
     started = time.monotonic()
     resumed = restage_run(tmp_path, "jobs/ppo_tiny.yaml", "-n", "2", "trial=t", "--resume", timeout=120)
     assert time.monotonic() - started < 30 and resumed.returncode == 2
@@ -29,7 +29,7 @@ def test_a_trial_that_failed_before_its_first_step_starts_again(tmp_path):
     again = restage_run(tmp_path, *JOB, "trial=t", timeout=300)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert f"restage: {trial}: the earlier run ended before its first step; starting it afresh" in again.stdout
-    assert read_log(trial).last_complete_step == 1
+    assert read_log(trial).last_complete_step == 2
 
 
 def _job_yaml(path, **run):
@@ -48,7 +48,7 @@ def test_resume_applies_an_edited_step_count_and_refuses_an_edited_learning_rate
                "plan.layouts.critic_train=ranks:0-1 dp2"]
     first = restage_run(tmp_path, str(config), "-n", "2", "trial=y", *layouts, timeout=300)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    assert read_log(trial).last_complete_step == 1
+    assert read_log(trial).last_complete_step == 2
 
     data["models"]["actor"]["optim"]["lr"] = 2.0e-3
     config.write_text(yaml.safe_dump(data))
@@ -59,7 +59,7 @@ def test_resume_applies_an_edited_step_count_and_refuses_an_edited_learning_rate
     assert refused.stderr.strip().splitlines() == [
         "restage: error: --resume cannot change models.actor.optim.lr 0.001 -> 0.002 (the checkpoint was trained "
         "with the old value); undo it, or start a new trial=NAME (on resume only run.steps, run.stop_at_step, "
-        "run.save_every, run.keep_checkpoints, run.log_every, run.startup_timeout_seconds, "
+        "run.save_every, run.keep_checkpoints, run.eval_every, run.log_every, run.startup_timeout_seconds, "
         "run.collective_timeout_seconds, run.peer_wait_timeout_seconds, run.nonfinite, run.max_skipped_steps, slurm.* "
         "may change)"]
     assert (trial / "log.h5").read_bytes() == log_bytes  # no rank started
@@ -71,7 +71,7 @@ def test_resume_applies_an_edited_step_count_and_refuses_an_edited_learning_rate
     assert extended.returncode == 0, extended.stdout[-2000:] + extended.stderr[-2000:]
     assert "restage: --resume applies run.steps 2 -> 4" in extended.stdout.splitlines()
     log = read_log(trial)
-    assert (log.last_complete_step, log.resumed_at_steps) == (3, [1])
+    assert (log.last_complete_step, log.resumed_at_steps) == (4, [2])
     assert [p.name for p in sorted((trial / "checkpoints").glob("step-*"))] == ["step-2", "step-4"]
 
     done = restage_run(tmp_path, str(config), "trial=y", "--resume", timeout=120)

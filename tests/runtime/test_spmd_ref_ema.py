@@ -37,8 +37,8 @@ def test_reference_follows_the_actor_by_ema_and_resumes_exactly(tmp_path):
         ref = mixed
     log = read_log(straight)
     emas = [row for row in log.transfers if row["kind"] == "realloc" and row["name"] == "ema:ref"]
-    assert sorted({int(row["step"]) for row in emas}) == [0, 1, 2]
-    assert sum(row["num_bytes"] for row in emas if int(row["step"]) == 0) > 0  # tp2 -> dp2 sends half the actor
+    assert sorted({int(row["step"]) for row in emas}) == [1, 2, 3]
+    assert sum(row["num_bytes"] for row in emas if int(row["step"]) == 1) > 0  # tp2 -> dp2 sends half the actor
 
     # Offloaded between its MFCs, the reference is mixed where it waits (host memory): same weights.
     _ok(restage_run(tmp_path, *JOB, "trial=offloaded", "models.ref.offload_when_idle=true"))

@@ -28,7 +28,7 @@ def test_stop_and_resume_equals_a_straight_run_bitwise(tmp_path):
     _ok(restage_run(tmp_path, *JOB, "trial=straight"))
     _ok(restage_run(tmp_path, *JOB, "trial=split", "run.stop_at_step=2"))
     split = tmp_path / "ppo-tiny" / "split"
-    assert read_log(split).last_complete_step == 1
+    assert read_log(split).last_complete_step == 2
     _ok(restage_run(tmp_path, "jobs/ppo_tiny.yaml", "-n", "2", "trial=split", "--resume"))
     straight = tmp_path / "ppo-tiny" / "straight"
     for model in ("actor", "critic"):
@@ -36,7 +36,7 @@ def test_stop_and_resume_equals_a_straight_run_bitwise(tmp_path):
         b = hf_weights(last_checkpoint(split) / model / "hf")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), model
     log_a, log_b = read_log(straight), read_log(split)
-    assert log_b.last_complete_step == 3 and log_b.resumed_at_steps == [1]  # the last step kept, 0-based
+    assert log_b.last_complete_step == 4 and log_b.resumed_at_steps == [2]  # resumed from checkpoint step-2
     series_a, series_b = log_a.stat_series(), log_b.stat_series()
     assert series_a.keys() == series_b.keys()
     for name in series_a:
@@ -63,7 +63,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_keeps_log_and_checkpoint(tmp_path)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         steps = [p for p in (trial / "checkpoints").glob("step-*")] if (trial / "checkpoints").is_dir() else []
-        if steps and (trial / "log.h5").is_file() and read_log(trial).last_complete_step >= 3:
+        if steps and (trial / "log.h5").is_file() and read_log(trial).last_complete_step >= 4:
             break
         assert run.poll() is None, run.stdout.read()[-3000:]
         time.sleep(0.5)
@@ -77,7 +77,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_keeps_log_and_checkpoint(tmp_path)
     assert output.strip().splitlines()[-1].startswith("restage: error: rank 1 died from signal 9")
     assert _rank_process(str(trial), 0) is None  # nobody left behind
     log = read_log(trial)
-    assert log.last_complete_step >= 3 and len(log.steps) == log.last_complete_step + 1
+    assert log.last_complete_step >= 4 and log.steps["step"].tolist() == list(range(1, log.last_complete_step + 1))
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(last_checkpoint(trial) / "actor" / "hf")
@@ -94,8 +94,8 @@ def test_exception_inside_an_mfc_names_the_rank_and_error(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("restage: error: rank ") and "ValueError: reward function broke on purpose" in last
     log = read_log(trial)
-    # Each generating rank calls the reward once per step: the third call (step 2) raises.
-    assert log.last_complete_step == 1
+    # Each generating rank calls the reward once per step: the third call (step 3) raises.
+    assert log.last_complete_step == 2
     assert (last_checkpoint(trial) / "manifest.json").is_file()
 
 

@@ -48,8 +48,8 @@ TRAINED = ("actor", "critic")
 def assert_same_run_as_reference(trial, reference_run, resumed_at: list[int]) -> None:
     reference_run.wait_completed()
     log, reference = read_log(trial / "log.h5"), read_log(reference_run.trial_dir / "log.h5")
-    assert [int(s) for s in log.steps["step"]] == [int(s) for s in reference.steps["step"]] == list(range(REFERENCE_STEPS))
-    assert (log.closed, log.last_complete_step, log.resumed_at_steps) == (True, REFERENCE_STEPS - 1, resumed_at)
+    assert [int(s) for s in log.steps["step"]] == [int(s) for s in reference.steps["step"]] == list(range(1, REFERENCE_STEPS + 1))
+    assert (log.closed, log.last_complete_step, log.resumed_at_steps) == (True, REFERENCE_STEPS, resumed_at)
     assert stats_by_step(log) == stats_by_step(reference)  # every statistic of every step, exactly
     final = checkpoint_dir.final_dir(trial, REFERENCE_STEPS)
     for model in TRAINED:
@@ -69,14 +69,14 @@ def test_signal_at_time_limit_requeues_and_resumes_to_the_uninterrupted_run(refe
     assert job_state(job_id) == "PENDING", failure_report(trial)
     done = log_rows(trial)
     stopped_after = len(done)
-    assert done == list(range(stopped_after)) and 2 <= stopped_after < REFERENCE_STEPS
+    assert done == list(range(1, stopped_after + 1)) and 2 <= stopped_after < REFERENCE_STEPS
     assert checkpoint_dir.complete_steps(trial)[-1] == stopped_after  # checkpointed at the stop, not before
     assert read_log(trial / "log.h5").closed  # the stop closed the log cleanly
     time.sleep(2.0)  # past the second in which slurmd revoked the old credential (see the module docstring)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
     state = wait_finished(job_id)
     assert state == "COMPLETED", f"{state}:\n{failure_report(trial)}"
-    assert_same_run_as_reference(trial, reference_run, resumed_at=[stopped_after - 1])
+    assert_same_run_as_reference(trial, reference_run, resumed_at=[stopped_after])
     attempts = read_json(trial / "job.json")["attempts"]
     assert [(a["job_id"], a["restarts"], a["resume"]) for a in attempts] == [(job_id, 0, False), (job_id, 1, True)]
     assert [a["outcome"] for a in attempts] == [f"requeued after checkpoint at step {stopped_after}", "completed"]
@@ -111,8 +111,8 @@ def test_cancel_mid_run_leaves_a_readable_log_and_a_whole_checkpoint(reference_r
 
     log = read_log(trial / "log.h5")  # readable after the kill; every step complete up to the last one
     assert not log.closed
-    assert [int(s) for s in log.steps["step"]] == list(range(log.last_complete_step + 1))
-    assert log.last_complete_step + 1 >= saved
+    assert [int(s) for s in log.steps["step"]] == list(range(1, log.last_complete_step + 1))
+    assert log.last_complete_step >= saved
     assert read_json(trial / "job.json")["attempts"][0]["job_id"] == job_id
     assert cli.main(["status", str(trial)]) == 0
     assert "CANCELLED" in capsys.readouterr().out
@@ -121,4 +121,4 @@ def test_cancel_mid_run_leaves_a_readable_log_and_a_whole_checkpoint(reference_r
     job_id, _ = submit_real("jobs/ppo_tiny.yaml", tmp_path / "results", "cancelled", *overrides, resume=True)
     state = wait_finished(job_id)
     assert state == "COMPLETED", f"{state}:\n{failure_report(trial)}"
-    assert_same_run_as_reference(trial, reference_run, resumed_at=[saved - 1])
+    assert_same_run_as_reference(trial, reference_run, resumed_at=[saved])

@@ -33,16 +33,16 @@ def test_real_ppo_job_runs_every_rank_to_completion_with_a_complete_log(referenc
     assert {m["name"]: (m["layout"]["dp"], m["layout"]["tp"]) for m in schedule.mfcs}["actor_train"] == (1, 2)
     log = read_log(trial / "log.h5")
     assert (log.closed, log.world_size, log.last_complete_step, log.resumed_at_steps) == (
-        True, REAL_RANKS, REFERENCE_STEPS - 1, [])
-    assert [int(s) for s in log.steps["step"]] == list(range(REFERENCE_STEPS))  # every step, once
+        True, REAL_RANKS, REFERENCE_STEPS, [])
+    assert [int(s) for s in log.steps["step"]] == list(range(1, REFERENCE_STEPS + 1))  # every step, once, from 1
     assert (log.steps["samples"] == 32).all() and (log.steps["tokens"] > 0).all()
-    for step in range(REFERENCE_STEPS):  # both ranks ran every MFC, and the actor moved between layouts
+    for step in range(1, REFERENCE_STEPS + 1):  # both ranks ran every MFC, and the actor moved between layouts
         rows = log.mfcs[log.mfcs["step"] == step]
         assert {(str(r["name"]), int(r["rank"])) for r in rows} == {(m, r) for m in MFCS for r in range(REAL_RANKS)}
         moves = log.transfers[(log.transfers["step"] == step) & (log.transfers["kind"] == "realloc")]
         assert {str(n) for n in moves["name"]} == {"actor"} and moves["num_bytes"].sum() > 0
     stats = stats_by_step(log)
-    assert sorted(stats) == list(range(REFERENCE_STEPS))
+    assert sorted(stats) == list(range(1, REFERENCE_STEPS + 1))
     assert all({"actor_train/loss", "critic_train/loss", "actor_train/reward"} <= set(s) for s in stats.values())
     assert checkpoint_dir.complete_steps(trial) == [REFERENCE_STEPS - SAVE_EVERY, REFERENCE_STEPS]  # keeps 2
     attempts = read_json(trial / "job.json")["attempts"]

@@ -37,7 +37,7 @@ def test_two_trial_sweep_of_real_jobs_is_one_job_array(tiny_model, tmp_path, cap
         trial_dir = sweep_dir / t["trial"].split("/")[1]
         assert trial_dir == type(trial_dir)(t["trial_dir"])
         log = read_log(trial_dir / "log.h5")  # its own log, with its own number of steps
-        assert (log.closed, log.world_size, [int(s) for s in log.steps["step"]]) == (True, REAL_RANKS, list(range(steps)))
+        assert (log.closed, log.world_size, [int(s) for s in log.steps["step"]]) == (True, REAL_RANKS, list(range(1, steps + 1)))
         assert yaml.safe_load(log.config)["trial"] == t["trial"]
         assert read_schedule(trial_dir / "schedule.json").world_size == REAL_RANKS  # planned in its job
         attempts = read_json(trial_dir / "job.json")["attempts"]

@@ -34,6 +34,8 @@ def test_load_with_overrides(config_file):
     ("run.keep_checkpoints=0", "run.keep_checkpoints: 0 must be >= 1"),
     ("run.micro_batches=10", "run.micro_batches: 10 is more than run.batch_size (8)"),
     ("run.nonfinite=ignore", "run.nonfinite: 'ignore' must be skip or stop"),
+    ("run.eval_every=-1", "run.eval_every: -1 must be >= 0 (0: no evaluation)"),
+    ("run.eval_every=5", "run.eval_every: 5 evaluates held-out prompts, but dataset.eval_fraction is 0; hold some out"),
 ])
 def test_bad_config_gets_one_line_naming_the_key(config_file, override, message):
     with pytest.raises(ConfigError) as err:
@@ -64,3 +66,12 @@ def test_dtype_defaults_to_bf16_on_gpu_clusters_and_fp32_on_cpu(tmp_path):
     assert (gpu.models["actor"].dtype, gpu.models["ref"].dtype) == ("bf16", "fp32")  # an explicit dtype stays
     assert load_config(path).models["actor"].dtype == "fp32"  # local-cpu
     assert "dtype: bf16" in gpu.to_yaml()  # the trial's config.yaml records what ran
+
+
+def test_evaluation_needs_held_out_prompts_to_answer(config_file):
+    cfg = load_config(config_file, ["run.eval_every=5", "dataset.eval_fraction=0.1"])
+    assert (cfg.run.eval_every, cfg.dataset.eval_fraction) == (5, 0.1)
+    assert load_config(config_file).run.eval_every == 0  # off unless asked
+    with pytest.raises(ConfigError, match="run.eval_every: evaluation generates answers to held-out prompts, but "
+                                          "dataset.kind is 'sft' \\(ppo does not generate\\); set run.eval_every=0"):
+        load_config(config_file, ["run.eval_every=5", "dataset.eval_fraction=0.1", "dataset.kind=sft"])

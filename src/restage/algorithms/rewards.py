@@ -17,12 +17,26 @@ from restage.data.batch import Batch
 from restage.errors import ConfigError
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+AccuracyFn = Callable[[list[str], list[str]], Sequence[bool]]
 _REWARDS: dict[str, RewardFn | str] = {"sort": "restage.data.tasks:reward"}
+# A task whose answers are right or wrong also names that test: evaluation reports its accuracy.
+_ACCURACY: dict[str, AccuracyFn | str] = {"sort": "restage.data.tasks:correct"}
 
 
-def register_reward(name: str, fn: RewardFn | str) -> None:
-    """Make ``fn`` (or its ``module:function`` spec) the reward called ``name``."""
+def register_reward(name: str, fn: RewardFn | str, accuracy: AccuracyFn | str | None = None) -> None:
+    """Make ``fn`` (or its ``module:function`` spec) the reward called ``name``; ``accuracy``, when the task has
+    one, says which answers are right (evaluation during training reports the fraction, ``eval/accuracy``)."""
     _REWARDS[name] = fn
+    if accuracy is not None:
+        _ACCURACY[name] = accuracy
+    else:
+        _ACCURACY.pop(name, None)
+
+
+def resolve_accuracy(spec: str) -> AccuracyFn | None:
+    """The right-or-wrong test registered with the reward ``spec``, or None when the task has none."""
+    target = _ACCURACY.get(spec)
+    return None if target is None else _resolve(target, spec)
 
 
 def reward_names() -> tuple[str, ...]:
@@ -31,7 +45,10 @@ def reward_names() -> tuple[str, ...]:
 
 def resolve_reward(spec: str) -> RewardFn:
     """The function a ``reward_fn`` value names; a one-line ConfigError when it cannot be found."""
-    target = _REWARDS.get(spec, spec)
+    return _resolve(_REWARDS.get(spec, spec), spec)
+
+
+def _resolve(target, spec: str):
     if callable(target):
         return target
     if ":" not in target:

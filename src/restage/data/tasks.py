@@ -59,6 +59,11 @@ def reward(prompts: Sequence[str], answers: Sequence[str]) -> list[float]:
     return [score(p, a) for p, a in zip(prompts, answers)]
 
 
+def correct(prompts: Sequence[str], answers: Sequence[str]) -> list[bool]:
+    """Whether each answer is exactly the sorted digits (score 1.0): the task's accuracy."""
+    return [answer.split() == target(prompt) for prompt, answer in zip(prompts, answers)]
+
+
 def random_digits(rng: random.Random) -> list[str]:
     """3 to 6 digits with at least two distinct values (so a wrong order always exists)."""
     while True:

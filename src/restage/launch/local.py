@@ -146,7 +146,7 @@ def _completed_steps(log: Path) -> int:
     from restage.report.log import read_log
 
     try:
-        return read_log(log).last_complete_step + 1
+        return read_log(log).last_complete_step  # steps count from 1
     except LogError:
         return 0  # a log that was never written past its header
 

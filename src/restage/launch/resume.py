@@ -21,8 +21,8 @@ from restage.errors import ConfigError
 TRIAL_KEYS = ("experiment", "trial", "run.results_dir")  # they pick the trial; they are not changes to it
 # Keys a resume may change: none of them alters what a step computes, only how many steps run and
 # how the run is kept and watched. Entries ending in "." cover a whole section.
-SAFE_ON_RESUME = ("run.steps", "run.stop_at_step", "run.save_every", "run.keep_checkpoints", "run.log_every",
-                  "run.startup_timeout_seconds", "run.collective_timeout_seconds", "run.peer_wait_timeout_seconds",
+SAFE_ON_RESUME = ("run.steps", "run.stop_at_step", "run.save_every", "run.keep_checkpoints", "run.eval_every",
+                  "run.log_every", "run.startup_timeout_seconds", "run.collective_timeout_seconds", "run.peer_wait_timeout_seconds",
                   "run.nonfinite", "run.max_skipped_steps", "slurm.")
 OVERRIDES_FILE = "overrides.json"
 

@@ -7,7 +7,7 @@
     submission.json    what `restage submit` / `restage sweep` submitted: job id, script, submitit folder
     job.json           one row per attempt of the job (requeues add rows): ids, hosts, launch line, outcome
     output.log         every rank's stdout and stderr, appended across attempts
-    log.h5             the runtime's metrics log (master rank, steps from 0; restage.report.log); while
+    log.h5             the runtime's metrics log (master rank, steps from 1; restage.report.log); while
                        the run goes on, its steps are appended to log.h5.journal, folded in at the end
     checkpoints/       step-N/ whole checkpoints after N steps (restage.runtime.checkpoint_dir):
                        <model>/hf/ (transformers loads it), <model>/engine/, ranks/, manifest.json

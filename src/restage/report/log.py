@@ -23,7 +23,13 @@ journal step folded in, ``closed`` set, the journal removed). A journal whose id
 snapshot's belongs to a replaced log and is ignored. A step costs one ``write`` (no fsync: a killed
 process loses nothing written; a machine crash may lose the last steps, never earlier ones).
 A write that finds the disk full raises ``DiskFullError`` (one line) and leaves the journal as it
-was before that step. Format version 1 logs (rows appended to ``log.h5`` in place) are still read.
+was before that step.
+
+Steps count from 1, as in the progress line and in checkpoint names: step N is the Nth completed
+step, ``last_complete_step`` is 0 while none is, and a run resumed from checkpoint ``step-N`` keeps
+the rows of steps up to N. Format version 1 logs (rows appended to ``log.h5`` in place, steps
+counted from 0) are still read: ``read_log`` adds one to their step numbers, and a resumed run's
+writer rewrites such a log as version 2.
 
 Times are seconds on the master's clock (each rank corrects its own by an offset measured at
 start-up, ``runtime.clock``); the report only ever uses differences, within a rank for durations
@@ -48,7 +54,7 @@ from restage.errors import LogError
 from restage.report import journal
 
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: rows appended to log.h5 in place, no journal
+READABLE_VERSIONS = (1, 2)  # version 1: rows appended to log.h5 in place, no journal, steps from 0
 LOG_NAME = "log.h5"
 _STR = h5py.string_dtype("utf-8")
 _CHUNK_ROWS = 1024
@@ -85,14 +91,14 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
-def _check_version(attrs, path: Path) -> None:
+def _check_version(attrs, path: Path) -> int:
     version = attrs.get("format_version")
     if version is None:
         raise LogError(f"{path} has no format_version attribute; it was not written by restage's LogWriter")
     if int(version) not in READABLE_VERSIONS:
-        raise LogError(f"{path} is log format version {int(version)}, this restage reads version {FORMAT_VERSION} "
-                       f"(and {', '.join(str(v) for v in READABLE_VERSIONS if v != FORMAT_VERSION)}); report it with "
-                       "the restage release that wrote it")
+        raise LogError(f"{path} is log format version {int(version)}, this restage reads versions "
+                       f"{', '.join(map(str, READABLE_VERSIONS))}; report it with the restage release that wrote it")
+    return int(version)
 
 
 class LogWriter:
@@ -100,8 +106,8 @@ class LogWriter:
 
     ``path`` is the log file (``*.h5``) or the run directory that gets ``log.h5``.
     Record the rows of a step with ``mfc``, ``realloc``, ``transfer`` and ``stats``, then call
-    ``end_step``, which appends them to the journal as one line. ``resume_step=k`` reopens an existing
-    log (a run resumed from its checkpoint at step k): rows of steps after k are dropped first.
+    ``end_step``, which appends them to the journal as one line. Steps count from 1. ``resume_step=k``
+    reopens an existing log (a run resumed from its checkpoint ``step-k``): rows of steps after k are dropped first.
     A write that finds the disk full raises ``DiskFullError``; every step before it stays readable.
     """
 
@@ -124,7 +130,7 @@ class LogWriter:
                 raise LogError(f"{self.path} already exists; resume the run or give it a new results directory")
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tables = {name: np.empty(0, dtype=dtype_) for name, dtype_ in TABLES.items()}
-            attrs = {"created_unix_seconds": time.time(), "last_complete_step": -1, "resumed_at_steps": "[]",
+            attrs = {"created_unix_seconds": time.time(), "last_complete_step": 0, "resumed_at_steps": "[]",
                      "config": "", "schedule": "", "cluster": ""}
         attrs.update(format_version=FORMAT_VERSION, world_size=int(world_size), closed=False,
                      journal_id=secrets.token_hex(8), versions=_text(package_versions() if versions is None else versions))
@@ -145,6 +151,8 @@ class LogWriter:
 
     def _check_step(self, step: int) -> int:
         step = int(step)
+        if step < 1:
+            raise ValueError(f"step {step}: steps count from 1 (step N is the Nth completed step)")
         if step <= self.last_complete_step:
             raise ValueError(f"step {step} is already complete in the log (last complete step {self.last_complete_step})")
         return step
@@ -321,7 +329,7 @@ def _load_once(path: Path) -> _Contents:
         # locking=False: the file may be replaced while it is read, and a version 1 writer held its lock.
         with h5py.File(path, "r", locking=False) as handle:
             attrs = {key: _plain(value) for key, value in handle.attrs.items()}
-            _check_version(attrs, path)
+            version = _check_version(attrs, path)
             snapshot = {name: handle[name][:] for name in TABLES}
     except LogError:
         raise
@@ -329,6 +337,12 @@ def _load_once(path: Path) -> _Contents:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise LogError(f"{path} is not a readable restage log ({first}); was it written by restage?") from None
     last = int(attrs.get("last_complete_step", -1))
+    if version == 1:  # steps counted from 0: renumber as version 2 counts them
+        last += 1
+        for rows in snapshot.values():
+            rows["step"] += 1
+        attrs["resumed_at_steps"] = json.dumps([s + 1 for s in json.loads(attrs.get("resumed_at_steps", "[]"))])
+        attrs["last_complete_step"] = last
     tables, dropped = {}, 0
     for name, rows in snapshot.items():
         keep = rows["step"] <= last  # version 1: rows of a step in flight when the writer died

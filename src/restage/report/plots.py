@@ -2,15 +2,17 @@
 
 * ``timeline.png``: one iteration, a row per rank, MFCs coloured, reallocations and transfers hatched;
   1200 x min(1600, 240 + 40 * ranks) px.
-* ``throughput.png``: samples/s and tokens/s per step, then one panel per key statistic (up to 5);
-  1200 x 300 * ceil((2 + statistics) / 2) px.
-* ``predicted.png``: predicted against measured seconds and peak memory per MFC; 1200 x 500 px.
+* ``throughput.png``: samples/s and tokens/s per step, then one panel per distinct statistic (up to 6:
+  losses first, then reward, KL, the evaluation's curves, the rest); 1200 x 300 * ceil((2 + panels) / 2) px.
+* ``predicted.png``: predicted against measured seconds and peak memory per MFC (memory measured only
+  where the two are not comparable); 1200 x 500 px.
 * ``sweep.png``: throughput of each trial of a sweep; 1000 x 500 px.
 """
 
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -20,13 +22,13 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen befor
 import numpy as np  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from restage.report.log import RunLog  # noqa: E402
 from restage.report.throughput import layout_ranks, mfc_order  # noqa: E402
 
 DPI = 100
-KEY_STATS = ("reward", "kl", "loss")  # statistics whose names contain these come first, in this order
-MAX_STAT_PANELS = 5
+MAX_STAT_PANELS = 6
 MOVE_STYLE = {"realloc": ("#555555", "////"), "transfer": ("#c8a060", "xxxx")}
 
 
@@ -102,10 +104,43 @@ def plot_timeline(log: RunLog, path: Path, step: int | None = None) -> Path:
     return _save(fig, path)
 
 
-def key_stats(names: list[str]) -> list[str]:
-    """Statistics to plot: reward, KL and loss series first, then the others, at most MAX_STAT_PANELS."""
-    ranked = sorted(names, key=lambda n: next((i for i, k in enumerate(KEY_STATS) if k in n.lower()), len(KEY_STATS)))
-    return ranked[:MAX_STAT_PANELS]
+def _stat_rank(name: str) -> int:
+    """Panel order: losses, reward, KL, the evaluation's curves (reward, accuracy, length), then the rest."""
+    base = name.split("/")[-1].lower()
+    if name.startswith("eval/"):
+        return 3 + ("reward", "accuracy", "length").index(base) if base in ("reward", "accuracy", "length") else 7
+    if base == "loss" or base.endswith("_loss"):
+        return 0
+    return {"reward": 1, "kl": 2}.get(base, 7)
+
+
+def stat_panels(series: dict[str, tuple[np.ndarray, np.ndarray]]) -> list[tuple[str, list[str]]]:
+    """(title, names) of the statistics panels: one per distinct quantity, at most MAX_STAT_PANELS.
+
+    Series with the same steps and values are one quantity (``prepare_train``'s reward and KL are
+    logged under every train MFC; a loss equal to its policy loss): one panel, titled by their common
+    last name parts and the MFCs they were logged under. Losses come first, then reward, KL and the
+    evaluation's curves, then the rest.
+    """
+    groups: dict[tuple, list[str]] = {}
+    for name, (steps, values) in series.items():
+        groups.setdefault((steps.tobytes(), values.tobytes()), []).append(name)
+    panels = []
+    for names in groups.values():
+        panels.append((min(_stat_rank(n) for n in names), _panel_title(names), names))
+    panels.sort(key=lambda panel: panel[0])  # stable: first-logged first within a rank
+    return [(title, names) for _, title, names in panels[:MAX_STAT_PANELS]]
+
+
+def _panel_title(names: list[str]) -> str:
+    """``actor_train/loss``; ``actor_train/loss = policy_loss``; ``reward = shaped_reward (actor_train, critic_train)``."""
+    if len(names) == 1:
+        return names[0]
+    prefixes = list(dict.fromkeys(n.rpartition("/")[0] for n in names))
+    bases = " = ".join(dict.fromkeys(n.rpartition("/")[2] for n in names))
+    if len(prefixes) == 1:
+        return f"{prefixes[0]}/{bases}" if prefixes[0] else bases
+    return f"{bases} ({', '.join(p for p in prefixes if p)})"
 
 
 def _rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
@@ -118,7 +153,7 @@ def _rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
 def plot_throughput(log: RunLog, path: Path, window: int = 10) -> Path:
     """Samples/s and tokens/s per step (thin) with a ``window``-step trailing mean (thick), then key statistics."""
     series = log.stat_series()
-    chosen = key_stats(list(series))
+    chosen = stat_panels(series)
     panels = 2 + len(chosen)
     nrows = math.ceil(panels / 2)
     fig, axes = plt.subplots(nrows, 2, figsize=(12, 3 * nrows), squeeze=False)
@@ -133,11 +168,14 @@ def plot_throughput(log: RunLog, path: Path, window: int = 10) -> Path:
         ax.plot(steps["step"], _rolling_mean(values, window), color=color, linewidth=2, label=f"mean of last {window}")
         ax.set_title(f"{label} per step")
         ax.legend(fontsize=7, loc="lower right")
-    for ax, name in zip(axes.flat[2:], chosen):
-        xs, ys = series[name]
-        ax.plot(xs, ys, linewidth=1, color="tab:green")
-        ax.set_title(name)
+    for ax, (title, names) in zip(axes.flat[2:], chosen):
+        xs, ys = series[names[0]]
+        evaluated = names[0].startswith("eval/")  # only at the evaluation cadence: mark each point
+        ax.plot(xs, ys, linewidth=1, color="tab:purple" if evaluated else "tab:green", marker="o" if evaluated else None,
+                markersize=3)
+        ax.set_title(title)
     for ax in axes.flat[:panels]:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, counted from 1
         ax.set_xlabel("step", labelpad=1)
         ax.grid(alpha=0.3)
     for ax in axes.flat[panels:]:
@@ -162,7 +200,7 @@ def _bars_with_error(ax, labels: list[str], predicted: list[float], measured: li
 def plot_predicted(summary: dict, path: Path, title: str = "") -> Path | None:
     """Predicted against measured seconds (left) and peak memory (right) per MFC; None if the schedule predicts nothing."""
     timed = [m for m in summary["mfcs"] if m["predicted_seconds"] and m["measured_seconds"] > 0]
-    sized = [m for m in summary["mfcs"] if m["predicted_peak_memory_bytes"] and m["peak_memory_bytes"] > 0]
+    sized = [m for m in summary["mfcs"] if m["memory_compared"]]
     if not timed and not sized:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
@@ -170,9 +208,20 @@ def plot_predicted(summary: dict, path: Path, title: str = "") -> Path | None:
     _bars_with_error(left, [m["name"] for m in timed], [m["predicted_seconds"] for m in timed],
                      [m["measured_seconds"] for m in timed], 1.0, "seconds per step (measured: median span)")
     left.set_title("time per MFC (label: prediction error)")
-    _bars_with_error(right, [m["name"] for m in sized], [m["predicted_peak_memory_bytes"] for m in sized],
-                     [m["peak_memory_bytes"] for m in sized], 2**30, "peak memory per rank, GiB")
-    right.set_title("peak memory per MFC (label: prediction error)")
+    if sized:
+        _bars_with_error(right, [m["name"] for m in sized], [m["predicted_peak_memory_bytes"] for m in sized],
+                         [m["peak_memory_bytes"] for m in sized], 2**30, "peak memory per rank, GiB")
+        right.set_title("peak memory per MFC (label: prediction error)")
+    else:  # nothing to compare (summary["memory_note"] says why): what was measured, without a prediction
+        measured = [m for m in summary["mfcs"] if m["peak_memory_bytes"] > 0]
+        x = np.arange(len(measured))
+        right.bar(x, [m["peak_memory_bytes"] / 2**30 for m in measured], 0.5, color="tab:blue")
+        right.set_xticks(x, [m["name"] for m in measured], rotation=30, ha="right", fontsize=8)
+        right.set_ylabel("peak memory per rank, GiB")
+        right.set_title("peak memory per MFC, measured only (not comparable to the estimate)", fontsize=10)
+        right.text(0.5, 0.97, "\n".join(textwrap.wrap(summary.get("memory_note") or "", 70)), transform=right.transAxes,
+                   ha="center", va="top", fontsize=7)
+        right.margins(y=0.3)
     handles = [Patch(facecolor="tab:gray", label="predicted"), Patch(facecolor="tab:blue", label="measured")]
     fig.legend(handles=handles, loc="upper right", ncol=2, fontsize=8, frameon=False)
     fig.suptitle(title or "estimator: predicted against measured")

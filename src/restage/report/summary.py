@@ -9,6 +9,7 @@ import numpy as np
 from restage.errors import LogError
 from restage.report.log import RunLog
 from restage.report.throughput import (
+    memory_comparison,
     mfc_table,
     movement_totals,
     peak_flops_per_device,
@@ -57,6 +58,12 @@ def summarize(log: RunLog, last_n: int = 20) -> dict:
         warnings.append("the schedule carries no per-MFC predictions; predicted against measured is skipped")
     if peak is None:
         warnings.append(f"MFU skipped: {dtype_or_reason}")
+    memory_note = memory_comparison(cluster)
+    mfcs = mfc_table(log, predictions, compare_memory=not memory_note)
+    if predictions and not memory_note and not any(m["memory_compared"] for m in mfcs):
+        memory_note = "the schedule predicts no peak memory for these MFCs"
+    if memory_note:
+        warnings.append(f"peak memory is shown measured only: {memory_note}")
     return {
         "log": str(log.path), "format_version": log.format_version, "world_size": log.world_size,
         "closed": log.closed, "crashed": log.crashed, "status": status_line(log),
@@ -64,7 +71,7 @@ def summarize(log: RunLog, last_n: int = 20) -> dict:
         "peak_flops_per_device": peak, "mfu_dtype": dtype_or_reason if peak is not None else None,
         "throughput": {"all": overall, "last": throughput(log, rows[-last_n:], flops[-last_n:], peak)},
         "last_n": last_n,
-        "mfcs": mfc_table(log, predictions),
+        "mfcs": mfcs, "memory_note": memory_note,
         "movements": movement_totals(log, overall["wall_seconds"]),
         "shares": {str(rank): entry for rank, entry in sorted(shares.items())},
         "stats": _stat_summary(log, last_n),
@@ -140,7 +147,8 @@ def format_text(summary: dict) -> str:
         rows.append([m["name"], m["model"], m["kind"], ranks_text(m["ranks"]), fmt_number(m["measured_seconds"], ".4f"),
                      fmt_number(m["predicted_seconds"], ".4f"), fmt_number(m["error_percent"], "+.1f"),
                      fmt_number(m["peak_memory_bytes"] / GIB, ".2f"),
-                     fmt_number(_scaled(m["predicted_peak_memory_bytes"], 1 / GIB), ".2f"),
+                     fmt_number(_scaled(m["predicted_peak_memory_bytes"] if m["memory_compared"] else None, 1 / GIB),
+                                ".2f"),
                      fmt_number(m["memory_error_percent"], "+.1f")])
     out += ["", "MFCs (measured: median over steps of the span over its ranks; error: predicted vs measured)"]
     out += text_table(["mfc", "model", "kind", "ranks", "measured s", "predicted s", "error %", "peak mem GiB",

@@ -34,6 +34,7 @@ PEAK_MEMORY_BYTES = {"actor_gen": 30e9, "ref_inf": 18e9, "reward_inf": 17e9, "cr
 PARAMS = 7e9
 SEQ_TOKENS = 256
 SAMPLES_PER_RANK = 8
+EVAL_EVERY = 10
 PEAK_FLOPS_BF16 = 312e12
 
 
@@ -103,12 +104,17 @@ def _write_step(writer: LogWriter, step: int, steps: int, step_start: float, rng
     run("critic_train", hi, tokens // half, 6 * PARAMS)
     step_end = max(rank_time.values()) + seconds("master")
     flops = 2 * PARAMS * tokens * 4 + 6 * PARAMS * tokens * 2  # gen, ref, reward, critic inference; two trains
-    progress = step / max(1, steps - 1)
-    values = {"reward": -1.0 + 2.0 * progress + 0.1 * noise * rng.standard_normal(),
-              "actor_loss": 0.5 * np.exp(-3 * progress) + 0.02 * noise * rng.standard_normal(),
-              "critic_loss": 1.0 * np.exp(-2 * progress) + 0.02 * noise * rng.standard_normal()}
-    if step >= 2:  # a statistic that appears after the first steps, as an adaptive KL controller's would
-        values["kl"] = 0.05 * progress + 0.005 * abs(noise * rng.standard_normal())
+    progress = (step - 1) / max(1, steps - 1)
+    # Named as the runtime names them: a train MFC's own loss; prepare_train's reward and KL under every train MFC.
+    reward = -1.0 + 2.0 * progress + 0.1 * noise * rng.standard_normal()
+    values = {"actor_train/loss": 0.5 * np.exp(-3 * progress) + 0.02 * noise * rng.standard_normal(),
+              "critic_train/loss": 1.0 * np.exp(-2 * progress) + 0.02 * noise * rng.standard_normal(),
+              "actor_train/reward": reward, "critic_train/reward": reward}
+    if step >= 3:  # a statistic that appears after the first steps, as an adaptive KL controller's would
+        values["actor_train/kl"] = values["critic_train/kl"] = 0.05 * progress + 0.005 * abs(noise * rng.standard_normal())
+    if step % EVAL_EVERY == 0 or step == steps:  # an evaluation of held-out prompts (run.eval_every)
+        values |= {"eval/reward": 0.8 * reward, "eval/accuracy": max(0.0, 0.5 * progress), "eval/length": 6.0,
+                   "eval/prompts": 20.0}
     writer.stats(step, values)
     writer.end_step(step, step_start, step_end, samples, tokens, flops)
     return step_end
@@ -124,7 +130,7 @@ def write_synthetic_log(path: str | Path, steps: int = 200, world_size: int = 8,
                        schedule=synthetic_schedule(world_size), cluster=synthetic_cluster(world_size), dtype="bf16",
                        overwrite=True)
     clock = start_unix_seconds
-    for step in range(steps):
+    for step in range(1, steps + 1):  # steps count from 1
         clock = _write_step(writer, step, steps, clock, rng, noise)
     if close:
         writer.close()

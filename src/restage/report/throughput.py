@@ -79,6 +79,21 @@ def peak_flops_per_device(cluster: dict | None, dtype: str) -> tuple[float | Non
     return float(table[dtype]), dtype
 
 
+def memory_comparison(cluster: dict | None) -> str:
+    """Why measured peak memory cannot be set against the estimator's, or "" when it can.
+
+    The estimator predicts device memory (weights, optimizer state, activations, KV cache). On
+    GPUs the runtime measures device memory; on CPU ranks (``cluster["device"]`` names a CPU, as
+    ``ClusterSpec.has_gpus`` reads it) it measures the process's peak resident set, which is
+    mostly the interpreter and libraries: the two are not the same quantity.
+    """
+    device = (cluster or {}).get("device")
+    if isinstance(device, str) and "cpu" in device.lower():
+        return ("the ranks ran on CPUs, where peak memory is the process's peak resident set (interpreter and "
+                "libraries included), not the device memory the estimator predicts")
+    return ""
+
+
 _LAYOUT = re.compile(r"^\[([0-9,\- ]+)\]")
 
 
@@ -196,8 +211,12 @@ def mfc_order(log: RunLog) -> list[str]:
     return sorted((name for (name,) in groups), key=lambda n: float(np.median(offsets[groups[(n,)]])))
 
 
-def mfc_table(log: RunLog, predictions: dict[str, Prediction]) -> list[dict]:
-    """One entry per MFC in run order: model, kind, ranks, measured and predicted seconds, errors, peak memory, tokens, FLOPs."""
+def mfc_table(log: RunLog, predictions: dict[str, Prediction], compare_memory: bool = True) -> list[dict]:
+    """One entry per MFC in run order: model, kind, ranks, measured and predicted seconds, errors, peak memory, tokens, FLOPs.
+
+    Peak memory is set against the prediction (``memory_compared``) only where the plan predicted a
+    non-zero figure and ``compare_memory`` (see ``memory_comparison``); elsewhere it is measured only.
+    """
     entries = []
     by_name = _group_rows(log.mfcs, "name")
     for name in mfc_order(log):
@@ -207,6 +226,7 @@ def mfc_table(log: RunLog, predictions: dict[str, Prediction]) -> list[dict]:
         measured = float(np.median(spans))
         peak = int(table["peak_memory_bytes"].max())
         predicted = predictions.get(name, Prediction(None, None))
+        compared = bool(compare_memory and predicted.peak_memory_bytes and peak > 0)
         steps = len(spans)
         entries.append({
             "name": name, "model": str(table["model"][0]), "kind": str(table["kind"][0]),
@@ -215,7 +235,8 @@ def mfc_table(log: RunLog, predictions: dict[str, Prediction]) -> list[dict]:
             "predicted_seconds": predicted.seconds,
             "error_percent": _error_percent(predicted.seconds, measured),
             "peak_memory_bytes": peak, "predicted_peak_memory_bytes": predicted.peak_memory_bytes,
-            "memory_error_percent": _error_percent(predicted.peak_memory_bytes, peak),
+            "memory_compared": compared,
+            "memory_error_percent": _error_percent(predicted.peak_memory_bytes, peak) if compared else None,
             "tokens_per_step": float(table["tokens"].sum()) / steps, "flops_per_step": float(table["flops"].sum()) / steps,
         })
     return entries

@@ -136,6 +136,24 @@ def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo, cfg: Exper
     return MFCResult(batch, stats, batch.n_tokens)
 
 
+@torch.no_grad()
+def run_eval_generate(module: StageModule, mfc: MFC, prompts: Batch, cfg: ExperimentConfig) -> Batch:
+    """One greedy answer per prompt (evaluation during training, runtime/evaluate.py): the MFC's ids and mask keys.
+
+    Greedy decoding takes no random numbers, so the run's RNG streams are as without evaluation.
+    """
+    gen = cfg.generation
+    prompt_ids = [t.tolist() for t in torch.split(prompts["prompts"], prompts.seqlens)]
+    eos = module.cfg.eos_token_id
+    pad = module.cfg.pad_token_id if module.cfg.pad_token_id is not None else (eos or 0)
+    params = SamplingParams(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens, greedy=True,
+                            pad_token_id=pad)
+    answers = generate(module, prompt_ids, params).sequences()
+    batch = pack_sequences([p + a for p, a in zip(prompt_ids, answers, strict=True)], key=mfc.outputs[0],
+                           prompt_lens=[len(p) for p in prompt_ids], ids=prompts.ids)
+    return batch.renamed({"prompt_mask": mfc.outputs[1]}) if mfc.outputs[1] != "prompt_mask" else batch
+
+
 def loss_scale_factor(engine, device: torch.device | None = None) -> float:
     """What ``engine.backward`` multiplies a scalar loss by before autograd: fp16's loss scale, else 1."""
     from deepspeed.runtime.base_optimizer import ZeROOptimizer

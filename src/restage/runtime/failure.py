@@ -153,7 +153,7 @@ def _kept(trial_dir: str | Path) -> str:
 
     try:
         last = read_log(trial_dir).last_complete_step
-        log = f"log steps 0..{last}" if last >= 0 else "no log step"
+        log = f"log steps 1..{last}" if last >= 1 else "no log step"
     except LogError as err:
         log = f"no readable log ({err})"
     saved = complete_steps(trial_dir)

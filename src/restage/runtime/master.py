@@ -30,6 +30,10 @@ class StepRecord:
     moves: list[tuple] = field(default_factory=list)
     # (stats dict, weight) from one reporting rank per DP replica
     stats: list[tuple[dict, int]] = field(default_factory=list)
+    # an evaluation after this step (runtime/evaluate.py): sums over this rank's held-out prompts
+    # (reward, accuracy, length, prompts) and when it began and ended on this rank
+    eval_sums: dict[str, float] = field(default_factory=dict)
+    eval_span: tuple[float, float] | None = None
 
 
 def merge_stats(records: list[StepRecord]) -> dict[str, float]:
@@ -42,6 +46,39 @@ def merge_stats(records: list[StepRecord]) -> dict[str, float]:
                 sums[key] = sums.get(key, 0.0) + float(value) * weight
                 weights[key] = weights.get(key, 0.0) + weight
     return {k: sums[k] / weights[k] for k in sorted(sums) if weights[k] > 0}
+
+
+def merge_eval(records: list[StepRecord]) -> dict[str, float]:
+    """``eval/*`` statistics of an evaluation (runtime/evaluate.py): means over every held-out prompt, the
+    number of prompts, and its seconds (first rank in to last rank out); {} when the step had none."""
+    totals: dict[str, float] = {}
+    for record in records:
+        for key, value in record.eval_sums.items():
+            totals[key] = totals.get(key, 0.0) + value
+    spans = [record.eval_span for record in records if record.eval_span is not None]
+    if not spans:
+        return {}
+    prompts = totals.pop("prompts", 0.0)
+    out = {f"eval/{key}": value / prompts for key, value in sorted(totals.items()) if prompts}
+    out["eval/prompts"] = prompts
+    out["eval/seconds"] = max(end for _, end in spans) - min(begin for begin, _ in spans)
+    return out
+
+
+def progress_stats(stats: dict[str, float]) -> dict[str, float]:
+    """What the progress line shows: each loss, reward / kl / accuracy once (they appear under every train
+    MFC), and the evaluation's reward and accuracy when the step evaluated."""
+    shown: dict[str, float] = {}
+    for key, value in stats.items():
+        base = key.split("/")[-1]
+        if key.startswith("eval/"):
+            if base in ("reward", "accuracy"):
+                shown[key] = value
+        elif base in ("reward", "kl", "accuracy") and not any(k.endswith("/" + base) for k in shown):
+            shown[key] = value
+        elif base == "loss":
+            shown[key] = value
+    return shown
 
 
 class Master:
@@ -65,41 +102,37 @@ class Master:
     def next_ids(self) -> list[int] | None:
         """Sample positions of the next step, or None when the run is done."""
         if self.log is None:
-            # Log steps count from 0 and checkpoint N holds N done steps: keep rows up to N - 1, so rows
-            # written after the checkpoint (a crash or scancel mid-run) are dropped and redone.
-            self.open_log(self.step - 1 if self.resume else None)
+            # Checkpoint step-N holds N done steps, logged as steps 1..N: keep those rows, so rows written
+            # after the checkpoint (a crash or scancel mid-run) are dropped and redone.
+            self.open_log(self.step if self.resume else None)
         if self.step >= self.cfg.run.steps:
             return None
         return self.cursor.next(self.cfg.run.batch_size)
 
     def end_step(self, step: int, records: list[StepRecord]) -> dict:
+        """Log the loop's step ``step`` (from 0) as step ``step + 1``: steps count from 1 in the log, the
+        progress line and checkpoint names alike. Returns the decision every rank follows."""
         log = self.log
         assert log is not None
+        done = step + 1
         for record in records:
             for name, model, kind, start, end, tokens, flops, peak in record.mfcs:
-                log.mfc(step, name, model, kind, record.rank, start, end, tokens=tokens, flops=flops,
+                log.mfc(done, name, model, kind, record.rank, start, end, tokens=tokens, flops=flops,
                         peak_memory_bytes=peak)
             for kind, what, src, dst, nbytes, start, end in record.moves:
                 row = log.realloc if kind == "realloc" else log.transfer
-                row(step, what, src, dst, nbytes, start, end, rank=record.rank)
-        stats = merge_stats(records)
+                row(done, what, src, dst, nbytes, start, end, rank=record.rank)
+        stats = merge_stats(records) | merge_eval(records)
         if stats:
-            log.stats(step, stats)
+            log.stats(done, stats)
         start = min(r.step_start_seconds for r in records)
         end = max(r.step_end_seconds for r in records)
         tokens = sum(row[5] for r in records for row in r.mfcs if row[0] == self.first_mfc)
         flops = sum(row[6] for r in records for row in r.mfcs)
         samples = self.cfg.run.batch_size
-        log.end_step(step, start, end, samples, tokens, flops)
-        self.step = step + 1
-        shown: dict[str, float] = {}
-        for key, value in stats.items():  # reward and kl appear under every train MFC: show each once
-            base = key.split("/")[-1]
-            if base in ("reward", "kl", "accuracy") and not any(k.endswith("/" + base) for k in shown):
-                shown[key] = value
-            elif base == "loss":
-                shown[key] = value
-        print(self.progress.line(self.step, samples, tokens, end - start, shown), flush=True)
+        log.end_step(done, start, end, samples, tokens, flops)
+        self.step = done
+        print(self.progress.line(self.step, samples, tokens, end - start, progress_stats(stats)), flush=True)
         every = self.cfg.run.save_every
         last = self.step >= self.cfg.run.steps
         preempted = _preempt_requested(self.trial_dir) or self.step == self.cfg.run.stop_at_step

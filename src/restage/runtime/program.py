@@ -98,10 +98,27 @@ def build_program(graph: DataflowGraph, layouts: dict[str, Layout], offload_idle
 
     ``offload_idle``: frozen models to move to CPU memory between their MFCs.
     """
+    return _walk(graph, list(graph), layouts, offload_idle)
+
+
+def build_eval_program(graph: DataflowGraph, layouts: dict[str, Layout], names: tuple[str, ...],
+                       offload_idle: frozenset[str] = frozenset()) -> list[Op]:
+    """The ops of one evaluation pass (runtime/evaluate.py): only the MFCs ``names`` (the actor's generation, and
+    the reward model's inference when the reward is a model), each in its iteration layout.
+
+    Homes are the whole graph's, so a trained model's copy is reallocated from its training layout
+    and freed after its last use here, as in the iteration; data transfers carry what the named
+    MFCs read from each other.
+    """
+    return _walk(graph, [graph[name] for name in names], layouts, offload_idle)
+
+
+def _walk(graph: DataflowGraph, mfcs: list, layouts: dict[str, Layout], offload_idle: frozenset[str]) -> list[Op]:
+    """The ops running ``mfcs`` (all of ``graph``'s, or some in graph order) where ``layouts`` put them."""
     homes = model_homes(graph, layouts)
     ema = ema_targets(graph)
     changing = set(graph.trained_models()) | set(ema)
-    mfcs = list(graph)
+    homes = {model: home for model, home in homes.items() if any(m.model == model for m in mfcs)}
     last_use: dict[tuple[str, Layout], int] = {}
     for i, mfc in enumerate(mfcs):
         last_use[(mfc.model, layouts[mfc.name])] = i
@@ -118,7 +135,7 @@ def build_program(graph: DataflowGraph, layouts: dict[str, Layout], offload_idle
             copies.add((mfc.model, layout))
         for key in mfc.inputs:
             producer = graph.producer(key)
-            if producer is not None:
+            if producer is not None and producer in mfcs:
                 src = layouts[producer.name]
                 ops.append(Op("transfer", _union(src, layout), mfc=mfc.name, key=key, producer=producer.name,
                               src=src, dst=layout))

@@ -4,8 +4,9 @@ Start-up (the same on every rank): read the schedule, join torch.distributed, cr
 process group the schedule needs (collectively, in one order; ``comm_budget`` says which and
 bounds them), load each model's shard in its
 home layout (each rank reads only its slices), wrap trainable ones in DeepSpeed. Then, every
-iteration: the master's sample ids arrive over MPI, the ops run, records go back to the master,
-the master's decision (checkpoint, stop) comes back.
+iteration: the master's sample ids arrive over MPI, the ops run, at the ``run.eval_every`` cadence
+the held-out prompts are evaluated (``runtime/evaluate.py``), records go back to the master, the
+master's decision (checkpoint, stop) comes back.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from restage.algorithms import get_algorithm
 from restage.algorithms.estimators import ema_mix_
+from restage.algorithms.rewards import resolve_accuracy
 from restage.config import ExperimentConfig, ModelSpec, config_from_dict
 from restage.data.batch import Batch
 from restage.data.datasets import default_tokenizer_dir, load_splits
@@ -33,12 +35,12 @@ from restage.models.parallel import ParallelContext
 from restage.models.sharding import training_layout_problem
 from restage.plan.schedule import read_schedule
 from restage.runtime import checkpoint as ckpt
-from restage.runtime import comm_budget, nccl_rules
+from restage.runtime import comm_budget, evaluate, nccl_rules
 from restage.runtime.clock import Clock, measure_offset, peak_memory_bytes
 from restage.runtime.control import Control, init_torch_distributed, wait_for_ranks
 from restage.runtime.dataflow import DataFlow, measured_flops
 from restage.runtime.engines import build_engine, engine_groups, mark_norm_ownership
-from restage.runtime.execute import MFCResult, run_generate, run_inference, run_train
+from restage.runtime.execute import MFCResult, run_eval_generate, run_generate, run_inference, run_train
 from restage.runtime.heartbeat import Heartbeat, beat_interval_seconds
 from restage.runtime.master import Master, StepRecord
 from restage.runtime.nccl_rules import rank_device
@@ -87,7 +89,11 @@ class Worker:
         self.ema = ema_targets(self.graph)  # model updated by a reference EMA -> its train MFC
         self.tokenizer = load_tokenizer(default_tokenizer_dir(cfg))
         self.state = self.algo.init_state(cfg, self.tokenizer)
-        self.train_set, _ = load_splits(cfg, self.tokenizer)
+        self.train_set, self.eval_set = load_splits(cfg, self.tokenizer)
+        self.source = self.train_set  # the split the running pass reads dataset keys from
+        offloaded = frozenset(op.model for op in self.ops if op.kind == "offload")
+        self.eval_plan = evaluate.plan_eval(self.graph, self.layouts, cfg, len(self.eval_set), offloaded)
+        self.accuracy_fn = resolve_accuracy(cfg.reward_fn) if cfg.reward_fn else None
         self.device = rank_device()
         self.slots: dict[str, ModelSlot] = {}
         self.realloc_plans = {}
@@ -156,7 +162,8 @@ class Worker:
                                     singletons=comm_budget.singleton_ranks(self.schedule),
                                     timeout_seconds=self.cfg.run.collective_timeout_seconds,
                                     startup_timeout_seconds=self.cfg.run.startup_timeout_seconds)
-        self.dataflow.create_comms(self.ops, self.control.comm)
+        eval_ops = list(self.eval_plan.ops) if self.eval_plan is not None else []
+        self.dataflow.create_comms(self.ops + eval_ops, self.control.comm)
 
     def _realloc_plan(self, model: str, src: Layout, dst: Layout):
         key = (model, src, dst)
@@ -218,6 +225,8 @@ class Worker:
             started = self.clock.now_synced()
             record = self.run_step(step, ids)
             record.step_start_seconds, record.step_end_seconds = started, self.clock.now_synced()
+            if self.eval_plan is not None and evaluate.eval_due(step + 1, self.cfg.run):
+                self.evaluate(record)  # after the step's end: evaluation is not iteration time
             beat.doing(f"step {step + 1}: waiting for every rank's end of the step", waiting=True)
             records = self.control.gather(record)
             decision = self.control.bcast(self.master.end_step(step, records) if self.master else None)
@@ -232,39 +241,87 @@ class Worker:
         record = StepRecord(rank=self.rank, step=step)
         self.outputs: dict[str, Batch] = {}
         self.inputs: dict[str, list[Batch]] = {}
+        self.source = self.train_set
         self.dataflow.begin_step(ids, self.train_set)
         for op in self.ops:
             if self.rank not in op.ranks:
                 continue
             # Moves wait for their peers to finish what they are doing (bounded by run.peer_wait_timeout_seconds).
             self.heartbeat.doing(f"step {step + 1}: {describe_op(op)}", waiting=op.kind in ("realloc", "transfer", "ema"))
-            begin = self.clock.now_synced()
             if op.kind == "run":
                 self._run(op, step, record)
-            elif op.kind == "realloc":
-                nbytes = self._realloc(op)
-                record.moves.append(("realloc", op.model, str(op.src), str(op.dst), nbytes, begin, self.clock.now_synced()))
-            elif op.kind == "transfer":
-                nbytes = self._transfer(op)
-                record.moves.append(("transfer", op.key, str(op.src), str(op.dst), nbytes, begin, self.clock.now_synced()))
-            elif op.kind == "ema":
-                nbytes = self._ema(op)
-                # Logged as a reallocation (it is one, plus the mix) named after the model it updates.
-                record.moves.append(("realloc", f"ema:{op.model}", str(op.src), str(op.dst), nbytes, begin,
-                                     self.clock.now_synced()))
-            elif op.kind == "free":
-                self.slots[op.model].copies.pop(op.dst, None)
-                self.frozen_copies.discard((op.model, op.dst))
-            elif op.kind in ("offload", "reload"):
-                slot = self.slots[op.model]
-                if slot.module is not None:
-                    if slot.host_copy is None:
-                        slot.host_copy = ModelCopy(slot.name, slot.module, trainable=False)
-                    if op.kind == "offload":
-                        slot.host_copy.offload()
-                    else:
-                        slot.host_copy.reload(self.device)
+            else:
+                self._move(op, record.moves)
         return record
+
+    def evaluate(self, record: StepRecord) -> None:
+        """Answer every held-out prompt greedily and score it (runtime/evaluate.py): sums and span into ``record``."""
+        plan = self.eval_plan
+        assert plan is not None
+        begin = self.clock.now_synced()
+        self.source = self.eval_set
+        for index, positions in enumerate(plan.passes):
+            self.outputs, self.inputs = {}, {}
+            self.dataflow.begin_step(list(positions), self.eval_set)
+            for op in evaluate.pass_ops(plan, index):
+                if self.rank not in op.ranks:
+                    continue
+                self.heartbeat.doing(f"evaluation pass {index + 1}: {describe_op(op)}",
+                                     waiting=op.kind in ("realloc", "transfer", "ema"))
+                if op.kind == "run":
+                    self._run_eval(op, record)
+                else:
+                    self._move(op, None)  # not logged: the step's tables time the iteration only
+        self.source = self.train_set
+        record.eval_span = (begin, self.clock.now_synced())
+
+    def _run_eval(self, op, record: StepRecord) -> None:
+        plan = self.eval_plan
+        mfc = self.graph[op.mfc]
+        layout = self.layouts[mfc.name]
+        module = self.slots[mfc.model].at(layout)
+        ctx = ParallelContext.from_layout(layout, self.groups, self.rank)
+        batch = self._input_batch(mfc, layout, ctx.coord.dp)
+        ids_key, mask_key = plan.generate.outputs[:2]
+        rewards = None
+        if mfc.kind == "generate":
+            answered = self.outputs[mfc.name] = run_eval_generate(module, mfc, batch, self.cfg)
+        else:  # the reward model: its input holds the answers
+            answered, rewards = batch, run_inference(module, mfc, batch, self.algo, self.cfg, self.state).batch["rewards"]
+        scoring = (plan.reward or plan.generate).name == mfc.name
+        if scoring and ctx.coord.tp == 0 and ctx.coord.pp == ctx.strategy.pp - 1:  # one reporter per DP replica
+            correct = None
+            if rewards is None:
+                rewards, correct = evaluate.rule_scores(answered, self.state.reward_fn, self.accuracy_fn,
+                                                        self.tokenizer, ids_key, mask_key)
+            for key, value in evaluate.score_sums(answered, mask_key, rewards, correct).items():
+                record.eval_sums[key] = record.eval_sums.get(key, 0.0) + value
+
+    def _move(self, op, moves: list | None) -> None:
+        """Every op but ``run``; what moved is appended to ``moves`` (the step's log rows) unless it is None."""
+        begin = self.clock.now_synced()
+        if op.kind in ("realloc", "transfer", "ema"):
+            if op.kind == "realloc":
+                row = ("realloc", op.model, self._realloc(op))
+            elif op.kind == "transfer":
+                row = ("transfer", op.key, self._transfer(op))
+            else:  # logged as a reallocation (it is one, plus the mix) named after the model it updates
+                row = ("realloc", f"ema:{op.model}", self._ema(op))
+            if moves is not None:
+                kind, what, nbytes = row
+                moves.append((kind, what, str(op.src), str(op.dst), nbytes, begin, self.clock.now_synced()))
+        elif op.kind == "free":
+            self.slots[op.model].copies.pop(op.dst, None)
+            self.frozen_copies.discard((op.model, op.dst))
+        elif op.kind in ("offload", "reload"):
+            slot = self.slots[op.model]
+            if slot.module is not None:
+                if slot.host_copy is None:
+                    slot.host_copy = ModelCopy(slot.name, slot.module, trainable=False)
+                if op.kind == "offload":
+                    slot.host_copy.offload()
+                else:
+                    slot.host_copy.reload(self.device)
 
     def _run(self, op, step: int, record: StepRecord) -> None:
         mfc = self.graph[op.mfc]
@@ -338,7 +395,7 @@ class Worker:
         source = [k for k in mfc.inputs if self.graph.producer(k) is None]
         if source:
             positions = self.dataflow.dataset_positions(mfc, dp_rank)
-            parts.append(self.train_set.batch(positions).only(source))
+            parts.append(self.source.batch(positions).only(source))
         parts += self.inputs.get(mfc.name, [])
         return _merge(parts)
 

@@ -1,0 +1,125 @@
+"""Evaluation during training (``run.eval_every``): the held-out prompts answered greedily and scored.
+
+After every ``eval_every``-th step and after the last (steps count from 1), every rank walks an
+evaluation program (``program.build_eval_program``) before the step's records go to the master:
+the actor's generate MFC, in its generation layout, answers each held-out prompt
+(``dataset.eval_fraction``) greedily, and the run's reward scores the answers: the rule reward
+(``reward_fn``) on the generating ranks, or the reward model's inference MFC where the iteration
+runs it (the answers move there as the iteration's do). Nothing trains and nothing is checkpointed.
+
+The held-out prompts go through in passes of ``run.batch_size`` prompts (what the plan sized the
+generation's memory for); a leftover smaller than the largest data-parallel degree of the two MFCs
+joins the pass before it, so every DP rank has prompts. Copies of models the passes need are made
+in the first pass and dropped after the last (``pass_ops``). Every rank derives the same program
+and passes from the schedule and the data set, so all meet their collectives in the same order.
+
+Each reporting rank (tp 0, last pipeline stage, of each DP replica of the scoring MFC) sends sums
+over its prompts; the master logs, at the step the evaluation follows, ``eval/reward`` (mean
+reward), ``eval/accuracy`` (fraction right, where the task has a right-or-wrong test),
+``eval/length`` (answer tokens, EOS included), ``eval/prompts`` and ``eval/seconds``
+(``master.merge_eval``). Evaluation time lies between two steps' rows, so it is not iteration time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from restage.algorithms.rewards import decode
+from restage.config import ExperimentConfig, RunConfig
+from restage.data.batch import Batch
+from restage.errors import ConfigError
+from restage.graph import MFC, DataflowGraph
+from restage.layout import Layout
+from restage.runtime.program import Op, build_eval_program
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What every rank walks at an evaluation: the two MFCs, their ops, and the held-out positions of each pass."""
+
+    generate: MFC
+    reward: MFC | None  # the reward model's inference MFC; None: the rule reward scores on the generating ranks
+    ops: tuple[Op, ...]
+    passes: tuple[tuple[int, ...], ...]
+
+
+def eval_due(done: int, run: RunConfig) -> bool:
+    """Whether the run evaluates after its ``done``-th step: every ``eval_every``-th and the last."""
+    return run.eval_every > 0 and (done % run.eval_every == 0 or done == run.steps)
+
+
+def eval_mfcs(graph: DataflowGraph, cfg: ExperimentConfig) -> tuple[MFC, MFC | None]:
+    """The actor's (sampling) generate MFC, and the reward model's inference MFC unless a rule reward scores."""
+    generating = [m for m in graph if m.kind == "generate"]
+    if not generating:
+        raise ConfigError(f"run.eval_every: {cfg.algorithm} has no generate MFC to answer held-out prompts; "
+                          "set run.eval_every=0")
+    actor = [m for m in generating if m.model == "actor"] or generating
+    generate = next((m for m in actor if not m.greedy), actor[0])
+    if cfg.reward_fn:
+        return generate, None
+    reward = next((m for m in graph if m.kind == "inference" and "rewards" in m.outputs
+                   and m.inputs[:2] == generate.outputs[:2]), None)
+    if reward is None:
+        raise ConfigError("run.eval_every: no reward scores the actor's answers (set reward_fn or add models.reward)")
+    return generate, reward
+
+
+def eval_passes(n_prompts: int, per_pass: int, min_prompts: int) -> list[tuple[int, ...]]:
+    """Held-out positions in passes of ``per_pass``; a last pass under ``min_prompts`` joins the one before."""
+    if n_prompts < min_prompts:
+        raise ConfigError(f"dataset.eval_fraction holds out {n_prompts} prompts, fewer than the {min_prompts} "
+                          "data-parallel ranks that evaluate them; hold out more or set run.eval_every=0")
+    passes = [tuple(range(start, min(start + per_pass, n_prompts))) for start in range(0, n_prompts, per_pass)]
+    if len(passes) > 1 and len(passes[-1]) < min_prompts:
+        passes[-2:] = [passes[-2] + passes[-1]]
+    return passes
+
+
+def plan_eval(graph: DataflowGraph, layouts: dict[str, Layout], cfg: ExperimentConfig, n_prompts: int,
+              offload_idle: frozenset[str] = frozenset()) -> EvalPlan | None:
+    """The run's evaluation, or None when ``run.eval_every`` is 0."""
+    if cfg.run.eval_every == 0:
+        return None
+    generate, reward = eval_mfcs(graph, cfg)
+    names = (generate.name,) + ((reward.name,) if reward is not None else ())
+    min_prompts = max(layouts[name].strategy.dp for name in names)
+    passes = eval_passes(n_prompts, max(cfg.run.batch_size, min_prompts), min_prompts)
+    return EvalPlan(generate, reward, tuple(build_eval_program(graph, layouts, names, offload_idle)), tuple(passes))
+
+
+def pass_ops(plan: EvalPlan, index: int) -> list[Op]:
+    """The ops of pass ``index``: copies are made (realloc, reload) in the first pass only and dropped (free,
+    offload) after the last only. Every rank of such an op skips it alike, so collectives still match."""
+    last = len(plan.passes) - 1
+    return [op for op in plan.ops
+            if not (index > 0 and op.kind in ("realloc", "reload")) and not (index < last and op.kind in ("free", "offload"))]
+
+
+def answer_tokens(batch: Batch, mask_key: str) -> torch.Tensor:
+    """``[n_seqs]`` answer tokens of each sequence (those outside the prompt mask)."""
+    answer = (~batch[mask_key].bool()).long()
+    return torch.zeros(batch.n_seqs, dtype=torch.long).index_add_(
+        0, torch.repeat_interleave(torch.arange(batch.n_seqs), torch.tensor(batch.seqlens)), answer)
+
+
+def rule_scores(batch: Batch, reward_fn: Callable, accuracy_fn: Callable | None, tokenizer, ids_key: str,
+                mask_key: str) -> tuple[torch.Tensor, list[bool] | None]:
+    """Rewards of generated answers under the rule reward, and which are right where the task says."""
+    prompts, answers = decode(batch, tokenizer, ids_key, mask_key)
+    rewards = torch.tensor([float(v) for v in reward_fn(prompts, answers)], dtype=torch.float32)
+    if len(rewards) != len(answers):
+        raise ConfigError(f"reward_fn returned {len(rewards)} rewards for {len(answers)} answers")
+    return rewards, (None if accuracy_fn is None else [bool(v) for v in accuracy_fn(prompts, answers)])
+
+
+def score_sums(batch: Batch, mask_key: str, rewards: torch.Tensor, correct: list[bool] | None) -> dict[str, float]:
+    """Sums over one rank's held-out prompts, which the master turns into means (``master.merge_eval``)."""
+    sums = {"reward": float(rewards.float().sum()), "length": float(answer_tokens(batch, mask_key).sum()),
+            "prompts": float(batch.n_seqs)}
+    if correct is not None:
+        sums["accuracy"] = float(sum(correct))
+    return sums
