@@ -46,3 +46,18 @@ def last_checkpoint(trial: Path) -> Path:
     found = latest(trial)
     assert found is not None, f"no checkpoint under {trial}"
     return found
+
+
+def rank_process(trial_marker, rank: int):
+    """The live ``restage.runtime.spmd`` process of ``rank`` whose command line names ``trial_marker``, or None."""
+    import psutil  # test-only dependency
+
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if "restage.runtime.spmd" in cmd and str(trial_marker) in cmd:
+            try:
+                if proc.environ().get("OMPI_COMM_WORLD_RANK") == str(rank):
+                    return proc
+            except psutil.Error:
+                continue
+    return None

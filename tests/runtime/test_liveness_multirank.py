@@ -6,9 +6,8 @@ import re
 import signal
 import time
 
-import psutil
 import pytest
-from runs import last_checkpoint, restage_run
+from runs import last_checkpoint, rank_process, restage_run
 
 from restage.report.log import read_log
 
@@ -22,18 +21,6 @@ COLLECTIVE_TIMEOUT_SECONDS = 16  # a stopped rank is named after half of it
 # Silence (8 s), the heartbeat's interval (1.6 s), the watchdog's look (1 s), mpirun's teardown (SIGKILL after
 # 10 s for a stopped rank), slack for a loaded machine.
 STOPPED_BOUND_SECONDS = COLLECTIVE_TIMEOUT_SECONDS / 2 + 1.6 + 1 + 10 + 10
-
-
-def _rank_process(trial, rank: int) -> psutil.Process | None:
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if "restage.runtime.spmd" in cmd and str(trial) in cmd:
-            try:
-                if proc.environ().get("OMPI_COMM_WORLD_RANK") == str(rank):
-                    return proc
-            except psutil.Error:
-                continue
-    return None
 
 
 def _until(run, trial, ready, seconds=300):
@@ -53,7 +40,7 @@ def _end(run, trial, since: float):
     output, _ = run.communicate(timeout=180)
     seconds = time.monotonic() - since
     assert run.returncode != 0, output[-3000:]
-    assert _rank_process(trial, 0) is None and _rank_process(trial, 1) is None  # the stopped one too
+    assert rank_process(trial, 0) is None and rank_process(trial, 1) is None  # the stopped one too
     return output, seconds
 
 
@@ -63,7 +50,7 @@ def test_a_rank_stopped_mid_run_ends_the_job_naming_it_and_keeps_log_and_checkpo
                       "trial=stopped", wait=False)
     _until(run, trial, lambda: (trial / "log.h5").is_file() and (trial / "checkpoints").is_dir()
            and any((trial / "checkpoints").glob("step-*")) and read_log(trial).last_complete_step >= 3)
-    victim = _rank_process(trial, 1)
+    victim = rank_process(trial, 1)
     stopped_at = time.monotonic()
     os.kill(victim.pid, signal.SIGSTOP)
     output, seconds = _end(run, trial, stopped_at)
@@ -87,7 +74,7 @@ def test_a_rank_stopped_during_start_up_ends_the_job_naming_its_start_up_activit
         if line.startswith("restage: start-up: ranks up on all 2 ranks"):
             break
     assert lines and lines[-1].startswith("restage: start-up: ranks up"), "".join(lines[-30:])
-    victim = _rank_process(trial, 1)
+    victim = rank_process(trial, 1)
     stopped_at = time.monotonic()
     os.kill(victim.pid, signal.SIGSTOP)
     output, seconds = _end(run, trial, stopped_at)

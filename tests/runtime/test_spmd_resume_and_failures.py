@@ -5,10 +5,9 @@ import signal
 import time
 
 import numpy as np
-import psutil
 import pytest
 import torch
-from runs import hf_weights, last_checkpoint, restage_run
+from runs import hf_weights, last_checkpoint, rank_process, restage_run
 
 from restage.report.log import read_log
 
@@ -45,18 +44,6 @@ def test_stop_and_resume_equals_a_straight_run_bitwise(tmp_path):
     np.testing.assert_array_equal(log_a.steps["tokens"], log_b.steps["tokens"])
 
 
-def _rank_process(trial_marker: str, rank: int) -> psutil.Process | None:
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if "restage.runtime.spmd" in cmd and trial_marker in cmd:
-            try:
-                if proc.environ().get("OMPI_COMM_WORLD_RANK") == str(rank):
-                    return proc
-            except psutil.Error:
-                continue
-    return None
-
-
 def test_sigkill_of_one_rank_ends_the_job_and_keeps_log_and_checkpoint(tmp_path):
     trial = tmp_path / "ppo-tiny" / "killed"
     run = restage_run(tmp_path, *JOB, "run.steps=200", "run.save_every=2", "trial=killed", wait=False)
@@ -67,7 +54,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_keeps_log_and_checkpoint(tmp_path)
             break
         assert run.poll() is None, run.stdout.read()[-3000:]
         time.sleep(0.5)
-    victim = _rank_process(str(trial), 1)
+    victim = rank_process(str(trial), 1)
     assert victim is not None
     killed_at = time.monotonic()
     os.kill(victim.pid, signal.SIGKILL)
@@ -75,7 +62,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_keeps_log_and_checkpoint(tmp_path)
     assert time.monotonic() - killed_at < 60
     assert run.returncode != 0
     assert output.strip().splitlines()[-1].startswith("restage: error: rank 1 died from signal 9")
-    assert _rank_process(str(trial), 0) is None  # nobody left behind
+    assert rank_process(str(trial), 0) is None  # nobody left behind
     log = read_log(trial)
     assert log.last_complete_step >= 4 and log.steps["step"].tolist() == list(range(1, log.last_complete_step + 1))
     from transformers import AutoModelForCausalLM
