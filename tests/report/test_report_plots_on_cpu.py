@@ -92,3 +92,13 @@ def test_a_loss_equal_to_another_statistic_is_one_panel():
     assert stat_panels(series) == [("actor_train/policy_loss = loss",
                                      ["actor_train/policy_loss", "actor_train/loss"]),
                                     ("actor_train/reward", ["actor_train/reward"]), ("actor_train/lr", ["actor_train/lr"])]
+
+
+def test_series_equal_up_to_float32_rounding_are_one_panel():
+    """Each train MFC reduces the same reward over its own DP layout: the demo's differ by ~1e-8, one quantity."""
+    steps = np.arange(1, 5)
+    reward = np.array([0.2104, 0.1782, 0.1479, 0.2013])
+    series = {"actor_train/reward": (steps, reward), "critic_train/reward": (steps, reward + 1.49e-8),
+              "actor_train/kl": (steps, reward * 1.01)}  # 1 % apart: another quantity
+    assert stat_panels(series) == [("reward (actor_train, critic_train)", ["actor_train/reward", "critic_train/reward"]),
+                                   ("actor_train/kl", ["actor_train/kl"])]

@@ -122,11 +122,18 @@ def stat_panels(series: dict[str, tuple[np.ndarray, np.ndarray]]) -> list[tuple[
     last name parts and the MFCs they were logged under. Losses come first, then reward, KL and the
     evaluation's curves, then the rest.
     """
-    groups: dict[tuple, list[str]] = {}
+    groups: list[tuple[np.ndarray, np.ndarray, list[str]]] = []
     for name, (steps, values) in series.items():
-        groups.setdefault((steps.tobytes(), values.tobytes()), []).append(name)
+        for group_steps, group_values, names in groups:
+            # Equal up to float32 rounding: each train MFC reduces the same reward over its own DP layout.
+            if np.array_equal(steps, group_steps) and np.allclose(values, group_values, rtol=1e-5, atol=1e-6,
+                                                                   equal_nan=True):
+                names.append(name)
+                break
+        else:
+            groups.append((steps, values, [name]))
     panels = []
-    for names in groups.values():
+    for _, _, names in groups:
         panels.append((min(_stat_rank(n) for n in names), _panel_title(names), names))
     panels.sort(key=lambda panel: panel[0])  # stable: first-logged first within a rank
     return [(title, names) for _, title, names in panels[:MAX_STAT_PANELS]]
