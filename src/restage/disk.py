@@ -78,6 +78,38 @@ def writing(what: str, path: str | Path) -> Iterator[None]:
                             "(or move run.results_dir) and --resume") from err
 
 
+def replace_atomically(path: Path, data: bytes, *, durable: bool = True) -> None:
+    """Write ``data`` to a temporary file beside ``path`` and rename it over ``path``: a reader sees the old file
+    or the new one, never part of one. ``durable``: fsync the file and the rename (a machine crash keeps it)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (best effort: some file systems refuse to fsync a directory)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent

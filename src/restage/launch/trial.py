@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from restage.disk import replace_atomically
 from restage.errors import LaunchError
 
 
@@ -79,9 +80,7 @@ class TrialPaths:
 def write_json_atomic(path: Path, data) -> None:
     """Write JSON so that a reader sees the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    replace_atomically(path, (json.dumps(data, indent=1, default=str) + "\n").encode(), durable=False)
 
 
 def read_json(path: Path, default=None):

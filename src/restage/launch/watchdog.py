@@ -20,6 +20,8 @@ which rank is furthest behind and what it is doing.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -230,9 +232,6 @@ def guard(trial_dir: str | Path, world_size: int, limits: Limits, end_job: Calla
 
 
 def _kill(pid: int) -> None:
-    import os
-    import signal
-
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -242,8 +241,6 @@ def _kill(pid: int) -> None:
 def end_session(leader_pid: int, grace_seconds: float = 10.0) -> None:
     """SIGTERM to a launcher's process group (mpirun and every rank it started), SIGKILL after ``grace_seconds``
     (a stopped rank does not act on SIGTERM)."""
-    import os
-    import signal
 
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:

@@ -13,6 +13,8 @@ import os
 import zlib
 from pathlib import Path
 
+from restage.disk import replace_atomically
+
 MAGIC = "restage-log-journal"
 SUFFIX = ".journal"
 
@@ -82,32 +84,3 @@ class Appender:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-
-def replace_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync it and rename it over ``path``."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (best effort: some file systems refuse to fsync a directory)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

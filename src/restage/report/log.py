@@ -49,7 +49,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from restage.disk import writing
+from restage.disk import replace_atomically, writing
 from restage.errors import LogError
 from restage.report import journal
 
@@ -399,7 +399,7 @@ def _write_snapshot(path: Path, attrs: dict, tables: dict[str, np.ndarray]) -> N
             handle.attrs[key] = value
         handle.flush()
         image = handle.id.get_file_image()
-    journal.replace_atomically(path, image)
+    replace_atomically(path, image)
 
 
 def _encodable(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -26,6 +26,7 @@ import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
+from restage.disk import replace_atomically
 from restage.errors import RestageError
 
 
@@ -58,13 +59,11 @@ def abort_on_error(rank: int, trial_dir: str | Path):
 
 def _record(path: Path, text: str) -> None:
     """Write a failure file whole or not at all; on a full disk the stderr line is the record."""
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        replace_atomically(path, text.encode())
     except OSError:
-        tmp.unlink(missing_ok=True)
+        pass
 
 
 def _abort() -> None:

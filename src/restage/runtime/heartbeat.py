@@ -21,6 +21,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from restage.disk import replace_atomically
+
 # Start-up phases in order; the watchdog prints one line when every rank has passed each.
 MIN_WRITE_SECONDS = 0.2  # at most five writes a second, however fast the ops go by
 STARTUP_PHASES = ("ranks up", "compiled ops ready", "process groups made", "models loaded", "engines built", "ready")
@@ -116,10 +118,8 @@ class Heartbeat:
     def _write(self) -> None:
         with self._writing:
             self._beat += 1
-            tmp = self.path.with_suffix(".tmp")
-            try:
-                tmp.write_text(json.dumps(asdict(self.snapshot())))
-                os.replace(tmp, self.path)
+            try:  # not fsynced: a beat matters only while the machine is up
+                replace_atomically(self.path, json.dumps(asdict(self.snapshot())).encode(), durable=False)
             except OSError:
                 pass  # a full or vanished trial directory must not kill the rank; the watchdog sees silence
 

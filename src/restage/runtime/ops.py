@@ -39,6 +39,10 @@ _BUILDERS = {"cpu_adam": "CPUAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBu
 NOTICE_SECONDS = 30.0  # while waiting for another build, say so at most this often
 
 
+def _unnamed(activity: str, waiting: bool = False) -> None:
+    """The default ``doing``: no heartbeat to name the activity to."""
+
+
 def needed_ops(specs: Iterable, accelerator: str = "cuda") -> list[str]:
     """The compiled DeepSpeed ops the trainable models of a config need (``ModelSpec`` values).
 
@@ -116,7 +120,7 @@ def _owner(path: Path) -> str:
 
 @contextlib.contextmanager
 def build_lock(name: str, *, say: Callable[[str], None] = print,
-               doing: Callable[..., None] = lambda activity, waiting=False: None,
+               doing: Callable[..., None] = _unnamed,
                poll_seconds: float = 0.2, notice_seconds: float = NOTICE_SECONDS) -> Iterator[None]:
     """Hold restage's lock on ``name``'s build directory; on the way in, wait for a live holder (saying who) and
     remove torch's lock if its maker is dead."""
@@ -173,7 +177,7 @@ def load_op(name: str) -> None:
 
 
 def locked_load(name: str, *, load: Callable[[str], None] = load_op,
-                doing: Callable[..., None] = lambda activity, waiting=False: None) -> None:
+                doing: Callable[..., None] = _unnamed) -> None:
     """``load(name)`` under ``build_lock`` (a prebuilt op takes no lock: nothing is built)."""
     if _prebuilt(name):
         load(name)
@@ -185,7 +189,7 @@ def locked_load(name: str, *, load: Callable[[str], None] = load_op,
 
 def prepare_ops(names: Iterable[str], *, node_leader: bool, node_barrier: Callable[[], None],
                 load: Callable[[str], None] = load_op,
-                doing: Callable[..., None] = lambda activity, waiting=False: None) -> None:
+                doing: Callable[..., None] = _unnamed) -> None:
     """Every rank calls this before building its engines: the node leader builds, then everyone loads.
 
     ``node_barrier`` waits for every rank of this node (an MPI barrier on the node's communicator);
@@ -204,7 +208,7 @@ def prepare_ops(names: Iterable[str], *, node_leader: bool, node_barrier: Callab
             locked_load(name, load=load, doing=doing)
 
 
-def prepare_run_ops(comm, specs: Iterable, doing: Callable[..., None] = lambda activity, waiting=False: None) -> None:
+def prepare_run_ops(comm, specs: Iterable, doing: Callable[..., None] = _unnamed) -> None:
     """``prepare_ops`` for a run over the MPI world ``comm`` (collective: every rank calls it with the same specs)."""
     names = needed_ops(specs, os.environ.get("DS_ACCELERATOR", "cuda"))
     if not names:

@@ -51,6 +51,9 @@ from restage.runtime.program import check_ema_architectures, ema_targets
 from restage.runtime.realloc import execute_reallocation
 from restage.runtime.realloc_plan import plan_reallocation
 
+# Ops that wait for their peers to finish what they are doing (bounded by run.peer_wait_timeout_seconds).
+MOVES_WITH_PEERS = ("realloc", "transfer", "ema")
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -246,8 +249,7 @@ class Worker:
         for op in self.ops:
             if self.rank not in op.ranks:
                 continue
-            # Moves wait for their peers to finish what they are doing (bounded by run.peer_wait_timeout_seconds).
-            self.heartbeat.doing(f"step {step + 1}: {describe_op(op)}", waiting=op.kind in ("realloc", "transfer", "ema"))
+            self.heartbeat.doing(f"step {step + 1}: {describe_op(op)}", waiting=op.kind in MOVES_WITH_PEERS)
             if op.kind == "run":
                 self._run(op, step, record)
             else:
@@ -267,7 +269,7 @@ class Worker:
                 if self.rank not in op.ranks:
                     continue
                 self.heartbeat.doing(f"evaluation pass {index + 1}: {describe_op(op)}",
-                                     waiting=op.kind in ("realloc", "transfer", "ema"))
+                                     waiting=op.kind in MOVES_WITH_PEERS)
                 if op.kind == "run":
                     self._run_eval(op, record)
                 else:
@@ -300,7 +302,7 @@ class Worker:
     def _move(self, op, moves: list | None) -> None:
         """Every op but ``run``; what moved is appended to ``moves`` (the step's log rows) unless it is None."""
         begin = self.clock.now_synced()
-        if op.kind in ("realloc", "transfer", "ema"):
+        if op.kind in MOVES_WITH_PEERS:
             if op.kind == "realloc":
                 row = ("realloc", op.model, self._realloc(op))
             elif op.kind == "transfer":
