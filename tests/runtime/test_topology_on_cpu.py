@@ -13,6 +13,7 @@ from restage.plan.transfer import exact_realloc
 from restage.runtime import comm_budget
 from restage.runtime.dataflow import DataFlow, OutputMeta
 from restage.runtime.realloc_plan import plan_reallocation
+from restage.runtime.transfer import KeySpec
 from restage.runtime.worker import Worker
 
 # Two "nodes" of two ranks: ranks 0, 1 on node 0 and ranks 2, 3 on node 1.
@@ -72,7 +73,7 @@ def test_a_data_transfer_is_sent_from_the_receivers_node():
     # One producer replica over ranks 1 (node 0) and 2 (node 1), both holding its outputs; rank 3 consumes.
     producer, consumer = L((1, 2), tp=2), L((3,))
     op = SimpleNamespace(src=producer, dst=consumer, key="values")
-    meta = OutputMeta(ids=(10, 11, 12), seqlens=(5, 7, 3), group_size=1, keys={"values": ("tokens", "float32", ())},
+    meta = OutputMeta(ids=(10, 11, 12), seqlens=(5, 7, 3), group_size=1, keys=(KeySpec("values", True, "float32"),),
                       parts=((0, 1, 2),))
     flow = DataFlow(DataflowGraph(()), {}, 3, comm_budget.block_node_of(2))
     plan = flow.plan(op, meta, "contiguous")

@@ -43,8 +43,22 @@ class OutputMeta:
     ids: tuple
     seqlens: tuple[int, ...]
     group_size: int
-    keys: dict  # key -> ("tokens" | "seqs", dtype name, trailing shape)
+    keys: tuple[KeySpec, ...]
     parts: tuple[tuple[int, ...], ...]  # global sample indices each producer DP rank holds
+
+    def key(self, name: str) -> KeySpec:
+        return next(k for k in self.keys if k.name == name)
+
+
+@dataclass(frozen=True)
+class OutputPart:
+    """What one producer DP rank tells the ranks of a transfer about its part of the output (sent over MPI)."""
+
+    dp_rank: int
+    ids: tuple
+    seqlens: tuple[int, ...]
+    group_size: int
+    keys: tuple[KeySpec, ...]
 
 
 class DataFlow:
@@ -100,19 +114,17 @@ class DataFlow:
         coord = producer_layout.coord(self.rank)
         contribution = None
         if coord is not None and coord.tp == 0 and coord.pp == 0 and mine is not None:
-            keys = {k: ("tokens", str(v.dtype), tuple(v.shape[1:])) for k, v in mine.tokens.items()}
-            keys |= {k: ("seqs", str(v.dtype), tuple(v.shape[1:])) for k, v in mine.seqs.items()}
-            contribution = (coord.dp, mine.ids, mine.seqlens, mine.group_size, keys)
-        gathered = [c for c in allgather(self._comms[op.ranks], contribution) if c is not None]
-        gathered.sort(key=lambda c: c[0])
-        group = gathered[0][3] if gathered else 1
+            contribution = OutputPart(coord.dp, mine.ids, mine.seqlens, mine.group_size, KeySpec.of(mine))
+        gathered: list[OutputPart] = [c for c in allgather(self._comms[op.ranks], contribution) if c is not None]
+        gathered.sort(key=lambda c: c.dp_rank)
+        group = gathered[0].group_size if gathered else 1
         parts, start = [[] for _ in range(producer_layout.strategy.dp)], 0
         for c in gathered:
-            count = len(c[2]) // group
-            parts[c[0]] = tuple(range(start, start + count))
+            count = len(c.seqlens) // group
+            parts[c.dp_rank] = tuple(range(start, start + count))
             start += count
-        meta = OutputMeta(tuple(i for c in gathered for i in c[1]), tuple(n for c in gathered for n in c[2]),
-                          group, gathered[0][4] if gathered else {}, tuple(tuple(p) for p in parts))
+        meta = OutputMeta(tuple(i for c in gathered for i in c.ids), tuple(n for c in gathered for n in c.seqlens),
+                          group, gathered[0].keys if gathered else (), tuple(tuple(p) for p in parts))
         self.meta[cache_key] = meta
         return meta
 
@@ -137,11 +149,10 @@ class DataFlow:
 
     def plan(self, op, meta: OutputMeta, assignment) -> TransferPlan:
         """The plan of one transfer op (one key), senders chosen on the receivers' node (the run's ``node_of``)."""
-        kind, dtype_name, trailing = meta.keys[op.key]
-        key = KeySpec(op.key, kind == "tokens", dtype_name.removeprefix("torch."), tuple(trailing))
         n_samples = len(meta.seqlens) // meta.group_size
-        return plan_transfer(BatchMeta(meta.ids or tuple(range(n_samples)), meta.seqlens, meta.group_size, (key,),
-                                       meta.parts), op.src, op.dst, assignment=assignment, node_of=self.node_of)
+        batch = BatchMeta(meta.ids or tuple(range(n_samples)), meta.seqlens, meta.group_size, (meta.key(op.key),),
+                          meta.parts)
+        return plan_transfer(batch, op.src, op.dst, assignment=assignment, node_of=self.node_of)
 
     def execute(self, op, mine: Batch | None) -> tuple[Batch | None, int]:
         """Move ``op.key`` of the producer's output to the consumer's DP ranks; returns (received, bytes sent)."""

@@ -7,33 +7,13 @@ records (MFC timings, moves, statistics) over MPI, writes them to ``log.h5`` and
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from restage.config import ExperimentConfig
 from restage.data.datasets import Cursor
 from restage.report.log import LogWriter
 from restage.runtime.progress import Progress
-
-
-@dataclass
-class StepRecord:
-    """What one rank did in one step (sent to the master)."""
-
-    rank: int
-    step: int
-    step_start_seconds: float = 0.0
-    step_end_seconds: float = 0.0
-    # (name, model, kind, start, end, tokens, flops, peak memory bytes)
-    mfcs: list[tuple] = field(default_factory=list)
-    # (kind, model or key, src layout, dst layout, bytes, start, end)
-    moves: list[tuple] = field(default_factory=list)
-    # (stats dict, weight) from one reporting rank per DP replica
-    stats: list[tuple[dict, int]] = field(default_factory=list)
-    # an evaluation after this step (runtime/evaluate.py): sums over this rank's held-out prompts
-    # (reward, accuracy, length, prompts) and when it began and ended on this rank
-    eval_sums: dict[str, float] = field(default_factory=dict)
-    eval_span: tuple[float, float] | None = None
+from restage.runtime.records import StepDecision, StepRecord
 
 
 def merge_stats(records: list[StepRecord]) -> dict[str, float]:
@@ -41,10 +21,10 @@ def merge_stats(records: list[StepRecord]) -> dict[str, float]:
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
     for record in records:
-        for stats, weight in record.stats:
-            for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + float(value) * weight
-                weights[key] = weights.get(key, 0.0) + weight
+        for share in record.stats:
+            for key, value in share.stats.items():
+                sums[key] = sums.get(key, 0.0) + float(value) * share.samples
+                weights[key] = weights.get(key, 0.0) + share.samples
     return {k: sums[k] / weights[k] for k in sorted(sums) if weights[k] > 0}
 
 
@@ -61,7 +41,7 @@ def merge_eval(records: list[StepRecord]) -> dict[str, float]:
     prompts = totals.pop("prompts", 0.0)
     out = {f"eval/{key}": value / prompts for key, value in sorted(totals.items()) if prompts}
     out["eval/prompts"] = prompts
-    out["eval/seconds"] = max(end for _, end in spans) - min(begin for begin, _ in spans)
+    out["eval/seconds"] = max(s.end_seconds for s in spans) - min(s.start_seconds for s in spans)
     return out
 
 
@@ -109,26 +89,27 @@ class Master:
             return None
         return self.cursor.next(self.cfg.run.batch_size)
 
-    def end_step(self, step: int, records: list[StepRecord]) -> dict:
+    def end_step(self, step: int, records: list[StepRecord]) -> StepDecision:
         """Log the loop's step ``step`` (from 0) as step ``step + 1``: steps count from 1 in the log, the
         progress line and checkpoint names alike. Returns the decision every rank follows."""
         log = self.log
         assert log is not None
         done = step + 1
         for record in records:
-            for name, model, kind, start, end, tokens, flops, peak in record.mfcs:
-                log.mfc(done, name, model, kind, record.rank, start, end, tokens=tokens, flops=flops,
-                        peak_memory_bytes=peak)
-            for kind, what, src, dst, nbytes, start, end in record.moves:
-                row = log.realloc if kind == "realloc" else log.transfer
-                row(done, what, src, dst, nbytes, start, end, rank=record.rank)
+            for m in record.mfcs:
+                log.mfc(done, m.name, m.model, m.kind, record.rank, m.start_seconds, m.end_seconds, tokens=m.tokens,
+                        flops=m.flops, peak_memory_bytes=m.peak_memory_bytes)
+            for move in record.moves:
+                row = log.realloc if move.kind == "realloc" else log.transfer
+                row(done, move.what, move.src, move.dst, move.num_bytes, move.start_seconds, move.end_seconds,
+                    rank=record.rank)
         stats = merge_stats(records) | merge_eval(records)
         if stats:
             log.stats(done, stats)
         start = min(r.step_start_seconds for r in records)
         end = max(r.step_end_seconds for r in records)
-        tokens = sum(row[5] for r in records for row in r.mfcs if row[0] == self.first_mfc)
-        flops = sum(row[6] for r in records for row in r.mfcs)
+        tokens = sum(m.tokens for r in records for m in r.mfcs if m.name == self.first_mfc)
+        flops = sum(m.flops for r in records for m in r.mfcs)
         samples = self.cfg.run.batch_size
         log.end_step(done, start, end, samples, tokens, flops)
         self.step = done
@@ -136,8 +117,8 @@ class Master:
         every = self.cfg.run.save_every
         last = self.step >= self.cfg.run.steps
         preempted = _preempt_requested(self.trial_dir) or self.step == self.cfg.run.stop_at_step
-        return {"checkpoint": last or preempted or (every > 0 and self.step % every == 0),
-                "stop": last or preempted}
+        return StepDecision(checkpoint=last or preempted or (every > 0 and self.step % every == 0),
+                            stop=last or preempted)
 
     def checkpoint_state(self) -> dict:
         return {"cursor": self.cursor.state_dict(), "step": self.step}

@@ -42,7 +42,7 @@ from restage.runtime.dataflow import DataFlow, measured_flops
 from restage.runtime.engines import build_engine, engine_groups, mark_norm_ownership
 from restage.runtime.execute import MFCResult, run_eval_generate, run_generate, run_inference, run_train
 from restage.runtime.heartbeat import Heartbeat, beat_interval_seconds
-from restage.runtime.master import Master, StepRecord
+from restage.runtime.master import Master
 from restage.runtime.nccl_rules import rank_device
 from restage.runtime.nonfinite import NonFiniteError, any_rank, nonfinite_samples, nonfinite_stats
 from restage.runtime.offload import ModelCopy
@@ -50,6 +50,7 @@ from restage.runtime.ops import prepare_run_ops
 from restage.runtime.program import check_ema_architectures, ema_targets
 from restage.runtime.realloc import execute_reallocation
 from restage.runtime.realloc_plan import plan_reallocation
+from restage.runtime.records import MFCRecord, MoveRecord, Span, StatsShare, StepRecord
 
 # Ops that wait for their peers to finish what they are doing (bounded by run.peer_wait_timeout_seconds).
 MOVES_WITH_PEERS = ("realloc", "transfer", "ema")
@@ -234,10 +235,10 @@ class Worker:
             records = self.control.gather(record)
             decision = self.control.bcast(self.master.end_step(step, records) if self.master else None)
             step += 1
-            if decision["checkpoint"]:
+            if decision.checkpoint:
                 beat.doing(f"step {step}: saving checkpoint step-{step}")
                 ckpt.save(self, step)
-            if decision["stop"]:
+            if decision.stop:
                 break
 
     def run_step(self, step: int, ids: list[int]) -> StepRecord:
@@ -275,7 +276,7 @@ class Worker:
                 else:
                     self._move(op, None)  # not logged: the step's tables time the iteration only
         self.source = self.train_set
-        record.eval_span = (begin, self.clock.now_synced())
+        record.eval_span = Span(begin, self.clock.now_synced())
 
     def _run_eval(self, op, record: StepRecord) -> None:
         plan = self.eval_plan
@@ -299,7 +300,7 @@ class Worker:
             for key, value in evaluate.score_sums(answered, mask_key, rewards, correct).items():
                 record.eval_sums[key] = record.eval_sums.get(key, 0.0) + value
 
-    def _move(self, op, moves: list | None) -> None:
+    def _move(self, op, moves: list[MoveRecord] | None) -> None:
         """Every op but ``run``; what moved is appended to ``moves`` (the step's log rows) unless it is None."""
         begin = self.clock.now_synced()
         if op.kind in MOVES_WITH_PEERS:
@@ -311,7 +312,7 @@ class Worker:
                 row = ("realloc", f"ema:{op.model}", self._ema(op))
             if moves is not None:
                 kind, what, nbytes = row
-                moves.append((kind, what, str(op.src), str(op.dst), nbytes, begin, self.clock.now_synced()))
+                moves.append(MoveRecord(kind, what, str(op.src), str(op.dst), nbytes, begin, self.clock.now_synced()))
         elif op.kind == "free":
             self.slots[op.model].copies.pop(op.dst, None)
             self.frozen_copies.discard((op.model, op.dst))
@@ -362,9 +363,9 @@ class Worker:
         flops = measured_flops(mfc, slot.cfg, result.batch if result.batch is not None else batch, result.tokens)
         flops /= layout.strategy.tp * layout.strategy.pp  # this rank's share of its replica's work
         tokens = result.tokens // (layout.strategy.tp * layout.strategy.pp)
-        record.mfcs.append((mfc.name, mfc.model, mfc.kind, begin, end, tokens, flops, peak))
+        record.mfcs.append(MFCRecord(mfc.name, mfc.model, mfc.kind, begin, end, tokens, flops, peak))
         if ctx.coord.tp == 0 and ctx.coord.pp == ctx.strategy.pp - 1:  # one reporter per DP replica
-            record.stats.append((result.stats, batch.n_samples))
+            record.stats.append(StatsShare(result.stats, batch.n_samples))
 
     def _nonfinite_inputs(self, mfc, layout: Layout, batch: Batch, step: int) -> bool:
         """Whether this train MFC skips the step: NaN or inf in its inputs on any of its ranks (runtime/nonfinite.py)."""
