@@ -116,28 +116,30 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     return specs
 
 
-def validate_strategy(cfg: ModelConfig, strategy: Strategy, name: str = "model") -> None:
-    """Raise LayoutError, saying what to change, if the model cannot take this tp / pp."""
+def strategy_problem(cfg: ModelConfig, strategy: Strategy, name: str = "model") -> str | None:
+    """Why the model cannot be sharded with this tp / pp (what to change), or None if it can."""
     tp, pp = strategy.tp, strategy.pp
     if cfg.num_heads % tp or cfg.num_kv_heads % tp:
         ok = [t for t in range(1, cfg.num_heads + 1) if cfg.num_heads % t == 0 and cfg.num_kv_heads % t == 0]
-        raise LayoutError(
-            f"{name}: tp={tp} does not divide {cfg.num_heads} attention heads and {cfg.num_kv_heads} "
-            f"KV heads; use tp in {ok}"
-        )
+        return (f"{name}: tp={tp} does not divide {cfg.num_heads} attention heads and {cfg.num_kv_heads} "
+                f"KV heads; use tp in {ok}")
     if pp > cfg.num_layers:
-        raise LayoutError(f"{name}: pp={pp} is larger than its {cfg.num_layers} layers; use pp <= {cfg.num_layers}")
+        return f"{name}: pp={pp} is larger than its {cfg.num_layers} layers; use pp <= {cfg.num_layers}"
     if tp > cfg.vocab_size or tp > cfg.intermediate_size:
-        raise LayoutError(f"{name}: tp={tp} exceeds the vocabulary or MLP width")
+        return f"{name}: tp={tp} exceeds the vocabulary or MLP width"
+    return None
+
+
+def validate_strategy(cfg: ModelConfig, strategy: Strategy, name: str = "model") -> None:
+    """Raise LayoutError, saying what to change, if the model cannot take this tp / pp."""
+    problem = strategy_problem(cfg, strategy, name)
+    if problem:
+        raise LayoutError(problem)
 
 
 def training_layout_problem(name: str, cfg: ModelConfig, zero_stage: int, strategy: Strategy, mesh_size: int,
                             world_size: int) -> str | None:
-    """Why a trained model cannot train in this layout (what to change), or None if it can.
-
-    One rule for the planner, which proposes no such layout (``plan.problem.strategies_for``) and refuses
-    a manual one, and the runtime, which refuses a schedule that has one.
-    """
+    """Why a trained model cannot train in this layout (what to change), or None if it can (see ``layout_problem``)."""
     if zero_stage == 3 and mesh_size != world_size:
         # DeepSpeed 0.19's ZeRO-3 synchronises the whole world while setting up and while
         # fetching parameters, which deadlocks when other ranks run other models meanwhile.
@@ -148,6 +150,22 @@ def training_layout_problem(name: str, cfg: ModelConfig, zero_stage: int, strate
         return (f"models.{name}: training a model with tied embeddings under pp={strategy.pp} is not supported; "
                 "train it with pp=1 (tp and dp are fine)")
     return None
+
+
+def layout_problem(name: str, cfg: ModelConfig, strategy: Strategy, world_size: int, *, trained: bool = False,
+                   zero_stage: int = 0) -> str | None:
+    """Why the runtime refuses to hold model ``name`` (and, if ``trained``, to train it) in a layout with this
+    strategy in a world of ``world_size`` ranks (what to change), or None if it takes it.
+
+    The one feasibility rule: the planner proposes no layout it refuses (``plan.problem.strategies_for``, the
+    candidates, the search's starting plans and manual layouts) and the runtime checks every layout of a
+    schedule with it at start-up (``runtime.feasibility.schedule_problem``). Placement (which ranks) does not
+    matter to it; a layout's mesh is as large as its strategy.
+    """
+    problem = strategy_problem(cfg, strategy, f"models.{name}")
+    if problem is None and trained:
+        problem = training_layout_problem(name, cfg, zero_stage, strategy, strategy.world_size, world_size)
+    return problem
 
 
 def split_range(total: int, parts: int, index: int, unit: int = 1) -> tuple[int, int]:

@@ -21,8 +21,8 @@ from restage.plan.problem import (
     mesh_options,
     micro_batch_options,
     roles_from_config,
+    runtime_refuses,
     strategies_for,
-    trains_badly,
     untrainable,
 )
 from restage.plan.search import SearchResult, search
@@ -138,7 +138,7 @@ def manual_plan(cfg, problem: PlanProblem) -> Plan:
     for mfc in problem.mfcs:
         layout, mb = parse_manual_layout(layouts[mfc.name], f"plan.layouts.{mfc.name}")
         layout.check_world(problem.cluster.world_size)
-        reason = trains_badly(problem.role(mfc), mfc, layout.strategy, layout.size, problem.cluster)
+        reason = runtime_refuses(problem.role(mfc), mfc, layout.strategy, problem.cluster)
         if reason:
             raise LayoutError(f"plan.layouts.{mfc.name}: {reason}")
         plan.append(problem.candidate(mfc, layout, mb))

@@ -3,9 +3,10 @@
 A *candidate* is one way to run one MFC: a layout (mesh + strategy), a micro-batch count and the
 estimate for them. Meshes are contiguous rank ranges aligned to their size: inside a node every
 power-of-two size up to the node, across nodes power-of-two node counts aligned to node
-boundaries, and the whole cluster. Strategies are every (dp, tp, pp) the model admits with TP
-inside a node. Candidates that do not fit in a device's memory on their own are dropped, and for
-each mesh size only the fastest few (plus the leanest) survive.
+boundaries, and the whole cluster. Strategies are every (dp, tp, pp) with TP inside a node that the
+runtime takes (``models.sharding.layout_problem``, the rule it checks a schedule with at
+start-up). Candidates that do not fit in a device's memory on their own are dropped, and for each
+mesh size only the fastest few (plus the leanest) survive.
 
 A *plan* is one candidate per MFC, in graph order. Each model has a *home* MFC whose layout
 holds its persistent state: the train step of a trained model, else its first MFC. Its other
@@ -21,7 +22,7 @@ from restage.cluster import ClusterSpec
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout, Strategy
-from restage.models.sharding import training_layout_problem
+from restage.models.sharding import layout_problem
 from restage.plan.estimator import Estimate, Estimator, ModelRole, dp_size_ok, sequences_per_rank
 from restage.plan.transfer import ReallocCost, data_transfer_seconds, exact_realloc, fast_realloc
 from restage.runtime.program import check_ema_architectures
@@ -103,33 +104,32 @@ def mesh_options(cluster: ClusterSpec) -> list[tuple[int, int]]:
 
 
 def strategies_for(size: int, role: ModelRole, mfc: MFC, cluster: ClusterSpec) -> list[Strategy]:
-    """Every (dp, tp, pp) over ``size`` ranks the model admits, TP at most one node wide."""
-    cfg = role.arch
+    """Every (dp, tp, pp) over ``size`` ranks the runtime takes for this MFC (``runtime_refuses``), TP at most one
+    node wide, and every DP rank given at least one sequence."""
     out = []
     for tp in _divisors(size):
-        if tp > cluster.devices_per_node or cfg.num_heads % tp or cfg.num_kv_heads % tp:
+        if tp > cluster.devices_per_node:
             continue
         for pp in _divisors(size // tp):
-            dp = size // (tp * pp)
-            strategy = Strategy(dp=dp, tp=tp, pp=pp)
-            if pp <= cfg.num_layers and dp_size_ok(mfc, dp) and not trains_badly(role, mfc, strategy, size, cluster):
+            strategy = Strategy(dp=size // (tp * pp), tp=tp, pp=pp)
+            if dp_size_ok(mfc, strategy.dp) and not runtime_refuses(role, mfc, strategy, cluster):
                 out.append(strategy)
     return out
 
 
-def trains_badly(role: ModelRole, mfc: MFC, strategy: Strategy, size: int, cluster: ClusterSpec) -> str | None:
-    """Why ``mfc``, a train step, cannot train its model in this layout (the runtime's rule), or None."""
-    if mfc.kind != "train_step":
-        return None
-    return training_layout_problem(role.name, role.arch, role.zero_stage, strategy, size, cluster.world_size)
+def runtime_refuses(role: ModelRole, mfc: MFC, strategy: Strategy, cluster: ClusterSpec) -> str | None:
+    """Why the runtime would refuse to run ``mfc`` in a layout with this strategy (``models.sharding.layout_problem``,
+    its start-up rule; a train step trains the model there), or None."""
+    return layout_problem(role.name, role.arch, strategy, cluster.world_size, trained=mfc.kind == "train_step",
+                          zero_stage=role.zero_stage)
 
 
 def untrainable(problem: PlanProblem, plan: Plan) -> str | None:
-    """Why the runtime would refuse to train in one of ``plan``'s layouts (a peer's plan models another system,
-    which may train where restage cannot), or None."""
+    """Why the runtime would refuse one of ``plan``'s layouts (a peer's plan models another system, which may
+    train where restage cannot), or None."""
     for cand in plan:
         mfc = problem.graph[cand.mfc]
-        reason = trains_badly(problem.role(mfc), mfc, cand.layout.strategy, cand.layout.size, problem.cluster)
+        reason = runtime_refuses(problem.role(mfc), mfc, cand.layout.strategy, problem.cluster)
         if reason:
             return f"{mfc.name}: {reason}"
     return None

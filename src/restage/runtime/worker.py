@@ -32,7 +32,6 @@ from restage.models.checkpoint import load_stage
 from restage.models.config import ModelConfig
 from restage.models.decoder import StageModule
 from restage.models.parallel import ParallelContext
-from restage.models.sharding import training_layout_problem
 from restage.plan.schedule import read_schedule
 from restage.runtime import checkpoint as ckpt
 from restage.runtime import comm_budget, evaluate, nccl_rules
@@ -41,6 +40,7 @@ from restage.runtime.control import Control, init_torch_distributed, wait_for_ra
 from restage.runtime.dataflow import DataFlow, measured_flops
 from restage.runtime.engines import build_engine, engine_groups, mark_norm_ownership
 from restage.runtime.execute import MFCResult, run_eval_generate, run_generate, run_inference, run_train
+from restage.runtime.feasibility import schedule_problem
 from restage.runtime.heartbeat import Heartbeat, beat_interval_seconds
 from restage.runtime.master import Master
 from restage.runtime.nccl_rules import rank_device
@@ -179,16 +179,15 @@ class Worker:
 
     def _load_models(self) -> None:
         check_ema_architectures(self.graph, {name: self._model_cfg(name) for name in self.schedule.models})
+        problem = schedule_problem(self.schedule, self.cfg, self.control.world_size)
+        if problem:  # the planner proposes no such layout; a hand-made schedule may hold one
+            raise LayoutError(problem)
         for name, info in self.schedule.models.items():
             spec = self.cfg.models[name]
             home = Layout.from_json(info["home_layout"])
             cfg = self._model_cfg(name)
             critic = comm_budget.is_critic(name, spec, cfg)
             slot = ModelSlot(name, spec, cfg.as_critic() if critic and not cfg.is_critic else cfg, home)
-            problem = spec.trainable and training_layout_problem(name, slot.cfg, spec.zero_stage, home.strategy,
-                                                                 home.size, self.control.world_size)
-            if problem:  # the planner proposes no such layout; a hand-made schedule may hold one
-                raise LayoutError(problem)
             if self.rank in home:
                 self.heartbeat.doing(f"start-up: loading {name} ({spec.path})")
                 slot.module = load_stage(spec.path, home, self.groups, self.rank, DTYPES[spec.dtype], self.device,
