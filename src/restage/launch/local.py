@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def prepare(cfg: ExperimentConfig) -> None:
     """One-line refusals for inputs that would otherwise fail inside the ranks."""
-    from restage.algorithms import get_algorithm
+    from restage.algorithms.interface import get_algorithm
     from restage.data.datasets import check_positions, load_splits
     from restage.models.config import ModelConfig
 
