@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cancel": ("restage.launch.status", "cancel the SLURM jobs of a run or sweep"),
     "report": ("restage.report.cli", "throughput report and plots from a run's log.h5"),
     "profile": ("restage.plan.profiler", "time model pieces on this device and store a profile"),
-    "generate": ("restage.models.generate_cli", "generate text from a HF model directory"),
+    "generate": ("restage.launch.generate", "generate text from a HF model directory"),
 }
 
 
