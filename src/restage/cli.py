@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from restage.disk import is_disk_full, place
 from restage.errors import RestageError
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -48,7 +49,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"restage: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # a write of the command's own (config.yaml, schedule.json, plots) on a full disk
-        from restage.disk import is_disk_full, place
 
         if not is_disk_full(err):
             raise

@@ -7,6 +7,8 @@ tensor-parallel shard ``t``. TP ranks are therefore adjacent (same node whenever
 
 from __future__ import annotations
 
+import datetime
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -37,8 +39,6 @@ class Strategy:
     @classmethod
     def parse(cls, text: str) -> Strategy:
         """Parse ``dp2tp2pp1`` (any order, missing degrees are 1)."""
-        import re
-
         parts = dict(re.findall(r"(dp|tp|pp)(\d+)", text))
         if not parts or re.sub(r"(dp|tp|pp)\d+", "", text):
             raise LayoutError(f"cannot read strategy {text!r}; write it like dp2tp2pp1")
@@ -171,8 +171,7 @@ class ProcessGroups:
     def __init__(self, groups: Iterable[Iterable[int]], backend: str | None = None,
                  singletons: bool | Iterable[int] = False, timeout_seconds: float | None = None,
                  startup_timeout_seconds: float | None = None):
-        import datetime
-
+        # lazy: layout is plain data for the planner, which runs without torch; only process groups need it
         import torch
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _set_pg_timeout  # no public setter

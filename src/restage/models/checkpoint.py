@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from restage.errors import CheckpointError
 from restage.layout import Layout, ProcessGroups, Strategy
@@ -58,8 +60,6 @@ class WeightReader:
             full = self.path / file
             try:
                 if file.endswith(".safetensors"):
-                    from safetensors import safe_open
-
                     self._handles[file] = safe_open(str(full), framework="pt")
                 else:
                     self._handles[file] = _torch_load(full)
@@ -230,8 +230,6 @@ def save_checkpoint(module: StageModule, path: str | Path, dtype: torch.dtype | 
             continue  # the last stage's copy of a tied embedding; stage 0 saves the original
         full[name] = _gather_full(param.detach(), shards[name], ctx).to(dtype=dtype, device="cpu")
     if ctx.tp_rank == 0:
-        from safetensors.torch import save_file
-
         path.mkdir(parents=True, exist_ok=True)
         save_file(to_hf_tensors(cfg, full), str(path / _stage_file(ctx.pp_stage, ctx.pp_size)), metadata={"format": "pt"})
         if ctx.is_first_stage:

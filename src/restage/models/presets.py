@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from restage.errors import ConfigError
 from restage.models.config import ModelConfig
+from restage.models.sharding import param_specs
 
 
 def _llama(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int = 32000,
@@ -46,6 +47,4 @@ def preset(name: str, critic: bool = False) -> ModelConfig:
 
 def parameter_count(cfg: ModelConfig) -> int:
     """Total parameters (embeddings and head included)."""
-    from restage.models.sharding import param_specs
-
     return sum(s.numel for s in param_specs(cfg))

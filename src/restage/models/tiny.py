@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 
@@ -67,7 +68,6 @@ _WORDS = ("the a an and or but if then so of to in on at by for with from up dow
 def build_tiny_tokenizer(path: str | Path, vocab_size: int) -> None:
     """A word-level tokenizer over ``vocab_size`` ids (0 pad, 1 bos, 2 eos, 3 unk, then common words, then w<i>)."""
     transformers = quiet_transformers()
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     words = ["<pad>", "<s>", "</s>", "<unk>", *_WORDS]
     words += [f"w{i}" for i in range(len(words), vocab_size)]

@@ -156,6 +156,7 @@ def run_eval_generate(module: StageModule, mfc: MFC, prompts: Batch, cfg: Experi
 
 def loss_scale_factor(engine, device: torch.device | None = None) -> float:
     """What ``engine.backward`` multiplies a scalar loss by before autograd: fp16's loss scale, else 1."""
+    # lazy: DeepSpeed takes seconds to import
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
     # A scalar with a grad_fn, which is what DeepSpeed's scaling recognises as a loss.
