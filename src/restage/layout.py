@@ -176,6 +176,8 @@ class ProcessGroups:
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _set_pg_timeout  # no public setter
 
+        from restage.device import rank_device
+
         self._rank = dist.get_rank()
         self._groups: dict[tuple[int, ...], object] = {}
         wanted = {tuple(sorted(g)) for g in groups if len(tuple(g)) > 1}
@@ -192,8 +194,7 @@ class ProcessGroups:
         for ranks, group in sorted(self._groups.items()):
             if len(ranks) > 1:
                 on_gpu = dist.get_backend(group) == "nccl"
-                device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-                dist.all_reduce(torch.zeros(1, device=device), group=group)
+                dist.all_reduce(torch.zeros(1, device=rank_device(on_gpu)), group=group)
             if during_startup != timeout and timeout is not None:
                 _set_pg_timeout(timeout, group)  # from now on: the data plane's timeout (NCCL's watchdog)
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from restage.data.datasets import encode_prompt
+from restage.device import DTYPES, TORCH_NAMES, torch_dtype
 from restage.errors import ConfigError, RestageError
 from restage.launch.mpirun import mpirun_command
 from restage.layout import Layout, ProcessGroups, Strategy
@@ -35,7 +36,7 @@ from restage.models.tiny import quiet_transformers
 from restage.runtime.control import Control, init_torch_distributed
 
 _ARGS_ENV = "RESTAGE_GENERATE_ARGS"
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_NAMES = tuple(TORCH_NAMES[dtype] for dtype in DTYPES.values())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     parser.add_argument("-n", "--nproc", type=int, default=None, help="processes (a multiple of tp*pp; default tp*pp)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     parser.add_argument("--json", action="store_true", help="print one JSON document with token ids, text and logprobs")
 
 
@@ -163,7 +164,7 @@ def _run(args, nproc: int, use_mpi: bool) -> int:
     strategy = Strategy(dp=world // (args.tp * args.pp), tp=args.tp, pp=args.pp)
     layout = Layout(tuple(range(world)), strategy)
     groups = ProcessGroups(layout.all_groups()) if world > 1 else None
-    module = load_stage(path, layout, groups, rank, dtype=getattr(torch, args.dtype))
+    module = load_stage(path, layout, groups, rank, dtype=torch_dtype(args.dtype))
     cfg = module.cfg
     eos = cfg.stop_token_ids
     params = SamplingParams(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, greedy=args.greedy,

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from restage.device import DTYPES
 from restage.errors import ConfigError
 from restage.layout import Coord, Strategy
 from restage.models.config import ModelConfig
@@ -42,8 +43,6 @@ from restage.models.parallel import ParallelContext, lm_logits
 from restage.models.presets import preset
 from restage.models.sharding import validate_strategy
 from restage.plan.profile import Profile, ProfileEntry, find_profile, user_profile_dir
-
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,7 +134,7 @@ def _timed_rounds(jobs: list[tuple[tuple, object]], repeats: int, sync,
 def measure(arch, cluster: str, dtype: str, batches: list[int], seqs: list[int], tps: list[int], repeats: int = 3,
             device: str = "cpu", say: Callable[[str], None] = lambda line: None) -> Profile:
     """Time the pieces of ``arch`` over the grid; returns the profile (not saved). ``say`` gets progress lines."""
-    torch_dtype = getattr(torch, DTYPES[dtype])
+    torch_dtype = DTYPES[dtype]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     one_block = dataclasses.replace(arch, num_layers=1)
     jobs: list[tuple[tuple, object]] = []

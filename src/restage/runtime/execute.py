@@ -16,6 +16,7 @@ import torch.distributed as dist
 from restage.algorithms import estimators, ops
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch, pack_sequences
+from restage.device import rank_device
 from restage.graph import MFC
 from restage.models.decoder import StageModule
 from restage.models.generation import SamplingParams, generate
@@ -36,13 +37,11 @@ class MFCResult:
 def _micro_batches(batch: Batch, ids_key: str, n_micro: int, extra: Callable[[Batch], object] = lambda b: b
                    ) -> list[MicroBatch]:
     parts = batch.split(n_micro, balance="tokens") if batch.n_samples > 1 else [batch]
-    device = _device()
+    device = rank_device()
     return [MicroBatch(part[ids_key].to(device), PackedBatch.from_seqlens(part.seqlens, device=device), extra(part))
             for part in parts]
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def forward_results(module: StageModule, logits_or_values: torch.Tensor, mb: MicroBatch, wanted: tuple[str, ...],
@@ -75,7 +74,7 @@ def _share_over_pipeline(module: StageModule, out: dict[str, torch.Tensor] | Non
         return out
     shared = {}
     for key in keys:
-        tensor = out[key].contiguous() if out is not None else torch.empty(n_tokens, dtype=torch.float32, device=_device())
+        tensor = out[key].contiguous() if out is not None else torch.empty(n_tokens, dtype=torch.float32, device=rank_device())
         dist.broadcast(tensor, src=ctx.last_stage_rank, group=ctx.pp_group)
         shared[key] = tensor
     return shared
@@ -243,7 +242,7 @@ def _early_stop_anywhere(engine, results: list | None) -> bool:
     ranks, then over its DP group, gives every rank the same answer (they all step or none does).
     """
     flag = max((float(stats.get("early_stop", 0.0)) for _, stats in results or []), default=0.0)
-    tensor = torch.tensor([flag], device=_device())
+    tensor = torch.tensor([flag], device=rank_device())
     mpu = engine.mpu
     if mpu.get_model_parallel_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=mpu.get_model_parallel_group())

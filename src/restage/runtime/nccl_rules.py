@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+import restage.device
+
 ENV = "RESTAGE_NCCL_RULES"
 _COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
                 "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single")
@@ -76,11 +78,9 @@ def enabled() -> bool:
 
 def rank_device() -> torch.device:
     """The device this rank's data-plane tensors live on: its GPU, ``cpu:0`` under the device rule, else cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    if _state is not None and _state.device_mode:
+    if not torch.cuda.is_available() and _state is not None and _state.device_mode:
         return torch.device("cpu", 0)
-    return torch.device("cpu")
+    return restage.device.rank_device()
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
