@@ -36,11 +36,6 @@ from restage.runtime import checkpoint_dir
 from restage.runtime.failure import abort_on_error
 
 
-def expected_sum(world_size: int, steps: int) -> int:
-    """What the all-reduces add up to over ``steps`` steps: sum_s sum_r (r + 1) * s."""
-    return world_size * (world_size + 1) // 2 * steps * (steps + 1) // 2
-
-
 def _load_state(trial_dir: Path) -> dict:
     path = checkpoint_dir.latest(trial_dir)
     if path is None:
