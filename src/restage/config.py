@@ -66,6 +66,8 @@ class DatasetConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """How generate MFCs sample (``models.generation.SamplingParams`` extends it with the run's own settings)."""
+
     max_new_tokens: int = 32
     min_new_tokens: int = 0
     greedy: bool = False

@@ -23,14 +23,12 @@ from restage.graph import MFC
 
 
 @dataclass(frozen=True)
-class Params(_policy.PolicyParams):
+class Params(_policy.KLPolicyParams):
     ppo_epochs: int = 1
     minibatches: int = 1
     gamma: float = 1.0
     lam: float = 0.95
     value_clip_eps: float = 0.2  # <= 0 turns value clipping off
-    kl_coef: float = 0.05  # initial coefficient of the KL penalty folded into the reward
-    kl_estimator: str = "k1"
     adaptive_kl: bool = False  # move kl_coef so the per-sequence KL tracks kl_target
     kl_target: float = 6.0
     kl_horizon: float = 10000.0
@@ -63,15 +61,11 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
 
 
 def validate(cfg: ExperimentConfig) -> Params:
-    params = base.parse_params(Params, cfg)
-    _policy.validate_policy(params)
+    params = _policy.validate_kl_policy(Params, cfg)
     base.check_positive(params, "ppo_epochs", "minibatches", "kl_target", "kl_horizon", "value_norm_eps")
-    base.check_positive(params, "kl_coef", allow_zero=True)
-    base.check_choice("kl_estimator", params.kl_estimator, losses.KL_ESTIMATORS)
     for name in ("gamma", "lam"):
         if not 0.0 <= getattr(params, name) <= 1.0:
             raise ConfigError(f"algo.{name}: {getattr(params, name)} must be in [0, 1]")
-    base.check_reward_source(cfg)
     return params
 
 
@@ -84,11 +78,9 @@ def init_state(cfg: ExperimentConfig, tokenizer=None) -> base.AlgoState:
 
 
 def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
-    if mfc_name == ACTOR_TRAIN:
-        return _policy.actor_forward_outputs(base.parse_params(Params, cfg))
     if mfc_name == CRITIC_TRAIN:
         return ("values",)
-    return base.default_forward_outputs(build_graph(cfg), mfc_name)
+    return _policy.forward_outputs(Params, mfc_name, cfg)
 
 
 def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,

@@ -22,16 +22,13 @@ from restage.algorithms._graphs import (
     reward_source,
     sizes,
 )
-from restage.algorithms.interface import build_graph
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
 from restage.graph import MFC
 
 
 @dataclass(frozen=True)
-class Params(_policy.PolicyParams):
-    kl_coef: float = 0.05
-    kl_estimator: str = "k1"
+class Params(_policy.KLPolicyParams):
     adv_norm: bool = False
 
 
@@ -59,18 +56,11 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
 
 
 def validate(cfg: ExperimentConfig) -> Params:
-    params = base.parse_params(Params, cfg)
-    _policy.validate_policy(params)
-    base.check_positive(params, "kl_coef", allow_zero=True)
-    base.check_choice("kl_estimator", params.kl_estimator, losses.KL_ESTIMATORS)
-    base.check_reward_source(cfg)
-    return params
+    return _policy.validate_kl_policy(Params, cfg)
 
 
 def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
-    if mfc_name == ACTOR_TRAIN:
-        return _policy.actor_forward_outputs(base.parse_params(Params, cfg))
-    return base.default_forward_outputs(build_graph(cfg), mfc_name)
+    return _policy.forward_outputs(Params, mfc_name, cfg)
 
 
 def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,

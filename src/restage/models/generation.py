@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from restage.config import GenerationConfig
 from restage.errors import ConfigError
 from restage.models.decoder import StageModule
 from restage.models.packing import PackedBatch, pack
@@ -22,15 +23,12 @@ from restage.models.pipeline import recv_tensor, send_tensor
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens. ``top_k=0`` and ``top_p=1`` switch those filters off."""
+class SamplingParams(GenerationConfig):
+    """How to pick tokens: the config's ``generation:`` section, plus what the model and the run decide.
 
-    max_new_tokens: int = 32
-    min_new_tokens: int = 0
-    greedy: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    ``top_k=0`` and ``top_p=1`` switch those filters off.
+    """
+
     eos_token_ids: tuple[int, ...] | None = None  # None: the model config's stop_token_ids (every EOS id)
     pad_token_id: int = 0  # fills tokens after a sequence ended
     seed: int = 0

@@ -7,6 +7,7 @@ rank of the replica holds the MFC's output batch (what data transfer reads from)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -113,9 +114,7 @@ def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo, cfg: Exper
     repeated = [p for p in prompt_ids for _ in range(group)]
     eos = module.cfg.eos_token_id
     pad = module.cfg.pad_token_id if module.cfg.pad_token_id is not None else (eos or 0)
-    params = SamplingParams(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
-                            greedy=gen.greedy or mfc.greedy, temperature=gen.temperature, top_k=gen.top_k,
-                            top_p=gen.top_p, pad_token_id=pad, seed=seed)
+    params = SamplingParams(**{**dataclasses.asdict(gen), "greedy": gen.greedy or mfc.greedy}, pad_token_id=pad, seed=seed)
     result = generate(module, repeated, params)
     answers, answer_logprobs = result.sequences(), result.token_logprobs()
     # An empty answer (EOS first with min_new_tokens=0 still yields that EOS) keeps at least one token.
