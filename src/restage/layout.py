@@ -11,8 +11,12 @@ import datetime
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from restage.errors import LayoutError
+
+if TYPE_CHECKING:  # annotations only: layout is plain data for the planner, which runs without torch
+    from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True, order=True)
@@ -179,7 +183,7 @@ class ProcessGroups:
         from restage.device import rank_device
 
         self._rank = dist.get_rank()
-        self._groups: dict[tuple[int, ...], object] = {}
+        self._groups: dict[tuple[int, ...], ProcessGroup] = {}
         wanted = {tuple(sorted(g)) for g in groups if len(tuple(g)) > 1}
         # DeepSpeed wants a real group even where a degree is 1: True makes one for every rank,
         # an iterable only for the ranks named (each is a communicator, so name only those needed).
@@ -198,7 +202,7 @@ class ProcessGroups:
             if during_startup != timeout and timeout is not None:
                 _set_pg_timeout(timeout, group)  # from now on: the data plane's timeout (NCCL's watchdog)
 
-    def get(self, ranks: Iterable[int]):
+    def get(self, ranks: Iterable[int]) -> ProcessGroup | None:
         """The group over ``ranks``; None for a single rank unless singletons were made. The caller must be a member."""
         key = tuple(sorted(ranks))
         if len(key) <= 1 and key not in self._groups:

@@ -82,7 +82,7 @@ class AlgoState:
 
     def begin_step(self, step: int) -> None:
         """Make ``prepare_train`` idempotent per step: a second call for the same step starts from the same state."""
-        if step == self._step:
+        if step == self._step and self._snapshot is not None:
             self.load_state_dict(copy.deepcopy(self._snapshot))
         else:
             self._step, self._snapshot = step, copy.deepcopy(self.state_dict())

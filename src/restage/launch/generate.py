@@ -98,7 +98,8 @@ def _read_prompts(args, tokenizer) -> tuple[list[list[int]], list[str | None]]:
                 raise ConfigError(f"{args.prompts}:{number} needs a \"prompt\" or \"token_ids\" key")
     if not items:
         raise ConfigError("no prompts; pass --prompt TEXT, --token-ids 'IDS' or --prompts FILE.jsonl")
-    ids, texts = [], []
+    ids: list[list[int]] = []
+    texts: list[str | None] = []
     for item in items:
         if isinstance(item, str):
             if tokenizer is None:
@@ -171,6 +172,7 @@ def _run(args, nproc: int, use_mpi: bool) -> int:
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             eos_token_ids=eos, pad_token_id=cfg.pad_token_id or 0)
     coord = layout.coord(rank)
+    assert coord is not None  # the mesh is every rank
     mine = list(range(coord.dp, len(prompts), strategy.dp))
     rows = []
     if mine:
@@ -178,7 +180,7 @@ def _run(args, nproc: int, use_mpi: bool) -> int:
         rows = list(zip(mine, out.sequences(), out.token_logprobs()))
     if control is not None:
         gathered = control.gather(rows if coord.pp == 0 and coord.tp == 0 else [])
-        rows = [row for part in gathered for row in part] if rank == 0 else []
+        rows = [row for part in gathered for row in part] if gathered is not None else []
         # Join gloo's worker threads now: left running into interpreter shutdown, one of them
         # released a tensor after Python had finalised and the rank aborted ("terminate called").
         dist.destroy_process_group()

@@ -125,7 +125,7 @@ def generate(module: StageModule, prompts: Sequence[Sequence[int]], params: Samp
     generator = torch.Generator(device=device).manual_seed(params.seed) if not params.greedy else None
     cache = module.new_cache(batch_size, longest + params.max_new_tokens)
     inputs, batch = pack(prompts, device=device)
-    select = batch.last_token_index()
+    select: torch.Tensor | None = batch.last_token_index()
     out_tokens = torch.full((batch_size, params.max_new_tokens), params.pad_token_id, dtype=torch.int64, device=device)
     out_logprobs = torch.zeros(batch_size, params.max_new_tokens, dtype=torch.float32, device=device)
     lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
@@ -138,6 +138,7 @@ def generate(module: StageModule, prompts: Sequence[Sequence[int]], params: Samp
         tokens = torch.zeros(batch_size, dtype=torch.int64, device=device)
         logprobs = torch.zeros(batch_size, dtype=torch.float32, device=device)
         if ctx.is_last_stage:
+            assert logits is not None  # the last stage's _stage_step returns its logits
             full = gather_from_tp(logits.float(), ctx, sizes)
             tokens, logprobs = choose_tokens(full, params, eos_ids, step >= params.min_new_tokens, generator)
         _share(module, tokens, logprobs, params.greedy)

@@ -79,13 +79,15 @@ def pack(seqs: Sequence[Sequence[int]] | Sequence[torch.Tensor], device=None) ->
 
 def unpack(values: torch.Tensor, batch: PackedBatch) -> list[torch.Tensor]:
     """Split a packed ``[T, ...]`` tensor back into one tensor per sequence."""
-    return list(torch.split(values, batch.seqlens))
+    return list(torch.split(values, list(batch.seqlens)))
 
 
 def contiguous_parts(weights: Sequence[int], n_parts: int) -> list[list[int]]:
     """Indices ``0..len(weights)-1`` cut into at most ``n_parts`` non-empty runs of near-equal total weight."""
     n = max(1, min(n_parts, len(weights)))
-    total, parts, current, acc = sum(weights), [], [], 0
+    parts: list[list[int]] = []
+    current: list[int] = []
+    total, acc = sum(weights), 0
     for i, weight in enumerate(weights):
         current.append(i)
         acc += weight
