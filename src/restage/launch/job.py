@@ -37,8 +37,7 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 
 from restage.config import config_from_dict
 from restage.errors import LaunchError
-from restage.launch import watchdog
-from restage.launch.allocation import lost_nodes, requeue
+from restage.launch import allocation, watchdog
 from restage.launch.geometry import JobGeometry, job_geometry
 from restage.launch.mpirun import mpirun_command
 from restage.launch.shared import check_shared_directory
@@ -309,7 +308,7 @@ NODE_LOSS_WAIT_SECONDS = 30.0  # slurmctld marks a silent node after SlurmdTimeo
 def _requeue_if_a_node_was_lost(paths: TrialPaths, hosts: Sequence[str], may_requeue: bool) -> None:
     """After a failed launch: if SLURM reports a node of the allocation lost, say which and requeue the job
     (it resumes from the last whole checkpoint); the requeue ends this driver."""
-    lost = lost_nodes(hosts, float(os.environ.get("RESTAGE_NODE_LOSS_WAIT_SECONDS", NODE_LOSS_WAIT_SECONDS)))
+    lost = allocation.lost_nodes(hosts, float(os.environ.get("RESTAGE_NODE_LOSS_WAIT_SECONDS", NODE_LOSS_WAIT_SECONDS)))
     if not lost:
         return
     named = ", ".join(f"{h} ({s})" for h, s in lost.items())
@@ -319,7 +318,7 @@ def _requeue_if_a_node_was_lost(paths: TrialPaths, hosts: Sequence[str], may_req
                    outcome=f"lost node(s) {named}" + ("; requeued" if will else ""))
     print(f"restage: lost node(s) {named}: " + (f"requeueing job {job_id} to resume from the last checkpoint"
           if will else "slurm.requeue is off; resubmit with --resume"), flush=True)
-    if will and requeue(job_id):
+    if will and allocation.requeue(job_id):
         time.sleep(120.0)  # SLURM ends this batch step now
 
 
