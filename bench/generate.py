@@ -22,12 +22,11 @@ from pathlib import Path
 
 import torch
 
+from restage.device import DTYPES
 from restage.layout import Layout, Strategy
 from restage.models.checkpoint import load_stage
 from restage.models.generation import SamplingParams, generate
 from restage.models.tiny import BENCH_SIZES, FAMILIES, build_tiny, load_hf
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def prompts_of(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -42,6 +42,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from restage.device import DTYPES
 from restage.layout import Layout, ProcessGroups, Strategy
 from restage.models.config import ModelConfig
 from restage.models.sharding import param_specs, shard_specs
@@ -50,7 +51,6 @@ from restage.runtime.realloc_plan import ReallocPlan, plan_reallocation, schedul
 from restage.runtime.spawn import spawn
 
 WORLD_SIZE = 4
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def model_100m() -> ModelConfig:

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from restage.disk import is_disk_full, place
 from restage.errors import RestageError
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -22,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cancel": ("restage.launch.status", "cancel the SLURM jobs of a run or sweep"),
     "report": ("restage.report.cli", "throughput report and plots from a run's log.h5"),
     "profile": ("restage.plan.profiler", "time model pieces on this device and store a profile"),
-    "generate": ("restage.models.generate_cli", "generate text from a HF model directory"),
+    "generate": ("restage.launch.generate", "generate text from a HF model directory"),
 }
 
 
@@ -48,7 +49,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"restage: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # a write of the command's own (config.yaml, schedule.json, plots) on a full disk
-        from restage.disk import is_disk_full, place
 
         if not is_disk_full(err):
             raise

@@ -16,9 +16,10 @@ from typing import Any
 
 import yaml
 
+from restage.algorithms import algorithm_names, is_algorithm_name
+from restage.cluster import load_cluster
 from restage.errors import ConfigError
 
-ALGORITHMS = ("sft", "rm", "dpo", "ppo", "grpo", "remax", "raft")
 DTYPES = ("fp32", "bf16", "fp16")
 AUTO_DTYPE = "auto"  # bf16 on a GPU cluster, fp32 on a CPU one (resolved when the config is built)
 
@@ -65,6 +66,8 @@ class DatasetConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """How generate MFCs sample (``models.generation.SamplingParams`` extends it with the run's own settings)."""
+
     max_new_tokens: int = 32
     min_new_tokens: int = 0
     greedy: bool = False
@@ -155,8 +158,8 @@ class ExperimentConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS and not _is_extension_algorithm(self.algorithm):
-            raise ConfigError(f"algorithm: {self.algorithm!r} is unknown; use one of {', '.join(ALGORITHMS)}")
+        if not is_algorithm_name(self.algorithm):
+            raise ConfigError(f"algorithm: {self.algorithm!r} is unknown; use one of {', '.join(algorithm_names())}")
         if not self.models:
             raise ConfigError("models: at least one model is needed (e.g. models.actor.path)")
         for name, spec in self.models.items():
@@ -220,8 +223,6 @@ class ExperimentConfig:
         auto = [name for name, spec in self.models.items() if spec.dtype == AUTO_DTYPE]
         if not auto:
             return
-        from restage.cluster import load_cluster
-
         cluster = load_cluster(self.cluster.name, self.cluster.nodes, self.cluster.devices_per_node or None)
         dtype = "bf16" if cluster.has_gpus else "fp32"
         for name in auto:  # the mapping is this config's own (built by ``build``), frozen specs inside it
@@ -236,13 +237,6 @@ class ExperimentConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-
-def _is_extension_algorithm(name: str) -> bool:
-    """A registered algorithm or a dotted module path (restage.algorithms is light to import)."""
-    from restage.algorithms import is_algorithm_name
-
-    return is_algorithm_name(name)
 
 
 def _to_plain(value):

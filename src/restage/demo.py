@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from restage.models.tiny import build_tiny
+
 ASSETS = Path("results/assets")
 TOKENIZER = Path("data/synthetic/tokenizer")
 
@@ -24,7 +26,6 @@ def ensure_tiny_model(root: Path = Path("."), seed: int = 0) -> Path:
     path = root / ASSETS / "tiny-llama"
     if (path / "config.json").is_file():
         return path
-    from restage.models.tiny import build_tiny
 
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

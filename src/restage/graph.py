@@ -3,18 +3,15 @@
 An MFC is one ``generate``, ``inference`` or ``train_step`` of one model, with input and
 output keys. Edges come from the keys: an MFC depends on the MFC that produces each of its
 inputs; keys nobody produces come from the dataset. Each algorithm declares its MFCs in
-``restage/algorithms/<name>.py`` (function ``mfcs(cfg)``); ``build_graph`` assembles them.
+``restage/algorithms/<name>.py`` (function ``mfcs(cfg)``); ``restage.algorithms.interface.build_graph``
+assembles them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from restage.errors import ConfigError
-
-if TYPE_CHECKING:
-    from restage.config import ExperimentConfig
 
 MFC_KINDS = ("generate", "inference", "train_step")
 
@@ -144,14 +141,3 @@ class DataflowGraph:
     @classmethod
     def from_json(cls, data: list[dict]) -> DataflowGraph:
         return cls(tuple(MFC.from_json(d) for d in data))
-
-
-def build_graph(cfg: ExperimentConfig) -> DataflowGraph:
-    """The dataflow graph of the config's algorithm, sized by its batch and sequence lengths."""
-    from restage.algorithms import get_algorithm
-
-    graph = DataflowGraph(tuple(get_algorithm(cfg.algorithm).mfcs(cfg)))
-    missing = [m.model for m in graph if m.model not in cfg.models]
-    if missing:
-        raise ConfigError(f"algorithm {cfg.algorithm} needs models {sorted(set(missing))}; add them under models:")
-    return graph

@@ -7,10 +7,16 @@ tensor-parallel shard ``t``. TP ranks are therefore adjacent (same node whenever
 
 from __future__ import annotations
 
+import datetime
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from restage.errors import LayoutError
+
+if TYPE_CHECKING:  # annotations only: layout is plain data for the planner, which runs without torch
+    from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True, order=True)
@@ -37,8 +43,6 @@ class Strategy:
     @classmethod
     def parse(cls, text: str) -> Strategy:
         """Parse ``dp2tp2pp1`` (any order, missing degrees are 1)."""
-        import re
-
         parts = dict(re.findall(r"(dp|tp|pp)(\d+)", text))
         if not parts or re.sub(r"(dp|tp|pp)\d+", "", text):
             raise LayoutError(f"cannot read strategy {text!r}; write it like dp2tp2pp1")
@@ -171,14 +175,15 @@ class ProcessGroups:
     def __init__(self, groups: Iterable[Iterable[int]], backend: str | None = None,
                  singletons: bool | Iterable[int] = False, timeout_seconds: float | None = None,
                  startup_timeout_seconds: float | None = None):
-        import datetime
-
+        # lazy: layout is plain data for the planner, which runs without torch; only process groups need it
         import torch
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _set_pg_timeout  # no public setter
 
+        from restage.device import rank_device
+
         self._rank = dist.get_rank()
-        self._groups: dict[tuple[int, ...], object] = {}
+        self._groups: dict[tuple[int, ...], ProcessGroup] = {}
         wanted = {tuple(sorted(g)) for g in groups if len(tuple(g)) > 1}
         # DeepSpeed wants a real group even where a degree is 1: True makes one for every rank,
         # an iterable only for the ranks named (each is a communicator, so name only those needed).
@@ -193,12 +198,11 @@ class ProcessGroups:
         for ranks, group in sorted(self._groups.items()):
             if len(ranks) > 1:
                 on_gpu = dist.get_backend(group) == "nccl"
-                device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-                dist.all_reduce(torch.zeros(1, device=device), group=group)
+                dist.all_reduce(torch.zeros(1, device=rank_device(on_gpu)), group=group)
             if during_startup != timeout and timeout is not None:
                 _set_pg_timeout(timeout, group)  # from now on: the data plane's timeout (NCCL's watchdog)
 
-    def get(self, ranks: Iterable[int]):
+    def get(self, ranks: Iterable[int]) -> ProcessGroup | None:
         """The group over ``ranks``; None for a single rank unless singletons were made. The caller must be a member."""
         key = tuple(sorted(ranks))
         if len(key) <= 1 and key not in self._groups:

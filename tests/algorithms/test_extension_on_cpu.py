@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from restage.algorithms import get_algorithm, register_algorithm
+from restage.algorithms import register_algorithm
+from restage.algorithms.interface import get_algorithm
 from restage.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

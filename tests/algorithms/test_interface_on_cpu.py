@@ -5,12 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from restage.algorithms import base, get_algorithm, ops
+from restage.algorithms import base, ops
+from restage.algorithms.interface import build_graph, check_algorithm, get_algorithm
 from restage.config import ConfigError, config_from_dict, load_config
 from restage.data.batch import pack_sequences
 from restage.data.tasks import VOCAB
 from restage.data.tokenizer import load_tokenizer
-from restage.graph import build_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 ALGORITHMS = ("sft", "rm", "dpo", "ppo", "grpo", "remax", "raft")
@@ -36,7 +36,7 @@ def tokenizer():
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_every_algorithm_follows_the_protocol_and_refuses_unknown_keys(name):
     module = get_algorithm(name)
-    base.check_algorithm(module)
+    check_algorithm(module)
     c = cfg(name)
     state = module.init_state(c)
     for mfc in build_graph(c):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_loop import logprobs, packed_logits, sample, tiny_model
 
-from restage.algorithms import get_algorithm
+from restage.algorithms.interface import get_algorithm
 from restage.algorithms.rewards import register_reward
 from restage.config import config_from_dict
 from restage.data import datasets, tasks

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from restage.algorithms.interface import build_graph
 from restage.config import config_from_dict
 from restage.errors import ConfigError
-from restage.graph import build_graph
 from restage.layout import Layout, Strategy
 from restage.runtime import evaluate
 from restage.runtime.evaluate import eval_due, eval_passes, pass_ops, plan_eval

@@ -2,9 +2,10 @@ from dataclasses import replace
 
 import pytest
 
+from restage.algorithms.interface import build_graph
 from restage.config import config_from_dict
 from restage.errors import ConfigError
-from restage.graph import MFC, DataflowGraph, build_graph
+from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
 from restage.runtime.program import build_program, check_ema_architectures, model_homes

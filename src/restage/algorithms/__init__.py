@@ -1,20 +1,19 @@
 """Algorithms: each is a module with its MFC graph (``mfcs(cfg)``), losses and interface functions.
 
-Built-in algorithms are looked up by name; an external one registers its module with
-``register_algorithm(name, module)``, or a config names its module by dotted path
-(``algorithm: mypkg.my_algo``). The functions a module must define are
-``restage.algorithms.base.REQUIRED``; those in ``base.OPTIONAL`` default to the base behaviour
+This package's ``__init__`` is only the table of names (the config checks an algorithm name
+against it without importing torch). ``restage.algorithms.interface.get_algorithm`` loads an
+algorithm as the typed ``Algorithm`` bundle of its functions. An external algorithm registers
+its module with ``register_algorithm(name, module)``, or a config names its module by dotted
+path (``algorithm: mypkg.my_algo``). The functions a module must define are
+``restage.algorithms.interface.REQUIRED``; those in ``OPTIONAL`` default to the base behaviour
 (docs/algorithms.md).
 """
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
-from restage.errors import ConfigError
-
-_BUILTIN = {
+BUILTIN = {
     "sft": "restage.algorithms.sft",
     "rm": "restage.algorithms.rm",
     "dpo": "restage.algorithms.dpo",
@@ -32,26 +31,14 @@ def register_algorithm(name: str, module: ModuleType | str) -> None:
 
 
 def algorithm_names() -> tuple[str, ...]:
-    return tuple(dict.fromkeys([*_BUILTIN, *_REGISTERED]))
+    return tuple(dict.fromkeys([*BUILTIN, *_REGISTERED]))
 
 
 def is_algorithm_name(name: str) -> bool:
     """Whether a config may name this algorithm: built in, registered, or a dotted module path."""
-    return name in _BUILTIN or name in _REGISTERED or "." in name
+    return name in BUILTIN or name in _REGISTERED or "." in name
 
 
-def get_algorithm(name: str):
-    """The algorithm called ``name`` as a ``base.Algorithm`` (its module, optional functions defaulted)."""
-    module = _REGISTERED.get(name) or _BUILTIN.get(name) or (name if "." in name else None)
-    if module is None:
-        raise ConfigError(f"algorithm {name!r} is unknown; use one of {', '.join(algorithm_names())}")
-    if isinstance(module, str):
-        try:
-            module = importlib.import_module(module)
-        except ImportError as err:
-            raise ConfigError(f"algorithm {name!r}: cannot import {module} ({err})") from None
-    from restage.algorithms.base import Algorithm, check_algorithm
-
-    if name not in _BUILTIN:
-        check_algorithm(module)
-    return Algorithm(module)
+def algorithm_module(name: str) -> ModuleType | str | None:
+    """The module (or its dotted name) of the algorithm called ``name``; None when unknown."""
+    return _REGISTERED.get(name) or BUILTIN.get(name) or (name if "." in name else None)

@@ -1,8 +1,22 @@
-"""Shared pieces of the algorithms' MFC declarations: sizes read from the config."""
+"""Shared pieces of the algorithms' MFC declarations: the MFC names, and sizes read from the config.
+
+Code that picks behaviour by MFC (``forward_outputs``, ``loss``) compares against these names,
+so renaming an MFC is one edit here.
+"""
 
 from __future__ import annotations
 
 from restage.config import ExperimentConfig
+
+ACTOR_GEN = "actor_gen"
+ACTOR_GREEDY_GEN = "actor_greedy_gen"
+REWARD_INF = "reward_inf"
+GREEDY_REWARD_INF = "greedy_reward_inf"
+REF_INF = "ref_inf"
+CRITIC_INF = "critic_inf"
+ACTOR_TRAIN = "actor_train"
+CRITIC_TRAIN = "critic_train"
+REWARD_TRAIN = "reward_train"
 
 
 def sizes(cfg: ExperimentConfig) -> dict:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from restage.algorithms import base, estimators, losses
+from restage.algorithms._graphs import ACTOR_TRAIN
+from restage.algorithms.interface import build_graph
+from restage.config import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
 
@@ -24,6 +28,17 @@ class PolicyParams:
     loss_agg: str = "token_mean"  # token_mean, or seq_mean (mean over sequences of each one's token mean)
 
 
+@dataclass(frozen=True)
+class KLPolicyParams(PolicyParams):
+    """The policy params of an algorithm with a KL penalty against the reference (PPO, GRPO, ReMax)."""
+
+    kl_coef: float = 0.05  # weight of the KL penalty (PPO: its initial value)
+    kl_estimator: str = "k1"
+
+
+P = TypeVar("P", bound="KLPolicyParams")
+
+
 def validate_policy(params: PolicyParams) -> None:
     base.check_positive(params, "clip_eps", "reward_scale")
     base.check_positive(params, "entropy_coef", "early_stop_ratio", "early_stop_kl", "reward_clip", allow_zero=True)
@@ -32,6 +47,24 @@ def validate_policy(params: PolicyParams) -> None:
         raise ConfigError(f"algo.ref_ema_eta: {params.ref_ema_eta} must be in [0, 1]")
     if 0 < params.early_stop_ratio <= 1.0:
         raise ConfigError(f"algo.early_stop_ratio: {params.early_stop_ratio} must be > 1 (or 0 to turn it off)")
+
+
+def validate_kl_policy(params_class: type[P], cfg: ExperimentConfig) -> P:
+    """Parse ``algo:`` into ``params_class`` and check what every KL-penalised policy algorithm shares
+    (the policy params, ``kl_coef`` >= 0, a known ``kl_estimator``, a reward source)."""
+    params = base.parse_params(params_class, cfg)
+    validate_policy(params)
+    base.check_positive(params, "kl_coef", allow_zero=True)
+    base.check_choice("kl_estimator", params.kl_estimator, losses.KL_ESTIMATORS)
+    base.check_reward_source(cfg)
+    return params
+
+
+def forward_outputs(params_class: type[PolicyParams], mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
+    """The actor's train step asks for what the policy loss needs; other MFCs for the default outputs of their keys."""
+    if mfc_name == ACTOR_TRAIN:
+        return actor_forward_outputs(base.parse_params(params_class, cfg))
+    return base.default_forward_outputs(build_graph(cfg), mfc_name)
 
 
 def train_options(cfg) -> dict:

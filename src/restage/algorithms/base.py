@@ -1,7 +1,8 @@
 """The interface between an algorithm module and the runtime, and the defaults most algorithms share.
 
-Every algorithm module defines the functions named in ``REQUIRED``; those in ``OPTIONAL`` it may
-leave to the defaults that ``Algorithm`` supplies (docs/algorithms.md has the full contract).
+Every algorithm module defines the functions named in ``interface.REQUIRED``; those in
+``interface.OPTIONAL`` it may leave to the defaults built from this module's ``default_*``
+functions (docs/algorithms.md has the full contract).
 In short, per iteration the runtime:
 
 1. ``generate`` MFCs: runs the model, packs ``seqs``/``prompt_mask``/``logprobs`` into a ``Batch``,
@@ -16,7 +17,6 @@ In short, per iteration the runtime:
 from __future__ import annotations
 
 import copy
-from types import ModuleType
 
 import torch
 
@@ -28,54 +28,7 @@ from restage.data.batch import Batch
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph
 
-REQUIRED = ("mfcs", "validate", "forward_outputs", "loss")
-OPTIONAL = ("init_state", "inference", "after_generate", "prepare_train")  # the defaults below when left out
 FORWARD_OUTPUTS = ("logprobs", "entropy", "values")  # what a model forward can be asked for
-
-
-def check_algorithm(module) -> None:
-    """Refuse a module that lacks a required protocol function (a registered algorithm is checked the same way)."""
-    module = getattr(module, "module", module)
-    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
-    if missing:
-        raise ConfigError(f"algorithm module {module.__name__} lacks {', '.join(missing)} (see docs/algorithms.md)")
-
-
-class Algorithm:
-    """An algorithm module, with the protocol's optional functions it leaves out taken from the defaults.
-
-    Attribute access goes to the module first, so a module's own ``inference`` (or any other
-    function) always wins; ``algo.module`` is the module itself.
-    """
-
-    def __init__(self, module: ModuleType):
-        self.module = module
-
-    def __getattr__(self, name: str):
-        if name == "module":  # not set yet (copying or unpickling): no recursion through self.module
-            raise AttributeError(name)
-        found = getattr(self.module, name, None)
-        if found is not None:
-            return found
-        if name in OPTIONAL:
-            return getattr(self, f"_default_{name}")
-        raise AttributeError(f"algorithm module {self.module.__name__} has no {name}")
-
-    def _default_init_state(self, cfg: ExperimentConfig, tokenizer=None) -> AlgoState:
-        return AlgoState(cfg, DataflowGraph(tuple(self.module.mfcs(cfg))), self.module.validate(cfg), tokenizer)
-
-    @staticmethod
-    def _default_inference(mfc_name: str, batch: Batch, outputs: dict, cfg: ExperimentConfig, state: AlgoState) -> dict:
-        return default_inference(state.graph[mfc_name], batch, outputs)
-
-    @staticmethod
-    def _default_after_generate(mfc_name: str, batch: Batch, cfg: ExperimentConfig, state: AlgoState) -> Batch:
-        return default_after_generate(mfc_name, batch, state)
-
-    @staticmethod
-    def _default_prepare_train(batch: Batch, cfg: ExperimentConfig, state: AlgoState, step: int = 0,
-                               reduce=None) -> tuple[Batch, dict]:
-        return batch, {}
 
 
 def parse_params(cls, cfg: ExperimentConfig):
@@ -129,7 +82,7 @@ class AlgoState:
 
     def begin_step(self, step: int) -> None:
         """Make ``prepare_train`` idempotent per step: a second call for the same step starts from the same state."""
-        if step == self._step:
+        if step == self._step and self._snapshot is not None:
             self.load_state_dict(copy.deepcopy(self._snapshot))
         else:
             self._step, self._snapshot = step, copy.deepcopy(self.state_dict())

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from restage.algorithms import base, losses, ops
-from restage.algorithms._graphs import sizes
+from restage.algorithms._graphs import ACTOR_TRAIN, REF_INF, sizes
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
@@ -25,8 +25,8 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     s = sizes(cfg)
     n, p, a, mb = 2 * s["prompts"], s["prompt_tokens"], s["answer_tokens"], s["micro_batches"]
     return [
-        MFC("ref_inf", "inference", "ref", ("packed_pair_ids", "prompt_mask"), ("ref_logprobs",), n, p, a, mb),
-        MFC("actor_train", "train_step", "actor", ("packed_pair_ids", "prompt_mask", "ref_logprobs"), (), n, p, a, mb),
+        MFC(REF_INF, "inference", "ref", ("packed_pair_ids", "prompt_mask"), ("ref_logprobs",), n, p, a, mb),
+        MFC(ACTOR_TRAIN, "train_step", "actor", ("packed_pair_ids", "prompt_mask", "ref_logprobs"), (), n, p, a, mb),
     ]
 
 

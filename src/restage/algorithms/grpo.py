@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from restage.algorithms import _policy, base, estimators, losses, ops
-from restage.algorithms._graphs import reward_source, sizes
+from restage.algorithms._graphs import ACTOR_GEN, ACTOR_TRAIN, REF_INF, REWARD_INF, reward_source, sizes
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
-from restage.graph import MFC, DataflowGraph
+from restage.graph import MFC
 
 
 @dataclass(frozen=True)
-class Params(_policy.PolicyParams):
+class Params(_policy.KLPolicyParams):
     group_size: int = 4
     ppo_epochs: int = 1
     minibatches: int = 1
@@ -38,29 +38,23 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     epochs = int(cfg.algo.get("ppo_epochs", 1))
     seq = ("seqs", "prompt_mask")
     gen_out = ("seqs", "prompt_mask", "logprobs") + (("rewards",) if reward_source(cfg) == "function" else ())
-    out = [MFC("actor_gen", "generate", "actor", ("prompts",), gen_out, n, p, g, mb, options={"group_size": group})]
+    out = [MFC(ACTOR_GEN, "generate", "actor", ("prompts",), gen_out, n, p, g, mb, options={"group_size": group})]
     if reward_source(cfg) == "model":
-        out.append(MFC("reward_inf", "inference", "reward", seq, ("rewards",), n, p, g, mb))
-    out.append(MFC("ref_inf", "inference", "ref", seq, ("ref_logprobs",), n, p, g, mb))
-    out.append(MFC("actor_train", "train_step", "actor", seq + ("logprobs", "ref_logprobs", "rewards"), (), n, p, g, mb,
+        out.append(MFC(REWARD_INF, "inference", "reward", seq, ("rewards",), n, p, g, mb))
+    out.append(MFC(REF_INF, "inference", "ref", seq, ("ref_logprobs",), n, p, g, mb))
+    out.append(MFC(ACTOR_TRAIN, "train_step", "actor", seq + ("logprobs", "ref_logprobs", "rewards"), (), n, p, g, mb,
                    minibatches, epochs, options=_policy.train_options(cfg)))
     return out
 
 
 def validate(cfg: ExperimentConfig) -> Params:
-    params = base.parse_params(Params, cfg)
-    _policy.validate_policy(params)
+    params = _policy.validate_kl_policy(Params, cfg)
     base.check_positive(params, "group_size", "ppo_epochs", "minibatches", "adv_eps")
-    base.check_positive(params, "kl_coef", allow_zero=True)
-    base.check_choice("kl_estimator", params.kl_estimator, losses.KL_ESTIMATORS)
-    base.check_reward_source(cfg)
     return params
 
 
 def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
-    if mfc_name == "actor_train":
-        return _policy.actor_forward_outputs(base.parse_params(Params, cfg))
-    return base.default_forward_outputs(DataflowGraph(tuple(mfcs(cfg))), mfc_name)
+    return _policy.forward_outputs(Params, mfc_name, cfg)
 
 
 def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
@@ -89,7 +83,7 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
 def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
          state: base.AlgoState) -> tuple[torch.Tensor, dict]:
     p: Params = state.params
-    if mfc_name != "actor_train":
+    if mfc_name != ACTOR_TRAIN:
         raise ValueError(f"grpo has no train MFC {mfc_name!r}")
     kl = losses.kl_estimate(outputs["logprobs"].float(), micro_batch["ref_logprobs"].float(), p.kl_estimator)
     return _policy.actor_loss(micro_batch, outputs, p, kl if p.kl_coef > 0 else None, p.kl_coef)

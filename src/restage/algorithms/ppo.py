@@ -14,22 +14,21 @@ from dataclasses import dataclass
 import torch
 
 from restage.algorithms import _policy, base, estimators, losses, ops
-from restage.algorithms._graphs import reward_source, sizes
+from restage.algorithms._graphs import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INF, CRITIC_TRAIN, REF_INF, REWARD_INF, reward_source, sizes
+from restage.algorithms.interface import build_graph
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
-from restage.graph import MFC, DataflowGraph
+from restage.graph import MFC
 
 
 @dataclass(frozen=True)
-class Params(_policy.PolicyParams):
+class Params(_policy.KLPolicyParams):
     ppo_epochs: int = 1
     minibatches: int = 1
     gamma: float = 1.0
     lam: float = 0.95
     value_clip_eps: float = 0.2  # <= 0 turns value clipping off
-    kl_coef: float = 0.05  # initial coefficient of the KL penalty folded into the reward
-    kl_estimator: str = "k1"
     adaptive_kl: bool = False  # move kl_coef so the per-sequence KL tracks kl_target
     kl_target: float = 6.0
     kl_horizon: float = 10000.0
@@ -45,32 +44,28 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     epochs = int(cfg.algo.get("ppo_epochs", 1))
     seq = ("seqs", "prompt_mask")
     gen_out = ("seqs", "prompt_mask", "logprobs") + (("rewards",) if reward_source(cfg) == "function" else ())
-    out = [MFC("actor_gen", "generate", "actor", ("prompts",), gen_out, n, p, g, mb)]
+    out = [MFC(ACTOR_GEN, "generate", "actor", ("prompts",), gen_out, n, p, g, mb)]
     if reward_source(cfg) == "model":
-        out.append(MFC("reward_inf", "inference", "reward", seq, ("rewards",), n, p, g, mb))
+        out.append(MFC(REWARD_INF, "inference", "reward", seq, ("rewards",), n, p, g, mb))
     out += [
-        MFC("ref_inf", "inference", "ref", seq, ("ref_logprobs",), n, p, g, mb),
-        MFC("critic_inf", "inference", "critic", seq, ("values",), n, p, g, mb),
+        MFC(REF_INF, "inference", "ref", seq, ("ref_logprobs",), n, p, g, mb),
+        MFC(CRITIC_INF, "inference", "critic", seq, ("values",), n, p, g, mb),
     ]
     train_in = seq + ("logprobs", "ref_logprobs", "rewards", "values")
     out += [
-        MFC("actor_train", "train_step", "actor", train_in, (), n, p, g, mb, minibatches, epochs,
+        MFC(ACTOR_TRAIN, "train_step", "actor", train_in, (), n, p, g, mb, minibatches, epochs,
             options=_policy.train_options(cfg)),
-        MFC("critic_train", "train_step", "critic", train_in, (), n, p, g, mb, minibatches, epochs),
+        MFC(CRITIC_TRAIN, "train_step", "critic", train_in, (), n, p, g, mb, minibatches, epochs),
     ]
     return out
 
 
 def validate(cfg: ExperimentConfig) -> Params:
-    params = base.parse_params(Params, cfg)
-    _policy.validate_policy(params)
+    params = _policy.validate_kl_policy(Params, cfg)
     base.check_positive(params, "ppo_epochs", "minibatches", "kl_target", "kl_horizon", "value_norm_eps")
-    base.check_positive(params, "kl_coef", allow_zero=True)
-    base.check_choice("kl_estimator", params.kl_estimator, losses.KL_ESTIMATORS)
     for name in ("gamma", "lam"):
         if not 0.0 <= getattr(params, name) <= 1.0:
             raise ConfigError(f"algo.{name}: {getattr(params, name)} must be in [0, 1]")
-    base.check_reward_source(cfg)
     return params
 
 
@@ -78,16 +73,14 @@ def init_state(cfg: ExperimentConfig, tokenizer=None) -> base.AlgoState:
     p = validate(cfg)
     kl_ctl = (estimators.AdaptiveKLController(p.kl_coef, p.kl_target, p.kl_horizon) if p.adaptive_kl
               else estimators.FixedKLController(p.kl_coef))
-    return base.AlgoState(cfg, DataflowGraph(tuple(mfcs(cfg))), p, tokenizer, kl_ctl=kl_ctl,
+    return base.AlgoState(cfg, build_graph(cfg), p, tokenizer, kl_ctl=kl_ctl,
                           value_norm=estimators.ValueNormaliser(p.value_norm_eps))
 
 
 def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
-    if mfc_name == "actor_train":
-        return _policy.actor_forward_outputs(base.parse_params(Params, cfg))
-    if mfc_name == "critic_train":
+    if mfc_name == CRITIC_TRAIN:
         return ("values",)
-    return base.default_forward_outputs(DataflowGraph(tuple(mfcs(cfg))), mfc_name)
+    return _policy.forward_outputs(Params, mfc_name, cfg)
 
 
 def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
@@ -135,9 +128,9 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
 def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
          state: base.AlgoState) -> tuple[torch.Tensor, dict]:
     p: Params = state.params
-    if mfc_name == "actor_train":
+    if mfc_name == ACTOR_TRAIN:
         return _policy.actor_loss(micro_batch, outputs, p)
-    if mfc_name == "critic_train":
+    if mfc_name == CRITIC_TRAIN:
         mask = base.answer_mask(micro_batch)
         predicted = ops.shift_right(outputs["values"].float(), micro_batch.cu_seqlens)
         value, clip_fraction = losses.value_loss(predicted, micro_batch["old_values"], micro_batch["returns"], mask,

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 import torch
 
 from restage.algorithms import base, losses, ops
-from restage.algorithms._graphs import reward_source, sizes
+from restage.algorithms._graphs import ACTOR_GEN, ACTOR_TRAIN, REWARD_INF, reward_source, sizes
+from restage.algorithms.interface import build_graph
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
-from restage.graph import MFC, DataflowGraph
+from restage.graph import MFC
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,12 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     group = int(cfg.algo.get("group_size", 4))
     n, p, g, mb = s["prompts"], s["prompt_tokens"], s["gen_tokens"], s["micro_batches"]
     fn = reward_source(cfg) == "function"
-    out = [MFC("actor_gen", "generate", "actor", ("prompts",), ("seqs", "prompt_mask") + (("rewards",) if fn else ()),
+    out = [MFC(ACTOR_GEN, "generate", "actor", ("prompts",), ("seqs", "prompt_mask") + (("rewards",) if fn else ()),
                n * group, p, g, mb, options={"group_size": group})]
     if not fn:
-        out.append(MFC("reward_inf", "inference", "reward", ("seqs", "prompt_mask"), ("rewards",), n * group, p, g, mb))
+        out.append(MFC(REWARD_INF, "inference", "reward", ("seqs", "prompt_mask"), ("rewards",), n * group, p, g, mb))
     # The best of each group is selected between MFCs; the train step sees one sequence per prompt.
-    out.append(MFC("actor_train", "train_step", "actor", ("seqs", "prompt_mask", "rewards"), (), n, p, g, mb))
+    out.append(MFC(ACTOR_TRAIN, "train_step", "actor", ("seqs", "prompt_mask", "rewards"), (), n, p, g, mb))
     return out
 
 
@@ -40,9 +41,9 @@ def validate(cfg: ExperimentConfig) -> Params:
 
 
 def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
-    if mfc_name == "actor_train":
+    if mfc_name == ACTOR_TRAIN:
         return ("logprobs",)
-    return base.default_forward_outputs(DataflowGraph(tuple(mfcs(cfg))), mfc_name)
+    return base.default_forward_outputs(build_graph(cfg), mfc_name)
 
 
 def best_of_groups(rewards: torch.Tensor, group_size: int) -> list[int]:
@@ -69,7 +70,7 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
 
 def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
          state: base.AlgoState) -> tuple[torch.Tensor, dict]:
-    if mfc_name != "actor_train":
+    if mfc_name != ACTOR_TRAIN:
         raise ValueError(f"raft has no train MFC {mfc_name!r}")
     mask = base.answer_mask(micro_batch)
     value = losses.sft_loss(outputs["logprobs"], mask)

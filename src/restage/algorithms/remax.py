@@ -12,16 +12,23 @@ from dataclasses import dataclass
 import torch
 
 from restage.algorithms import _policy, base, estimators, losses, ops
-from restage.algorithms._graphs import reward_source, sizes
+from restage.algorithms._graphs import (
+    ACTOR_GEN,
+    ACTOR_GREEDY_GEN,
+    ACTOR_TRAIN,
+    GREEDY_REWARD_INF,
+    REF_INF,
+    REWARD_INF,
+    reward_source,
+    sizes,
+)
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
-from restage.graph import MFC, DataflowGraph
+from restage.graph import MFC
 
 
 @dataclass(frozen=True)
-class Params(_policy.PolicyParams):
-    kl_coef: float = 0.05
-    kl_estimator: str = "k1"
+class Params(_policy.KLPolicyParams):
     adv_norm: bool = False
 
 
@@ -30,37 +37,30 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     n, p, g, mb = s["prompts"], s["prompt_tokens"], s["gen_tokens"], s["micro_batches"]
     fn = reward_source(cfg) == "function"
     out = [
-        MFC("actor_gen", "generate", "actor", ("prompts",), ("seqs", "prompt_mask", "logprobs") + (("rewards",) if fn else ()),
+        MFC(ACTOR_GEN, "generate", "actor", ("prompts",), ("seqs", "prompt_mask", "logprobs") + (("rewards",) if fn else ()),
             n, p, g, mb),
-        MFC("actor_greedy_gen", "generate", "actor", ("prompts",),
+        MFC(ACTOR_GREEDY_GEN, "generate", "actor", ("prompts",),
             ("greedy_seqs", "greedy_prompt_mask") + (("baseline_rewards",) if fn else ()), n, p, g, mb, greedy=True),
     ]
     if not fn:
         out += [
-            MFC("reward_inf", "inference", "reward", ("seqs", "prompt_mask"), ("rewards",), n, p, g, mb),
-            MFC("greedy_reward_inf", "inference", "reward", ("greedy_seqs", "greedy_prompt_mask"), ("baseline_rewards",),
+            MFC(REWARD_INF, "inference", "reward", ("seqs", "prompt_mask"), ("rewards",), n, p, g, mb),
+            MFC(GREEDY_REWARD_INF, "inference", "reward", ("greedy_seqs", "greedy_prompt_mask"), ("baseline_rewards",),
                 n, p, g, mb),
         ]
-    out.append(MFC("ref_inf", "inference", "ref", ("seqs", "prompt_mask"), ("ref_logprobs",), n, p, g, mb))
-    out.append(MFC("actor_train", "train_step", "actor",
+    out.append(MFC(REF_INF, "inference", "ref", ("seqs", "prompt_mask"), ("ref_logprobs",), n, p, g, mb))
+    out.append(MFC(ACTOR_TRAIN, "train_step", "actor",
                    ("seqs", "prompt_mask", "logprobs", "ref_logprobs", "rewards", "baseline_rewards"), (), n, p, g, mb,
                    options=_policy.train_options(cfg)))
     return out
 
 
 def validate(cfg: ExperimentConfig) -> Params:
-    params = base.parse_params(Params, cfg)
-    _policy.validate_policy(params)
-    base.check_positive(params, "kl_coef", allow_zero=True)
-    base.check_choice("kl_estimator", params.kl_estimator, losses.KL_ESTIMATORS)
-    base.check_reward_source(cfg)
-    return params
+    return _policy.validate_kl_policy(Params, cfg)
 
 
 def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
-    if mfc_name == "actor_train":
-        return _policy.actor_forward_outputs(base.parse_params(Params, cfg))
-    return base.default_forward_outputs(DataflowGraph(tuple(mfcs(cfg))), mfc_name)
+    return _policy.forward_outputs(Params, mfc_name, cfg)
 
 
 def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
@@ -89,6 +89,6 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
 
 def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
          state: base.AlgoState) -> tuple[torch.Tensor, dict]:
-    if mfc_name != "actor_train":
+    if mfc_name != ACTOR_TRAIN:
         raise ValueError(f"remax has no train MFC {mfc_name!r}")
     return _policy.actor_loss(micro_batch, outputs, state.params)

@@ -39,10 +39,6 @@ def resolve_accuracy(spec: str) -> AccuracyFn | None:
     return None if target is None else _resolve(target, spec)
 
 
-def reward_names() -> tuple[str, ...]:
-    return tuple(_REWARDS)
-
-
 def resolve_reward(spec: str) -> RewardFn:
     """The function a ``reward_fn`` value names; a one-line ConfigError when it cannot be found."""
     return _resolve(_REWARDS.get(spec, spec), spec)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from restage.algorithms import base, losses, ops
-from restage.algorithms._graphs import sizes
+from restage.algorithms._graphs import REWARD_TRAIN, sizes
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
 from restage.graph import MFC
@@ -21,7 +21,7 @@ class Params:
 def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     s = sizes(cfg)
     # Each pair is two sequences (chosen, rejected).
-    return [MFC("reward_train", "train_step", "reward", ("packed_pair_ids", "prompt_mask"), (), 2 * s["prompts"],
+    return [MFC(REWARD_TRAIN, "train_step", "reward", ("packed_pair_ids", "prompt_mask"), (), 2 * s["prompts"],
                 s["prompt_tokens"], s["answer_tokens"], s["micro_batches"])]
 
 

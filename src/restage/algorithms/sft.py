@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from restage.algorithms import base, losses
-from restage.algorithms._graphs import sizes
+from restage.algorithms._graphs import ACTOR_TRAIN, sizes
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
 from restage.graph import MFC
@@ -20,7 +20,7 @@ class Params:
 
 def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     s = sizes(cfg)
-    return [MFC("actor_train", "train_step", "actor", ("packed_input_ids", "prompt_mask"), (), s["prompts"],
+    return [MFC(ACTOR_TRAIN, "train_step", "actor", ("packed_input_ids", "prompt_mask"), (), s["prompts"],
                 s["prompt_tokens"], s["answer_tokens"], s["micro_batches"])]
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from restage.models.packing import contiguous_parts
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -129,22 +131,6 @@ class Batch:
             raise ValueError(f"balance must be 'tokens' or 'samples', got {balance!r}")
         weights = self.sample_tokens() if balance == "tokens" else [1] * self.n_samples
         return [self.select(part) for part in contiguous_parts(weights, n_parts)]
-
-
-def contiguous_parts(weights: Sequence[int], n_parts: int) -> list[list[int]]:
-    """Indices ``0..len(weights)-1`` cut into at most ``n_parts`` non-empty runs of near-equal total weight."""
-    n = max(1, min(n_parts, len(weights)))
-    total, parts, current, acc = sum(weights), [], [], 0
-    for i, weight in enumerate(weights):
-        current.append(i)
-        acc += weight
-        parts_left, items_left = n - len(parts) - 1, len(weights) - i - 1
-        if parts_left > 0 and (acc >= total * (len(parts) + 1) / n or items_left == parts_left):
-            parts.append(current)
-            current = []
-    if current:
-        parts.append(current)
-    return parts
 
 
 def concat(batches: Sequence[Batch]) -> Batch:

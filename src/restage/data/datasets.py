@@ -22,6 +22,7 @@ from pathlib import Path
 
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch, pack_sequences
+from restage.data.tokenizer import load_tokenizer
 from restage.errors import ConfigError
 
 FIELDS = {"prompt": ("prompt",), "sft": ("prompt", "answer"), "preference": ("prompt", "chosen", "rejected")}
@@ -205,8 +206,6 @@ def check_positions(cfg: ExperimentConfig, splits: Sequence[Dataset], positions:
 
 def load_splits(cfg: ExperimentConfig, tokenizer=None) -> tuple[Dataset, Dataset]:
     """(train, eval) splits of ``cfg.dataset``; eval is empty when ``eval_fraction`` is 0."""
-    from restage.data.tokenizer import load_tokenizer
-
     ds = cfg.dataset
     if ds.kind not in FIELDS:
         raise ConfigError(f"dataset.kind: {ds.kind!r} must be one of {', '.join(FIELDS)}")

@@ -15,6 +15,7 @@ def build_word_tokenizer(vocab: Sequence[str], out_dir: str | Path) -> Path:
     directory holds ``tokenizer.json`` and ``tokenizer_config.json`` and loads with
     ``transformers.AutoTokenizer.from_pretrained``.
     """
+    # lazy: transformers takes seconds to import; data loading needs it only to build or load a tokenizer
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -32,6 +33,7 @@ def build_word_tokenizer(vocab: Sequence[str], out_dir: str | Path) -> Path:
 
 def load_tokenizer(path: str | Path):
     """``AutoTokenizer.from_pretrained(path)``, with a one-line error when the directory is missing or not a tokenizer."""
+    # lazy: transformers takes seconds to import; only here
     from transformers import AutoTokenizer
 
     path = Path(path)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from restage.cluster import load_cluster
 from restage.errors import ConfigError, LaunchError
 
 
@@ -53,8 +54,6 @@ def node_devices(cfg) -> tuple[int, bool]:
     config wins; 0 means "as ``cluster/<cluster.name>.yaml`` says". A spec whose device names a
     CPU (``local-cpu``) gives CPU ranks (one per "device"), any other spec gives GPUs.
     """
-    from restage.cluster import load_cluster
-
     spec = load_cluster(cfg.cluster.name, cfg.cluster.nodes, cfg.cluster.devices_per_node or None)
     return spec.devices_per_node, "cpu" not in spec.device.lower()
 

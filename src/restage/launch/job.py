@@ -37,9 +37,14 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 
 from restage.config import config_from_dict
 from restage.errors import LaunchError
+from restage.launch import allocation, watchdog
 from restage.launch.geometry import JobGeometry, job_geometry
 from restage.launch.mpirun import mpirun_command
+from restage.launch.shared import check_shared_directory
 from restage.launch.trial import TrialPaths, record_attempt, trial_lock, update_attempt
+from restage.runtime.checkpoint_dir import complete_steps
+from restage.runtime.failure import clear_failures, describe_failure
+from restage.runtime.spawn import free_port
 
 RUNTIME_MODULE = "restage.runtime.spmd"
 SELFTEST_MODULE = "restage.launch.selftest"
@@ -76,7 +81,6 @@ def rendezvous(hosts: Sequence[str], job_id: str | None, env: Mapping[str, str] 
         return env["MASTER_ADDR"], int(env["MASTER_PORT"])
     if job_id and job_id.isdigit():
         return hosts[0], 20000 + int(job_id) % 20000
-    from restage.runtime.spawn import free_port  # outside SLURM: everything runs here
 
     return hosts[0], free_port()
 
@@ -244,7 +248,6 @@ def _attempt(config_dict: dict, trial_dir: str, resume: bool, holder: dict | Non
     if module == RUNTIME_MODULE and not paths.schedule.is_file():
         plan_trial(paths)
     paths.preempt_file.unlink(missing_ok=True)  # a request belongs to the attempt that received the signal
-    from restage.runtime.failure import clear_failures, describe_failure
 
     clear_failures(paths.root)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
@@ -262,8 +265,6 @@ def _attempt(config_dict: dict, trial_dir: str, resume: bool, holder: dict | Non
     attempt = record_attempt(paths, **_job_ids(), restarts=restarts, resume=resume, hosts=hosts or [],
                              launcher=cfg.slurm.launcher, command=shlex.join(command))
     if in_slurm and len(hosts) > 1:
-        from restage.launch.shared import check_shared_directory
-
         try:
             check_shared_directory(paths.root, hosts)  # before any rank starts
         except LaunchError as err:
@@ -272,7 +273,6 @@ def _attempt(config_dict: dict, trial_dir: str, resume: bool, holder: dict | Non
             raise
     print(f"restage: attempt {attempt} of {paths.root} on {len(hosts or [1])} host(s): {shlex.join(command)}", flush=True)
     if module == RUNTIME_MODULE:  # its ranks write heartbeats (another program's may not)
-        from restage.launch import watchdog
 
         watchdog.clear_heartbeats(paths.root)
     launched = _Launched(command, {**os.environ, **rank_env}, paths.output_log)
@@ -308,9 +308,7 @@ NODE_LOSS_WAIT_SECONDS = 30.0  # slurmctld marks a silent node after SlurmdTimeo
 def _requeue_if_a_node_was_lost(paths: TrialPaths, hosts: Sequence[str], may_requeue: bool) -> None:
     """After a failed launch: if SLURM reports a node of the allocation lost, say which and requeue the job
     (it resumes from the last whole checkpoint); the requeue ends this driver."""
-    from restage.launch.allocation import lost_nodes, requeue
-
-    lost = lost_nodes(hosts, float(os.environ.get("RESTAGE_NODE_LOSS_WAIT_SECONDS", NODE_LOSS_WAIT_SECONDS)))
+    lost = allocation.lost_nodes(hosts, float(os.environ.get("RESTAGE_NODE_LOSS_WAIT_SECONDS", NODE_LOSS_WAIT_SECONDS)))
     if not lost:
         return
     named = ", ".join(f"{h} ({s})" for h, s in lost.items())
@@ -320,7 +318,7 @@ def _requeue_if_a_node_was_lost(paths: TrialPaths, hosts: Sequence[str], may_req
                    outcome=f"lost node(s) {named}" + ("; requeued" if will else ""))
     print(f"restage: lost node(s) {named}: " + (f"requeueing job {job_id} to resume from the last checkpoint"
           if will else "slurm.requeue is off; resubmit with --resume"), flush=True)
-    if will and requeue(job_id):
+    if will and allocation.requeue(job_id):
         time.sleep(120.0)  # SLURM ends this batch step now
 
 
@@ -341,7 +339,6 @@ class TrialJob(Checkpointable):
         grace = max(5.0, config_from_dict(config_dict).slurm.signal_delay_seconds - 15.0)
         if launched is not None:
             launched.stop(grace)
-        from restage.runtime.checkpoint_dir import complete_steps
 
         steps = complete_steps(paths.root)
         update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -9,18 +9,31 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from restage.algorithms.interface import get_algorithm
 from restage.config import ExperimentConfig, config_from_dict, load_config
-from restage.errors import ConfigError, LaunchError
+from restage.data.datasets import check_positions, load_splits
+from restage.errors import ConfigError, LaunchError, LogError
+from restage.launch import watchdog
 from restage.launch.mpirun import mpirun_command
 from restage.launch.resume import resumed_config, write_trial_overrides
 from restage.launch.trial import trial_lock
+from restage.models.config import ModelConfig
+from restage.plan.planner import make_plan
+from restage.plan.schedule import build_schedule, read_schedule, write_schedule
+from restage.report.journal import journal_path
+from restage.report.log import read_log
+from restage.runtime.checkpoint_dir import complete_steps, latest
+from restage.runtime.failure import clear_failures, describe_failure
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,10 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def prepare(cfg: ExperimentConfig) -> None:
     """One-line refusals for inputs that would otherwise fail inside the ranks."""
-    from restage.algorithms import get_algorithm
-    from restage.data.datasets import check_positions, load_splits
-    from restage.models.config import ModelConfig
-
     positions = {}
     for name, spec in cfg.models.items():
         if not spec.path:
@@ -54,9 +63,6 @@ def prepare(cfg: ExperimentConfig) -> None:
 
 
 def plan_trial(cfg: ExperimentConfig, trial_dir: Path) -> Path:
-    from restage.plan.planner import make_plan
-    from restage.plan.schedule import build_schedule, write_schedule
-
     outcome = make_plan(cfg, with_baselines=False)
     return write_schedule(build_schedule(cfg, outcome), trial_dir / "schedule.json")
 
@@ -71,8 +77,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, cfg: ExperimentConfig, overrides: list[str]) -> int:
-    from restage.runtime.checkpoint_dir import complete_steps, latest
-
     trial_dir = cfg.trial_dir
     log = trial_dir / "log.h5"
     saved = latest(trial_dir) is not None
@@ -95,10 +99,6 @@ def _run(args: argparse.Namespace, cfg: ExperimentConfig, overrides: list[str]) 
         print(f"restage: {trial_dir}: the earlier run ended before its first step; starting it afresh", flush=True)
         fresh = True
     if fresh:
-        import shutil
-
-        from restage.report.journal import journal_path
-
         for stale in (log, journal_path(log), trial_dir / "checkpoints", trial_dir / "failures"):
             if stale.is_dir():
                 shutil.rmtree(stale)
@@ -120,7 +120,6 @@ def _run(args: argparse.Namespace, cfg: ExperimentConfig, overrides: list[str]) 
         print(f"restage: start-up: planning (plan.mode={cfg.plan.mode})", flush=True)
         schedule = plan_trial(cfg, trial_dir)
         print(f"restage: start-up: planned in {time.monotonic() - began:.1f} s: {schedule}", flush=True)
-    from restage.plan.schedule import read_schedule
 
     world = read_schedule(schedule).world_size
     if world != nprocs:
@@ -131,10 +130,6 @@ def _run(args: argparse.Namespace, cfg: ExperimentConfig, overrides: list[str]) 
 def _with_config(path: Path, cfg: ExperimentConfig) -> Path:
     """The trial's schedule, carrying ``cfg`` (the ranks read their config from it): on resume only keys that do
     not change the plan differ (resume.SAFE_ON_RESUME)."""
-    import dataclasses
-
-    from restage.plan.schedule import read_schedule, write_schedule
-
     schedule = read_schedule(path)
     if schedule.config != cfg.to_dict():
         write_schedule(dataclasses.replace(schedule, config=cfg.to_dict()), path)
@@ -142,9 +137,6 @@ def _with_config(path: Path, cfg: ExperimentConfig) -> Path:
 
 
 def _completed_steps(log: Path) -> int:
-    from restage.errors import LogError
-    from restage.report.log import read_log
-
     try:
         return read_log(log).last_complete_step  # steps count from 1
     except LogError:
@@ -154,10 +146,6 @@ def _completed_steps(log: Path) -> int:
 def launch(schedule: Path, trial_dir: Path, nprocs: int, resume: bool = False) -> int:
     """Start the ranks; return 0 (or 128 + the signal that stopped them), or raise LaunchError with the failed
     rank's one line."""
-    from restage.launch import watchdog
-    from restage.plan.schedule import read_schedule
-    from restage.runtime.failure import clear_failures, describe_failure
-
     clear_failures(trial_dir)
     watchdog.clear_heartbeats(trial_dir)
     limits = watchdog.Limits.from_run(config_from_dict(read_schedule(schedule).config).run)
@@ -203,8 +191,6 @@ def launch(schedule: Path, trial_dir: Path, nprocs: int, resume: bool = False) -
 def _die_with_parent() -> None:
     """In the child before exec: the kernel sends it SIGTERM when this launcher exits (PR_SET_PDEATHSIG); mpirun
     then ends every rank."""
-    import ctypes
-
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG (linux/prctl.h)
 
 

@@ -11,9 +11,11 @@ driver, not the ranks, reacts to it: see ``restage.launch.job``), and then runs 
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -86,9 +88,6 @@ def prepare(env=os.environ) -> RankEnv:
 def write_facts(info: RankEnv, env=os.environ) -> None:
     """With RESTAGE_RANK_FACTS=1: record where this rank runs as ``<trial>/rank-facts/rank<R>.json`` (host,
     local rank, the device index DeepSpeed and the runtime will use, CPU set, rendezvous) for the launch tests."""
-    import json
-    import socket
-
     if env.get("RESTAGE_RANK_FACTS") != "1" or not env.get("RESTAGE_TRIAL_DIR"):
         return
     folder = os.path.join(env["RESTAGE_TRIAL_DIR"], "rank-facts")

@@ -25,14 +25,15 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
 from restage.config import load_config
 from restage.launch.trial import write_json_atomic
+from restage.report.log import LogWriter
 from restage.runtime import checkpoint_dir
-
-
-def expected_sum(world_size: int, steps: int) -> int:
-    """What the all-reduces add up to over ``steps`` steps: sum_s sum_r (r + 1) * s."""
-    return world_size * (world_size + 1) // 2 * steps * (steps + 1) // 2
+from restage.runtime.failure import abort_on_error
 
 
 def _load_state(trial_dir: Path) -> dict:
@@ -50,18 +51,11 @@ def _save(trial_dir: Path, state: dict, keep: int) -> None:
 
 
 def main() -> int:
-    from mpi4py import MPI
-
-    from restage.runtime.failure import abort_on_error
-
     with abort_on_error(MPI.COMM_WORLD.Get_rank(), os.environ["RESTAGE_TRIAL_DIR"]):
         return _run(MPI.COMM_WORLD)
 
 
 def _run(comm) -> int:
-    import torch
-    import torch.distributed as dist
-
     rank, world = comm.Get_rank(), comm.Get_size()
     if (rank, world) != (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])):
         raise RuntimeError(f"MPI says rank {rank}/{world}, the launcher said {os.environ['RANK']}/{os.environ['WORLD_SIZE']}")
@@ -80,8 +74,6 @@ def _run(comm) -> int:
         {"step": 0, "sum_torch": 0, "sum_mpi": 0, "resumed_from": None}
     log = None
     if rank == 0:
-        from restage.report.log import LogWriter
-
         log = LogWriter(trial_dir, world_size=world, config=cfg.to_yaml(), dtype="int64",
                         resume_step=state["step"] if resume else None, overwrite=not resume)
     stopped = False

@@ -23,6 +23,10 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from submitit import SlurmExecutor
+from submitit.core.utils import FailedJobError
+from submitit.slurm.slurm import _make_sbatch_string
+
 from restage.errors import ConfigError, LaunchError
 from restage.launch.geometry import JobGeometry
 
@@ -141,15 +145,11 @@ def driver_python() -> str:
 
 def sbatch_script(params: Mapping[str, object], folder: Path) -> str:
     """The exact script submitit writes for these parameters (``--dry-run``)."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
     command = " ".join([driver_python(), "-u -m submitit.core._submit", shlex.quote(str(folder))])
     return _make_sbatch_string(command=command, folder=folder, **params)
 
 
 def make_executor(folder: Path, params: Mapping[str, object], max_requeues: int):
-    from submitit import SlurmExecutor
-
     try:
         executor = SlurmExecutor(folder=folder, max_num_timeout=max_requeues, python=driver_python())
     except RuntimeError as err:
@@ -173,8 +173,6 @@ def quiet_submission():
         try:
             yield
         except Exception as err:
-            from submitit.core.utils import FailedJobError
-
             if isinstance(err, FailedJobError):
                 raise LaunchError(f"sbatch refused the job: {sbatch_error(err)}") from None
             raise

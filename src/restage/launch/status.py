@@ -12,6 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from restage.config import load_config
 from restage.errors import LaunchError
 from restage.launch.trial import TrialPaths, read_json
 
@@ -29,8 +30,6 @@ def entries(target: str) -> list[Entry]:
     """The submitted trials a status/cancel target names."""
     path = Path(target)
     if path.is_file() and path.suffix in (".yaml", ".yml"):
-        from restage.config import load_config
-
         cfg = load_config(path)
         path = Path(cfg.run.results_dir) / cfg.experiment / cfg.trial
     index = read_json(path / "index.json")

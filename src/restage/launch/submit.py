@@ -19,6 +19,7 @@ from restage.launch import slurm
 from restage.launch.geometry import JobGeometry, job_geometry
 from restage.launch.job import (
     RUNTIME_MODULE,
+    TrialJob,
     cpus_per_rank,
     forwarded_names,
     interface_environment,
@@ -115,7 +116,6 @@ def main(args: argparse.Namespace) -> int:
     program_module(cfg)  # refuse now, not in the queue, when the program cannot be imported
     check_fresh(job.paths, args.resume)
     job.paths.root.mkdir(parents=True, exist_ok=True)
-    from restage.launch.job import TrialJob
 
     executor = slurm.make_executor(folder, job.params, cfg.slurm.max_requeues)
     with slurm.quiet_submission():

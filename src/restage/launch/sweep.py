@@ -34,6 +34,7 @@ import yaml
 from restage.config import ExperimentConfig, apply_override, config_from_dict
 from restage.errors import ConfigError
 from restage.launch import slurm
+from restage.launch.job import TrialJob, program_module
 from restage.launch.submit import PreparedJob, check_fresh, prepare
 from restage.launch.trial import TrialPaths, write_json_atomic
 
@@ -168,7 +169,6 @@ def main(args: argparse.Namespace) -> int:
         return 0
     for _, job in jobs:
         check_fresh(job.paths, resume=False)
-    from restage.launch.job import TrialJob, program_module
 
     program_module(trials[0].config)
     entries = []

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from restage.runtime.failure import record_watchdog
 from restage.runtime.heartbeat import STARTUP_PHASES, Beat, beat_path, heartbeat_dir, read_beat
 
 NOTICE_SECONDS = 30.0  # while starting up, say who is furthest behind at most this often
@@ -213,8 +214,6 @@ def guard(trial_dir: str | Path, world_size: int, limits: Limits, end_job: Calla
           say: Callable[[str], None] = print) -> threading.Event:
     """Watch a job just launched; when it stalls, record why (``failures/watchdog.txt``), say it and call
     ``end_job``. Returns the event to set once the job has ended."""
-    from restage.runtime.failure import record_watchdog
-
     dog = Watchdog(trial_dir, world_size, limits, say=say)
 
     def fail(line: str) -> None:

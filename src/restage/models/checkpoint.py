@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from restage.errors import CheckpointError
 from restage.layout import Layout, ProcessGroups, Strategy
@@ -58,8 +60,6 @@ class WeightReader:
             full = self.path / file
             try:
                 if file.endswith(".safetensors"):
-                    from safetensors import safe_open
-
                     self._handles[file] = safe_open(str(full), framework="pt")
                 else:
                     self._handles[file] = _torch_load(full)
@@ -152,10 +152,10 @@ def _check_full_shape(cfg, reader: WeightReader, key: str, shard: ShardSpec, sou
     expected = list(shard.param.shape)
     if source.offset or key.endswith("c_attn.weight") or key.endswith("c_attn.bias"):
         expected[0] = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim  # the fused q/k/v tensor
-    expected = tuple(reversed(expected)) if source.transpose else tuple(expected)
-    if reader.shape(key) != expected:
+    shape = tuple(reversed(expected)) if source.transpose else tuple(expected)
+    if reader.shape(key) != shape:
         raise CheckpointError(f"{path}: tensor {key} has shape {list(reader.shape(key))}, config.json implies "
-                              f"{list(expected)}; the weights do not match the config")
+                              f"{list(shape)}; the weights do not match the config")
 
 
 def _init_score(param: torch.nn.Parameter) -> None:
@@ -230,8 +230,6 @@ def save_checkpoint(module: StageModule, path: str | Path, dtype: torch.dtype | 
             continue  # the last stage's copy of a tied embedding; stage 0 saves the original
         full[name] = _gather_full(param.detach(), shards[name], ctx).to(dtype=dtype, device="cpu")
     if ctx.tp_rank == 0:
-        from safetensors.torch import save_file
-
         path.mkdir(parents=True, exist_ok=True)
         save_file(to_hf_tensors(cfg, full), str(path / _stage_file(ctx.pp_stage, ctx.pp_size)), metadata={"format": "pt"})
         if ctx.is_first_stage:
@@ -243,10 +241,11 @@ def save_checkpoint(module: StageModule, path: str | Path, dtype: torch.dtype | 
 
 def _write_metadata(module: StageModule, path: Path, dtype, hf_config, tokenizer_from) -> None:
     cfg, pp = module.cfg, module.ctx.pp_size
-    base = hf_config if hf_config is not None else getattr(module, "hf_config", None)
+    base = hf_config if hf_config is not None else module.hf_config
     (path / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype, base), indent=2, sort_keys=True))
     if pp > 1:
-        weight_map, total = {}, 0
+        weight_map: dict[str, str] = {}
+        total = 0
         itemsize = torch.empty((), dtype=dtype).element_size()
         for stage in range(pp):
             for spec in stage_params(cfg, pp, stage):

@@ -160,6 +160,7 @@ class StageModule(nn.Module):
         strategy = Strategy(tp=ctx.tp_size, pp=ctx.pp_size)
         validate_strategy(cfg, strategy)
         self.cfg, self.ctx, self.dtype = cfg, ctx, dtype
+        self.hf_config: dict | None = None  # the config.json it was loaded from (load_stage); a save keeps its keys
         self.layer_range = stage_layers(cfg, ctx.pp_size)[ctx.pp_stage]
         first, last, gpt2 = ctx.is_first_stage, ctx.is_last_stage, cfg.family == "gpt2"
         self.tied_head = cfg.tied_embeddings and not cfg.is_critic

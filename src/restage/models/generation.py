@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from restage.config import GenerationConfig
 from restage.errors import ConfigError
 from restage.models.decoder import StageModule
 from restage.models.packing import PackedBatch, pack
@@ -22,15 +23,12 @@ from restage.models.pipeline import recv_tensor, send_tensor
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens. ``top_k=0`` and ``top_p=1`` switch those filters off."""
+class SamplingParams(GenerationConfig):
+    """How to pick tokens: the config's ``generation:`` section, plus what the model and the run decide.
 
-    max_new_tokens: int = 32
-    min_new_tokens: int = 0
-    greedy: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    ``top_k=0`` and ``top_p=1`` switch those filters off.
+    """
+
     eos_token_ids: tuple[int, ...] | None = None  # None: the model config's stop_token_ids (every EOS id)
     pad_token_id: int = 0  # fills tokens after a sequence ended
     seed: int = 0
@@ -127,7 +125,7 @@ def generate(module: StageModule, prompts: Sequence[Sequence[int]], params: Samp
     generator = torch.Generator(device=device).manual_seed(params.seed) if not params.greedy else None
     cache = module.new_cache(batch_size, longest + params.max_new_tokens)
     inputs, batch = pack(prompts, device=device)
-    select = batch.last_token_index()
+    select: torch.Tensor | None = batch.last_token_index()
     out_tokens = torch.full((batch_size, params.max_new_tokens), params.pad_token_id, dtype=torch.int64, device=device)
     out_logprobs = torch.zeros(batch_size, params.max_new_tokens, dtype=torch.float32, device=device)
     lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
@@ -140,6 +138,7 @@ def generate(module: StageModule, prompts: Sequence[Sequence[int]], params: Samp
         tokens = torch.zeros(batch_size, dtype=torch.int64, device=device)
         logprobs = torch.zeros(batch_size, dtype=torch.float32, device=device)
         if ctx.is_last_stage:
+            assert logits is not None  # the last stage's _stage_step returns its logits
             full = gather_from_tp(logits.float(), ctx, sizes)
             tokens, logprobs = choose_tokens(full, params, eos_ids, step >= params.min_new_tokens, generator)
         _share(module, tokens, logprobs, params.greedy)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from restage.device import TORCH_NAMES
 from restage.models.config import ModelConfig
 from restage.models.sharding import ParamSpec
 
@@ -81,7 +82,6 @@ def to_hf_tensors(cfg: ModelConfig, canonical: dict[str, torch.Tensor]) -> dict[
 
 
 _GPT2_ACTIVATION_NAMES = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:
@@ -91,7 +91,7 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = Non
                bos_token_id=cfg.bos_token_id, pad_token_id=cfg.pad_token_id,
                # a list of EOS ids in the source's config.json stays as it was (generation_config.json is copied)
                eos_token_id=out["eos_token_id"] if isinstance(out.get("eos_token_id"), list) else cfg.eos_token_id,
-               dtype=_DTYPE_NAMES[dtype], tie_word_embeddings=cfg.tied_embeddings)
+               dtype=TORCH_NAMES[dtype], tie_word_embeddings=cfg.tied_embeddings)
     if cfg.is_critic:
         out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     else:

@@ -79,20 +79,27 @@ def pack(seqs: Sequence[Sequence[int]] | Sequence[torch.Tensor], device=None) ->
 
 def unpack(values: torch.Tensor, batch: PackedBatch) -> list[torch.Tensor]:
     """Split a packed ``[T, ...]`` tensor back into one tensor per sequence."""
-    return list(torch.split(values, batch.seqlens))
+    return list(torch.split(values, list(batch.seqlens)))
+
+
+def contiguous_parts(weights: Sequence[int], n_parts: int) -> list[list[int]]:
+    """Indices ``0..len(weights)-1`` cut into at most ``n_parts`` non-empty runs of near-equal total weight."""
+    n = max(1, min(n_parts, len(weights)))
+    parts: list[list[int]] = []
+    current: list[int] = []
+    total, acc = sum(weights), 0
+    for i, weight in enumerate(weights):
+        current.append(i)
+        acc += weight
+        parts_left, items_left = n - len(parts) - 1, len(weights) - i - 1
+        if parts_left > 0 and (acc >= total * (len(parts) + 1) / n or items_left == parts_left):
+            parts.append(current)
+            current = []
+    if current:
+        parts.append(current)
+    return parts
 
 
 def split_micro_batches(seqs: Sequence, n_micro_batches: int) -> list[list[int]]:
     """Indices of ``seqs`` in ``n`` contiguous groups of near-equal token count (each non-empty)."""
-    n = max(1, min(n_micro_batches, len(seqs)))
-    lengths = [len(s) for s in seqs]
-    total, groups, current, acc = sum(lengths), [], [], 0
-    for i, length in enumerate(lengths):
-        current.append(i)
-        acc += length
-        left_groups, left_seqs = n - len(groups) - 1, len(seqs) - i - 1
-        if left_groups > 0 and (acc >= total * (len(groups) + 1) / n or left_seqs == left_groups):
-            groups.append(current)
-            current = []
-    groups.append(current)
-    return [g for g in groups if g]
+    return contiguous_parts([len(s) for s in seqs], n_micro_batches)

@@ -54,11 +54,14 @@ def _hidden_buffer(module: StageModule, mb: MicroBatch) -> torch.Tensor:
     return torch.empty(mb.batch.num_tokens, module.cfg.hidden_size, dtype=module.dtype, device=mb.tokens.device)
 
 
-def send_tensor(tensor: torch.Tensor, peer: int) -> None:
+def send_tensor(tensor: torch.Tensor, peer: int | None) -> None:
+    """Send to the neighbouring stage ``peer`` (``ctx.next_rank``/``prev_rank``; None there is a caller's bug)."""
+    assert peer is not None, "no neighbouring stage to send to"
     _p2p([("send", tensor.contiguous(), peer)])
 
 
-def recv_tensor(buffer: torch.Tensor, peer: int) -> torch.Tensor:
+def recv_tensor(buffer: torch.Tensor, peer: int | None) -> torch.Tensor:
+    assert peer is not None, "no neighbouring stage to receive from"
     _p2p([("recv", buffer, peer)])
     return buffer
 
@@ -128,7 +131,7 @@ def train_1f1b(module: StageModule, micro_batches: Sequence[MicroBatch], loss_fn
         received = None
         if recv_kind is not None:
             peer_in = ctx.next_rank if recv_kind == "backward" else ctx.prev_rank
-            if peer_in is not None:
+            if peer_in is not None and recv_like is not None:
                 received = torch.empty_like(recv_like)
                 ops.append(("recv", received, peer_in))
         _p2p(ops)

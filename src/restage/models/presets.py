@@ -31,10 +31,6 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def preset_names() -> tuple[str, ...]:
-    return tuple(PRESETS)
-
-
 def preset(name: str, critic: bool = False) -> ModelConfig:
     """The architecture called ``name``; with ``critic`` its scalar-head variant."""
     try:
@@ -42,10 +38,3 @@ def preset(name: str, critic: bool = False) -> ModelConfig:
     except KeyError:
         raise ConfigError(f"architecture preset {name!r} is unknown; use one of {', '.join(PRESETS)}") from None
     return cfg.as_critic() if critic else cfg
-
-
-def parameter_count(cfg: ModelConfig) -> int:
-    """Total parameters (embeddings and head included)."""
-    from restage.models.sharding import param_specs
-
-    return sum(s.numel for s in param_specs(cfg))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
 
@@ -20,7 +21,8 @@ BENCH_SIZES = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, i
                    vocab_size=16384, max_positions=1024)
 
 
-def _quiet_transformers():
+def quiet_transformers():
+    """The ``transformers`` module, imported here only (heavy and optional: training never needs it), logs quiet."""
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
@@ -31,7 +33,7 @@ def _quiet_transformers():
 def tiny_hf_config(family: str = "llama", tied: bool = False, critic: bool = False, sliding_window: int | None = None,
                    **sizes):
     """A transformers config of ``family`` with the given sizes (defaults: TINY_SIZES)."""
-    import transformers
+    transformers = quiet_transformers()
 
     s = {**TINY_SIZES, **sizes}
     common = dict(vocab_size=s["vocab_size"], bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=tied,
@@ -65,8 +67,7 @@ _WORDS = ("the a an and or but if then so of to in on at by for with from up dow
 
 def build_tiny_tokenizer(path: str | Path, vocab_size: int) -> None:
     """A word-level tokenizer over ``vocab_size`` ids (0 pad, 1 bos, 2 eos, 3 unk, then common words, then w<i>)."""
-    transformers = _quiet_transformers()
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    transformers = quiet_transformers()
 
     words = ["<pad>", "<s>", "</s>", "<unk>", *_WORDS]
     words += [f"w{i}" for i in range(len(words), vocab_size)]
@@ -85,7 +86,7 @@ def build_tiny(path: str | Path, family: str = "llama", tied: bool = False, crit
 
     ``weight_format`` is ``safetensors`` or ``bin`` (``pytorch_model.bin``).
     """
-    transformers = _quiet_transformers()
+    transformers = quiet_transformers()
     config = tiny_hf_config(family, tied=tied, critic=critic, sliding_window=sliding_window, **sizes)
     torch.manual_seed(seed)
     cls = transformers.AutoModelForSequenceClassification if critic else transformers.AutoModelForCausalLM
@@ -114,7 +115,7 @@ def build_tiny(path: str | Path, family: str = "llama", tied: bool = False, crit
 
 def load_hf(path: str | Path, dtype: torch.dtype = torch.float32):
     """The transformers model stored at ``path`` (eval mode, eager-free SDPA attention)."""
-    transformers = _quiet_transformers()
+    transformers = quiet_transformers()
     config = transformers.AutoConfig.from_pretrained(path)
     critic = (config.architectures or [""])[0].endswith("ForSequenceClassification")
     cls = transformers.AutoModelForSequenceClassification if critic else transformers.AutoModelForCausalLM

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
-from restage.plan.evaluate import PlanEvaluation, evaluate
+from restage.plan.evaluate import PlanEvaluation, fit_plan
 from restage.plan.peers import BUILDERS as PEER_BUILDERS
 from restage.plan.peers import PEERS
 from restage.plan.problem import Plan, PlanProblem, strategies_for, untrainable
@@ -39,22 +40,6 @@ LABELS = {
     "per_model": "restricted search: colocated, best strategy per model",
     "gen_optimised": "restricted search: colocated, generation with its own best strategy",
 }
-
-
-def fit_plan(problem: PlanProblem, layouts: dict[str, Layout]) -> tuple[Plan, PlanEvaluation] | None:
-    """The fastest micro-batch counts for these layouts that fit in memory, or None."""
-    options = [[c for c in problem.options(m, layouts[m.name]) if problem.fits_alone(c)] for m in problem.mfcs]
-    if any(not o for o in options):
-        return None
-    # Level k gives every MFC its k-th leanest-but-one option: more micro-batches, less memory.
-    by_memory = [sorted(o, key=lambda c: (c.micro_batches, c.seconds)) for o in options]
-    fastest = tuple(min(o, key=lambda c: c.seconds) for o in options)
-    tried = [fastest] + [tuple(o[min(k, len(o) - 1)] for o in by_memory) for k in range(max(map(len, by_memory)))]
-    for plan in tried:
-        ev = evaluate(problem, plan)
-        if ev.feasible:
-            return plan, ev
-    return None
 
 
 def rebased(problem: PlanProblem, plan: Plan) -> Plan:
@@ -135,8 +120,6 @@ BUILDERS = {**PEER_BUILDERS, **REFERENCE_BUILDERS}
 
 def baseline(problem: PlanProblem, name: str) -> tuple[Plan, PlanEvaluation] | None:
     """A baseline or a reference point by name."""
-    from restage.errors import ConfigError
-
     if name not in BUILDERS:
         raise ConfigError(f"plan.heuristic: {name!r} is unknown; use one of {', '.join(BUILDERS)}")
     return BUILDERS[name](problem)

@@ -8,6 +8,7 @@ import time
 
 from restage.cluster import load_cluster
 from restage.config import load_config
+from restage.plan.baselines import BASELINES, LABELS
 from restage.plan.planner import GIB, PlanOutcome, make_plan
 from restage.plan.schedule import Schedule, build_schedule, write_schedule
 
@@ -73,7 +74,6 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
     lines.append(f"iteration {p['iteration_seconds']:.3f} s, {p['samples_per_second']:.2f} samples/s, "
                  f"{p['pflops_per_second']:.3f} PFLOP/s, peak {p['peak_memory_bytes'] / GIB:.1f} of "
                  f"{p['usable_memory_bytes'] / GIB:.1f} GiB")
-    from restage.plan.baselines import BASELINES, LABELS
 
     for group, title in ((True, "baselines (peer systems' default plans)"),
                          (False, "reference points (restricted searches with restage's estimator, not baselines)")):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 from restage.cluster import ClusterSpec
 
@@ -87,8 +87,3 @@ def links_seconds(cluster: ClusterSpec, sends: Iterable[tuple[int, Iterable[int]
                     send_seconds[src] += latency
     ranks = set(send_seconds) | set(recv_seconds)
     return max((max(send_seconds[r], recv_seconds[r]) for r in ranks), default=0.0)
-
-
-def bytes_by_link_seconds(cluster: ClusterSpec, bytes_by_link: Mapping[tuple[int, int], float]) -> float:
-    """Seconds of point-to-point traffic given as {(src, dst): bytes}."""
-    return links_seconds(cluster, ((s, (d,), n) for (s, d), n in bytes_by_link.items()))

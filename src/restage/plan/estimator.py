@@ -21,11 +21,12 @@ from functools import lru_cache
 
 from restage.cluster import ClusterSpec
 from restage.graph import MFC
-from restage.layout import Layout
+from restage.layout import Layout, Strategy
 from restage.models.config import ModelConfig
 from restage.models.sharding import shard_bytes, stage_layers, validate_strategy
 from restage.plan.comm import allgather_seconds, allreduce_seconds, broadcast_seconds, p2p_seconds, reduce_scatter_seconds
-from restage.plan.compute import DTYPE_BYTES, RooflineCompute, block_shape
+from restage.plan.compute import DTYPE_BYTES, ProfiledCompute, RooflineCompute, block_shape
+from restage.plan.profile import find_profile
 
 # Bytes per parameter of mixed-precision AdamW state: fp32 master copy, m and v. Plain fp32
 # training keeps only m and v next to the parameters.
@@ -79,8 +80,6 @@ class Estimate:
 @lru_cache(maxsize=4096)
 def stage_param_elements(cfg: ModelConfig, tp: int, pp: int) -> tuple[int, ...]:
     """Parameter elements the first TP rank (the largest chunk) of each pipeline stage holds."""
-    from restage.layout import Strategy
-
     strategy = Strategy(tp=tp, pp=pp)
     return tuple(shard_bytes(cfg, strategy, s, 0, 1) for s in range(pp))
 
@@ -125,9 +124,6 @@ class Estimator:
             roofline = RooflineCompute(self.cluster, role.arch, role.dtype)
             model = roofline
             if self.use_profiles:
-                from restage.plan.compute import ProfiledCompute
-                from restage.plan.profile import find_profile
-
                 profile = find_profile(self.cluster.name, role.arch, role.dtype)
                 if profile is not None:
                     model = ProfiledCompute(profile, roofline)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from restage.layout import Layout
 from restage.plan.problem import Plan, PlanProblem
 from restage.plan.simulator import Timeline, needs_copy, steady_state, zero3_in_place
 
@@ -88,3 +89,19 @@ def evaluate(problem: PlanProblem, plan: Plan) -> PlanEvaluation:
     return PlanEvaluation(iteration_seconds=seconds, peak_memory_bytes=peak,
                           capacity_bytes=problem.capacity_bytes, mfc_seconds=tuple(c.seconds for c in plan),
                           mfc_peak_memory_bytes=mfc_peaks, timeline=timeline)
+
+
+def fit_plan(problem: PlanProblem, layouts: dict[str, Layout]) -> tuple[Plan, PlanEvaluation] | None:
+    """The fastest micro-batch counts for these layouts that fit in memory, or None."""
+    options = [[c for c in problem.options(m, layouts[m.name]) if problem.fits_alone(c)] for m in problem.mfcs]
+    if any(not o for o in options):
+        return None
+    # Level k gives every MFC its k-th leanest-but-one option: more micro-batches, less memory.
+    by_memory = [sorted(o, key=lambda c: (c.micro_batches, c.seconds)) for o in options]
+    fastest = tuple(min(o, key=lambda c: c.seconds) for o in options)
+    tried = [fastest] + [tuple(o[min(k, len(o) - 1)] for o in by_memory) for k in range(max(map(len, by_memory)))]
+    for plan in tried:
+        ev = evaluate(problem, plan)
+        if ev.feasible:
+            return plan, ev
+    return None

@@ -33,11 +33,12 @@ peers' ZeRO-3 / FSDP inference engines shard them; a rule that needs that to fit
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 from restage.layout import Layout, Strategy
-from restage.plan.estimator import ModelRole, dp_size_ok
-from restage.plan.evaluate import PlanEvaluation
+from restage.plan.estimator import ModelRole, dp_size_ok, stage_param_elements
+from restage.plan.evaluate import PlanEvaluation, fit_plan
 from restage.plan.problem import Plan, PlanProblem
 
 Found = tuple[Plan, PlanEvaluation]
@@ -94,8 +95,6 @@ def _dp_ok(problem: PlanProblem, layouts: dict[str, Layout]) -> bool:
 
 def _first_fit(problem: PlanProblem, levels: list[RoleChange], options) -> Found | None:
     """The first (memory level, layouts) in order that fits; ``options(p)`` yields layouts per level."""
-    from restage.plan.baselines import fit_plan
-
     for change in levels:
         p = derived(problem, change)
         for layouts in options(p):
@@ -139,8 +138,6 @@ def verl(problem: PlanProblem) -> Found | None:
 
 
 def _stage_params(role: ModelRole) -> tuple[int, ...]:
-    from restage.plan.estimator import stage_param_elements
-
     return stage_param_elements(role.arch, 1, 1)
 
 
@@ -223,8 +220,6 @@ def nemo_aligner(problem: PlanProblem) -> Found | None:
     choices = [megatron(job) for job in jobs]
 
     def options(p: PlanProblem):
-        import itertools
-
         for picked in itertools.product(*choices):
             yield {m.name: Layout.contiguous(k * size, strategy) for k, (job, strategy) in enumerate(zip(jobs, picked))
                    for m in job}

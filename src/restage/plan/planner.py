@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from restage.algorithms.interface import build_graph
 from restage.cluster import ClusterSpec, cluster_from_config
 from restage.errors import ConfigError, LayoutError, PlanError
-from restage.graph import build_graph
 from restage.layout import Layout, Strategy
 from restage.plan.baselines import all_baselines, all_references, baseline, rebased, starting_plans
 from restage.plan.evaluate import PlanEvaluation, evaluate

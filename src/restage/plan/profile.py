@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from restage.cluster import cluster_dirs
 from restage.errors import ConfigError
 from restage.models.config import ModelConfig
 
@@ -125,8 +126,6 @@ def user_profile_dir(env=os.environ) -> Path:
 def profile_dirs() -> list[Path]:
     """Searched in order: each cluster directory's ``profiles/`` ($RESTAGE_CLUSTER_DIR, ./cluster, the
     repository's), then the user's cache (so a profile kept with the clusters wins over a local measurement)."""
-    from restage.cluster import cluster_dirs
-
     return [d / "profiles" for d in cluster_dirs()] + [user_profile_dir()]
 
 

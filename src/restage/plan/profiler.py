@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import datetime
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -28,10 +29,20 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-from restage.errors import ConfigError
-from restage.plan.profile import Profile, ProfileEntry
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+from restage.device import DTYPES
+from restage.errors import ConfigError
+from restage.layout import Coord, Strategy
+from restage.models.config import ModelConfig
+from restage.models.decoder import StageModule, rope_cos_sin
+from restage.models.packing import PackedBatch
+from restage.models.parallel import ParallelContext, lm_logits
+from restage.models.presets import preset
+from restage.models.sharding import validate_strategy
+from restage.plan.profile import Profile, ProfileEntry, find_profile, user_profile_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,11 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import torch
-
-    from restage.models.config import ModelConfig
-    from restage.models.presets import preset
-
     cuda = torch.cuda.is_available()
     cluster = args.cluster or ("local-cpu" if not cuda else None)
     if cluster is None:
@@ -67,7 +73,6 @@ def main(args: argparse.Namespace) -> int:
           f"tp {grid['tp']}, {args.repeats} rounds", flush=True)
     profile = measure(arch, cluster, dtype, grid["batches"], grid["seqs"], grid["tp"], args.repeats,
                       device="cuda" if cuda else "cpu", say=lambda line: print(f"restage profile: {line}", flush=True))
-    from restage.plan.profile import find_profile, user_profile_dir
 
     cache = Path(os.environ["RESTAGE_CLUSTER_DIR"]) / "profiles" if os.environ.get("RESTAGE_CLUSTER_DIR") else None
     out = Path(args.out) if args.out else (cache or user_profile_dir()) / f"{cluster}--{name}--{dtype}.local.json"
@@ -84,8 +89,6 @@ def main(args: argparse.Namespace) -> int:
 @contextmanager
 def _one_process_group():
     """A gloo group of this process alone, so TP shards run their (trivial) collectives."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         yield dist.group.WORLD
         return
@@ -106,8 +109,6 @@ def _timed_rounds(jobs: list[tuple[tuple, object]], repeats: int, sync,
     one shape. Each round takes the jobs in another (seeded) order, so no job always runs right
     after the same (say, cache-flushing) neighbour.
     """
-    import random
-
     began = time.perf_counter()
     for _, fn in jobs:
         fn()
@@ -133,14 +134,7 @@ def _timed_rounds(jobs: list[tuple[tuple, object]], repeats: int, sync,
 def measure(arch, cluster: str, dtype: str, batches: list[int], seqs: list[int], tps: list[int], repeats: int = 3,
             device: str = "cpu", say: Callable[[str], None] = lambda line: None) -> Profile:
     """Time the pieces of ``arch`` over the grid; returns the profile (not saved). ``say`` gets progress lines."""
-    import torch
-
-    from restage.layout import Coord, Strategy
-    from restage.models.decoder import StageModule
-    from restage.models.parallel import ParallelContext
-    from restage.models.sharding import validate_strategy
-
-    torch_dtype = getattr(torch, DTYPES[dtype])
+    torch_dtype = DTYPES[dtype]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     one_block = dataclasses.replace(arch, num_layers=1)
     jobs: list[tuple[tuple, object]] = []
@@ -182,11 +176,6 @@ def measure(arch, cluster: str, dtype: str, batches: list[int], seqs: list[int],
 
 def _shape_jobs(module, block, batch: int, seq: int, tp: int, device) -> list[tuple[tuple, object]]:
     """((op, tp, batch, seq), callable) for every piece at one (batch, seq); the head and embedding are keyed by tokens."""
-    import torch
-
-    from restage.models.decoder import rope_cos_sin
-    from restage.models.packing import PackedBatch
-
     cfg = module.cfg
     tokens = batch * seq
     packed = PackedBatch.from_seqlens([seq] * batch, device=device)
@@ -239,10 +228,6 @@ def _shape_jobs(module, block, batch: int, seq: int, tp: int, device) -> list[tu
 
 def _head(module, hidden):
     """Final norm and the LM head (or the critic's score) of the last stage."""
-    import torch.nn.functional as F
-
-    from restage.models.parallel import lm_logits
-
     h = module.final_norm(hidden)
     if module.cfg.is_critic:
         return F.linear(h, module.score.weight)

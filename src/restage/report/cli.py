@@ -6,6 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
+from restage.errors import LogError
+from restage.report.log import read_log
+from restage.report.summary import format_text, json_ready, summarize
+from restage.report.sweep import format_sweep, sweep_rows
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", nargs="?", help="a run's results directory (holding log.h5), or the log file")
@@ -17,19 +22,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from restage.errors import LogError
-
     if bool(args.run_dir) == bool(args.sweep):
         raise LogError("give either RUN_DIR or --sweep SWEEP_DIR")
     if args.sweep:
         return _sweep_main(args)
-    from restage.report.log import read_log
-    from restage.report.summary import format_text, json_ready, summarize
 
     log = read_log(args.run_dir)
     summary = summarize(log, args.last)
     plots = []
     if args.png:
+        # lazy: matplotlib, only for --png
         from restage.report.plots import write_plots
 
         if args.step is not None and args.step not in set(log.steps["step"].tolist()):
@@ -46,12 +48,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _sweep_main(args: argparse.Namespace) -> int:
-    from restage.report.summary import json_ready
-    from restage.report.sweep import format_sweep, sweep_rows
-
     rows = sweep_rows(args.sweep, args.last)
     plots = []
     if args.png:
+        # lazy: matplotlib, only for --png
         from restage.report.plots import plot_sweep
 
         plots = [str(plot_sweep(rows, Path(args.png) / "sweep.png"))]

@@ -39,6 +39,7 @@ and against the step's start for the timeline.
 from __future__ import annotations
 
 import json
+import platform
 import secrets
 import time
 from dataclasses import dataclass
@@ -74,8 +75,6 @@ VERSIONED_PACKAGES = ("restage", "torch", "deepspeed", "h5py", "numpy", "mpi4py"
 
 def package_versions() -> dict[str, str]:
     """Installed versions of the packages a run depends on (without importing them)."""
-    import platform
-
     found = {"python": platform.python_version()}
     for name in VERSIONED_PACKAGES:
         try:

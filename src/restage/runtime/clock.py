@@ -13,6 +13,7 @@ says when they were queued, not when they ran. ``Clock.now_synced`` waits for th
 
 from __future__ import annotations
 
+import resource
 import time
 from collections.abc import Callable
 
@@ -82,6 +83,5 @@ def peak_memory_bytes(device: torch.device) -> int:
         free_bytes, total_bytes = torch.cuda.mem_get_info(device)
         outside = (total_bytes - free_bytes) - torch.cuda.memory_reserved(device)
         return int(torch.cuda.max_memory_allocated(device) + max(0, outside))
-    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

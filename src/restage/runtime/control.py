@@ -15,6 +15,8 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from restage.runtime.spawn import free_port, warm_world
 
@@ -24,6 +26,7 @@ class Control:
 
     def __init__(self, comm=None):
         if comm is None:
+            # lazy: importing mpi4py initialises MPI; `restage generate`'s launcher imports this module and is no MPI rank
             from mpi4py import MPI
 
             comm = MPI.COMM_WORLD
@@ -65,7 +68,8 @@ _FIRST_POLL_SECONDS, _LONGEST_POLL_SECONDS = 5e-5, 2e-3
 
 def wait_quietly(requests) -> None:
     """Complete MPI ``requests``, sleeping between tests instead of spinning."""
-    from mpi4py import MPI  # the control plane's library; only runtime processes have it
+    # lazy: importing mpi4py initialises MPI; `restage generate`'s launcher imports this module and is no MPI rank
+    from mpi4py import MPI
 
     requests = list(requests)
     pause = _FIRST_POLL_SECONDS
@@ -111,6 +115,7 @@ def bcast(comm, obj: Any, root: int) -> Any:
 
 def gather(comm, obj: Any, root: int) -> list[Any] | None:
     """Every member's object, in rank order, at ``root`` (None elsewhere)."""
+    # lazy: importing mpi4py initialises MPI; `restage generate`'s launcher imports this module and is no MPI rank
     from mpi4py import MPI
 
     mine = comm.Get_rank() == root
@@ -126,6 +131,7 @@ def gather(comm, obj: Any, root: int) -> list[Any] | None:
 
 def allgather(comm, obj: Any) -> list[Any]:
     """Every member's object, in rank order, everywhere."""
+    # lazy: importing mpi4py initialises MPI; `restage generate`'s launcher imports this module and is no MPI rank
     from mpi4py import MPI
 
     data = _pickled(obj)
@@ -154,9 +160,6 @@ def init_torch_distributed(control: Control, timeout_seconds: float, backend: st
     ``startup_timeout_seconds`` (peers may still be importing); afterwards the world's ops time out
     after ``timeout_seconds`` (the data-plane timeout, NCCL's watchdog).
     """
-    import torch
-    import torch.distributed as dist
-
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -175,8 +178,6 @@ def init_torch_distributed(control: Control, timeout_seconds: float, backend: st
 
 def set_world_timeout(timeout_seconds: float) -> None:
     """The world group's timeout for every later op (NCCL's watchdog); start-up ran under its own."""
-    import torch.distributed as dist
-
     dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_seconds))  # no public setter
 
 
@@ -190,8 +191,6 @@ def wait_for_ranks(ranks, timeout_seconds: float) -> None:
     from when an op is queued) only times the transfer; the wait itself is bounded by
     ``timeout_seconds`` and no communicator is involved.
     """
-    import torch.distributed as dist
-
     key = tuple(sorted(set(ranks)))
     if dist.get_rank() not in key or len(key) < 2:
         return

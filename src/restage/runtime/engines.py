@@ -84,6 +84,7 @@ def barriers_on(engine_group):
     DeepSpeed barriers on the whole world in ZeRO-3 set-up and in checkpoint save/load, but here
     only the ranks of the model's own layout take part in those calls.
     """
+    # lazy: DeepSpeed takes seconds to import; only where an engine is built
     import deepspeed.comm as ds_comm
 
     original = ds_comm.barrier
@@ -107,6 +108,7 @@ def engine_groups(engine):
     engines (actor and critic) on other layouts that reduced one model's gradients over another
     model's DP group: wrong sums, or a hang when the groups span different ranks.
     """
+    # lazy: DeepSpeed takes seconds to import; only where an engine is built
     from deepspeed.utils import groups
 
     saved = groups.mpu
@@ -197,6 +199,7 @@ def build_engine(module: torch.nn.Module, spec: ModelSpec, layout: Layout, rank:
     """Wrap ``module`` (this rank's shard) in a DeepSpeed engine with an LR schedule from the config."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     os.environ.setdefault("LOCAL_RANK", str(local_rank()))  # DeepSpeed asserts it is set
+    # lazy: DeepSpeed takes seconds to import; after DS_ACCELERATOR is set
     import deepspeed
 
     mpu = LayoutMPU(layout, rank, groups)

@@ -7,6 +7,7 @@ rank of the replica holds the MFC's output batch (what data transfer reads from)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from restage.algorithms import estimators, ops
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch, pack_sequences
+from restage.device import rank_device
 from restage.graph import MFC
 from restage.models.decoder import StageModule
 from restage.models.generation import SamplingParams, generate
@@ -36,13 +38,11 @@ class MFCResult:
 def _micro_batches(batch: Batch, ids_key: str, n_micro: int, extra: Callable[[Batch], object] = lambda b: b
                    ) -> list[MicroBatch]:
     parts = batch.split(n_micro, balance="tokens") if batch.n_samples > 1 else [batch]
-    device = _device()
+    device = rank_device()
     return [MicroBatch(part[ids_key].to(device), PackedBatch.from_seqlens(part.seqlens, device=device), extra(part))
             for part in parts]
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def forward_results(module: StageModule, logits_or_values: torch.Tensor, mb: MicroBatch, wanted: tuple[str, ...],
@@ -75,7 +75,7 @@ def _share_over_pipeline(module: StageModule, out: dict[str, torch.Tensor] | Non
         return out
     shared = {}
     for key in keys:
-        tensor = out[key].contiguous() if out is not None else torch.empty(n_tokens, dtype=torch.float32, device=_device())
+        tensor = out[key].contiguous() if out is not None else torch.empty(n_tokens, dtype=torch.float32, device=rank_device())
         dist.broadcast(tensor, src=ctx.last_stage_rank, group=ctx.pp_group)
         shared[key] = tensor
     return shared
@@ -114,9 +114,7 @@ def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo, cfg: Exper
     repeated = [p for p in prompt_ids for _ in range(group)]
     eos = module.cfg.eos_token_id
     pad = module.cfg.pad_token_id if module.cfg.pad_token_id is not None else (eos or 0)
-    params = SamplingParams(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
-                            greedy=gen.greedy or mfc.greedy, temperature=gen.temperature, top_k=gen.top_k,
-                            top_p=gen.top_p, pad_token_id=pad, seed=seed)
+    params = SamplingParams(**{**dataclasses.asdict(gen), "greedy": gen.greedy or mfc.greedy}, pad_token_id=pad, seed=seed)
     result = generate(module, repeated, params)
     answers, answer_logprobs = result.sequences(), result.token_logprobs()
     # An empty answer (EOS first with min_new_tokens=0 still yields that EOS) keeps at least one token.
@@ -156,6 +154,7 @@ def run_eval_generate(module: StageModule, mfc: MFC, prompts: Batch, cfg: Experi
 
 def loss_scale_factor(engine, device: torch.device | None = None) -> float:
     """What ``engine.backward`` multiplies a scalar loss by before autograd: fp16's loss scale, else 1."""
+    # lazy: DeepSpeed takes seconds to import
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
 
     # A scalar with a grad_fn, which is what DeepSpeed's scaling recognises as a loss.
@@ -242,7 +241,7 @@ def _early_stop_anywhere(engine, results: list | None) -> bool:
     ranks, then over its DP group, gives every rank the same answer (they all step or none does).
     """
     flag = max((float(stats.get("early_stop", 0.0)) for _, stats in results or []), default=0.0)
-    tensor = torch.tensor([flag], device=_device())
+    tensor = torch.tensor([flag], device=rank_device())
     mpu = engine.mpu
     if mpu.get_model_parallel_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=mpu.get_model_parallel_group())

@@ -27,7 +27,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from restage.disk import replace_atomically
-from restage.errors import RestageError
+from restage.errors import LogError, RestageError
+from restage.report.log import read_log
+from restage.runtime.checkpoint_dir import complete_steps
+from restage.runtime.heartbeat import heartbeat_dir, read_beat
 
 
 def failure_dir(trial_dir: str | Path) -> Path:
@@ -68,6 +71,7 @@ def _record(path: Path, text: str) -> None:
 
 def _abort() -> None:
     try:
+        # lazy: the launcher imports this module and is no MPI rank (importing mpi4py initialises MPI)
         from mpi4py import MPI
 
         if MPI.Is_initialized() and MPI.COMM_WORLD.Get_size() > 1:
@@ -146,10 +150,6 @@ def _recorded_errors(folder: Path) -> list[tuple[str, str]]:
 
 def _kept(trial_dir: str | Path) -> str:
     """What a failed run leaves behind: its readable log steps and whole checkpoints."""
-    from restage.errors import LogError
-    from restage.report.log import read_log
-    from restage.runtime.checkpoint_dir import complete_steps
-
     try:
         last = read_log(trial_dir).last_complete_step
         log = f"log steps 1..{last}" if last >= 1 else "no log step"
@@ -163,8 +163,6 @@ def _kept(trial_dir: str | Path) -> str:
 def _busiest_peer(trial_dir: str | Path, failed_rank: int) -> str:
     """"; rank R on H was last seen in <activity> (N s)" for the rank longest in a non-waiting activity, from the
     heartbeats: the one a collective that timed out most likely waited on ("" when none is known)."""
-    from restage.runtime.heartbeat import heartbeat_dir, read_beat
-
     folder = heartbeat_dir(trial_dir)
     beats = [read_beat(path) for path in folder.glob("rank*.json")] if folder.is_dir() else []
     busy = [b for b in beats if b is not None and b.rank != failed_rank and not b.waiting and not b.done]

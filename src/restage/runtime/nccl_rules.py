@@ -30,6 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+import restage.device
 
 ENV = "RESTAGE_NCCL_RULES"
 _COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
@@ -75,11 +78,9 @@ def enabled() -> bool:
 
 def rank_device() -> torch.device:
     """The device this rank's data-plane tensors live on: its GPU, ``cpu:0`` under the device rule, else cpu."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    if _state is not None and _state.device_mode:
+    if not torch.cuda.is_available() and _state is not None and _state.device_mode:
         return torch.device("cpu", 0)
-    return torch.device("cpu")
+    return restage.device.rank_device()
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
@@ -243,8 +244,6 @@ def _p2p(name: str):
 
 def _compare_now(name: str, group, peer: int, k: int, wait: bool) -> None:
     """Post this rank's k-th unbatched op with ``peer`` on the store; with ``wait``, compare with the peer's k-th."""
-    from torch.distributed import distributed_c10d as c10d
-
     store, me = c10d._get_default_store(), _state.rank  # the rendezvous store every rank already shares
     kind = _state.p2p_log[peer][k]
     store.set(f"restage_nccl_rules/{me}/{peer}/{_state.p2p_seen.get(peer, 0) + k}", kind)
@@ -362,7 +361,6 @@ def install(device_mode: bool | None = None) -> None:
     _state.host_groups.add(_key(side))
     for name in _COLLECTIVES:
         setattr(dist, name, _collective(name))
-    from torch.distributed import distributed_c10d as c10d
 
     for name in _P2P:  # c10d's own name too: P2POp checks its op against it
         setattr(dist, name, _p2p(name))
@@ -382,7 +380,6 @@ def uninstall() -> None:
     global _state
     if _state is None:
         return
-    from torch.distributed import distributed_c10d as c10d
 
     for name in ("cpu", "to"):
         if name in _original:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from restage.data.batch import Batch
 from restage.errors import RestageError
@@ -75,8 +76,6 @@ def finite_weights(modules: Iterable[torch.nn.Module]) -> bool:
 def finite_files(directory: Path) -> bool:
     """Whether every tensor of the safetensors files under ``directory`` (a checkpoint's ``<model>/hf/``) is finite;
     read one tensor at a time."""
-    from safetensors import safe_open
-
     for file in sorted(directory.rglob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():

@@ -78,12 +78,14 @@ def _version(package: str) -> str:
 
 
 def _builder(name: str):
+    # lazy: DeepSpeed takes seconds to import; only when an op is built
     from deepspeed.accelerator import get_accelerator
 
     return get_accelerator().create_op_builder(_BUILDERS[name])
 
 
 def _prebuilt(name: str) -> bool:
+    # lazy: DeepSpeed takes seconds to import
     from deepspeed.git_version_info import installed_ops
 
     return bool(installed_ops.get(name))
@@ -91,6 +93,7 @@ def _prebuilt(name: str) -> bool:
 
 def lock_path(name: str) -> Path:
     """The lock torch's extension loader takes while it loads or builds ``name``."""
+    # lazy: cpp_extension pulls in setuptools; only to find the build lock
     from torch.utils.cpp_extension import _get_build_directory
 
     return Path(_get_build_directory(name, verbose=False)) / "lock"
@@ -213,6 +216,7 @@ def prepare_run_ops(comm, specs: Iterable, doing: Callable[..., None] = _unnamed
     names = needed_ops(specs, os.environ.get("DS_ACCELERATOR", "cuda"))
     if not names:
         return
+    # lazy: importing mpi4py initialises MPI; only ranks call this
     from mpi4py import MPI
 
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())

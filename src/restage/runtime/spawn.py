@@ -31,6 +31,7 @@ def free_port() -> int:
 def init_process_group(rank: int, world_size: int, port: int, backend: str | None = None,
                        timeout_seconds: float = 120.0) -> None:
     """Join the default group (NCCL when CUDA is available, gloo otherwise) and warm it; see ``warm_world``."""
+    # lazy: the launcher imports this module (free_port) and runs without torch
     import torch
     import torch.distributed as dist
 
@@ -52,6 +53,7 @@ def warm_world() -> None:
     after this barrier a pipeline may exchange over the world among a few ranks. The barrier also
     makes start-up (peers still importing or loading) end here, under the start-up timeout.
     """
+    # lazy: the launcher imports this module (free_port) and runs without torch
     import torch.distributed as dist
 
     from restage.runtime import nccl_rules
@@ -64,6 +66,7 @@ def _worker(rank, world_size, port, fn, args, results, env):
     os.environ.update(env)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     try:
+        # lazy: the launcher imports this module (free_port) and runs without torch
         import torch
 
         torch.set_num_threads(1)
@@ -72,6 +75,7 @@ def _worker(rank, world_size, port, fn, args, results, env):
         # shared memory that disappears when this process exits.
         value = pickle.dumps(fn(rank, world_size, *args))
         results.put((rank, "ok", value))
+        # lazy: the launcher imports this module (free_port) and runs without torch
         import torch.distributed as dist
 
         dist.barrier()

@@ -14,6 +14,9 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
+from restage.runtime.control import Control
 from restage.runtime.failure import abort_on_error
 from restage.runtime.heartbeat import Heartbeat, heartbeat_dir
 from restage.runtime.ops import use_extensions_dir
@@ -31,8 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
     use_extensions_dir()  # DeepSpeed's JIT builds: restage's per-user, per-version cache (runtime/ops.py)
-    from restage.runtime.control import Control
-
     control = Control()
     trial_dir = Path(args.trial_dir or os.environ.get("RESTAGE_TRIAL_DIR") or Path(args.schedule).resolve().parent)
     # --resume insists on a checkpoint; RESTAGE_RESUME=1 (a requeued SLURM job) takes one if there is one.
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     heartbeat = Heartbeat(heartbeat_dir(trial_dir), control.rank).start()
     with abort_on_error(control.rank, trial_dir):
         heartbeat.doing("start-up: importing the runtime (torch, DeepSpeed)")
+        # lazy: the heartbeat runs before the runtime's imports (DeepSpeed: seconds), so a stuck import is seen
         from restage.runtime.worker import Worker
 
         worker = Worker.start(control, args.schedule, trial_dir, resume=resume, heartbeat=heartbeat)
@@ -50,8 +52,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _has_cuda() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 

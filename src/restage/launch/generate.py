@@ -1,6 +1,8 @@
 """``restage generate MODEL_DIR --prompt TEXT ... [--tp N] [--pp N] [-n NPROC] [--greedy] [--json]``.
 
-Generates from a HF model directory on this machine. With more than one process the command
+Generates from a HF model directory on this machine. It lives in ``launch/`` because it starts
+ranks under ``mpirun`` and joins them through the runtime's control plane; ``models/`` stays below
+the runtime. With more than one process the command
 re-launches itself under the environment's ``mpirun`` (N = dp * tp * pp ranks; the prompts are
 dealt round-robin to the data-parallel replicas) and rank 0 prints the completions in prompt
 order. Prompts are text (tokenised with the directory's tokenizer), token ids (``--token-ids``),
@@ -18,11 +20,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from restage.data.datasets import encode_prompt
-from restage.errors import ConfigError
+from restage.device import DTYPES, TORCH_NAMES, torch_dtype
+from restage.errors import ConfigError, RestageError
+from restage.launch.mpirun import mpirun_command
+from restage.layout import Layout, ProcessGroups, Strategy
+from restage.models.checkpoint import load_stage
+from restage.models.config import ModelConfig
+from restage.models.generation import SamplingParams, generate
+from restage.models.sharding import validate_strategy
+from restage.models.tiny import quiet_transformers
+from restage.runtime.control import Control, init_torch_distributed
 
 _ARGS_ENV = "RESTAGE_GENERATE_ARGS"
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_NAMES = tuple(TORCH_NAMES[dtype] for dtype in DTYPES.values())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     parser.add_argument("-n", "--nproc", type=int, default=None, help="processes (a multiple of tp*pp; default tp*pp)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     parser.add_argument("--json", action="store_true", help="print one JSON document with token ids, text and logprobs")
 
 
@@ -84,7 +98,8 @@ def _read_prompts(args, tokenizer) -> tuple[list[list[int]], list[str | None]]:
                 raise ConfigError(f"{args.prompts}:{number} needs a \"prompt\" or \"token_ids\" key")
     if not items:
         raise ConfigError("no prompts; pass --prompt TEXT, --token-ids 'IDS' or --prompts FILE.jsonl")
-    ids, texts = [], []
+    ids: list[list[int]] = []
+    texts: list[str | None] = []
     for item in items:
         if isinstance(item, str):
             if tokenizer is None:
@@ -104,17 +119,11 @@ def _read_prompts(args, tokenizer) -> tuple[list[list[int]], list[str | None]]:
 def _tokenizer(path: Path):
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    from restage.models.tiny import _quiet_transformers
-
-    return _quiet_transformers().AutoTokenizer.from_pretrained(str(path))
+    return quiet_transformers().AutoTokenizer.from_pretrained(str(path))
 
 
 def _check(args) -> tuple[int, object]:
     """Validate everything a user can get wrong before any process starts; returns (nproc, ModelConfig)."""
-    from restage.layout import Strategy
-    from restage.models.config import ModelConfig
-    from restage.models.sharding import validate_strategy
-
     path = _model_dir(args)
     cfg = ModelConfig.from_pretrained(path)
     strategy = Strategy(tp=args.tp, pp=args.pp)
@@ -134,29 +143,19 @@ def main(args: argparse.Namespace) -> int:
     under_mpi = "OMPI_COMM_WORLD_SIZE" in os.environ or "PMI_SIZE" in os.environ
     if nproc == 1 or under_mpi:
         return _run(args, nproc, use_mpi=under_mpi)
-    from restage.launch.mpirun import mpirun_command
-
     env = {**os.environ, _ARGS_ENV: json.dumps(vars(args)), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    command = mpirun_command(nproc, [sys.executable, "-m", "restage.models.generate_cli"],
+    command = mpirun_command(nproc, [sys.executable, "-m", "restage.launch.generate"],
                              env=[_ARGS_ENV, "OMP_NUM_THREADS", "PYTHONPATH"] if "PYTHONPATH" in env else
                              [_ARGS_ENV, "OMP_NUM_THREADS"])
     return subprocess.run(command, env=env).returncode
 
 
 def _run(args, nproc: int, use_mpi: bool) -> int:
-    import torch
-
-    from restage.layout import Layout, ProcessGroups, Strategy
-    from restage.models.checkpoint import load_stage
-    from restage.models.generation import SamplingParams, generate
-
     path = _model_dir(args)
     prompts, texts = args.prompt_ids, args.prompt_texts
     control = None
     rank, world = 0, 1
     if use_mpi:
-        from restage.runtime.control import Control, init_torch_distributed
-
         control = Control()
         rank, world = control.rank, control.world_size
         if world != nproc:
@@ -166,13 +165,14 @@ def _run(args, nproc: int, use_mpi: bool) -> int:
     strategy = Strategy(dp=world // (args.tp * args.pp), tp=args.tp, pp=args.pp)
     layout = Layout(tuple(range(world)), strategy)
     groups = ProcessGroups(layout.all_groups()) if world > 1 else None
-    module = load_stage(path, layout, groups, rank, dtype=getattr(torch, args.dtype))
+    module = load_stage(path, layout, groups, rank, dtype=torch_dtype(args.dtype))
     cfg = module.cfg
     eos = cfg.stop_token_ids
     params = SamplingParams(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, greedy=args.greedy,
                             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             eos_token_ids=eos, pad_token_id=cfg.pad_token_id or 0)
     coord = layout.coord(rank)
+    assert coord is not None  # the mesh is every rank
     mine = list(range(coord.dp, len(prompts), strategy.dp))
     rows = []
     if mine:
@@ -180,9 +180,7 @@ def _run(args, nproc: int, use_mpi: bool) -> int:
         rows = list(zip(mine, out.sequences(), out.token_logprobs()))
     if control is not None:
         gathered = control.gather(rows if coord.pp == 0 and coord.tp == 0 else [])
-        rows = [row for part in gathered for row in part] if rank == 0 else []
-        import torch.distributed as dist
-
+        rows = [row for part in gathered for row in part] if gathered is not None else []
         # Join gloo's worker threads now: left running into interpreter shutdown, one of them
         # released a tensor after Python had finalised and the rank aborted ("terminate called").
         dist.destroy_process_group()
@@ -208,8 +206,6 @@ def _print(args, rows, prompts, texts, tokenizer, strategy) -> None:
 
 
 if __name__ == "__main__":  # one rank of a multi-process run started by main()
-    from restage.errors import RestageError
-
     namespace = argparse.Namespace(**json.loads(os.environ[_ARGS_ENV]))
     try:
         sys.exit(_run(namespace, namespace.nproc or namespace.tp * namespace.pp, use_mpi=True))

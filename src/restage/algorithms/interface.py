@@ -1,0 +1,112 @@
+"""The typed interface between an algorithm module and the runtime: ``Algorithm``, ``get_algorithm``, ``build_graph``.
+
+An algorithm is a module of functions (docs/algorithms.md). ``get_algorithm`` imports it and
+returns an ``Algorithm``: a frozen bundle with one field per protocol function, the optional
+ones filled with the defaults in ``restage.algorithms.base``. Callers see every function the
+runtime may call as a typed field; nothing is looked up by name after loading.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from restage.algorithms import algorithm_module, algorithm_names, base
+from restage.config import ExperimentConfig
+from restage.data.batch import Batch
+from restage.errors import ConfigError
+from restage.graph import MFC, DataflowGraph
+
+REQUIRED = ("mfcs", "validate", "forward_outputs", "loss")
+OPTIONAL = ("init_state", "inference", "after_generate", "prepare_train")  # the defaults below when left out
+
+MfcsFn = Callable[[ExperimentConfig], list[MFC]]
+ValidateFn = Callable[[ExperimentConfig], Any]
+ForwardOutputsFn = Callable[[str, ExperimentConfig], tuple[str, ...]]
+LossFn = Callable[[str, Batch, dict, ExperimentConfig, base.AlgoState], tuple[torch.Tensor, dict]]
+InitStateFn = Callable[..., base.AlgoState]  # (cfg, tokenizer=None)
+InferenceFn = Callable[[str, Batch, dict, ExperimentConfig, base.AlgoState], dict]
+AfterGenerateFn = Callable[[str, Batch, ExperimentConfig, base.AlgoState], Batch]
+PrepareTrainFn = Callable[..., tuple[Batch, dict]]  # (batch, cfg, state, step=0, reduce=None)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """An algorithm's functions; ``module`` is the module they came from."""
+
+    module: ModuleType
+    mfcs: MfcsFn
+    validate: ValidateFn
+    forward_outputs: ForwardOutputsFn
+    loss: LossFn
+    init_state: InitStateFn
+    inference: InferenceFn
+    after_generate: AfterGenerateFn
+    prepare_train: PrepareTrainFn
+
+    @property
+    def __name__(self) -> str:  # type: ignore[override]
+        return self.module.__name__
+
+    @classmethod
+    def from_module(cls, module: ModuleType) -> Algorithm:
+        """Bundle a module's functions; a module's own optional function always wins over the default."""
+        check_algorithm(module)
+
+        def default_init_state(cfg: ExperimentConfig, tokenizer=None) -> base.AlgoState:
+            return base.AlgoState(cfg, build_graph(cfg), module.validate(cfg), tokenizer)
+
+        def default_inference(mfc_name: str, batch: Batch, outputs: dict, cfg: ExperimentConfig,
+                              state: base.AlgoState) -> dict:
+            return base.default_inference(state.graph[mfc_name], batch, outputs)
+
+        def default_after_generate(mfc_name: str, batch: Batch, cfg: ExperimentConfig, state: base.AlgoState) -> Batch:
+            return base.default_after_generate(mfc_name, batch, state)
+
+        def default_prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
+                                  reduce=None) -> tuple[Batch, dict]:
+            return batch, {}
+
+        return cls(
+            module=module, mfcs=module.mfcs, validate=module.validate, forward_outputs=module.forward_outputs,
+            loss=module.loss, init_state=getattr(module, "init_state", default_init_state),
+            inference=getattr(module, "inference", default_inference),
+            after_generate=getattr(module, "after_generate", default_after_generate),
+            prepare_train=getattr(module, "prepare_train", default_prepare_train),
+        )
+
+
+def check_algorithm(module: ModuleType | Algorithm) -> None:
+    """Refuse a module that lacks a required protocol function (built-in and registered modules alike)."""
+    if isinstance(module, Algorithm):
+        module = module.module
+    missing = [name for name in REQUIRED if not callable(getattr(module, name, None))]
+    if missing:
+        raise ConfigError(f"algorithm module {module.__name__} lacks {', '.join(missing)} (see docs/algorithms.md)")
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The algorithm called ``name`` (built in, registered, or a dotted module path)."""
+    module = algorithm_module(name)
+    if module is None:
+        raise ConfigError(f"algorithm {name!r} is unknown; use one of {', '.join(algorithm_names())}")
+    if isinstance(module, str):
+        try:
+            module = importlib.import_module(module)
+        except ImportError as err:
+            raise ConfigError(f"algorithm {name!r}: cannot import {module} ({err})") from None
+    return Algorithm.from_module(module)
+
+
+def build_graph(cfg: ExperimentConfig) -> DataflowGraph:
+    """The dataflow graph of the config's algorithm, sized by its batch and sequence lengths (the one place it is built)."""
+    graph = DataflowGraph(tuple(get_algorithm(cfg.algorithm).mfcs(cfg)))
+    missing = [m.model for m in graph if m.model not in cfg.models]
+    if missing:
+        raise ConfigError(f"algorithm {cfg.algorithm} needs models {sorted(set(missing))}; add them under models:")
+    return graph
