@@ -11,6 +11,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -140,7 +141,7 @@ def cluster_dirs() -> list[Path]:
 
 
 def cluster_names() -> list[str]:
-    names = set()
+    names: set[str] = set()
     for d in cluster_dirs():
         if d.is_dir():
             names.update(p.stem for p in d.glob("*.yaml"))
@@ -187,7 +188,7 @@ def _build(data: dict, source: str) -> ClusterSpec:
     missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING]
     if missing:
         raise ConfigError(f"{source}: missing keys {missing}")
-    values = {}
+    values: dict[str, Any] = {}  # one value per ClusterSpec field, each converted to its field's type below
     for name, value in data.items():
         try:
             if name in _FLOAT_FIELDS:

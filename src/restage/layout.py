@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from restage.errors import LayoutError
+
+if TYPE_CHECKING:  # torch is imported where groups are made, not when a layout is read
+    from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True, order=True)
@@ -178,7 +182,7 @@ class ProcessGroups:
         from torch.distributed.distributed_c10d import _set_pg_timeout  # no public setter
 
         self._rank = dist.get_rank()
-        self._groups: dict[tuple[int, ...], object] = {}
+        self._groups: dict[tuple[int, ...], ProcessGroup] = {}
         wanted = {tuple(sorted(g)) for g in groups if len(tuple(g)) > 1}
         # DeepSpeed wants a real group even where a degree is 1: True makes one for every rank,
         # an iterable only for the ranks named (each is a communicator, so name only those needed).

@@ -15,6 +15,7 @@ import os
 import runpy
 import signal
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from restage.errors import LaunchError
@@ -30,7 +31,7 @@ class RankEnv:
     node_rank: int
 
 
-def _int(env, *names: str, default: int | None = None) -> int | None:
+def _int(env: Mapping[str, str], *names: str, default: int) -> int:
     for name in names:
         if env.get(name, "") != "":
             return int(env[name])

@@ -22,6 +22,7 @@ import shlex
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from restage.errors import ConfigError, LaunchError
 from restage.launch.geometry import JobGeometry
@@ -109,10 +110,10 @@ def restage_block(geometry: JobGeometry, launcher: str, launch_preview: str) -> 
     ]
 
 
-def executor_parameters(cfg, geometry: JobGeometry, setup: list[str]) -> dict[str, object]:
+def executor_parameters(cfg, geometry: JobGeometry, setup: list[str]) -> dict[str, Any]:
     """``SlurmExecutor.update_parameters`` keywords for this config."""
     slurm = cfg.slurm
-    params: dict[str, object] = {
+    params: dict[str, Any] = {  # submitit's keywords, each of the type submitit declares for it
         "job_name": job_name(cfg), "time": slurm.time_minutes, "nodes": geometry.nodes,
         "ntasks_per_node": geometry.ranks_per_node, "setup": setup, "use_srun": False,
         "signal_delay_s": slurm.signal_delay_seconds, "stderr_to_stdout": True,
@@ -139,7 +140,7 @@ def driver_python() -> str:
     return "exec " + shlex.quote(sys.executable)
 
 
-def sbatch_script(params: Mapping[str, object], folder: Path) -> str:
+def sbatch_script(params: Mapping[str, Any], folder: Path) -> str:
     """The exact script submitit writes for these parameters (``--dry-run``)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
@@ -147,7 +148,7 @@ def sbatch_script(params: Mapping[str, object], folder: Path) -> str:
     return _make_sbatch_string(command=command, folder=folder, **params)
 
 
-def make_executor(folder: Path, params: Mapping[str, object], max_requeues: int):
+def make_executor(folder: Path, params: Mapping[str, Any], max_requeues: int):
     from submitit import SlurmExecutor
 
     try:

@@ -25,7 +25,7 @@ from restage.layout import Layout
 from restage.models.config import ModelConfig
 from restage.models.sharding import shard_bytes, stage_layers, validate_strategy
 from restage.plan.comm import allgather_seconds, allreduce_seconds, broadcast_seconds, p2p_seconds, reduce_scatter_seconds
-from restage.plan.compute import DTYPE_BYTES, RooflineCompute, block_shape
+from restage.plan.compute import DTYPE_BYTES, ProfiledCompute, RooflineCompute, block_shape
 
 # Bytes per parameter of mixed-precision AdamW state: fp32 master copy, m and v. Plain fp32
 # training keeps only m and v next to the parameters.
@@ -116,16 +116,15 @@ class Estimator:
     def __init__(self, cluster: ClusterSpec, use_profiles: bool = True):
         self.cluster = cluster
         self.use_profiles = use_profiles
-        self._compute: dict[tuple, object] = {}
+        self._compute: dict[tuple, RooflineCompute | ProfiledCompute] = {}
         self._cache: dict[tuple, Estimate] = {}
 
-    def compute_for(self, role: ModelRole):
+    def compute_for(self, role: ModelRole) -> RooflineCompute | ProfiledCompute:
         key = (role.arch, role.dtype)
         if key not in self._compute:
             roofline = RooflineCompute(self.cluster, role.arch, role.dtype)
-            model = roofline
+            model: RooflineCompute | ProfiledCompute = roofline
             if self.use_profiles:
-                from restage.plan.compute import ProfiledCompute
                 from restage.plan.profile import find_profile
 
                 profile = find_profile(self.cluster.name, role.arch, role.dtype)
