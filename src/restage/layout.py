@@ -202,7 +202,7 @@ class ProcessGroups:
             if during_startup != timeout and timeout is not None:
                 _set_pg_timeout(timeout, group)  # from now on: the data plane's timeout (NCCL's watchdog)
 
-    def get(self, ranks: Iterable[int]):
+    def get(self, ranks: Iterable[int]) -> ProcessGroup | None:
         """The group over ``ranks``; None for a single rank unless singletons were made. The caller must be a member."""
         key = tuple(sorted(ranks))
         if len(key) <= 1 and key not in self._groups:

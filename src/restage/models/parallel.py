@@ -33,9 +33,9 @@ class ParallelContext:
     tp_ranks: tuple[int, ...]
     pp_ranks: tuple[int, ...]
     dp_ranks: tuple[int, ...]
-    tp_group: object | None = None
-    pp_group: object | None = None
-    dp_group: object | None = None
+    tp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
 
     @classmethod
     def from_layout(cls, layout: Layout, groups: ProcessGroups | None, rank: int) -> ParallelContext:
