@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-multinode test-fast lint clean
+.PHONY: install demo test test-multinode test-fast lint typecheck clean
 
 $(STAMP): setup.cfg pyproject.toml scripts/install_system.sh
 	bash scripts/install_system.sh
@@ -21,7 +21,8 @@ demo: install
 	$(BIN)/python -m restage.demo
 
 # The whole suite, the multinode tests included (they start scripts/slurm_multinode.sh's three-node cluster; root).
-test: install
+# typecheck is a prerequisite, so it finishes (and a type error stops the build) before pytest starts, with -j too.
+test: install typecheck
 	$(BIN)/ruff check src tests bench
 	bash scripts/run_tests.sh
 
@@ -33,6 +34,10 @@ test-fast: install
 
 lint: install
 	$(BIN)/ruff check src tests bench
+
+# mypy's configuration (what is strict, which third-party packages are untyped) is setup.cfg's [mypy] sections.
+typecheck: install
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info

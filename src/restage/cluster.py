@@ -188,7 +188,7 @@ def _build(data: dict, source: str) -> ClusterSpec:
     missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING]
     if missing:
         raise ConfigError(f"{source}: missing keys {missing}")
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {}  # one value per ClusterSpec field, each converted to its field's type below
     for name, value in data.items():
         try:
             if name in _FLOAT_FIELDS:

@@ -49,6 +49,7 @@ from restage.runtime.spawn import free_port
 RUNTIME_MODULE = "restage.runtime.spmd"
 SELFTEST_MODULE = "restage.launch.selftest"
 LAUNCHERS = ("mpirun", "srun")
+COPY_DRAIN_SECONDS = 10.0  # after the launcher exits, how long its last output may take to reach output.log
 
 
 def program_module(cfg) -> str:
@@ -86,11 +87,12 @@ def rendezvous(hosts: Sequence[str], job_id: str | None, env: Mapping[str, str] 
 
 
 def launch_command(launcher: str, geometry: JobGeometry, hosts: Sequence[str] | None, program: Sequence[str],
-                   env_names: Sequence[str] = (), extra_args: Sequence[str] = (), cpus_per_rank: int | None = None,
+                   env_names: Sequence[str] = (), extra_args: Sequence[str] = (), cpus_per_rank: int | str | None = None,
                    interface: str = "") -> list[str]:
     """The command that starts every rank of the job (``hosts`` None: all on this machine).
 
-    ``cpus_per_rank``: the cores each rank is bound to (see ``cpus_per_rank``); None binds nothing.
+    ``cpus_per_rank``: the cores each rank is bound to (see ``cpus_per_rank``); None binds nothing; a str is a
+    placeholder, written into the command as it is (``launch_preview``'s).
     """
     if launcher == "mpirun":
         return mpirun_command(geometry.world_size, program, hosts=hosts, ranks_per_node=geometry.ranks_per_node,
@@ -184,7 +186,8 @@ def plan_trial(paths: TrialPaths) -> None:
 
 
 class _Launched:
-    """A running launcher: its output goes to output.log and stdout; ``done`` is set when it exits."""
+    """A running launcher: its output goes to output.log and stdout; ``done`` is set when it has exited and its
+    output has been copied."""
 
     def __init__(self, command: list[str], env: dict[str, str], log_path: Path):
         self.tail: deque[bytes] = deque(maxlen=200)
@@ -194,10 +197,12 @@ class _Launched:
         # A session of its own: the driver can stop the launcher and every rank it started at once.
         self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        threading.Thread(target=self._copy, daemon=True).start()
+        self._copier = threading.Thread(target=self._copy, daemon=True)
+        self._copier.start()
         threading.Thread(target=self._wait, daemon=True).start()
 
     def _copy(self) -> None:
+        assert self.proc.stdout is not None  # stdout=PIPE
         for line in iter(self.proc.stdout.readline, b""):
             self.tail.append(line)
             try:
@@ -211,6 +216,9 @@ class _Launched:
         # Only this thread waits on the process: a signal handler in the main thread must never
         # block on Popen's internal lock (see TrialJob.checkpoint).
         self.returncode = self.proc.wait()
+        # done means the output is in too: output() is read for the failure's reason (and Open MPI's lost-daemon
+        # line) right after. Bounded: a process the launcher left behind may hold the pipe open.
+        self._copier.join(COPY_DRAIN_SECONDS)
         self.done.set()
 
     def stop(self, grace_seconds: float) -> None:
@@ -264,7 +272,7 @@ def _attempt(config_dict: dict, trial_dir: str, resume: bool, holder: dict | Non
                              forwarded_names({**os.environ, **rank_env}), extra, cpus, interface)
     attempt = record_attempt(paths, **_job_ids(), restarts=restarts, resume=resume, hosts=hosts or [],
                              launcher=cfg.slurm.launcher, command=shlex.join(command))
-    if in_slurm and len(hosts) > 1:
+    if hosts is not None and len(hosts) > 1:
         try:
             check_shared_directory(paths.root, hosts)  # before any rank starts
         except LaunchError as err:
@@ -291,7 +299,7 @@ def _attempt(config_dict: dict, trial_dir: str, resume: bool, holder: dict | Non
     returncode = launched.returncode
     if returncode == 0 and LOST_DAEMON in launched.output():
         returncode = 1  # Open MPI 5's mpirun exits 0 after losing a node's daemon (and the ranks there)
-    if returncode != 0 and in_slurm and len(hosts) > 1:
+    if returncode != 0 and hosts is not None and len(hosts) > 1:
         _requeue_if_a_node_was_lost(paths, hosts, cfg.slurm.requeue)
     if returncode != 0:
         reason = describe_failure(paths.root, launched.output())

@@ -29,7 +29,7 @@ def mpirun_executable() -> str:
 def mpirun_command(nprocs: int, program: Sequence[str], *, hosts: Sequence[str] | None = None,
                    ranks_per_node: int | None = None, env: Mapping[str, str] | Sequence[str] = (),
                    extra_args: Sequence[str] = (), executable: str | None = None,
-                   as_root: bool | None = None, cpus_per_rank: int | None = None,
+                   as_root: bool | None = None, cpus_per_rank: int | str | None = None,
                    interface: str = "") -> list[str]:
     """``mpirun -n nprocs ... program``.
 
@@ -39,7 +39,8 @@ def mpirun_command(nprocs: int, program: Sequence[str], *, hosts: Sequence[str] 
     ``env``: variables every rank gets (``-x NAME``; values are taken from mpirun's own environment,
     so set them there). ``--allow-run-as-root`` is added only when running as root.
     ``cpus_per_rank``: across hosts, each rank is bound to that many cores of its own
-    (``--map-by slot:PE=N --bind-to core``); None (or a local run, which oversubscribes) binds nothing.
+    (``--map-by slot:PE=N --bind-to core``); None (or a local run, which oversubscribes) binds nothing; a str is
+    a placeholder, written into the command as it is (a preview's).
     ``interface``: the network interface Open MPI's TCP transport and out-of-band channel use on every node.
     """
     if nprocs < 1:

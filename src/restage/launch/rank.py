@@ -17,6 +17,7 @@ import runpy
 import signal
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from restage.errors import LaunchError
@@ -32,7 +33,7 @@ class RankEnv:
     node_rank: int
 
 
-def _int(env, *names: str, default: int | None = None) -> int | None:
+def _int(env: Mapping[str, str], *names: str, default: int) -> int:
     for name in names:
         if env.get(name, "") != "":
             return int(env[name])

@@ -91,6 +91,7 @@ def _run(comm) -> int:
         # The master decides; everyone follows, so all ranks stop after the same step.
         stop = comm.bcast(preempt_file.exists() if rank == 0 else None, root=0)
         if rank == 0:
+            assert log is not None  # rank 0 made it
             log.stats(step, {"sum_torch": state["sum_torch"], "sum_mpi": state["sum_mpi"]})
             log.end_step(step, start_seconds, time.time(), samples=world, tokens=0)
             if step % save_every == 0 or stop or step == cfg.run.steps:
@@ -100,6 +101,7 @@ def _run(comm) -> int:
             stopped = True
             break
     if rank == 0:
+        assert log is not None  # rank 0 made it
         if stopped:
             log.abort()  # flushed, but not marked closed: the trial is not finished
             print(f"selftest: preempted after step {state['step']}; checkpoint written", flush=True)

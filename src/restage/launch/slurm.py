@@ -22,6 +22,7 @@ import shlex
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from submitit import SlurmExecutor
 from submitit.core.utils import FailedJobError
@@ -113,10 +114,10 @@ def restage_block(geometry: JobGeometry, launcher: str, launch_preview: str) -> 
     ]
 
 
-def executor_parameters(cfg, geometry: JobGeometry, setup: list[str]) -> dict[str, object]:
+def executor_parameters(cfg, geometry: JobGeometry, setup: list[str]) -> dict[str, Any]:
     """``SlurmExecutor.update_parameters`` keywords for this config."""
     slurm = cfg.slurm
-    params: dict[str, object] = {
+    params: dict[str, Any] = {  # submitit's keywords, each of the type submitit declares for it
         "job_name": job_name(cfg), "time": slurm.time_minutes, "nodes": geometry.nodes,
         "ntasks_per_node": geometry.ranks_per_node, "setup": setup, "use_srun": False,
         "signal_delay_s": slurm.signal_delay_seconds, "stderr_to_stdout": True,
@@ -143,13 +144,13 @@ def driver_python() -> str:
     return "exec " + shlex.quote(sys.executable)
 
 
-def sbatch_script(params: Mapping[str, object], folder: Path) -> str:
+def sbatch_script(params: Mapping[str, Any], folder: Path) -> str:
     """The exact script submitit writes for these parameters (``--dry-run``)."""
     command = " ".join([driver_python(), "-u -m submitit.core._submit", shlex.quote(str(folder))])
     return _make_sbatch_string(command=command, folder=folder, **params)
 
 
-def make_executor(folder: Path, params: Mapping[str, object], max_requeues: int):
+def make_executor(folder: Path, params: Mapping[str, Any], max_requeues: int):
     try:
         executor = SlurmExecutor(folder=folder, max_num_timeout=max_requeues, python=driver_python())
     except RuntimeError as err:

@@ -115,14 +115,14 @@ class Estimator:
     def __init__(self, cluster: ClusterSpec, use_profiles: bool = True):
         self.cluster = cluster
         self.use_profiles = use_profiles
-        self._compute: dict[tuple, object] = {}
+        self._compute: dict[tuple, RooflineCompute | ProfiledCompute] = {}
         self._cache: dict[tuple, Estimate] = {}
 
-    def compute_for(self, role: ModelRole):
+    def compute_for(self, role: ModelRole) -> RooflineCompute | ProfiledCompute:
         key = (role.arch, role.dtype)
         if key not in self._compute:
             roofline = RooflineCompute(self.cluster, role.arch, role.dtype)
-            model = roofline
+            model: RooflineCompute | ProfiledCompute = roofline
             if self.use_profiles:
                 profile = find_profile(self.cluster.name, role.arch, role.dtype)
                 if profile is not None:

@@ -108,11 +108,12 @@ def _bilinear(table: dict, batches: list, seqs: list, b: float, s: float) -> flo
 
     b0, b1, wb = bracket(batches, b)
     s0, s1, ws = bracket(seqs, s)
-    corners = [table.get(k) for k in ((b0, s0), (b1, s0), (b0, s1), (b1, s1))]
+    keys = ((b0, s0), (b1, s0), (b0, s1), (b1, s1))
+    corners = [table.get(k) for k in keys]
     if any(c is None or c <= 0 for c in corners):  # a ragged grid: take the nearest measured point
         nearest = min(table, key=lambda k: abs(math.log(k[0] / b)) + abs(math.log(k[1] / s)))
         return table[nearest]
-    logs = [math.log(c) for c in corners]
+    logs = [math.log(table[k]) for k in keys]
     low = logs[0] * (1 - wb) + logs[1] * wb
     high = logs[2] * (1 - wb) + logs[3] * wb
     return math.exp(low * (1 - ws) + high * ws)

@@ -100,7 +100,7 @@ def _one_process_group():
             dist.destroy_process_group()
 
 
-def _timed_rounds(jobs: list[tuple[tuple, object]], repeats: int, sync,
+def _timed_rounds(jobs: list[tuple[tuple, Callable[[], object]]], repeats: int, sync,
                   say: Callable[[str], None] = lambda line: None) -> dict[tuple, float]:
     """Median seconds of every job; one warm-up each, then ``repeats`` rounds that time every job once.
 
@@ -137,7 +137,7 @@ def measure(arch, cluster: str, dtype: str, batches: list[int], seqs: list[int],
     torch_dtype = DTYPES[dtype]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     one_block = dataclasses.replace(arch, num_layers=1)
-    jobs: list[tuple[tuple, object]] = []
+    jobs: list[tuple[tuple, Callable[[], object]]] = []
     numel = {}
     with _one_process_group() as group:
         for tp in tps:
@@ -174,7 +174,7 @@ def measure(arch, cluster: str, dtype: str, batches: list[int], seqs: list[int],
     return Profile(f"{cluster}--{dtype}", cluster, dtype, arch, entries, meta)
 
 
-def _shape_jobs(module, block, batch: int, seq: int, tp: int, device) -> list[tuple[tuple, object]]:
+def _shape_jobs(module, block, batch: int, seq: int, tp: int, device) -> list[tuple[tuple, Callable[[], object]]]:
     """((op, tp, batch, seq), callable) for every piece at one (batch, seq); the head and embedding are keyed by tokens."""
     cfg = module.cfg
     tokens = batch * seq

@@ -47,7 +47,8 @@ class _Top:
     """The best few distinct plans seen."""
 
     def __init__(self, k: int):
-        self.k, self.items = k, {}
+        self.k = k
+        self.items: dict[Plan, PlanEvaluation] = {}
 
     def add(self, plan: Plan, ev: PlanEvaluation) -> None:
         if not ev.feasible or plan in self.items:
@@ -78,7 +79,9 @@ def search(problem: PlanProblem, *, seed: int = 1, time_budget_seconds: float = 
 
 def _exhaustive(problem: PlanProblem, top_k: int, started: float, budget: float) -> SearchResult:
     top = _Top(top_k)
-    best, best_ev, steps, stopped_by = None, None, 0, "exhausted"
+    best: Plan | None = None
+    best_ev: PlanEvaluation | None = None
+    steps, stopped_by = 0, "exhausted"
     for plan in itertools.product(*(problem.candidates(m) for m in problem.mfcs)):
         if steps % 64 == 0 and steps and time.perf_counter() - started > budget:
             stopped_by = "time"
@@ -88,7 +91,7 @@ def _exhaustive(problem: PlanProblem, top_k: int, started: float, budget: float)
         top.add(plan, ev)
         if best_ev is None or ev.cost < best_ev.cost:
             best, best_ev = plan, ev
-    if best is None:
+    if best is None or best_ev is None:  # set together: both or neither
         raise ValueError("no candidates to enumerate")
     return SearchResult(best, best_ev, top.sorted(), "exhaustive", steps, time.perf_counter() - started, stopped_by)
 
@@ -174,8 +177,9 @@ def _anneal(problem: PlanProblem, seed: int, budget: float, max_steps: int, init
             current, cur_ev = best, best_ev  # restart the cooling from the best plan
         temperature = START_TEMPERATURE * (END_TEMPERATURE / START_TEMPERATURE) ** phase
         proposal = moves.propose(current, rng)
-        ev = cache.get(proposal)
-        if ev is None:
+        if proposal in cache:
+            ev = cache[proposal]
+        else:
             ev = evaluate(problem, proposal)
             if len(cache) < 200000:
                 cache[proposal] = ev

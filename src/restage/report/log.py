@@ -273,6 +273,7 @@ def _json_attr(attrs, key: str) -> dict | None:
 def _decoded(rows: np.ndarray) -> np.ndarray:
     """Replace variable-length byte strings by unicode columns, which numpy compares and groups directly."""
     fields = []
+    assert rows.dtype.names is not None, "the log's tables are structured arrays"
     for name in rows.dtype.names:
         column = rows[name]
         if column.dtype == object:
@@ -404,6 +405,7 @@ def _write_snapshot(path: Path, attrs: dict, tables: dict[str, np.ndarray]) -> N
 def _encodable(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``rows`` in the table's dtype, variable-length strings as ``str`` (HDF5 gives them back as bytes)."""
     out = np.empty(len(rows), dtype=dtype)
+    assert dtype.names is not None, "the log's tables are structured arrays"
     for name in dtype.names:
         column = rows[name]
         if dtype[name].kind == "O":

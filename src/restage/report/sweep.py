@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from restage.errors import LogError, RestageError
 from restage.report.log import read_log
@@ -59,7 +60,7 @@ def sweep_rows(sweep_dir: str | Path, last_n: int = 20) -> list[dict]:
     """Per trial: name, overrides, status and the throughput numbers of its log (None where it has none)."""
     rows = []
     for trial in read_sweep_index(sweep_dir):
-        row = {"name": trial.name, "dir": str(trial.run_dir), "overrides": trial.overrides}
+        row: dict[str, Any] = {"name": trial.name, "dir": str(trial.run_dir), "overrides": trial.overrides}
         try:
             summary = summarize(read_log(trial.run_dir), last_n)
         except RestageError as err:  # a trial that failed or has not started: a row saying why

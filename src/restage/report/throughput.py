@@ -54,7 +54,7 @@ def run_dtype(log: RunLog) -> str:
     if log.dtype:
         return log.dtype
     models = (log.schedule or {}).get("models") or {}
-    dtypes = {m.get("dtype") for m in models.values() if isinstance(m, dict) and m.get("dtype")}
+    dtypes: set[str] = {m["dtype"] for m in models.values() if isinstance(m, dict) and m.get("dtype")}
     return dtypes.pop() if len(dtypes) == 1 else ""
 
 
@@ -154,7 +154,8 @@ def throughput(log: RunLog, rows: np.ndarray, flops: np.ndarray, peak_flops: flo
 
 def _transfer_ranks(log: RunLog) -> tuple[list[tuple[int, ...]], list[str]]:
     """For each transfer row, the ranks it occupies; plus warnings for rows whose layouts cannot be read."""
-    ranks, warnings = [], []
+    ranks: list[tuple[int, ...]] = []
+    warnings: list[str] = []
     for row in log.transfers:
         if row["rank"] >= 0:
             ranks.append((int(row["rank"]),))

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -40,7 +41,7 @@ def begin(trial_dir: str | Path, step: int) -> Path:
     return path
 
 
-def commit(trial_dir: str | Path, step: int, manifest: dict, keep: int) -> Path:
+def commit(trial_dir: str | Path, step: int, manifest: dict[str, Any], keep: int) -> Path:
     """Master, after every rank has written: seal the checkpoint and prune all but the newest ``keep``."""
     partial = partial_dir(trial_dir, step)
     manifest_path = partial / "manifest.json"

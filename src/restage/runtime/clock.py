@@ -16,8 +16,12 @@ from __future__ import annotations
 import resource
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # importing mpi4py initializes MPI; the caller holds the communicator
+    from mpi4py import MPI
 
 ROUNDS = 8
 _PING, _PONG = 7301, 7302  # MPI tags of this exchange alone
@@ -29,7 +33,7 @@ def offset_from_rounds(rounds: list[tuple[float, float, float]]) -> float:
     return master - (sent + received) / 2
 
 
-def measure_offset(comm, local_clock: Callable[[], float] = time.time, rounds: int = ROUNDS) -> float:
+def measure_offset(comm: MPI.Comm, local_clock: Callable[[], float] = time.time, rounds: int = ROUNDS) -> float:
     """This rank's offset to rank 0's clock (0 on rank 0). Collective over ``comm``: every rank calls it."""
     rank, size = comm.Get_rank(), comm.Get_size()
     if rank == 0:

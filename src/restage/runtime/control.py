@@ -12,7 +12,8 @@ import os
 import pickle
 import socket
 import time
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,11 +21,14 @@ import torch.distributed as dist
 
 from restage.runtime.spawn import free_port, warm_world
 
+if TYPE_CHECKING:  # importing mpi4py initializes MPI: only the functions that talk over it import it
+    from mpi4py import MPI
+
 
 class Control:
     """A thin, explicit wrapper over ``MPI.COMM_WORLD`` (pickled Python objects)."""
 
-    def __init__(self, comm=None):
+    def __init__(self, comm: MPI.Comm | None = None) -> None:
         if comm is None:
             # lazy: importing mpi4py initialises MPI; `restage generate`'s launcher imports this module and is no MPI rank
             from mpi4py import MPI
@@ -66,7 +70,7 @@ class Control:
 _FIRST_POLL_SECONDS, _LONGEST_POLL_SECONDS = 5e-5, 2e-3
 
 
-def wait_quietly(requests) -> None:
+def wait_quietly(requests: Iterable[MPI.Request]) -> None:
     """Complete MPI ``requests``, sleeping between tests instead of spinning."""
     # lazy: importing mpi4py initialises MPI; `restage generate`'s launcher imports this module and is no MPI rank
     from mpi4py import MPI
@@ -78,7 +82,7 @@ def wait_quietly(requests) -> None:
         pause = min(2 * pause, _LONGEST_POLL_SECONDS)
 
 
-def arrive(comm) -> None:
+def arrive(comm: MPI.Comm) -> None:
     """A barrier over ``comm`` that waits without spinning.
 
     The collectives below end with one: it keeps every member calling into MPI until all have
@@ -100,11 +104,11 @@ def _unpickled(buffer: np.ndarray, sizes: np.ndarray) -> list[Any]:
     return [pickle.loads(buffer[offsets[i]:offsets[i + 1]].tobytes()) for i in range(len(sizes))]
 
 
-def bcast(comm, obj: Any, root: int) -> Any:
+def bcast(comm: MPI.Comm, obj: Any, root: int) -> Any:
     """``root``'s object to every member of ``comm``."""
     mine = comm.Get_rank() == root
-    data = _pickled(obj) if mine else None
-    size = np.array([data.size if mine else 0], dtype=np.int64)
+    data = _pickled(obj) if mine else np.empty(0, dtype=np.uint8)  # elsewhere: sized once the size is in
+    size = np.array([data.size], dtype=np.int64)
     wait_quietly([comm.Ibcast(size, root=root)])
     if not mine:
         data = np.empty(int(size[0]), dtype=np.uint8)
@@ -113,7 +117,7 @@ def bcast(comm, obj: Any, root: int) -> Any:
     return obj if mine else pickle.loads(data.tobytes())
 
 
-def gather(comm, obj: Any, root: int) -> list[Any] | None:
+def gather(comm: MPI.Comm, obj: Any, root: int) -> list[Any] | None:
     """Every member's object, in rank order, at ``root`` (None elsewhere)."""
     # lazy: importing mpi4py initialises MPI; `restage generate`'s launcher imports this module and is no MPI rank
     from mpi4py import MPI
@@ -126,10 +130,10 @@ def gather(comm, obj: Any, root: int) -> list[Any] | None:
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if mine else None
     wait_quietly([comm.Igatherv(data, [buffer, sizes, offsets, MPI.BYTE] if mine else None, root=root)])
     arrive(comm)
-    return _unpickled(buffer, sizes) if mine else None
+    return _unpickled(buffer, sizes) if buffer is not None else None  # buffer: root's alone
 
 
-def allgather(comm, obj: Any) -> list[Any]:
+def allgather(comm: MPI.Comm, obj: Any) -> list[Any]:
     """Every member's object, in rank order, everywhere."""
     # lazy: importing mpi4py initialises MPI; `restage generate`'s launcher imports this module and is no MPI rank
     from mpi4py import MPI
@@ -184,7 +188,7 @@ def set_world_timeout(timeout_seconds: float) -> None:
 _ready_rounds: dict[tuple[int, ...], int] = {}
 
 
-def wait_for_ranks(ranks, timeout_seconds: float) -> None:
+def wait_for_ranks(ranks: Iterable[int], timeout_seconds: float) -> None:
     """Return once every rank of ``ranks`` has called this (in the same order on each): a barrier over the store.
 
     Run before a transfer whose ranks may still be in a long step, so NCCL's watchdog (counted

@@ -11,6 +11,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -18,7 +21,12 @@ from restage.config import ModelSpec
 from restage.layout import Layout, ProcessGroups
 from restage.runtime.control import local_rank
 
-_DTYPE_CONFIG = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+Engine: TypeAlias = Any  # a DeepSpeedEngine: DeepSpeed ships no type information
+
+_DTYPE_CONFIG: dict[str, dict[str, Any]] = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
                  "fp16": {"fp16": {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 100}}}
 
 
@@ -37,13 +45,13 @@ class LayoutMPU:
         self.coord = coord
         self.strategy = s
 
-    def _group(self, ranks):
+    def _group(self, ranks: tuple[int, ...]) -> ProcessGroup:
         group = self._groups.get(ranks)
         if group is None:
             raise ValueError(f"no process group over {ranks}; build ProcessGroups(..., singletons=True)")
         return group
 
-    def get_data_parallel_group(self):
+    def get_data_parallel_group(self) -> ProcessGroup:
         return self._group(self._dp_ranks)
 
     def get_data_parallel_rank(self) -> int:
@@ -55,7 +63,7 @@ class LayoutMPU:
     def get_data_parallel_group_ranks(self) -> list[int]:
         return list(self._dp_ranks)
 
-    def get_model_parallel_group(self):
+    def get_model_parallel_group(self) -> ProcessGroup:
         return self._group(self._mp_ranks)
 
     def get_model_parallel_rank(self) -> int:
@@ -64,7 +72,7 @@ class LayoutMPU:
     def get_model_parallel_world_size(self) -> int:
         return self.strategy.tp * self.strategy.pp
 
-    def get_tensor_model_parallel_group(self):
+    def get_tensor_model_parallel_group(self) -> ProcessGroup:
         return self._group(self._tp_ranks)
 
     def get_tensor_model_parallel_rank(self) -> int:
@@ -78,7 +86,7 @@ class LayoutMPU:
 
 
 @contextlib.contextmanager
-def barriers_on(engine_group):
+def barriers_on(engine_group: ProcessGroup | None) -> Iterator[None]:
     """Point DeepSpeed's world-wide barriers at one engine's group for the duration.
 
     DeepSpeed barriers on the whole world in ZeRO-3 set-up and in checkpoint save/load, but here
@@ -89,7 +97,7 @@ def barriers_on(engine_group):
 
     original = ds_comm.barrier
 
-    def barrier(group=None, **kwargs):
+    def barrier(group: ProcessGroup | None = None, **kwargs: Any) -> Any:
         return original(group=engine_group if group is None else group, **kwargs)
 
     ds_comm.barrier = barrier
@@ -100,7 +108,7 @@ def barriers_on(engine_group):
 
 
 @contextlib.contextmanager
-def engine_groups(engine):
+def engine_groups(engine: Engine) -> Iterator[None]:
     """Point DeepSpeed's module-level ``groups.mpu`` at ``engine``'s own layout for the duration.
 
     DeepSpeed keeps one global mpu, set by the engine built last, and reads it live in the ZeRO-0
@@ -119,8 +127,8 @@ def engine_groups(engine):
         groups.mpu = saved
 
 
-def mark_norm_ownership(module: torch.nn.Module, tp_rank: int, replicated_names: set[str],
-                        duplicate_names: set[str] = frozenset()) -> None:
+def mark_norm_ownership(module: torch.nn.Module, tp_rank: int, replicated_names: AbstractSet[str],
+                        duplicate_names: AbstractSet[str] = frozenset()) -> None:
     """Make DeepSpeed count each parameter exactly once in the global gradient norm.
 
     DeepSpeed counts a parameter if it is marked ``model_parallel`` or if this rank is model-parallel
@@ -129,10 +137,10 @@ def mark_norm_ownership(module: torch.nn.Module, tp_rank: int, replicated_names:
     """
     for name, param in module.named_parameters():
         owned = name not in duplicate_names and (name not in replicated_names or tp_rank == 0)
-        param.model_parallel = owned
+        param.model_parallel = owned  # type: ignore[attr-defined]  # DeepSpeed's own mark on a Parameter
 
 
-def lr_lambda(spec: ModelSpec, total_steps: int):
+def lr_lambda(spec: ModelSpec, total_steps: int) -> Callable[[int], float]:
     """Multiplier of the base LR at optimizer step ``i``: linear warmup, then constant / linear / cosine."""
     optim = spec.optim
     warmup = optim.warmup_steps
@@ -164,15 +172,15 @@ def effective_zero_stage(spec: ModelSpec, dp: int) -> int:
     return spec.zero_stage
 
 
-def deepspeed_config(spec: ModelSpec, dp: int, micro_batches: int) -> dict:
+def deepspeed_config(spec: ModelSpec, dp: int, micro_batches: int) -> dict[str, Any]:
     """The DeepSpeed config dict for one trainable model."""
     optim = spec.optim
-    zero: dict = {"stage": effective_zero_stage(spec, dp)}
+    zero: dict[str, Any] = {"stage": effective_zero_stage(spec, dp)}
     if spec.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if spec.offload_params and spec.zero_stage == 3:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    config = {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": micro_batches,
         "train_batch_size": micro_batches * dp,
@@ -195,7 +203,7 @@ def deepspeed_config(spec: ModelSpec, dp: int, micro_batches: int) -> dict:
 
 
 def build_engine(module: torch.nn.Module, spec: ModelSpec, layout: Layout, rank: int, groups: ProcessGroups,
-                 micro_batches: int, total_optimizer_steps: int):
+                 micro_batches: int, total_optimizer_steps: int) -> Engine:
     """Wrap ``module`` (this rank's shard) in a DeepSpeed engine with an LR schedule from the config."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     os.environ.setdefault("LOCAL_RANK", str(local_rank()))  # DeepSpeed asserts it is set

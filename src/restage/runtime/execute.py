@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from restage.algorithms import estimators, ops
+from restage.algorithms.base import Algorithm, AlgoState
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch, pack_sequences
 from restage.device import rank_device
@@ -24,6 +26,7 @@ from restage.models.generation import SamplingParams, generate
 from restage.models.packing import PackedBatch
 from restage.models.parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from restage.models.pipeline import MicroBatch, pipeline_forward, train_1f1b
+from restage.runtime.engines import Engine
 
 
 @dataclass
@@ -73,7 +76,7 @@ def _share_over_pipeline(module: StageModule, out: dict[str, torch.Tensor] | Non
     if ctx.pp_size == 1:
         assert out is not None
         return out
-    shared = {}
+    shared: dict[str, torch.Tensor] = {}
     for key in keys:
         tensor = out[key].contiguous() if out is not None else torch.empty(n_tokens, dtype=torch.float32, device=rank_device())
         dist.broadcast(tensor, src=ctx.last_stage_rank, group=ctx.pp_group)
@@ -82,7 +85,8 @@ def _share_over_pipeline(module: StageModule, out: dict[str, torch.Tensor] | Non
 
 
 @torch.no_grad()
-def run_inference(module: StageModule, mfc: MFC, batch: Batch, algo, cfg: ExperimentConfig, state) -> MFCResult:
+def run_inference(module: StageModule, mfc: MFC, batch: Batch, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState
+                  ) -> MFCResult:
     wanted = tuple(algo.forward_outputs(mfc.name, cfg))
     ids_key = mfc.inputs[0]
     micro = _micro_batches(batch, ids_key, mfc.micro_batches)
@@ -105,12 +109,12 @@ def _policy_temperature(cfg: ExperimentConfig) -> float:
 
 
 @torch.no_grad()
-def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo, cfg: ExperimentConfig, state, seed: int
-                 ) -> MFCResult:
+def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState,
+                 seed: int) -> MFCResult:
     """Sample ``group_size`` answers per prompt; the output batch holds seqs, prompt_mask and logprobs."""
     group = int(mfc.options.get("group_size", 1))
     gen = cfg.generation
-    prompt_ids = [t.tolist() for t in torch.split(prompts["prompts"], prompts.seqlens)]
+    prompt_ids = [t.tolist() for t in torch.split(prompts["prompts"], list(prompts.seqlens))]
     repeated = [p for p in prompt_ids for _ in range(group)]
     eos = module.cfg.eos_token_id
     pad = module.cfg.pad_token_id if module.cfg.pad_token_id is not None else (eos or 0)
@@ -141,7 +145,7 @@ def run_eval_generate(module: StageModule, mfc: MFC, prompts: Batch, cfg: Experi
     Greedy decoding takes no random numbers, so the run's RNG streams are as without evaluation.
     """
     gen = cfg.generation
-    prompt_ids = [t.tolist() for t in torch.split(prompts["prompts"], prompts.seqlens)]
+    prompt_ids = [t.tolist() for t in torch.split(prompts["prompts"], list(prompts.seqlens))]
     eos = module.cfg.eos_token_id
     pad = module.cfg.pad_token_id if module.cfg.pad_token_id is not None else (eos or 0)
     params = SamplingParams(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens, greedy=True,
@@ -152,7 +156,7 @@ def run_eval_generate(module: StageModule, mfc: MFC, prompts: Batch, cfg: Experi
     return batch.renamed({"prompt_mask": mfc.outputs[1]}) if mfc.outputs[1] != "prompt_mask" else batch
 
 
-def loss_scale_factor(engine, device: torch.device | None = None) -> float:
+def loss_scale_factor(engine: Engine, device: torch.device | None = None) -> float:
     """What ``engine.backward`` multiplies a scalar loss by before autograd: fp16's loss scale, else 1."""
     # lazy: DeepSpeed takes seconds to import
     from deepspeed.runtime.base_optimizer import ZeROOptimizer
@@ -165,7 +169,7 @@ def loss_scale_factor(engine, device: torch.device | None = None) -> float:
     return float(scaler.scale(probe).detach()) if scaler is not None else 1.0
 
 
-def stage_backward(engine, tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
+def stage_backward(engine: Engine, tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
     """One micro-batch's backward on one pipeline stage, through the engine.
 
     DeepSpeed owns loss scaling, gradient accumulation and the ZeRO reductions, so every stage's
@@ -182,7 +186,8 @@ def stage_backward(engine, tensor: torch.Tensor, grad: torch.Tensor | None) -> N
     engine.backward(surrogate / loss_scale_factor(engine, tensor.device), scale_wrt_gas=False)
 
 
-def run_train(engine, mfc: MFC, batch: Batch, algo, cfg: ExperimentConfig, state, seed: int) -> MFCResult:
+def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState, seed: int
+              ) -> MFCResult:
     """``epochs`` passes over the batch in ``minibatches`` optimizer steps, each over ``micro_batches``."""
     module: StageModule = engine.module
     module.train()
@@ -192,7 +197,7 @@ def run_train(engine, mfc: MFC, batch: Batch, algo, cfg: ExperimentConfig, state
     stats_sum: dict[str, float] = {}
     count = 0
 
-    def loss_fn(output: torch.Tensor, mb: MicroBatch):
+    def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
         outputs = forward_results(module, output, mb, wanted, temperature)
         loss, stats = algo.loss(mfc.name, mb.extra.to(output.device), outputs, cfg, state)
         return loss, stats
@@ -234,7 +239,7 @@ def run_train(engine, mfc: MFC, batch: Batch, algo, cfg: ExperimentConfig, state
     return MFCResult(None, stats, batch.n_tokens * mfc.epochs)
 
 
-def _early_stop_anywhere(engine, results: list | None) -> bool:
+def _early_stop_anywhere(engine: Engine, results: list[tuple[Any, dict[str, float]]] | None) -> bool:
     """Whether any micro-batch on any rank of the train layout tripped the algorithm's early stop.
 
     Only last pipeline stages see the loss statistics: a MAX over the replica's model-parallel
@@ -250,7 +255,7 @@ def _early_stop_anywhere(engine, results: list | None) -> bool:
     return bool(tensor.item() > 0)
 
 
-def _step_without_update(engine) -> None:
+def _step_without_update(engine: Engine) -> None:
     """Close the minibatch without moving the parameters: an optimizer step at learning rate 0.
 
     Stepping (rather than dropping the ZeRO-reduced gradients by hand) keeps DeepSpeed's

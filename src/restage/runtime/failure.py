@@ -23,6 +23,7 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def failure_dir(trial_dir: str | Path) -> Path:
 
 
 @contextmanager
-def abort_on_error(rank: int, trial_dir: str | Path):
+def abort_on_error(rank: int, trial_dir: str | Path) -> Iterator[None]:
     """Run the body; on any exception record it for the launcher and abort the whole MPI job."""
     try:
         yield

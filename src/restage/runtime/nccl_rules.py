@@ -26,7 +26,9 @@ import inspect
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -56,7 +58,7 @@ class HostTensor(torch.Tensor):
 class _State:
     rank: int
     device_mode: bool
-    side_group: object
+    side_group: dist.ProcessGroup
     warm: set[int] = field(default_factory=set)  # id() of groups that have had a collective
     host_groups: set[int] = field(default_factory=set)
     groups: int = 1  # the world
@@ -68,12 +70,18 @@ class _State:
 
 
 _state: _State | None = None
-_original: dict[str, object] = {}
+_original: dict[str, Callable[..., Any]] = {}  # what install() replaced, by name
 _in_batch = threading.local()
 
 
 def enabled() -> bool:
     return _state is not None
+
+
+def _active() -> _State:
+    """The rules' state; only the patched functions call this, and they are in place only while it exists."""
+    assert _state is not None
+    return _state
 
 
 def rank_device() -> torch.device:
@@ -99,7 +107,7 @@ def set_bound(max_groups: int | None = None, max_pairs: int | None = None) -> No
     _check_bound("set_bound", "-")
 
 
-def _name(group) -> str:
+def _name(group: dist.ProcessGroup | None) -> str:
     if group is None or group is dist.GroupMember.WORLD:
         return "world"
     try:
@@ -108,22 +116,20 @@ def _name(group) -> str:
         return repr(group)
 
 
-def _fail(rule: str, group, op: str, detail: str):
-    assert _state is not None
-    raise NcclRuleError(rule, _state.rank, _name(group), op, detail)
+def _fail(rule: str, group: dist.ProcessGroup | None, op: str, detail: str) -> NoReturn:
+    raise NcclRuleError(rule, _active().rank, _name(group), op, detail)
 
 
-def _key(group) -> int:
+def _key(group: dist.ProcessGroup | None) -> int:
     return id(group if group is not None else dist.GroupMember.WORLD)
 
 
-def _exempt(group) -> bool:
-    assert _state is not None
-    return _key(group) in _state.host_groups
+def _exempt(group: dist.ProcessGroup | None) -> bool:
+    return _key(group) in _active().host_groups
 
 
-def _check_tensors(op: str, group, tensors) -> None:
-    assert _state is not None
+def _check_tensors(op: str, group: dist.ProcessGroup | None, tensors: Iterable[object]) -> None:
+    _active()
     device = rank_device()
     for tensor in tensors:
         if not isinstance(tensor, torch.Tensor):
@@ -133,8 +139,8 @@ def _check_tensors(op: str, group, tensors) -> None:
                   f"move it with .to(rank_device())")
 
 
-def _flatten(values) -> list:
-    out = []
+def _flatten(values: Iterable[object]) -> list[object]:
+    out: list[object] = []
     for value in values:
         if isinstance(value, (list, tuple)):
             out += _flatten(value)
@@ -144,51 +150,54 @@ def _flatten(values) -> list:
 
 
 def _check_bound(op: str, group_name: str) -> None:
-    assert _state is not None
-    if _state.max_groups is not None and _state.groups > _state.max_groups:
-        raise NcclRuleError("bound", _state.rank, group_name, op,
-                            f"{_state.groups} communicators exceed the bound of {_state.max_groups}")
-    if _state.max_pairs is not None and len(_state.pairs) > _state.max_pairs:
-        raise NcclRuleError("bound", _state.rank, group_name, op,
-                            f"{len(_state.pairs)} P2P rank pairs {sorted(_state.pairs)} exceed the bound of "
-                            f"{_state.max_pairs}")
+    state = _active()
+    if state.max_groups is not None and state.groups > state.max_groups:
+        raise NcclRuleError("bound", state.rank, group_name, op,
+                            f"{state.groups} communicators exceed the bound of {state.max_groups}")
+    if state.max_pairs is not None and len(state.pairs) > state.max_pairs:
+        raise NcclRuleError("bound", state.rank, group_name, op,
+                            f"{len(state.pairs)} P2P rank pairs {sorted(state.pairs)} exceed the bound of "
+                            f"{state.max_pairs}")
 
 
-def _bound_args(name: str, args, kwargs) -> dict:
+def _bound_args(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     return inspect.signature(_original[name]).bind(*args, **kwargs).arguments
 
 
 class _WatchedWork:
     """A ``Work`` whose ``wait`` fails like NCCL's watchdog once the op took longer than its group's timeout."""
 
-    def __init__(self, work, op: str, group, queued: float):
+    def __init__(self, work: dist.Work, op: str, group: dist.ProcessGroup | None, queued: float):
         self._work, self._op, self._group, self._queued = work, op, group, queued
 
-    def wait(self, *args, **kwargs):
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
         out = self._work.wait(*args, **kwargs)
         _watchdog(self._op, self._group, self._queued)
         return out
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
 
 
-def _timeout_seconds(group) -> float | None:
+def _timeout_seconds(group: dist.ProcessGroup | None) -> float | None:
+    group = group or dist.GroupMember.WORLD
+    if group is None:  # no world (yet): no timeout to read
+        return None
     try:
-        backend = (group or dist.GroupMember.WORLD)._get_backend(rank_device())
-        return backend.options._timeout.total_seconds()
+        backend = group._get_backend(rank_device())
+        return float(backend.options._timeout.total_seconds())
     except (AttributeError, RuntimeError):
         return None
 
 
-def _watchdog(op: str, group, queued: float) -> None:
+def _watchdog(op: str, group: dist.ProcessGroup | None, queued: float) -> None:
     took, limit = time.monotonic() - queued, _timeout_seconds(group)
     if limit is not None and took > limit:
         _fail("watchdog", group, op, f"took {took:.1f} s from when it was queued, over the group's timeout of "
               f"{limit:.0f} s (NCCL's watchdog would abort the job); wait for the peers first or raise the timeout")
 
 
-def _watched(op: str, group, queued: float, out):
+def _watched(op: str, group: dist.ProcessGroup | None, queued: float, out: Any) -> Any:
     if isinstance(out, list):
         return [_watched(op, group, queued, work) for work in out]
     if out is None:
@@ -197,25 +206,25 @@ def _watched(op: str, group, queued: float, out):
     return _WatchedWork(out, op, group, queued)
 
 
-def _collective(name: str):
+def _collective(name: str) -> Callable[..., Any]:
     original = _original[name]
 
-    def wrapped(*args, **kwargs):
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
         given = _bound_args(name, args, kwargs)
         group = given.get("group")
         if _exempt(group):
             return original(*args, **kwargs)
         _check_tensors(name, group, _flatten([v for k, v in given.items() if k != "group"]))
-        _state.warm.add(_key(group))
+        _active().warm.add(_key(group))
         return _watched(name, group, time.monotonic(), original(*args, **kwargs))
 
     return wrapped
 
 
-def _p2p(name: str):
+def _p2p(name: str) -> Callable[..., Any]:
     original = _original[name]
 
-    def wrapped(*args, **kwargs):
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
         given = _bound_args(name, args, kwargs)
         group = given.get("group")
         if getattr(_in_batch, "active", False) or _exempt(group):
@@ -224,13 +233,15 @@ def _p2p(name: str):
         peer = given.get("dst", given.get("src"))
         if peer is None:  # given as group_dst/group_src: translate to a global rank
             local = given.get("group_dst", given.get("group_src"))
+            assert local is not None, "a P2P op names its peer (dst/src or group_dst/group_src)"
             peer = dist.get_global_rank(group, local) if group is not None else local
         peer = int(peer)
-        log = _state.p2p_log.setdefault(peer, [])
+        state = _active()
+        log = state.p2p_log.setdefault(peer, [])
         log.append(_P2P[name])
         # Blocking ops may hang gloo too, so they compare with the peer's op before it runs.
         _compare_now(name, group, peer, len(log) - 1, wait=name in ("send", "recv"))
-        _state.pairs.add((min(_state.rank, peer), max(_state.rank, peer)))
+        state.pairs.add((min(state.rank, peer), max(state.rank, peer)))
         _check_bound(name, _name(group))
         queued = time.monotonic()
         out = original(*args, **kwargs)
@@ -242,32 +253,34 @@ def _p2p(name: str):
     return wrapped
 
 
-def _compare_now(name: str, group, peer: int, k: int, wait: bool) -> None:
+def _compare_now(name: str, group: dist.ProcessGroup | None, peer: int, k: int, wait: bool) -> None:
     """Post this rank's k-th unbatched op with ``peer`` on the store; with ``wait``, compare with the peer's k-th."""
-    store, me = c10d._get_default_store(), _state.rank  # the rendezvous store every rank already shares
-    kind = _state.p2p_log[peer][k]
-    store.set(f"restage_nccl_rules/{me}/{peer}/{_state.p2p_seen.get(peer, 0) + k}", kind)
+    state = _active()
+    store, me = c10d._get_default_store(), state.rank  # the rendezvous store every rank already shares
+    kind = state.p2p_log[peer][k]
+    store.set(f"restage_nccl_rules/{me}/{peer}/{state.p2p_seen.get(peer, 0) + k}", kind)
     if not wait:
         return
-    theirs = store.get(f"restage_nccl_rules/{peer}/{me}/{_state.p2p_seen.get(peer, 0) + k}").decode()
+    theirs = store.get(f"restage_nccl_rules/{peer}/{me}/{state.p2p_seen.get(peer, 0) + k}").decode()
     if theirs == kind:
         _fail("crossing-p2p", group, f"{name} #{k} with rank {peer}",
               f"rank {me}'s op #{k} with rank {peer} is a {kind}, and so is rank {peer}'s with rank {me}; "
               f"NCCL blocks where gloo may buffer: order them send/recv against recv/send, or batch them")
 
 
-def _batch_isend_irecv(p2p_op_list):
+def _batch_isend_irecv(p2p_op_list: list[dist.P2POp]) -> Any:
     group = p2p_op_list[0].group if p2p_op_list else None
     if p2p_op_list and not _exempt(group):
+        state = _active()
         _check_tensors("batch_isend_irecv", group, [op.tensor for op in p2p_op_list])
-        if _key(group) not in _state.warm:
+        if _key(group) not in state.warm:
             members = set(dist.get_process_group_ranks(group or dist.GroupMember.WORLD))
-            taking_part = {_state.rank} | {int(op.peer) for op in p2p_op_list}
+            taking_part = {state.rank} | {int(op.peer) for op in p2p_op_list}
             if taking_part != members:
                 _fail("first-batched-p2p", group, "batch_isend_irecv",
                       f"first call on the group, but only ranks {sorted(taking_part)} take part; run a collective "
                       f"on the group first (ProcessGroups warms its groups) or batch over every rank of it")
-            _state.warm.add(_key(group))
+            state.warm.add(_key(group))
     _in_batch.active = True
     try:
         queued = time.monotonic()
@@ -277,12 +290,13 @@ def _batch_isend_irecv(p2p_op_list):
         _in_batch.active = False
 
 
-def _new_group(*args, **kwargs):
+def _new_group(*args: Any, **kwargs: Any) -> Any:
     group = _original["new_group"](*args, **kwargs)
+    state = _active()
     if kwargs.get("backend") == "gloo":
-        _state.host_groups.add(_key(group))
+        state.host_groups.add(_key(group))
     else:
-        _state.groups += 1
+        state.groups += 1
         _check_bound("new_group", "-")
     return group
 
@@ -291,7 +305,7 @@ def check() -> None:
     """Exchange the unbatched P2P logs of all ranks and check them; every rank of the world must call it."""
     if _state is None:
         return
-    logs: list = [None] * dist.get_world_size()
+    logs: list[Any] = [None] * dist.get_world_size()  # per rank: (its P2P log, its pairs)
     _original["all_gather_object"](logs, (_state.p2p_log, sorted(_state.pairs)), group=_state.side_group)
     for peer, ops in _state.p2p_log.items():
         _state.p2p_seen[peer] = _state.p2p_seen.get(peer, 0) + len(ops)
@@ -309,27 +323,27 @@ def check() -> None:
     _check_bound("check", "world")
 
 
-def _barrier(*args, **kwargs):
+def _barrier(*args: Any, **kwargs: Any) -> Any:
     out = _original["barrier"](*args, **kwargs)
     group = _bound_args("barrier", args, kwargs).get("group")
-    _state.warm.add(_key(group))
+    _active().warm.add(_key(group))
     if group in (None, dist.GroupMember.WORLD):
         check()
     return out
 
 
-def _destroy_process_group(group=None):
+def _destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
     original = _original["destroy_process_group"]
     if group in (None, dist.GroupMember.WORLD) and _state is not None:
         check()
         uninstall()
-    return original(group)
+    original(group)
 
 
-def _host_move(name: str):
+def _host_move(name: str) -> Callable[..., Any]:
     original = _original[name]
 
-    def wrapped(self, *args, **kwargs):
+    def wrapped(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         if name == "cpu":
             return out.as_subclass(HostTensor) if type(out) is torch.Tensor else out
@@ -369,7 +383,8 @@ def install(device_mode: bool | None = None) -> None:
     dist.new_group, dist.destroy_process_group = _new_group, _destroy_process_group
     if _state.device_mode:
         _original["cpu"], _original["to"] = torch.Tensor.cpu, torch.Tensor.to
-        torch.Tensor.cpu, torch.Tensor.to = _host_move("cpu"), _host_move("to")
+        for name in ("cpu", "to"):
+            setattr(torch.Tensor, name, _host_move(name))
     bound = os.environ.get("RESTAGE_NCCL_MAX_GROUPS"), os.environ.get("RESTAGE_NCCL_MAX_PAIRS")
     if any(bound):
         set_bound(*(int(b) if b else None for b in bound))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ class NonFiniteError(RestageError):
     """Training met NaN or inf (inputs, loss or weights)."""
 
 
-def nonfinite_samples(batch: Batch) -> tuple[list, list[str]]:
+def nonfinite_samples(batch: Batch) -> tuple[list[Any], list[str]]:
     """(ids of the samples with a non-finite value in any floating key, those keys); ids are dataset ids when
     the batch has them, else positions."""
     bad_seqs: set[int] = set()
@@ -52,7 +53,7 @@ def nonfinite_samples(batch: Batch) -> tuple[list, list[str]]:
     return [batch.ids[i] if batch.ids else i for i in samples], keys
 
 
-def any_rank(flag: bool, group, device) -> bool:
+def any_rank(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
     """True if ``flag`` holds on any rank of ``group`` (None: this rank alone)."""
     if group is None:
         return flag

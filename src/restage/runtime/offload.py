@@ -97,10 +97,12 @@ class ModelCopy:
         """Bring an offloaded copy back to ``device``; returns the bytes copied."""
         if self.location != "host":
             return 0
+        host = self._host
+        assert host is not None  # offload made it; free and changed drop it only where the location is not "host"
         copied = 0
         for k, t in self.tensors.items():
             on_device = torch.empty(t.shape, dtype=t.dtype, device=device)
-            on_device.copy_(self._host[k], non_blocking=self._host[k].is_pinned())
+            on_device.copy_(host[k], non_blocking=host[k].is_pinned())
             t.data = on_device
             copied += _nbytes(on_device)
         self.location = "device"

@@ -28,12 +28,16 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from restage.errors import LaunchError
 from restage.runtime.control import arrive
+
+if TYPE_CHECKING:  # importing mpi4py initializes MPI; the caller holds the communicator
+    from mpi4py import MPI
 
 _BUILDERS = {"cpu_adam": "CPUAdamBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder"}
 NOTICE_SECONDS = 30.0  # while waiting for another build, say so at most this often
@@ -43,7 +47,17 @@ def _unnamed(activity: str, waiting: bool = False) -> None:
     """The default ``doing``: no heartbeat to name the activity to."""
 
 
-def needed_ops(specs: Iterable, accelerator: str = "cuda") -> list[str]:
+class TrainSpec(Protocol):
+    """What ``needed_ops`` reads of a model (a config's ``ModelSpec``)."""
+
+    @property
+    def trainable(self) -> bool: ...
+
+    @property
+    def offload_optimizer(self) -> bool: ...
+
+
+def needed_ops(specs: Iterable[TrainSpec], accelerator: str = "cuda") -> list[str]:
     """The compiled DeepSpeed ops the trainable models of a config need (``ModelSpec`` values).
 
     On DeepSpeed's cpu accelerator every engine's communication backend also loads its
@@ -56,7 +70,7 @@ def needed_ops(specs: Iterable, accelerator: str = "cuda") -> list[str]:
     return names
 
 
-def extensions_dir(env=os.environ) -> Path:
+def extensions_dir(env: Mapping[str, str] = os.environ) -> Path:
     """restage's extension cache: per user (their cache directory) and per Python, torch (with its CUDA or CPU
     tag) and DeepSpeed version. torch puts builds directly under a ``TORCH_EXTENSIONS_DIR`` it is given."""
     cache = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
@@ -65,7 +79,7 @@ def extensions_dir(env=os.environ) -> Path:
     return cache / "restage" / "torch_extensions" / versions
 
 
-def use_extensions_dir(env=os.environ) -> Path:
+def use_extensions_dir(env: MutableMapping[str, str] = os.environ) -> Path:
     """Point torch's JIT builds at ``extensions_dir`` unless ``TORCH_EXTENSIONS_DIR`` is set; returns the one used."""
     return Path(env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir(env))))
 
@@ -77,7 +91,7 @@ def _version(package: str) -> str:
         return "none"
 
 
-def _builder(name: str):
+def _builder(name: str) -> Any:  # a DeepSpeed OpBuilder (DeepSpeed has no type information)
     # lazy: DeepSpeed takes seconds to import; only when an op is built
     from deepspeed.accelerator import get_accelerator
 
@@ -211,7 +225,7 @@ def prepare_ops(names: Iterable[str], *, node_leader: bool, node_barrier: Callab
             locked_load(name, load=load, doing=doing)
 
 
-def prepare_run_ops(comm, specs: Iterable, doing: Callable[..., None] = _unnamed) -> None:
+def prepare_run_ops(comm: MPI.Comm, specs: Iterable[TrainSpec], doing: Callable[..., None] = _unnamed) -> None:
     """``prepare_ops`` for a run over the MPI world ``comm`` (collective: every rank calls it with the same specs)."""
     names = needed_ops(specs, os.environ.get("DS_ACCELERATOR", "cuda"))
     if not names:

@@ -20,7 +20,7 @@ class Progress:
     first_step: int = 0
     _seconds: list[float] = field(default_factory=list)
 
-    def line(self, step: int, samples: int, tokens: int, step_seconds: float, extra: dict | None = None) -> str:
+    def line(self, step: int, samples: int, tokens: int, step_seconds: float, extra: dict[str, float] | None = None) -> str:
         """``step`` is 1-based and complete; returns the line to print."""
         self._seconds.append(step_seconds)
         recent = self._seconds[-10:]

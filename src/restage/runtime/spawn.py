@@ -17,15 +17,18 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from restage.errors import RankFailure
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])  # (host, port)
 
 
 def init_process_group(rank: int, world_size: int, port: int, backend: str | None = None,
@@ -62,7 +65,8 @@ def warm_world() -> None:
     dist.barrier()
 
 
-def _worker(rank, world_size, port, fn, args, results, env):
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
+            results: Queue[tuple[int, str, Any]], env: dict[str, str]) -> None:
     os.environ.update(env)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     try:
@@ -91,7 +95,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_seconds: 
     ``fn`` must be importable (a module-level function) and its return value picklable.
     """
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results: Queue[tuple[int, str, Any]] = ctx.Queue()  # (rank, "ok" or "error", pickled value or traceback)
     port = free_port()
     # Every spawned rank checks NCCL's rules unless the caller says otherwise (RESTAGE_NCCL_RULES=0).
     env = {"OMP_NUM_THREADS": "1", "RESTAGE_NCCL_RULES": os.environ.get("RESTAGE_NCCL_RULES", "1"), **(env or {})}
