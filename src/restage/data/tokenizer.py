@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from restage.data.sources import hub_hint
 from restage.errors import ConfigError
 
 
@@ -37,7 +38,7 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"tokenizer directory {path} does not exist; set dataset.tokenizer (or the model path) to a "
-                          "HF tokenizer directory")
+                          f"HF tokenizer directory{hub_hint(path)}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as err:
