@@ -41,6 +41,10 @@ class DiskFullError(RestageError):
     """A write ran out of space (or quota); the message names the file system and what was being written."""
 
 
+class RewardError(RestageError):
+    """A rule reward raised or returned a non-finite value and ``rewards.on_error`` is stop."""
+
+
 def hub_hint(path) -> str:
     """For a path that does not exist: a hint when it looks like a HF hub id, else ''."""
     text = str(path)
