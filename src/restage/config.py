@@ -233,9 +233,11 @@ class ExperimentConfig:
             raise ConfigError("run.save_every and run.stop_at_step must be >= 0 (0: off), run.log_every >= 1")
         if run.eval_every < 0:
             raise ConfigError(f"run.eval_every: {run.eval_every} must be >= 0 (0: no evaluation)")
-        if run.eval_every > 0 and not (self.dataset.eval_fraction > 0 or self.dataset.eval_split or self.dataset.eval_path):
+        held_out = self.dataset.eval_fraction > 0 or self.dataset.eval_split or self.dataset.eval_path
+        if run.eval_every > 0 and not held_out:
             raise ConfigError(f"run.eval_every: {run.eval_every} evaluates held-out prompts, but dataset.eval_fraction "
-                              "is 0; hold some out (e.g. dataset.eval_fraction=0.02) or set run.eval_every=0")
+                              "is 0; hold some out (e.g. dataset.eval_fraction=0.02, or dataset.eval_split / "
+                              "dataset.eval_path) or set run.eval_every=0")
         if run.eval_every > 0 and self.dataset.kind != "prompt":
             raise ConfigError(f"run.eval_every: evaluation generates answers to held-out prompts, but dataset.kind is "
                               f"{self.dataset.kind!r} ({self.algorithm} does not generate); set run.eval_every=0")
