@@ -142,3 +142,14 @@ def test_chat_template_equals_the_tokenizers_own(tmp_path, chat_tokenizer):
                                                                              "chat_template": False}}), chat_tokenizer)
     with pytest.raises(ConfigError, match="has no chat_template"):
         datasets.load_splits(cfg, load_tokenizer(TOKENIZER))
+
+
+def test_a_word_level_tokenizer_in_a_qwen2_checkpoint_keeps_its_words(tmp_path):
+    """transformers 5's AutoTokenizer would re-build it as Qwen2Tokenizer (byte-level BPE) and drop the words."""
+    from restage.models.tiny import tiny_hf_config
+
+    path = build_word_tokenizer(["[PAD]", "[BOS]", "[EOS]", "[UNK]", "what", "is", "7"], tmp_path / "qwen")
+    tiny_hf_config("qwen2", vocab_size=7).save_pretrained(str(path))
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.encode("what is 7", add_special_tokens=False) == [4, 5, 6]
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)

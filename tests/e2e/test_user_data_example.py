@@ -82,7 +82,7 @@ def test_prompts_are_the_chat_template_and_the_math_reward_reads_each_rows_answe
                                             add_generation_prompt=True, tokenize=True)["input_ids"]
         assert list(example_.prompt) == list(own)
         assert dict(example_.fields) == {"answer": rows[example_.index]["answer"]}
-    assert tokenizer.decode(train.examples[7].prompt) == \
+    assert " ".join(tokenizer.convert_ids_to_tokens(list(train.examples[7].prompt))) == \
         "<|im_start|> user what is 0 + 7 ? <|im_end|> <|im_start|> assistant"
 
     # The runtime's path: after_generate attaches the math reward, given each sample's fields.
