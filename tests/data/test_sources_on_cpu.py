@@ -137,6 +137,11 @@ def test_chat_template_equals_the_tokenizers_own(tmp_path, chat_tokenizer):
     assert list(train.examples[1].prompt) == own(messages)
     assert chat_tokenizer.decode(train.examples[1].prompt) == \
         "<|im_start|> system be brief <|im_end|> <|im_start|> user sort 3 1 : <|im_end|> <|im_start|> assistant"
+    for room in (len(own(messages)), len(own(messages)) + 1, 2 * len(own(messages)) - 1):  # no cut
+        assert datasets.tokenize([{"prompt": messages}], "prompt", chat_tokenizer, room, 8, 0, True)[0].prompt == \
+            tuple(own(messages))
+    cut = datasets.tokenize([{"prompt": messages}], "prompt", chat_tokenizer, 5, 8, 0, True)[0].prompt
+    assert cut == tuple(own(messages)[-5:])  # from the left, as text prompts are
     with pytest.raises(ConfigError, match="set dataset.chat_template=true"):
         datasets.load_splits(config_from_dict({**cfg.to_dict(), "dataset": {**cfg.to_dict()["dataset"],
                                                                              "chat_template": False}}), chat_tokenizer)

@@ -50,7 +50,7 @@ def prompt_ids(tokenizer, value, max_tokens: int, chat_template: bool) -> tuple[
     keep_first = bool(ids) and ids[0] == tokenizer.bos_token_id and len(ids) > max_tokens
     head = ids[:1] if keep_first else []
     room = max(0, max_tokens - len(head))
-    return tuple(head + (ids[len(ids) - room:] if room else []))
+    return tuple(head + (ids[max(len(head), len(ids) - room):] if room else []))
 
 
 def answer_ids(tokenizer, value, max_tokens: int) -> tuple[int, ...]:
