@@ -62,6 +62,34 @@ class DatasetConfig:
     max_answer_tokens: int = 128
     eval_fraction: float = 0.0
     shuffle: bool = True
+    # Where each role's text is in a row (data/sources.py): e.g. {prompt: question}; unnamed roles keep their name.
+    fields: dict[str, str] = field(default_factory=dict)
+    chat_template: bool = False  # prompts (text or message lists) go through the tokenizer's chat template
+    split: str = "train"  # the split of a HF datasets directory holding several (a DatasetDict)
+    eval_split: str = ""  # held out: that split of the same directory ("" : eval_fraction or eval_path)
+    eval_path: str = ""  # held out: another file or directory of the same layout
+
+
+@dataclass(frozen=True)
+class RewardsConfig:
+    """How rule rewards run (algorithms/scoring.py) and the options of the verifiers (algorithms/verifiers.py)."""
+
+    workers: int = 4  # threads scoring one batch's answers at once
+    on_error: str = "zero"  # a reward that raises or is NaN: zero (reported, run goes on) or stop
+    reference_field: str = "answer"  # math: the row's field holding the reference answer
+    tests_field: str = "tests"  # code: the row's field holding the tests (a list of Python snippets)
+    format_pattern: str = ""  # format: a regex the whole answer must match
+    code_timeout_seconds: float = 5.0  # code: wall-clock limit of one test run
+    code_memory_bytes: int = 512 * 2**20  # code: address-space limit of one test run
+
+
+@dataclass(frozen=True)
+class DashboardsConfig:
+    """Copies of the log's scalars for a dashboard (report/dashboards.py); log.h5 stays the source of truth."""
+
+    tensorboard: bool = False  # event files under <trial>/tensorboard
+    wandb: str = "off"  # off, offline (files under <trial>/wandb) or online
+    wandb_project: str = "restage"
 
 
 @dataclass(frozen=True)
@@ -151,6 +179,8 @@ class ExperimentConfig:
     seed: int = 1
     algo: dict[str, Any] = field(default_factory=dict)
     reward_fn: str = ""  # "module:function" rule-based reward instead of a reward model
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    dashboards: DashboardsConfig = field(default_factory=DashboardsConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     cluster: ClusterRef = field(default_factory=ClusterRef)
     plan: PlanConfig = field(default_factory=PlanConfig)
@@ -206,12 +236,15 @@ class ExperimentConfig:
             raise ConfigError("run.save_every and run.stop_at_step must be >= 0 (0: off), run.log_every >= 1")
         if run.eval_every < 0:
             raise ConfigError(f"run.eval_every: {run.eval_every} must be >= 0 (0: no evaluation)")
-        if run.eval_every > 0 and not self.dataset.eval_fraction > 0:
+        held_out = self.dataset.eval_fraction > 0 or self.dataset.eval_split or self.dataset.eval_path
+        if run.eval_every > 0 and not held_out:
             raise ConfigError(f"run.eval_every: {run.eval_every} evaluates held-out prompts, but dataset.eval_fraction "
-                              "is 0; hold some out (e.g. dataset.eval_fraction=0.02) or set run.eval_every=0")
+                              "is 0; hold some out (e.g. dataset.eval_fraction=0.02, or dataset.eval_split / "
+                              "dataset.eval_path) or set run.eval_every=0")
         if run.eval_every > 0 and self.dataset.kind != "prompt":
             raise ConfigError(f"run.eval_every: evaluation generates answers to held-out prompts, but dataset.kind is "
                               f"{self.dataset.kind!r} ({self.algorithm} does not generate); set run.eval_every=0")
+        _check_user_data(self)
         if run.keep_checkpoints < 1:
             raise ConfigError(f"run.keep_checkpoints: {run.keep_checkpoints} must be >= 1 (the newest is always kept)")
         if run.micro_batches > run.batch_size:
@@ -237,6 +270,21 @@ class ExperimentConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _check_user_data(cfg: ExperimentConfig) -> None:
+    """The dataset's held-out choice, the rewards' and the dashboards' options."""
+    ds, rewards = cfg.dataset, cfg.rewards
+    if sum(bool(x) for x in (ds.eval_fraction, ds.eval_split, ds.eval_path)) > 1:
+        raise ConfigError("dataset: hold out by one of eval_fraction, eval_split or eval_path, not several")
+    if rewards.workers < 1:
+        raise ConfigError(f"rewards.workers: {rewards.workers} must be >= 1")
+    if rewards.on_error not in ("zero", "stop"):
+        raise ConfigError(f"rewards.on_error: {rewards.on_error!r} must be zero or stop")
+    if not rewards.code_timeout_seconds > 0 or rewards.code_memory_bytes < 2**20:
+        raise ConfigError("rewards.code_timeout_seconds must be > 0 and rewards.code_memory_bytes >= 1 MiB")
+    if cfg.dashboards.wandb not in ("off", "offline", "online"):
+        raise ConfigError(f"dashboards.wandb: {cfg.dashboards.wandb!r} must be off, offline or online")
 
 
 def _to_plain(value):

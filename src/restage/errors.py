@@ -1,5 +1,10 @@
 """User-facing errors. Each message says what to change; the CLI prints it on one line and exits 2."""
 
+import os
+import re
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
 
 class RestageError(Exception):
     """Base of every error a user can cause (bad config, paths, layouts, memory)."""
@@ -35,3 +40,19 @@ class LogError(RestageError):
 
 class DiskFullError(RestageError):
     """A write ran out of space (or quota); the message names the file system and what was being written."""
+
+
+class RewardError(RestageError):
+    """A rule reward raised or returned a non-finite value and ``rewards.on_error`` is stop."""
+
+
+def hub_hint(path) -> str:
+    """For a path that does not exist: a hint when it looks like a HF hub id, else ''."""
+    text = str(path)
+    owner, _, name = text.partition("/")
+    # owner/name, where no local directory "owner" exists and the name is not a data file's
+    if _HUB_ID.match(text) and not os.path.exists(owner) and not name.endswith((".jsonl", ".json", ".parquet")):
+        return (f"; {text!r} looks like a HF hub id, but restage loads only local directories: fetch it where there "
+                f"is network (`huggingface-cli download {text} --local-dir DIR`, or for a data set "
+                f"`datasets.load_dataset({text!r}).save_to_disk(DIR)`), copy DIR here and give its path")
+    return ""

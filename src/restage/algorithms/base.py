@@ -51,7 +51,7 @@ def check_positive(params, *names: str, allow_zero: bool = False) -> None:
 def check_reward_source(cfg: ExperimentConfig) -> None:
     """A rule-based ``reward_fn`` must resolve; without one the config needs a ``reward`` model."""
     if cfg.reward_fn:
-        resolve_reward(cfg.reward_fn)
+        resolve_reward(cfg.reward_fn, cfg.rewards)
     elif "reward" not in cfg.models:
         raise ConfigError(f"{cfg.algorithm} needs a reward: set reward_fn (e.g. sort) or add models.reward")
 
@@ -64,7 +64,9 @@ class AlgoState:
         self.params = params
         self.graph = graph
         self.tokenizer = tokenizer
-        self.reward_fn = resolve_reward(cfg.reward_fn) if cfg.reward_fn else None
+        self.reward_fn = resolve_reward(cfg.reward_fn, cfg.rewards) if cfg.reward_fn else None
+        self.reward_options = cfg.rewards
+        self.sample_fields: dict = {}  # sample id -> dataset fields, for the reward (the runtime sets it)
         self.persistent = persistent
         self._step: int | None = None
         self._snapshot: dict | None = None
@@ -150,4 +152,5 @@ def default_after_generate(mfc_name: str, batch: Batch, state: AlgoState) -> Bat
         return batch
     if state.reward_fn is None or state.tokenizer is None:
         raise ValueError(f"{mfc_name} must attach {keys[2]!r} but the state has no reward function or tokenizer")
-    return batch.with_keys(seqs={keys[2]: function_rewards(batch, state.reward_fn, state.tokenizer, keys[0], keys[1])})
+    return batch.with_keys(seqs={keys[2]: function_rewards(batch, state.reward_fn, state.tokenizer, keys[0], keys[1],
+                                                           state.sample_fields, state.reward_options)})

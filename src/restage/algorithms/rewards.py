@@ -1,9 +1,12 @@
 """Rule-based rewards: Python functions over text, selected by ``reward_fn`` in the config.
 
 A reward function takes the batch's prompts and answers as decoded text and returns one float per
-answer: ``fn(prompts: list[str], answers: list[str]) -> Sequence[float]``. It runs on CPU, on
-whatever process holds the generated tokens. ``reward_fn`` names a registered reward (``sort``)
-or any importable ``module:function``.
+answer: ``fn(prompts: list[str], answers: list[str]) -> Sequence[float]`` (with ``**fields``, it also
+gets each answer's dataset fields as keyword lists), or is a per-sample reward
+(``verifiers.sample_reward``: ``fn(prompt, completion, /, **fields) -> float``, scored on a thread pool;
+``algorithms/scoring.py``). It runs on CPU, on whatever process holds the generated tokens.
+``reward_fn`` names a registered reward (``sort``; the verifiers ``math``, ``format``, ``code``, built
+from the config's ``rewards`` options) or any importable ``module:function``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from restage.algorithms.scoring import score
+from restage.config import RewardsConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
 
@@ -21,6 +26,8 @@ AccuracyFn = Callable[[list[str], list[str]], Sequence[bool]]
 _REWARDS: dict[str, RewardFn | str] = {"sort": "restage.data.tasks:reward"}
 # A task whose answers are right or wrong also names that test: evaluation reports its accuracy.
 _ACCURACY: dict[str, AccuracyFn | str] = {"sort": "restage.data.tasks:correct"}
+# Verifiers: factories that build a per-sample reward from the config's ``rewards`` options.
+_VERIFIERS = {name: f"restage.algorithms.verifiers:{name}_reward" for name in ("math", "format", "code")}
 
 
 def register_reward(name: str, fn: RewardFn | str, accuracy: AccuracyFn | str | None = None) -> None:
@@ -39,8 +46,15 @@ def resolve_accuracy(spec: str) -> AccuracyFn | None:
     return None if target is None else _resolve(target, spec)
 
 
-def resolve_reward(spec: str) -> RewardFn:
-    """The function a ``reward_fn`` value names; a one-line ConfigError when it cannot be found."""
+def reward_names() -> tuple[str, ...]:
+    return (*_REWARDS, *_VERIFIERS)
+
+
+def resolve_reward(spec: str, options: RewardsConfig | None = None) -> RewardFn:
+    """The function a ``reward_fn`` value names (a verifier built from ``options``); a one-line ConfigError
+    when it cannot be found."""
+    if spec in _VERIFIERS and spec not in _REWARDS:
+        return _resolve(_VERIFIERS[spec], spec)(options or RewardsConfig())
     return _resolve(_REWARDS.get(spec, spec), spec)
 
 
@@ -48,7 +62,8 @@ def _resolve(target, spec: str):
     if callable(target):
         return target
     if ":" not in target:
-        raise ConfigError(f"reward_fn: {spec!r} is neither a registered reward ({', '.join(_REWARDS)}) nor module:function")
+        raise ConfigError(f"reward_fn: {spec!r} is neither a registered reward ({', '.join(reward_names())}) nor "
+                          "module:function")
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -80,11 +95,18 @@ def decode(batch: Batch, tokenizer, ids_key: str = "seqs", prompt_key: str = "pr
             tokenizer.batch_decode(answers, skip_special_tokens=True))
 
 
+def seq_sample_ids(batch: Batch) -> list:
+    """The dataset id of each sequence's sample (its group's), or its index when the batch carries no ids."""
+    if not batch.ids:
+        return list(range(batch.n_seqs))
+    return [batch.ids[i // batch.group_size] for i in range(batch.n_seqs)]
+
+
 def function_rewards(batch: Batch, fn: RewardFn, tokenizer, ids_key: str = "seqs",
-                     prompt_key: str = "prompt_mask") -> torch.Tensor:
-    """``[n_seqs]`` float32 rewards of a batch of generated sequences under a reward function."""
+                     prompt_key: str = "prompt_mask", fields_of=None, options: RewardsConfig | None = None
+                     ) -> torch.Tensor:
+    """``[n_seqs]`` float32 rewards of a batch of generated sequences under a reward function; ``fields_of``
+    maps a sample id to its dataset fields (``datasets.sample_fields``), handed to the reward as keywords."""
     prompts, answers = decode(batch, tokenizer, ids_key, prompt_key)
-    values = list(fn(prompts, answers))
-    if len(values) != len(answers):
-        raise ConfigError(f"reward_fn returned {len(values)} rewards for {len(answers)} answers")
-    return torch.tensor([float(v) for v in values], dtype=torch.float32)
+    values = score(fn, prompts, answers, seq_sample_ids(batch), fields_of, options or RewardsConfig())
+    return torch.tensor(values, dtype=torch.float32)

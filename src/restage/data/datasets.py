@@ -1,31 +1,33 @@
-"""JSONL data sets in the common layouts, tokenised and collated into packed ``Batch``es.
+"""Data sets in the common layouts, tokenised and collated into packed ``Batch``es.
 
-Layouts (one JSON object per line; other fields are ignored):
+Rows come from JSONL, parquet or a HF ``datasets`` directory, with field names mapped by
+``dataset.fields`` (``data/sources.py``); the layouts, by their default field names:
 
 * ``prompt``      ``{"prompt": str}``                              -> key ``prompts``
 * ``sft``         ``{"prompt": str, "answer": str}``               -> keys ``packed_input_ids``, ``prompt_mask``
 * ``preference``  ``{"prompt": str, "chosen": str, "rejected": str}`` -> keys ``packed_pair_ids``, ``prompt_mask``
   (chosen then rejected, ``group_size`` 2)
 
-A prompt is ``[BOS] + prompt tokens``, cut from the left to ``max_prompt_tokens`` (BOS kept); an
-answer is ``answer tokens + [EOS]``, cut from the right to ``max_answer_tokens``. The last
-``round(n * eval_fraction)`` lines are the held-out split.
+A prompt is ``[BOS] + prompt tokens`` (or the chat template's ids, or pre-tokenised ids: ``data/chat.py``),
+cut from the left to ``max_prompt_tokens`` (BOS kept); an answer is ``answer tokens + [EOS]``, cut from
+the right to ``max_answer_tokens``. The held-out split is the last ``round(n * eval_fraction)`` rows, or
+the ``eval_split`` of the same directory, or the rows of ``eval_path``. A row's other fields stay with its
+example (``Example.fields``) for the reward function.
 """
 
 from __future__ import annotations
 
-import json
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch, pack_sequences
 from restage.data.tokenizer import load_tokenizer
+from restage.data.chat import answer_ids, encode_answer, encode_prompt, prompt_ids  # noqa: F401  (encoders re-exported)
+from restage.data.sources import ROLES as FIELDS
+from restage.data.sources import read_jsonl, read_rows, select_roles  # noqa: F401  (read_jsonl re-exported)
 from restage.errors import ConfigError
-
-FIELDS = {"prompt": ("prompt",), "sft": ("prompt", "answer"), "preference": ("prompt", "chosen", "rejected")}
 
 
 @dataclass(frozen=True)
@@ -35,57 +37,11 @@ class Example:
     index: int  # line number - 1
     prompt: tuple[int, ...]
     answers: tuple[tuple[int, ...], ...] = ()
-
-
-def read_jsonl(path: str | Path, fields: Sequence[str]) -> list[dict]:
-    """Rows of a JSONL file; every row must be an object with string ``fields``. Blank lines are skipped."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"data file {path} does not exist; set dataset.path (make the shipped one with "
-                          "`python -m restage.data.make`)")
-    rows = []
-    offset_bytes = 0  # of the line's start in the file
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ConfigError(f"{path}:{number}: not UTF-8 (byte {offset_bytes + err.start} of the file, "
-                                  f"0x{raw[err.start]:02x}); save the file as UTF-8") from None
-            offset_bytes += len(raw)
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ConfigError(f"{path}:{number}: not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{path}:{number}: expected a JSON object with fields {', '.join(fields)}")
-            for name in fields:
-                if name not in row:
-                    raise ConfigError(f"{path}:{number}: missing field {name!r} (this layout needs {', '.join(fields)})")
-                if not isinstance(row[name], str):
-                    raise ConfigError(f"{path}:{number}: field {name!r} must be a string, got {type(row[name]).__name__}")
-            rows.append(row)
-    if not rows:
-        raise ConfigError(f"data file {path} holds no rows")
-    return rows
-
-
-def encode_prompt(tokenizer, text: str, max_tokens: int) -> tuple[int, ...]:
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    keep = max(0, max_tokens - len(bos))
-    return tuple(bos + (ids[max(0, len(ids) - keep):] if keep else []))
-
-
-def encode_answer(tokenizer, text: str, max_tokens: int) -> tuple[int, ...]:
-    ids = list(tokenizer.encode(text, add_special_tokens=False)) + [tokenizer.eos_token_id]
-    return tuple(ids[:max_tokens])
+    fields: Mapping = field(default_factory=dict, compare=False)  # the row's other fields, for the reward
 
 
 def tokenize(rows: Sequence[dict], kind: str, tokenizer, max_prompt_tokens: int, max_answer_tokens: int,
-             first_index: int = 0) -> list[Example]:
+             first_index: int = 0, chat_template: bool = False) -> list[Example]:
     """Encode rows of one layout; refuses an empty prompt or answer with its line number."""
     if kind not in FIELDS:
         raise ConfigError(f"dataset.kind: {kind!r} must be one of {', '.join(FIELDS)}")
@@ -93,11 +49,11 @@ def tokenize(rows: Sequence[dict], kind: str, tokenizer, max_prompt_tokens: int,
         raise ConfigError("dataset.max_prompt_tokens and dataset.max_answer_tokens must be >= 1")
     out = []
     for i, row in enumerate(rows, first_index):
-        prompt = encode_prompt(tokenizer, row["prompt"], max_prompt_tokens)
+        prompt = prompt_ids(tokenizer, row["prompt"], max_prompt_tokens, chat_template)
         if not prompt:
             raise ConfigError(f"line {i + 1}: the prompt encodes to no tokens")
-        answers = tuple(encode_answer(tokenizer, row[name], max_answer_tokens) for name in FIELDS[kind][1:])
-        out.append(Example(i, prompt, answers))
+        answers = tuple(answer_ids(tokenizer, row[name], max_answer_tokens) for name in FIELDS[kind][1:])
+        out.append(Example(i, prompt, answers, row.get("fields", {})))
     return out
 
 
@@ -212,10 +168,23 @@ def load_splits(cfg: ExperimentConfig, tokenizer=None) -> tuple[Dataset, Dataset
     if not 0.0 <= ds.eval_fraction < 1.0:
         raise ConfigError(f"dataset.eval_fraction: {ds.eval_fraction} must be in [0, 1)")
     tokenizer = tokenizer or load_tokenizer(default_tokenizer_dir(cfg))
-    rows = read_jsonl(ds.path, FIELDS[ds.kind])
-    examples = tokenize(rows, ds.kind, tokenizer, ds.max_prompt_tokens, ds.max_answer_tokens)
+
+    def encode(path: str, split: str, first_index: int) -> list[Example]:
+        rows = select_roles(read_rows(path, split), ds.kind, ds.fields, path)
+        return tokenize(rows, ds.kind, tokenizer, ds.max_prompt_tokens, ds.max_answer_tokens, first_index,
+                        ds.chat_template)
+
+    examples = encode(ds.path, ds.split, 0)
+    if ds.eval_split or ds.eval_path:  # sample ids go on after the training rows': one id space
+        held_out = encode(ds.eval_path or ds.path, ds.eval_split or ds.split, len(examples))
+        return Dataset(ds.kind, tuple(examples)), Dataset(ds.kind, tuple(held_out))
     n_eval = round(len(examples) * ds.eval_fraction)
     if n_eval == len(examples):
         raise ConfigError(f"dataset.eval_fraction {ds.eval_fraction} leaves no training examples")
     cut = len(examples) - n_eval
     return Dataset(ds.kind, tuple(examples[:cut])), Dataset(ds.kind, tuple(examples[cut:]))
+
+
+def sample_fields(*splits: Dataset) -> dict[int, Mapping]:
+    """Sample id -> the row's other fields, over the splits (what a reward function receives as keywords)."""
+    return {e.index: e.fields for split in splits for e in split.examples}

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from restage.data.sources import hub_hint
 from restage.errors import ConfigError
 
 
@@ -31,17 +33,32 @@ def build_word_tokenizer(vocab: Sequence[str], out_dir: str | Path) -> Path:
     return out_dir
 
 
+# Classes that load tokenizer.json as it is. transformers 5's AutoTokenizer re-builds a checkpoint directory's
+# tokenizer as its model type's class (a qwen2 directory's as Qwen2Tokenizer: byte-level BPE), which drops the
+# words of any other tokenizer.json saved there; one saved under a generic class is loaded as that class.
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def saved_class(path: Path) -> str:
+    try:
+        return str(json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class") or "")
+    except (OSError, ValueError):
+        return ""
+
+
 def load_tokenizer(path: str | Path):
-    """``AutoTokenizer.from_pretrained(path)``, with a one-line error when the directory is missing or not a tokenizer."""
+    """``AutoTokenizer.from_pretrained(path)`` (a tokenizer saved under a generic class: that class), with a
+    one-line error when the directory is missing or not a tokenizer."""
     # lazy: transformers takes seconds to import; only here
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"tokenizer directory {path} does not exist; set dataset.tokenizer (or the model path) to a "
-                          "HF tokenizer directory")
+                          f"HF tokenizer directory{hub_hint(path)}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        generic = saved_class(path) in GENERIC_CLASSES and (path / "tokenizer.json").is_file()
+        tokenizer = (PreTrainedTokenizerFast if generic else AutoTokenizer).from_pretrained(str(path))
     except (OSError, ValueError) as err:
         raise ConfigError(f"{path} holds no loadable tokenizer ({str(err).splitlines()[0]})") from None
     if tokenizer.eos_token_id is None:

@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from restage.errors import CheckpointError
+from restage.errors import CheckpointError, hub_hint
 
 # HF architecture name -> (family, is_critic). Critic and reward models are saved as
 # XForSequenceClassification with num_labels=1, which transformers loads directly.
@@ -158,10 +158,12 @@ class ModelConfig:
         """Read ``<path>/config.json``."""
         path = Path(path)
         if not path.is_dir():
-            raise CheckpointError(f"checkpoint directory {path} does not exist; point the model's path at a HF model directory")
+            raise CheckpointError(f"checkpoint directory {path} does not exist; point the model's path at a HF model directory"
+                                  f"{hub_hint(path)}")
         config_file = path / "config.json"
         if not config_file.is_file():
-            raise CheckpointError(f"{path} has no config.json; point the model's path at a HF model directory")
+            raise CheckpointError(f"{path} has no config.json; point the model's path at a HF model directory"
+                                  f"{hub_hint(path)}")
         try:
             hf = json.loads(config_file.read_text())
         except json.JSONDecodeError as err:

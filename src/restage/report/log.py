@@ -118,6 +118,8 @@ class LogWriter:
         if self.path.suffix != ".h5":  # a run directory
             self.path = self.path / LOG_NAME
         self._pending: dict[str, list[tuple]] = {name: [] for name in TABLES}
+        # Told each step's rows once they are in the journal, and when the log closes (report/dashboards.py).
+        self.observers: list = []
         if resume_step is not None and self.path.exists():
             contents = _load(self.path)
             tables = {name: rows[rows["step"] <= resume_step] for name, rows in contents.tables.items()}
@@ -195,12 +197,15 @@ class LogWriter:
                 self._pending["steps"].pop()
                 raise ValueError(f"{name} rows of steps {stray} recorded while closing step {step}; "
                                  f"close each step before recording the next")
-        line = journal.encode({"step": step, **self._pending})
-        for rows in self._pending.values():
-            rows.clear()
+        rows = {"step": step, **{name: list(pending) for name, pending in self._pending.items()}}
+        line = journal.encode(rows)
+        for pending in self._pending.values():
+            pending.clear()
         with writing(f"the run log (step {step})", self._journal_path):
             self._journal.append(line)
         self.last_complete_step = step
+        for observer in self.observers:
+            observer.step(rows)
 
     def close(self) -> None:
         """Fold the journal into ``log.h5``, mark it cleanly closed (the run ended normally) and remove the journal."""
@@ -208,6 +213,7 @@ class LogWriter:
             return
         self._journal.close()
         self._journal = None
+        self._close_observers()
         contents = _load(self.path)
         attrs = {**self._attrs, "closed": True, "journal_id": "", "last_complete_step": contents.last_complete_step}
         with writing("the run log (folding its journal into log.h5)", self.path):
@@ -219,6 +225,12 @@ class LogWriter:
         if self._journal is not None:
             self._journal.close()
             self._journal = None
+        self._close_observers()
+
+    def _close_observers(self) -> None:
+        for observer in self.observers:
+            observer.close()
+        self.observers = []
 
     def __enter__(self) -> LogWriter:
         return self

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from restage.algorithms.rewards import decode
-from restage.config import ExperimentConfig, RunConfig
+from restage.algorithms.rewards import decode, seq_sample_ids
+from restage.algorithms.scoring import score
+from restage.config import ExperimentConfig, RewardsConfig, RunConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph
@@ -107,12 +108,15 @@ def answer_tokens(batch: Batch, mask_key: str) -> torch.Tensor:
 
 
 def rule_scores(batch: Batch, reward_fn: Callable, accuracy_fn: Callable | None, tokenizer, ids_key: str,
-                mask_key: str) -> tuple[torch.Tensor, list[bool] | None]:
-    """Rewards of generated answers under the rule reward, and which are right where the task says."""
+                mask_key: str, fields_of=None, options: RewardsConfig | None = None
+                ) -> tuple[torch.Tensor, list[bool] | None]:
+    """Rewards of generated answers under the rule reward (given each sample's dataset fields, ``fields_of``),
+    and which are right where the task says (a right-or-wrong verifier's: those scoring 1)."""
     prompts, answers = decode(batch, tokenizer, ids_key, mask_key)
-    rewards = torch.tensor([float(v) for v in reward_fn(prompts, answers)], dtype=torch.float32)
-    if len(rewards) != len(answers):
-        raise ConfigError(f"reward_fn returned {len(rewards)} rewards for {len(answers)} answers")
+    rewards = torch.tensor(score(reward_fn, prompts, answers, seq_sample_ids(batch), fields_of,
+                                 options or RewardsConfig()), dtype=torch.float32)
+    if accuracy_fn is None and getattr(reward_fn, "right_or_wrong", False):
+        return rewards, [bool(v == 1.0) for v in rewards.tolist()]
     return rewards, (None if accuracy_fn is None else [bool(v) for v in accuracy_fn(prompts, answers)])
 
 

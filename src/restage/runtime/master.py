@@ -11,6 +11,7 @@ from pathlib import Path
 
 from restage.config import ExperimentConfig
 from restage.data.datasets import Cursor
+from restage.report import dashboards
 from restage.report.log import LogWriter
 from restage.runtime.progress import Progress
 from restage.runtime.records import StepDecision, StepRecord
@@ -78,6 +79,7 @@ class Master:
                              schedule=self.schedule.to_json(), cluster=self.schedule.cluster,
                              dtype=dtypes.pop() if len(dtypes) == 1 else "", resume_step=resume_step,
                              overwrite=resume_step is None)  # `restage run` refuses to start over a run unasked
+        dashboards.attach(self.log, self.cfg, self.trial_dir, resume_step)
 
     def next_ids(self) -> list[int] | None:
         """Sample positions of the next step, or None when the run is done."""

@@ -23,7 +23,7 @@ from restage.algorithms.estimators import ema_mix_
 from restage.algorithms.rewards import resolve_accuracy
 from restage.config import ExperimentConfig, ModelSpec, config_from_dict
 from restage.data.batch import Batch
-from restage.data.datasets import default_tokenizer_dir, load_splits
+from restage.data.datasets import default_tokenizer_dir, load_splits, sample_fields
 from restage.data.tokenizer import load_tokenizer
 from restage.errors import ConfigError, LayoutError
 from restage.graph import DataflowGraph
@@ -94,6 +94,7 @@ class Worker:
         self.tokenizer = load_tokenizer(default_tokenizer_dir(cfg))
         self.state = self.algo.init_state(cfg, self.tokenizer)
         self.train_set, self.eval_set = load_splits(cfg, self.tokenizer)
+        self.state.sample_fields = sample_fields(self.train_set, self.eval_set)  # for the rewards' keywords
         self.source = self.train_set  # the split the running pass reads dataset keys from
         offloaded = frozenset(op.model for op in self.ops if op.kind == "offload")
         self.eval_plan = evaluate.plan_eval(self.graph, self.layouts, cfg, len(self.eval_set), offloaded)
@@ -295,7 +296,8 @@ class Worker:
             correct = None
             if rewards is None:
                 rewards, correct = evaluate.rule_scores(answered, self.state.reward_fn, self.accuracy_fn,
-                                                        self.tokenizer, ids_key, mask_key)
+                                                        self.tokenizer, ids_key, mask_key, self.state.sample_fields,
+                                                        self.cfg.rewards)
             for key, value in evaluate.score_sums(answered, mask_key, rewards, correct).items():
                 record.eval_sums[key] = record.eval_sums.get(key, 0.0) + value
 

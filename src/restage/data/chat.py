@@ -1,0 +1,65 @@
+"""Turning a row's prompt or answer into token ids: text, chat messages through the tokenizer's template, or ids.
+
+* text, ``dataset.chat_template`` off: ``[BOS] + tokens`` (``datasets.encode_prompt``);
+* text or a message list, ``dataset.chat_template`` on: ``tokenizer.apply_chat_template(messages,
+  add_generation_prompt=True)`` (text becomes one user message); the template owns the special tokens;
+* token ids (pre-tokenised): taken as they are.
+
+Prompts are cut from the left to ``max_tokens`` (a leading BOS kept), answers from the right, after
+an EOS is appended when the ids do not end with one.
+"""
+
+from __future__ import annotations
+
+from restage.errors import ConfigError
+
+
+def encode_prompt(tokenizer, text: str, max_tokens: int) -> tuple[int, ...]:
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    keep = max(0, max_tokens - len(bos))
+    return tuple(bos + (ids[max(0, len(ids) - keep):] if keep else []))
+
+
+def encode_answer(tokenizer, text: str, max_tokens: int) -> tuple[int, ...]:
+    ids = list(tokenizer.encode(text, add_special_tokens=False)) + [tokenizer.eos_token_id]
+    return tuple(ids[:max_tokens])
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The template's ids for ``messages`` with the assistant's generation prompt after them."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"dataset.chat_template is true but the tokenizer in {tokenizer.name_or_path} has no "
+                          "chat_template; use a checkpoint whose tokenizer_config.json has one, or set it false")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = out["input_ids"] if hasattr(out, "keys") else out  # transformers 5 returns a BatchEncoding
+    return [int(t) for t in ids]
+
+
+def prompt_ids(tokenizer, value, max_tokens: int, chat_template: bool) -> tuple[int, ...]:
+    """The prompt's ids (see module doc); ``value`` is text, a message list or a tuple of ids."""
+    if isinstance(value, tuple):
+        ids = list(value)
+    elif chat_template:
+        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": value}] if isinstance(value, str) else value)
+    elif isinstance(value, list):
+        raise ConfigError("a prompt is a list of chat messages; set dataset.chat_template=true to apply the "
+                          "tokenizer's chat template")
+    else:
+        return encode_prompt(tokenizer, value, max_tokens)
+    keep_first = bool(ids) and ids[0] == tokenizer.bos_token_id and len(ids) > max_tokens
+    head = ids[:1] if keep_first else []
+    room = max(0, max_tokens - len(head))
+    return tuple(head + (ids[max(len(head), len(ids) - room):] if room else []))
+
+
+def answer_ids(tokenizer, value, max_tokens: int) -> tuple[int, ...]:
+    """The answer's ids: text or pre-tokenised ids, then EOS, cut from the right."""
+    if isinstance(value, list):
+        raise ConfigError("an answer is a list of chat messages; give answers as text or token ids")
+    if isinstance(value, str):
+        return encode_answer(tokenizer, value, max_tokens)
+    ids = list(value)
+    if not ids or ids[-1] != tokenizer.eos_token_id:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(ids[:max_tokens])
