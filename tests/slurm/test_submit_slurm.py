@@ -17,9 +17,9 @@ from slurm_jobs import (
 
 from restage import cli
 from restage.launch.trial import read_json
-from restage.plan.schedule import read_schedule
 from restage.report.log import read_log
 from restage.runtime import checkpoint_dir
+from restage.schedule.file import read_schedule
 
 pytestmark = pytest.mark.slurm
 MFCS = {"actor_gen", "ref_inf", "critic_inf", "actor_train", "critic_train"}

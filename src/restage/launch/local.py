@@ -55,7 +55,8 @@ def prepare(cfg: ExperimentConfig) -> None:
 
 def plan_trial(cfg: ExperimentConfig, trial_dir: Path) -> Path:
     from restage.plan.planner import make_plan
-    from restage.plan.schedule import build_schedule, write_schedule
+    from restage.plan.schedule import build_schedule
+    from restage.schedule.file import write_schedule
 
     outcome = make_plan(cfg, with_baselines=False)
     return write_schedule(build_schedule(cfg, outcome), trial_dir / "schedule.json")
@@ -120,7 +121,7 @@ def _run(args: argparse.Namespace, cfg: ExperimentConfig, overrides: list[str]) 
         print(f"restage: start-up: planning (plan.mode={cfg.plan.mode})", flush=True)
         schedule = plan_trial(cfg, trial_dir)
         print(f"restage: start-up: planned in {time.monotonic() - began:.1f} s: {schedule}", flush=True)
-    from restage.plan.schedule import read_schedule
+    from restage.schedule.file import read_schedule
 
     world = read_schedule(schedule).world_size
     if world != nprocs:
@@ -133,7 +134,7 @@ def _with_config(path: Path, cfg: ExperimentConfig) -> Path:
     not change the plan differ (resume.SAFE_ON_RESUME)."""
     import dataclasses
 
-    from restage.plan.schedule import read_schedule, write_schedule
+    from restage.schedule.file import read_schedule, write_schedule
 
     schedule = read_schedule(path)
     if schedule.config != cfg.to_dict():
@@ -155,8 +156,8 @@ def launch(schedule: Path, trial_dir: Path, nprocs: int, resume: bool = False) -
     """Start the ranks; return 0 (or 128 + the signal that stopped them), or raise LaunchError with the failed
     rank's one line."""
     from restage.launch import watchdog
-    from restage.plan.schedule import read_schedule
     from restage.runtime.failure import clear_failures, describe_failure
+    from restage.schedule.file import read_schedule
 
     clear_failures(trial_dir)
     watchdog.clear_heartbeats(trial_dir)

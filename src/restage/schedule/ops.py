@@ -1,0 +1,154 @@
+"""The steps of an iteration, one frozen dataclass per kind, and their JSON (the schedule's ``steps``).
+
+Every op names the ``ranks`` that take part; a rank performs the ops it is part of, in list
+order (``program.py``). Consumers dispatch with ``match`` over the classes and end in
+``typing.assert_never``, so a kind added to ``Op`` is flagged wherever it must be handled;
+``op_to_json`` / ``op_from_json`` are the one place an op's JSON is written and read. Each class's
+``kind`` is the string the schedule file stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, assert_never
+
+from restage.errors import ConfigError
+from restage.layout import Layout
+
+
+@dataclass(frozen=True)
+class Run:
+    """Run MFC ``mfc`` (of ``model``) on ``layout``."""
+
+    kind: ClassVar[str] = "run"
+    ranks: tuple[int, ...]
+    mfc: str
+    model: str
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class Realloc:
+    """Copy ``model``'s parameters from its home ``src`` into layout ``dst`` (a copy the ranks of ``dst`` hold)."""
+
+    kind: ClassVar[str] = "realloc"
+    ranks: tuple[int, ...]
+    model: str
+    src: Layout
+    dst: Layout
+
+
+@dataclass(frozen=True)
+class SendKey:
+    """Send data key ``key`` of ``producer``'s output from ``producer``'s layout ``src`` to MFC ``mfc`` in ``dst``."""
+
+    kind: ClassVar[str] = "transfer"
+    ranks: tuple[int, ...]
+    mfc: str
+    key: str
+    producer: str
+    src: Layout
+    dst: Layout
+
+
+@dataclass(frozen=True)
+class Free:
+    """Drop ``model``'s copy in ``layout`` (it goes stale, or is not needed again this iteration)."""
+
+    kind: ClassVar[str] = "free"
+    ranks: tuple[int, ...]
+    model: str
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Move frozen ``model``'s home shard (in ``layout``) to host memory until its next MFC."""
+
+    kind: ClassVar[str] = "offload"
+    ranks: tuple[int, ...]
+    model: str
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class Reload:
+    """Bring offloaded ``model``'s home shard (in ``layout``) back to the device."""
+
+    kind: ClassVar[str] = "reload"
+    ranks: tuple[int, ...]
+    model: str
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class Ema:
+    """After train MFC ``mfc``: its trained model, reallocated from its home ``src`` into ``model``'s home ``dst``,
+    is mixed into ``model`` (``model <- (1 - eta) model + eta trained``)."""
+
+    kind: ClassVar[str] = "ema"
+    ranks: tuple[int, ...]
+    mfc: str
+    model: str
+    src: Layout
+    dst: Layout
+
+
+Op = Run | Realloc | SendKey | Free | Offload | Reload | Ema
+
+# Ops whose ranks wait for their peers (a collective or point-to-point exchange), bounded at run time.
+WITH_PEERS: tuple[type, ...] = (Realloc, SendKey, Ema)
+
+
+def op_to_json(op: Op) -> dict[str, Any]:
+    """The op as the schedule file stores it: ``kind``, ``ranks`` and its fields (layouts as JSON).
+
+    The single-layout kinds store their layout as ``dst``, as schedule format 1 always has."""
+    out: dict[str, Any] = {"kind": op.kind, "ranks": list(op.ranks)}
+    match op:
+        case Run(mfc=mfc, model=model, layout=layout):
+            out |= {"mfc": mfc, "model": model, "dst": layout.to_json()}
+        case Realloc(model=model, src=src, dst=dst):
+            out |= {"model": model, "src": src.to_json(), "dst": dst.to_json()}
+        case SendKey(mfc=mfc, key=key, producer=producer, src=src, dst=dst):
+            out |= {"mfc": mfc, "key": key, "producer": producer, "src": src.to_json(), "dst": dst.to_json()}
+        case Free(model=model, layout=layout) | Offload(model=model, layout=layout) | Reload(model=model, layout=layout):
+            out |= {"model": model, "dst": layout.to_json()}
+        case Ema(mfc=mfc, model=model, src=src, dst=dst):
+            out |= {"mfc": mfc, "model": model, "src": src.to_json(), "dst": dst.to_json()}
+        case _:
+            assert_never(op)
+    return out
+
+
+_KINDS: dict[str, type] = {cls.kind: cls for cls in (Run, Realloc, SendKey, Free, Offload, Reload, Ema)}
+
+
+def op_from_json(data: dict[str, Any]) -> Op:
+    """The op ``op_to_json`` wrote; ConfigError (one line) for a kind this version does not know."""
+    cls = _KINDS.get(data.get("kind", ""))
+    if cls is None:
+        raise ConfigError(f"schedule step of unknown kind {data.get('kind')!r}; run `restage plan` again with this "
+                          "version of restage")
+    ranks = tuple(data["ranks"])
+    if cls is Run:
+        return Run(ranks, data["mfc"], data["model"], Layout.from_json(data["dst"]))
+    if cls is Realloc:
+        return Realloc(ranks, data["model"], Layout.from_json(data["src"]), Layout.from_json(data["dst"]))
+    if cls is SendKey:
+        return SendKey(ranks, data["mfc"], data["key"], data["producer"], Layout.from_json(data["src"]),
+                       Layout.from_json(data["dst"]))
+    if cls is Ema:
+        return Ema(ranks, data["mfc"], data["model"], Layout.from_json(data["src"]), Layout.from_json(data["dst"]))
+    return cls(ranks, data["model"], Layout.from_json(data["dst"]))  # Free, Offload, Reload
+
+
+def op_subject(op: Op) -> str:
+    """What an op serves, for names and messages: the MFC of a run, transfer or EMA, else the model."""
+    match op:
+        case Run(mfc=name) | SendKey(mfc=name) | Ema(mfc=name):
+            return name
+        case Realloc(model=name) | Free(model=name) | Offload(model=name) | Reload(model=name):
+            return name
+        case _:
+            assert_never(op)
