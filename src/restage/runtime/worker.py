@@ -135,7 +135,7 @@ class Worker:
             resume = ""
         beat.doing("start-up: reading the tokenizer and data set, measuring the clock offset to rank 0")
         worker = cls(control, cfg, schedule, trial_dir, resume, beat)
-        prepare_run_ops(control.comm, cfg.models.values(), doing=beat.doing)  # before any engine loads a compiled op
+        prepare_run_ops(control.comm, schedule.models.values(), doing=beat.doing)  # before any engine loads a compiled op
         beat.reached("compiled ops ready")
         beat.doing("start-up: creating process groups (with every rank)", waiting=True)
         worker._create_groups()
