@@ -1,10 +1,12 @@
 """The schedule's op kinds: one JSON form per kind, read back equal; an unknown kind refused in one line."""
 
+from typing import get_args
+
 import pytest
 
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
-from restage.schedule.ops import Ema, Free, Offload, Realloc, Reload, Run, SendKey, op_from_json, op_subject, op_to_json
+from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey, op_from_json, op_subject, op_to_json
 
 A, B = Layout.contiguous(0, Strategy(dp=2)), Layout.contiguous(2, Strategy(tp=2))
 OPS = [Run((0, 1), "actor_gen", "actor", A), Realloc((0, 1, 2, 3), "actor", B, A),
@@ -20,6 +22,7 @@ def test_every_kind_reads_back_equal_from_its_json(op):
 
 
 def test_json_keys_are_schedule_format_1():
+    assert {type(op) for op in OPS} == set(get_args(Op))  # every kind is checked here
     keys = {op.kind: sorted(op_to_json(op)) for op in OPS}
     assert keys == {"run": ["dst", "kind", "mfc", "model", "ranks"],
                     "realloc": ["dst", "kind", "model", "ranks", "src"],

@@ -36,12 +36,12 @@ def build_schedule(cfg, outcome, exact: bool = True) -> Schedule:
         mfcs.append(MFCEntry(replace(mfc, micro_batches=cand.micro_batches), cand.layout, predicted))
     steps = []
     for i, op in enumerate(plan_ops(problem, plan)):
-        predicted = None
-        if not isinstance(op, Free):
+        timed = None
+        if not isinstance(op, Free):  # a free takes no time: the timeline has no span for it
             span = spans[op_name(op, i)]
-            predicted = {"seconds": span.end_seconds - span.start_seconds, "start_seconds": span.start_seconds,
-                         "end_seconds": span.end_seconds}
-        steps.append(Step(op, predicted, _moved_bytes(problem, op)))
+            timed = {"seconds": span.end_seconds - span.start_seconds, "start_seconds": span.start_seconds,
+                     "end_seconds": span.end_seconds}
+        steps.append(Step(op, timed, _moved_bytes(problem, op)))
     flops = problem.iteration_flops()
     predicted = {"iteration_seconds": ev.iteration_seconds, "samples_per_iteration": problem.samples_per_iteration,
                  "samples_per_second": problem.samples_per_iteration / ev.iteration_seconds,

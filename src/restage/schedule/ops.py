@@ -3,14 +3,15 @@
 Every op names the ``ranks`` that take part; a rank performs the ops it is part of, in list
 order (``program.py``). Consumers dispatch with ``match`` over the classes and end in
 ``typing.assert_never``, so a kind added to ``Op`` is flagged wherever it must be handled;
-``op_to_json`` / ``op_from_json`` are the one place an op's JSON is written and read. Each class's
-``kind`` is the string the schedule file stores.
+``op_to_json`` / ``op_from_json`` are the one place an op's JSON is written and read, from the
+dataclass fields (``ranks`` first), so a new kind needs no JSON code. Each class's ``kind`` is the
+string the schedule file stores.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar, assert_never
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, assert_never, get_args
 
 from restage.errors import ConfigError
 from restage.layout import Layout
@@ -100,28 +101,20 @@ Op = Run | Realloc | SendKey | Free | Offload | Reload | Ema
 WITH_PEERS: tuple[type, ...] = (Realloc, SendKey, Ema)
 
 
-def op_to_json(op: Op) -> dict[str, Any]:
-    """The op as the schedule file stores it: ``kind``, ``ranks`` and its fields (layouts as JSON).
+# The single-layout kinds store their layout under "dst", as schedule format 1 always has.
+_JSON_KEY = {"layout": "dst"}
 
-    The single-layout kinds store their layout as ``dst``, as schedule format 1 always has."""
+
+def op_to_json(op: Op) -> dict[str, Any]:
+    """The op as the schedule file stores it: ``kind``, ``ranks``, then its fields in order (layouts as JSON)."""
     out: dict[str, Any] = {"kind": op.kind, "ranks": list(op.ranks)}
-    match op:
-        case Run(mfc=mfc, model=model, layout=layout):
-            out |= {"mfc": mfc, "model": model, "dst": layout.to_json()}
-        case Realloc(model=model, src=src, dst=dst):
-            out |= {"model": model, "src": src.to_json(), "dst": dst.to_json()}
-        case SendKey(mfc=mfc, key=key, producer=producer, src=src, dst=dst):
-            out |= {"mfc": mfc, "key": key, "producer": producer, "src": src.to_json(), "dst": dst.to_json()}
-        case Free(model=model, layout=layout) | Offload(model=model, layout=layout) | Reload(model=model, layout=layout):
-            out |= {"model": model, "dst": layout.to_json()}
-        case Ema(mfc=mfc, model=model, src=src, dst=dst):
-            out |= {"mfc": mfc, "model": model, "src": src.to_json(), "dst": dst.to_json()}
-        case _:
-            assert_never(op)
+    for f in fields(op)[1:]:
+        value = getattr(op, f.name)
+        out[_JSON_KEY.get(f.name, f.name)] = value.to_json() if isinstance(value, Layout) else value
     return out
 
 
-_KINDS: dict[str, type] = {cls.kind: cls for cls in (Run, Realloc, SendKey, Free, Offload, Reload, Ema)}
+_KINDS: dict[str, type] = {cls.kind: cls for cls in get_args(Op)}
 
 
 def op_from_json(data: dict[str, Any]) -> Op:
@@ -130,17 +123,11 @@ def op_from_json(data: dict[str, Any]) -> Op:
     if cls is None:
         raise ConfigError(f"schedule step of unknown kind {data.get('kind')!r}; run `restage plan` again with this "
                           "version of restage")
-    ranks = tuple(data["ranks"])
-    if cls is Run:
-        return Run(ranks, data["mfc"], data["model"], Layout.from_json(data["dst"]))
-    if cls is Realloc:
-        return Realloc(ranks, data["model"], Layout.from_json(data["src"]), Layout.from_json(data["dst"]))
-    if cls is SendKey:
-        return SendKey(ranks, data["mfc"], data["key"], data["producer"], Layout.from_json(data["src"]),
-                       Layout.from_json(data["dst"]))
-    if cls is Ema:
-        return Ema(ranks, data["mfc"], data["model"], Layout.from_json(data["src"]), Layout.from_json(data["dst"]))
-    return cls(ranks, data["model"], Layout.from_json(data["dst"]))  # Free, Offload, Reload
+    values: dict[str, Any] = {"ranks": tuple(data["ranks"])}
+    for f in fields(cls)[1:]:
+        value = data[_JSON_KEY.get(f.name, f.name)]
+        values[f.name] = Layout.from_json(value) if f.type == "Layout" else value
+    return cls(**values)
 
 
 def op_subject(op: Op) -> str:
