@@ -38,6 +38,7 @@ import yaml
 
 from restage.config import config_from_dict, load_config
 from restage.plan.estimator import OVERHEADS, overhead_counts
+from restage.schedule.ops import Realloc, SendKey
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "jobs" / "ppo_tiny.yaml"
@@ -265,8 +266,8 @@ def _move_prediction(problem, plan, move: dict) -> float:
     from restage.plan.simulator import plan_program
 
     for op, seconds in plan_program(problem, plan):
-        if op.kind == move["kind"] and str(op.src) == move["src"] and str(op.dst) == move["dst"] and \
-                move["name"] in (op.key, op.model):
+        if isinstance(op, Realloc | SendKey) and op.kind == move["kind"] and str(op.src) == move["src"] \
+                and str(op.dst) == move["dst"] and move["name"] == (op.model if isinstance(op, Realloc) else op.key):
             return seconds
     return 0.0
 

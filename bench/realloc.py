@@ -47,8 +47,8 @@ from restage.layout import Layout, ProcessGroups, Strategy
 from restage.models.config import ModelConfig
 from restage.models.sharding import param_specs, shard_specs
 from restage.runtime.realloc import SLOTS, Workspace, execute_reallocation, groups_for
-from restage.runtime.realloc_plan import ReallocPlan, plan_reallocation, schedule_transfers
 from restage.runtime.spawn import spawn
+from restage.schedule.realloc_plan import ReallocPlan, plan_reallocation, schedule_messages
 
 WORLD_SIZE = 4
 
@@ -115,7 +115,7 @@ def _raw(plan: ReallocPlan, groups: ProcessGroups, buffers: dict) -> None:
 def _copy_work(plan: ReallocPlan, bucket_bytes: int, rank: int, share: bool) -> list[tuple[bool, tuple]]:
     """The copies restage must make on ``rank``: (is local, what) for each local piece and each message it packs or unpacks."""
     out = [(True, (p,)) for p in plan.local_pieces if p.src_rank == rank and not (share and p.whole)]
-    for t in schedule_transfers(plan, bucket_bytes // SLOTS):
+    for t in schedule_messages(plan, bucket_bytes // SLOTS):
         if (rank == t.src_rank or rank in t.dst_ranks) and not t.in_place_for(rank):
             out.append((False, (rank == t.src_rank, t.pieces)))
     return out

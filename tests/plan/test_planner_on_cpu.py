@@ -7,8 +7,9 @@ from restage.cli import main as restage_main
 from restage.errors import ConfigError, PlanError
 from restage.layout import Layout, Strategy
 from restage.plan.planner import build_problem, check_fits, make_plan, parse_manual_layout
-from restage.plan.schedule import SCHEDULE_FORMAT_VERSION, build_schedule, read_schedule, write_schedule
-from restage.runtime.program import Op
+from restage.plan.schedule import build_schedule
+from restage.schedule.file import SCHEDULE_FORMAT_VERSION, read_schedule, write_schedule
+from restage.schedule.ops import Op
 
 
 def tiny_ppo(**extra):

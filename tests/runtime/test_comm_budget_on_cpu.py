@@ -11,7 +11,8 @@ from restage.config import load_config
 from restage.plan.planner import make_plan
 from restage.plan.schedule import build_schedule
 from restage.runtime.comm_budget import communicator_bound, pipeline_pairs, run_groups, singleton_ranks
-from restage.runtime.realloc_plan import plan_reallocation, realloc_groups
+from restage.schedule.ops import Realloc
+from restage.schedule.realloc_plan import plan_reallocation, realloc_groups
 
 # The layouts a search found for this job (manual here, so the test is fast and fixed): every MFC its own.
 LAYOUTS_128 = {"actor_gen": "dp16tp8", "reward_inf": "dp128", "ref_inf": "dp32tp4", "critic_inf": "dp2tp4pp16",
@@ -27,8 +28,7 @@ def schedule_128(tmp_path_factory):
 
 def test_at_128_gpus_the_groups_are_the_layouts_groups_plus_one_per_reallocation(schedule_128):
     bound = communicator_bound(schedule_128)
-    layouts = {str(e["name"]): L(tuple(e["layout"]["mesh"]), e["layout"]["dp"], e["layout"]["tp"], e["layout"]["pp"])
-               for e in schedule_128.mfcs}
+    layouts = {e.mfc.name: e.layout for e in schedule_128.mfcs}
     per_layout = len({tuple(sorted(g)) for layout in layouts.values() for g in layout.all_groups()})
     reallocs = sum(1 for op in schedule_128.ops() if op.kind in ("realloc", "ema"))
     multi = [g for g in bound.groups if len(g) > 1]
@@ -49,14 +49,14 @@ def test_at_128_gpus_the_groups_are_the_layouts_groups_plus_one_per_reallocation
 def test_a_reallocation_needs_one_group_whatever_its_receivers():
     plan = plan_reallocation(tiny(), L(range(4), tp=4), L(range(2, 8), dp=2, tp=3), bytes_per_element=2)
     assert realloc_groups(plan) == [tuple(range(8))]
-    op = SimpleNamespace(kind="realloc", src=plan.src, dst=plan.dst)
+    op = Realloc(plan.ranks, "actor", plan.src, plan.dst)
     assert run_groups([plan.src, plan.dst], [op]) == sorted(
         {tuple(sorted(g)) for layout in (plan.src, plan.dst) for g in layout.all_groups()} | {tuple(range(8))})
 
 
 def test_single_rank_groups_only_for_trainable_models_with_a_degree_of_one():
     def model(layout, trainable):
-        return {"trainable": trainable, "home_layout": layout.to_json()}
+        return SimpleNamespace(trainable=trainable, home_layout=layout)
 
     schedule = SimpleNamespace(models={"actor": model(L(range(4), dp=2, tp=2), True),   # dp 2, tp 2: none
                                        "critic": model(L(range(4, 8), dp=4), True),      # tp = 1: needs them

@@ -11,6 +11,7 @@ from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
 from restage.runtime import evaluate
 from restage.runtime.evaluate import eval_due, eval_passes, pass_ops, plan_eval
+from restage.schedule.ops import SendKey, op_subject
 
 
 def _cfg(**run):
@@ -43,7 +44,7 @@ def test_the_program_generates_where_the_actor_generates_scores_with_the_reward_
     plan = plan_eval(graph, layouts, cfg, n_prompts=20, offload_idle=frozenset({"reward"}))
     assert (plan.generate.name, plan.reward.name) == ("actor_gen", "reward_inf")
     assert [len(p) for p in plan.passes] == [8, 8, 4]
-    kinds = [(op.kind, op.key or op.mfc or op.model) for op in plan.ops]
+    kinds = [(op.kind, op.key if isinstance(op, SendKey) else op_subject(op)) for op in plan.ops]
     assert kinds == [("realloc", "actor"), ("run", "actor_gen"), ("free", "actor"), ("reload", "reward"),
                      ("transfer", "seqs"), ("transfer", "prompt_mask"), ("run", "reward_inf"), ("offload", "reward")]
     first, middle, last = (pass_ops(plan, i) for i in range(3))

@@ -8,7 +8,8 @@ from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
-from restage.runtime.program import build_program, check_ema_architectures, model_homes
+from restage.schedule.ops import op_subject
+from restage.schedule.program import build_program, check_ema_architectures, model_homes
 
 
 def ppo_graph(**algo):
@@ -27,7 +28,7 @@ def test_actor_generates_elsewhere_and_its_copy_is_freed_after_use():
                "critic_train": Layout.contiguous(0, Strategy(dp=2))}
     assert model_homes(graph, layouts)["actor"] == train
     ops = build_program(graph, layouts, offload_idle=frozenset({"ref"}))
-    kinds = [(op.kind, op.mfc or op.model) for op in ops]
+    kinds = [(op.kind, op_subject(op)) for op in ops]
     assert kinds[:3] == [("realloc", "actor"), ("run", "actor_gen"), ("free", "actor")]
     assert ("reload", "ref") in kinds and kinds.index(("reload", "ref")) < kinds.index(("run", "ref_inf"))
     assert kinds.index(("offload", "ref")) == kinds.index(("run", "ref_inf")) + 1
@@ -64,15 +65,15 @@ def ema_graph(*after: MFC) -> DataflowGraph:
 def test_reference_ema_mixes_after_the_actor_step_and_frees_stale_reference_copies():
     graph = ema_graph()
     ops = build_program(graph, {"gen": TRAIN, "ref_a": REF_HOME, "ref_b": OTHER, "train": TRAIN})
-    kinds = [(op.kind, op.mfc or op.model) for op in ops]
+    kinds = [(op.kind, op_subject(op)) for op in ops]
     assert kinds.index(("ema", "train")) == kinds.index(("run", "train")) + 1
     (op,) = [op for op in ops if op.kind == "ema"]
     assert (op.model, op.src, op.dst, op.ranks) == ("ref", TRAIN, REF_HOME, (0, 1, 2, 3))
     # The EMA makes the reference's copy in ref_b's layout stale: it is freed after ref_b, remade next iteration.
-    assert [o.kind for o in ops if o.model == "ref" and o.kind != "run"] == ["realloc", "free", "ema"]
+    assert [o.kind for o in ops if o.kind not in ("run", "transfer") and o.model == "ref"] == ["realloc", "free", "ema"]
     without = DataflowGraph(tuple(replace(m, options={}) for m in graph))
     assert [o.kind for o in build_program(without, {"gen": TRAIN, "ref_a": REF_HOME, "ref_b": OTHER, "train": TRAIN})
-            if o.model == "ref" and o.kind != "run"] == ["realloc"]  # a frozen reference keeps its copy
+            if o.kind not in ("run", "transfer") and o.model == "ref"] == ["realloc"]  # a frozen reference keeps its copy
 
 
 def test_reference_ema_needs_the_actors_architecture():
@@ -89,7 +90,7 @@ def test_a_copy_made_before_a_model_changes_is_made_again_for_a_later_mfc():
     graph = ema_graph(MFC("gen_after", "generate", "actor", ("prompts",), ("seqs2",), 8, 4, 4, 1),
                       MFC("ref_after", "inference", "ref", ("seqs2",), ("c",), 8, 4, 4, 1))
     layouts = {"gen": OTHER, "ref_a": REF_HOME, "ref_b": OTHER, "train": TRAIN, "gen_after": OTHER, "ref_after": OTHER}
-    walk = [(o.kind, o.mfc or o.model) for o in build_program(graph, layouts) if o.kind != "transfer"]
+    walk = [(o.kind, op_subject(o)) for o in build_program(graph, layouts) if o.kind != "transfer"]
     # The actor's and the reference's copies in OTHER made before the step (and its EMA) hold old
     # weights: the MFCs after it get fresh copies, each freed after its last use.
     assert walk == [

@@ -8,8 +8,8 @@ from realloc_cases import L, reference_state, shard_of, tiny
 
 from restage.layout import ProcessGroups
 from restage.runtime.realloc import execute_reallocation, groups_for
-from restage.runtime.realloc_plan import plan_reallocation
 from restage.runtime.spawn import spawn
+from restage.schedule.realloc_plan import plan_reallocation
 
 pytestmark = pytest.mark.multirank
 

@@ -14,9 +14,9 @@ from restage.data.batch import concat, contiguous_parts
 from restage.errors import LayoutError
 from restage.layout import ProcessGroups
 from restage.runtime.realloc import SLOTS, Workspace, execute_reallocation, groups_for
-from restage.runtime.realloc_plan import plan_reallocation, schedule_transfers
 from restage.runtime.spawn import spawn
 from restage.runtime.transfer import GlooChannel, execute_transfer, plan_transfer
+from restage.schedule.realloc_plan import plan_reallocation, schedule_messages
 
 pytestmark = pytest.mark.multirank
 
@@ -82,7 +82,7 @@ def _check(pairs, results, world_size) -> Counter:
         bucket_bytes, direct_min_bytes = _sizes(i)
         for direction, (x, y) in enumerate(((a, b), (b, a))):
             plan = plan_reallocation(cfg, x, y, bytes_per_element=bpe, node_of=node_of_3, world_size=world_size)
-            kinds.update((t.send_in_place, t.receive_in_place) for t in schedule_transfers(
+            kinds.update((t.send_in_place, t.receive_in_place) for t in schedule_messages(
                 plan, bucket_bytes // SLOTS, direct_min_bytes))
             received, sent = Counter(), Counter()
             for rank, per_rank in enumerate(results):

@@ -10,7 +10,7 @@ from realloc_cases import PAIRS_8, L, node_of_3, reference_state, shard_of, tiny
 
 from restage.errors import LayoutError, PlanError
 from restage.models.sharding import param_specs, shard_specs
-from restage.runtime.realloc_plan import SLOTS, plan_reallocation, realloc_groups, schedule_rounds, schedule_transfers
+from restage.schedule.realloc_plan import SLOTS, plan_reallocation, realloc_groups, schedule_messages, schedule_rounds
 
 
 def _view(t: torch.Tensor, dim: int, rng: tuple[int, int]) -> torch.Tensor:
@@ -134,7 +134,7 @@ def test_ranks_outside_the_world_are_refused_in_one_line():
 def test_transfers_fit_the_bucket_and_cover_each_piece(bucket_bytes, direct_min_bytes, by_unit):
     cfg = tiny("gpt2")
     plan = plan_reallocation(cfg, L(range(4), tp=4), L(range(2, 8), dp=2, tp=3), bytes_per_element=4)
-    transfers = schedule_transfers(plan, bucket_bytes, direct_min_bytes, by_unit=by_unit)
+    transfers = schedule_messages(plan, bucket_bytes, direct_min_bytes, by_unit=by_unit)
     covered = defaultdict(int)
     for t in transfers:
         # A side is in place only for one piece contiguous on that side; a bucket packs both sides.
@@ -146,21 +146,21 @@ def test_transfers_fit_the_bucket_and_cover_each_piece(bucket_bytes, direct_min_
         if t.packed:
             assert t.numel * 4 <= bucket_bytes
         for p in t.pieces:
-            assert (p.src_rank, p.dst_ranks, p.unit if by_unit else 0) == (t.src_rank, t.dst_ranks, t.stage)
+            assert (p.src_rank, p.dst_ranks, p.unit if by_unit else 0) == (t.src_rank, t.dst_ranks, t.unit)
             covered[(p.name, p.src_rank, p.dst_ranks)] += p.numel
     expected = defaultdict(int)
     for p in plan.pieces:
         expected[(p.name, p.src_rank, p.dst_ranks)] += p.numel
     assert covered == expected
     # Stage by stage; inside a stage the in-place transfers come before the buckets.
-    assert [(t.stage, t.packed) for t in transfers] == sorted((t.stage, t.packed) for t in transfers)
+    assert [(t.unit, t.packed) for t in transfers] == sorted((t.unit, t.packed) for t in transfers)
     buckets = [t for t in transfers if not (t.send_in_place or t.receive_in_place)]
     channels = {(t.src_rank, t.dst_ranks) for t in buckets}
     if not by_unit:  # buckets span units: at most one partly filled bucket per channel
         assert len(buckets) <= len(channels) + sum(t.numel for t in buckets) * 4 // bucket_bytes
     assert realloc_groups(plan) == [tuple(range(8))]  # one group, src | dst, whatever the receivers
     with pytest.raises(PlanError, match="exceeds the bucket"):
-        schedule_transfers(plan, 64, 1 << 30)
+        schedule_messages(plan, 64, 1 << 30)
 
 
 @pytest.mark.parametrize("bucket_bytes", [4096, 16384, 1 << 20])
@@ -168,14 +168,14 @@ def test_rounds_keep_the_global_order_stay_in_a_stage_and_fill_at_most_half_a_bu
     """Every rank cuts its batches where every other does (else two batches could wait on each other)."""
     plan = plan_reallocation(tiny("gpt2"), L(range(4), tp=4), L(range(2, 8), dp=2, tp=3), bytes_per_element=4)
     rounds = schedule_rounds(plan, bucket_bytes, 2048)
-    assert [t for r in rounds for t in r.transfers] == list(schedule_transfers(plan, bucket_bytes // SLOTS, 2048))
+    assert [t for r in rounds for t in r.messages] == list(schedule_messages(plan, bucket_bytes // SLOTS, 2048))
     for r in rounds:
-        assert {t.stage for t in r.transfers} == {r.stage}
-        assert len({t.packed for t in r.transfers}) == 1  # in place on both sides, or not: never mixed
+        assert {t.unit for t in r.messages} == {r.unit}
+        assert len({t.packed for t in r.messages}) == 1  # in place on both sides, or not: never mixed
         assert all(r.packed_numel(rank) * 4 <= bucket_bytes // 2 for rank in range(8))
     # Rounds are as few as the rule allows: each new one starts a stage or would have overflowed someone's half.
     for before, after in zip(rounds, rounds[1:]):
-        t = after.transfers[0]
+        t = after.messages[0]
         packers = [x for x in (t.src_rank, *t.dst_ranks) if not t.in_place_for(x)]
-        assert before.stage != after.stage or before.transfers[-1].packed != t.packed or any(
+        assert before.unit != after.unit or before.messages[-1].packed != t.packed or any(
             (before.packed_numel(x) + t.numel) * 4 > bucket_bytes // 2 for x in packers)

@@ -10,8 +10,8 @@ from restage.config import ModelSpec, OptimConfig
 from restage.layout import ProcessGroups
 from restage.models.sharding import shard_specs
 from restage.runtime.realloc import execute_reallocation, groups_for
-from restage.runtime.realloc_plan import plan_reallocation
 from restage.runtime.spawn import spawn
+from restage.schedule.realloc_plan import plan_reallocation
 
 pytestmark = pytest.mark.multirank
 

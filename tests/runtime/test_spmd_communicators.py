@@ -7,8 +7,8 @@ import pytest
 from runs import ROOT, restage_run
 from test_spmd_layouts import COMMON, FOUR
 
-from restage.plan.schedule import read_schedule
 from restage.runtime.comm_budget import communicator_bound
+from restage.schedule.file import read_schedule
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e]
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from runs import hf_weights, last_checkpoint, restage_run
 
-from restage.plan.schedule import read_schedule
+from restage.schedule.file import read_schedule
 
 pytestmark = pytest.mark.e2e
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from runs import hf_weights, restage_run, tiny_assets
 
-from restage.plan.schedule import read_schedule
 from restage.report.log import read_log
+from restage.schedule.file import read_schedule
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e]
 

@@ -12,9 +12,10 @@ from restage.plan.comm import links_seconds
 from restage.plan.transfer import exact_realloc
 from restage.runtime import comm_budget
 from restage.runtime.dataflow import DataFlow, OutputMeta
-from restage.runtime.realloc_plan import plan_reallocation
+from restage.schedule.realloc_plan import plan_reallocation
 from restage.runtime.transfer import KeySpec
 from restage.runtime.worker import Worker
+from restage.schedule.realloc_plan import plan_reallocation
 
 # Two "nodes" of two ranks: ranks 0, 1 on node 0 and ranks 2, 3 on node 1.
 CLUSTER = load_cluster("h100-80gb", nodes=2, devices_per_node=2)
@@ -22,7 +23,7 @@ CLUSTER = load_cluster("h100-80gb", nodes=2, devices_per_node=2)
 
 def _schedule(per_node: int = 2):
     cfg = tiny()
-    return SimpleNamespace(models={"actor": {"arch": cfg.to_json(), "dtype": "fp32"}},
+    return SimpleNamespace(models={"actor": SimpleNamespace(arch=cfg, dtype="fp32")},
                            cluster={"devices_per_node": per_node})
 
 

@@ -17,9 +17,9 @@ from slurm_jobs import (
 
 from restage import cli
 from restage.launch.trial import read_json
-from restage.plan.schedule import read_schedule
 from restage.report.log import read_log
 from restage.runtime import checkpoint_dir
+from restage.schedule.file import read_schedule
 
 pytestmark = pytest.mark.slurm
 MFCS = {"actor_gen", "ref_inf", "critic_inf", "actor_train", "critic_train"}
@@ -30,7 +30,7 @@ def test_real_ppo_job_runs_every_rank_to_completion_with_a_complete_log(referenc
     trial = reference_run.trial_dir
     schedule = read_schedule(trial / "schedule.json")  # planned inside the job, for its two ranks
     assert schedule.world_size == REAL_RANKS
-    assert {m["name"]: (m["layout"]["dp"], m["layout"]["tp"]) for m in schedule.mfcs}["actor_train"] == (1, 2)
+    assert {m.mfc.name: (m.layout.strategy.dp, m.layout.strategy.tp) for m in schedule.mfcs}["actor_train"] == (1, 2)
     log = read_log(trial / "log.h5")
     assert (log.closed, log.world_size, log.last_complete_step, log.resumed_at_steps) == (
         True, REAL_RANKS, REFERENCE_STEPS, [])

@@ -9,8 +9,8 @@ from slurm_jobs import REAL_RANKS, REPO, failure_report, real_overrides, wait_fi
 
 from restage import cli
 from restage.launch.trial import read_json
-from restage.plan.schedule import read_schedule
 from restage.report.log import read_log
+from restage.schedule.file import read_schedule
 
 pytestmark = pytest.mark.slurm
 

@@ -70,7 +70,7 @@ def forward_outputs(params_class: type[PolicyParams], mfc_name: str, cfg: Experi
 def train_options(cfg) -> dict:
     """MFC options of the actor's train step: the reference EMA weight and the model it updates, when on.
 
-    The runtime (``runtime.program``'s ``ema`` op) applies it after each train step.
+    The runtime (``schedule.program``'s ``ema`` op) applies it after each train step.
     """
     eta = float(cfg.algo.get("ref_ema_eta", 0.0))
     return {"ref_ema_eta": eta, "ref_ema_model": "ref"} if eta > 0 else {}

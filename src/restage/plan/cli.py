@@ -10,7 +10,9 @@ from restage.cluster import load_cluster
 from restage.config import load_config
 from restage.plan.baselines import BASELINES, LABELS
 from restage.plan.planner import GIB, PlanOutcome, make_plan
-from restage.plan.schedule import Schedule, build_schedule, write_schedule
+from restage.plan.schedule import build_schedule
+from restage.schedule.file import Schedule, write_schedule
+from restage.schedule.ops import Realloc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,8 +50,8 @@ def summary(schedule: Schedule, outcome: PlanOutcome) -> dict:
     return {"experiment": schedule.experiment, "cluster": schedule.cluster["name"], "world_size": schedule.world_size,
             "mode": outcome.mode, "iteration_seconds": p["iteration_seconds"], "samples_per_second": p["samples_per_second"],
             "pflops_per_second": p["pflops_per_second"], "estimator": p["estimator"],
-            "mfcs": [{"name": m["name"], "layout": m["layout"], "micro_batches": m["micro_batches"], **m["predicted"]}
-                     for m in schedule.mfcs],
+            "mfcs": [{"name": m.mfc.name, "layout": m.layout.to_json(), "micro_batches": m.mfc.micro_batches,
+                      **m.predicted} for m in schedule.mfcs],
             "baselines": {name: (None if ev is None else {"iteration_seconds": ev.iteration_seconds,
                                                           "speedup": ev.iteration_seconds / p["iteration_seconds"]})
                           for name, ev in outcome.baselines.items()}}
@@ -61,16 +63,16 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
              f"estimator {', '.join(p['estimator'])}",
              f"{'MFC':<20} {'mesh':<10} {'dp':>3} {'tp':>3} {'pp':>3} {'mb':>4} {'seconds':>9} {'start':>8} {'peak GiB':>9}"]
     for m in schedule.mfcs:
-        mesh, pr = m["layout"]["mesh"], m["predicted"]
+        mesh, s, pr = list(m.layout.mesh), m.layout.strategy, m.predicted
         ranks = f"{mesh[0]}-{mesh[-1]}" if mesh == list(range(mesh[0], mesh[-1] + 1)) else ",".join(map(str, mesh))
-        lines.append(f"{m['name']:<20} {ranks:<10} {m['layout']['dp']:>3} {m['layout']['tp']:>3} {m['layout']['pp']:>3} "
-                     f"{m['micro_batches']:>4} {pr['seconds']:>9.3f} {pr['start_seconds']:>8.3f} "
+        lines.append(f"{m.mfc.name:<20} {ranks:<10} {s.dp:>3} {s.tp:>3} {s.pp:>3} "
+                     f"{m.mfc.micro_batches:>4} {pr['seconds']:>9.3f} {pr['start_seconds']:>8.3f} "
                      f"{pr['peak_memory_bytes'] / GIB:>9.2f}")
     for step in schedule.steps:
-        if step["kind"] == "realloc":
-            dst = step["dst"]
-            lines.append(f"  realloc {step['model']} to [{dst['mesh'][0]}-{dst['mesh'][-1]}]dp{dst['dp']}tp{dst['tp']}"
-                         f"pp{dst['pp']}: {step['bytes'] / GIB:.2f} GiB moved, {step['predicted']['seconds']:.3f} s")
+        if isinstance(step.op, Realloc) and step.bytes is not None and step.predicted is not None:
+            dst, d = step.op.dst, step.op.dst.strategy
+            lines.append(f"  realloc {step.op.model} to [{dst.mesh[0]}-{dst.mesh[-1]}]dp{d.dp}tp{d.tp}"
+                         f"pp{d.pp}: {step.bytes / GIB:.2f} GiB moved, {step.predicted['seconds']:.3f} s")
     lines.append(f"iteration {p['iteration_seconds']:.3f} s, {p['samples_per_second']:.2f} samples/s, "
                  f"{p['pflops_per_second']:.3f} PFLOP/s, peak {p['peak_memory_bytes'] / GIB:.1f} of "
                  f"{p['usable_memory_bytes'] / GIB:.1f} GiB")

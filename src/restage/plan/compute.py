@@ -12,12 +12,9 @@ bytes at the achievable memory bandwidth, plus a fixed per-block overhead (kerne
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from functools import lru_cache
-
 from restage.cluster import ClusterSpec
 from restage.models.config import ModelConfig
+from restage.models.flops import attended_tokens, block_shape
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Bytes an AdamW step moves per parameter: read param/master, grad, m, v; write master, m, v
@@ -26,40 +23,6 @@ ADAM_BYTES_PER_PARAM = {"fp32": 28, "bf16": 34, "fp16": 34}
 # Elementwise traffic of one block per token, in hidden-size elements (norms, residuals, rotary,
 # activation function), read and written.
 _ELEMENTWISE_HIDDEN_PER_TOKEN = 12
-
-
-@dataclass(frozen=True)
-class BlockShape:
-    """Per-block sizes of a decoder that the cost models need, for one TP degree."""
-
-    hidden: int
-    q_out: int
-    kv_out: int
-    inter: int
-    vocab: int
-    head_out: int  # vocab for an LM head, 1 for a scalar head
-    gated: bool  # SwiGLU (three MLP matrices) or plain MLP (two)
-
-    @property
-    def matmul_params(self) -> int:
-        """Weight elements of the block's matrices (norms and biases are negligible)."""
-        attn = self.hidden * (2 * self.q_out + 2 * self.kv_out)
-        return attn + (3 if self.gated else 2) * self.hidden * self.inter
-
-
-@lru_cache(maxsize=512)
-def block_shape(cfg: ModelConfig, tp: int = 1) -> BlockShape:
-    """Shapes of one TP shard (heads, MLP width and vocabulary divided by ``tp``)."""
-    hd = cfg.head_dim
-    return BlockShape(hidden=cfg.hidden_size, q_out=cfg.num_heads * hd // tp, kv_out=cfg.num_kv_heads * hd // tp,
-                      inter=math.ceil(cfg.intermediate_size / tp), vocab=math.ceil(cfg.vocab_size / tp),
-                      head_out=1 if cfg.is_critic else math.ceil(cfg.vocab_size / tp), gated=cfg.family != "gpt2")
-
-
-def attended_tokens(seq: int, window: int | None) -> float:
-    """Average keys a query attends to in a causal sequence of ``seq`` tokens."""
-    full = (seq + 1) / 2
-    return min(full, window) if window else full
 
 
 class RooflineCompute:

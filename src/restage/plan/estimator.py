@@ -23,9 +23,10 @@ from restage.cluster import ClusterSpec
 from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.config import ModelConfig
+from restage.models.flops import block_shape
 from restage.models.sharding import shard_bytes, stage_layers, validate_strategy
 from restage.plan.comm import allgather_seconds, allreduce_seconds, broadcast_seconds, p2p_seconds, reduce_scatter_seconds
-from restage.plan.compute import DTYPE_BYTES, ProfiledCompute, RooflineCompute, block_shape
+from restage.plan.compute import DTYPE_BYTES, ProfiledCompute, RooflineCompute
 from restage.plan.profile import find_profile
 
 # Bytes per parameter of mixed-precision AdamW state: fp32 master copy, m and v. Plain fp32

@@ -1,22 +1,13 @@
 """Model FLOPs of an MFC: the useful work, whatever the layout (recomputation is not counted).
 
-Per token a forward costs 2 FLOPs per matrix parameter (blocks and head) plus causal
-attention, 4 * attended keys * query width per block; a training pass is three forwards.
+A forward's FLOPs are ``models.flops.forward_flops``; a training pass is three forwards.
 """
 
 from __future__ import annotations
 
 from restage.graph import MFC
 from restage.models.config import ModelConfig
-from restage.plan.compute import attended_tokens, block_shape
-
-
-def forward_flops(cfg: ModelConfig, tokens: float, attended: float, head_tokens: float | None = None) -> float:
-    """FLOPs of a forward over ``tokens`` tokens attending to ``attended`` keys each on average."""
-    s = block_shape(cfg, 1)
-    head_tokens = tokens if head_tokens is None else head_tokens
-    per_block = 2 * tokens * s.matmul_params + 4 * tokens * attended * s.q_out
-    return cfg.num_layers * per_block + 2 * head_tokens * s.hidden * s.head_out
+from restage.models.flops import attended_tokens, forward_flops
 
 
 def mfc_flops(mfc: MFC, cfg: ModelConfig) -> float:

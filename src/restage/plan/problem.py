@@ -25,7 +25,7 @@ from restage.layout import Layout, Strategy
 from restage.models.sharding import layout_problem
 from restage.plan.estimator import Estimate, Estimator, ModelRole, dp_size_ok, sequences_per_rank
 from restage.plan.transfer import ReallocCost, data_transfer_seconds, exact_realloc, fast_realloc
-from restage.runtime.program import check_ema_architectures
+from restage.schedule.program import check_ema_architectures
 
 KEEP_PER_SIZE = 6  # fastest (strategy, micro-batches) options kept per mesh size and MFC
 MAX_MICRO_BATCH_DOUBLINGS = 5

@@ -8,7 +8,7 @@ dependencies follow from that: a transfer involves its producer's ranks (so it w
 producer), the consumer's ranks (so the consumer waits for it), and a reallocation involves its
 model's home ranks (so it reads the parameters between train steps, never during one).
 
-``plan_ops`` holds the ops of the runtime's program (``runtime.program.build_program``) for the
+``plan_ops`` holds the ops of the runtime's program (``schedule.program.build_program``) for the
 plan's layouts, reordered so that MFCs on disjoint meshes can overlap. In the runtime's own
 order a transfer sits right before its consumer and blocks its producer's ranks until the
 consumer's turn comes (a rank busy with an unrelated MFC then holds everyone up). Here the ops
@@ -27,9 +27,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import assert_never
 
 from restage.plan.transfer import key_bytes, zero3_gather_seconds
-from restage.runtime.program import Op, build_program
+from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey, op_subject
+from restage.schedule.program import build_program
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class Task:
     ranks: tuple[int, ...]
     seconds: float
     after: tuple[tuple[str, float], ...] = ()
-    kind: str = "run"  # an Op kind: run, realloc, transfer, free, offload, reload
+    kind: str = "run"  # the ``kind`` of the op it times (restage.schedule.ops)
 
 
 @dataclass(frozen=True)
@@ -87,16 +89,16 @@ def plan_layouts(problem, plan) -> dict:
     return {m.name: c.layout for m, c in zip(problem.mfcs, plan)}
 
 
-_KIND_ORDER = {"transfer": 0, "reload": 1, "realloc": 2, "run": 3, "ema": 4}
-
-
 def plan_ops(problem, plan) -> list[Op]:
     """The runtime's ops for ``plan``, ordered by a relaxed timeline (see the module docstring)."""
     return [op for op, _ in plan_program(problem, plan)]
 
 
 def plan_program(problem, plan) -> list[tuple[Op, float]]:
-    """(op, predicted seconds) in the order of ``plan_ops``."""
+    """(op, predicted seconds) in the order of ``plan_ops``.
+
+    Sort keys: (relaxed start, rank of the kind at one start, list index); a transfer's start is
+    placed once its consumer's ranks are known to be free, a free or offload goes right after the op before it."""
     offload = frozenset(name for name, role in problem.roles.items() if role.offload_when_idle and not role.trainable)
     ops = build_program(problem.graph, plan_layouts(problem, plan), offload_idle=offload)
     free: dict[int, float] = {}
@@ -105,28 +107,42 @@ def plan_program(problem, plan) -> list[tuple[Op, float]]:
     ranks_free: dict[str, float] = {}  # MFC -> when the ranks of its first op (realloc or run) are free
     keys: list = []
     seconds = [op_seconds(problem, plan, op) for op in ops]
-    for i, op in enumerate(ops):
-        if op.kind == "transfer":
-            arrived[op.mfc] = max(arrived.get(op.mfc, 0.0), run_end[op.producer] + seconds[i])
-            keys.append(None)  # placed below, once its consumer's ranks are known to be free
-            continue
-        if op.kind in ("free", "offload"):
-            keys.append(keys[-1][:2] + (i,) if keys and keys[-1] else (0.0, 9, i))  # right after the op before it
-            continue
+
+    def start_at(i: int, op: Op, consumer: str, order: int, run: str = "") -> None:
         start = max((free.get(r, 0.0) for r in op.ranks), default=0.0)
-        consumer = op.mfc or next((o.mfc for o in ops[i:] if o.kind == "run" and o.model == op.model), "")
         ranks_free.setdefault(consumer, start)
-        if op.kind == "run":
-            start = max(start, arrived.get(op.mfc, 0.0))
+        if run:
+            start = max(start, arrived.get(run, 0.0))
         end = start + seconds[i]
         for r in op.ranks:
             free[r] = end
-        if op.kind == "run":
-            run_end[op.mfc] = end
-        keys.append((start, _KIND_ORDER[op.kind], i))
+        if run:
+            run_end[run] = end
+        keys.append((start, order, i))
+
+    def next_run(i: int, model: str) -> str:
+        return next((o.mfc for o in ops[i:] if isinstance(o, Run) and o.model == model), "")
+
     for i, op in enumerate(ops):
-        if op.kind == "transfer":  # when both its producer has finished and its consumer's ranks are free
-            keys[i] = (max(run_end[op.producer], ranks_free.get(op.mfc, 0.0)), _KIND_ORDER["transfer"], i)
+        match op:
+            case SendKey():
+                arrived[op.mfc] = max(arrived.get(op.mfc, 0.0), run_end[op.producer] + seconds[i])
+                keys.append(None)  # placed below, once its consumer's ranks are known to be free
+            case Free() | Offload():
+                keys.append(keys[-1][:2] + (i,) if keys and keys[-1] else (0.0, 9, i))  # right after the op before it
+            case Reload():
+                start_at(i, op, next_run(i, op.model), 1)
+            case Realloc():
+                start_at(i, op, next_run(i, op.model), 2)
+            case Run():
+                start_at(i, op, op.mfc, 3, run=op.mfc)
+            case Ema():
+                start_at(i, op, op.mfc, 4)
+            case _:
+                assert_never(op)
+    for i, op in enumerate(ops):
+        if isinstance(op, SendKey):  # when both its producer has finished and its consumer's ranks are free
+            keys[i] = (max(run_end[op.producer], ranks_free.get(op.mfc, 0.0)), 0, i)
     order = sorted(range(len(ops)), key=lambda i: keys[i])
     return [(ops[i], seconds[i]) for i in order]
 
@@ -142,39 +158,45 @@ def copy_seconds(problem, src, dst, model: str) -> float:
 
 def op_seconds(problem, plan, op: Op) -> float:
     """Predicted seconds of one op."""
-    if op.kind == "run":
-        mfc = problem.graph[op.mfc]
-        seconds = plan[problem.index[op.mfc]].seconds
-        if zero3_in_place(problem, plan, mfc):
-            role = problem.role(mfc)
-            seconds += zero3_gather_seconds(role.arch, op.dst, role.bytes_per_element, problem.cluster)
-        return seconds
-    if op.kind == "realloc":
-        return copy_seconds(problem, op.src, op.dst, op.model) + problem.cluster.realloc_overhead_seconds
-    if op.kind == "ema":  # the trained model reallocated into the reference's home (mixing in is one pass over it)
-        return copy_seconds(problem, op.src, op.dst, problem.graph[op.mfc].model) + problem.cluster.realloc_overhead_seconds
-    if op.kind == "transfer":
-        if op.src == op.dst:
+    match op:
+        case Run():
+            mfc = problem.graph[op.mfc]
+            seconds = plan[problem.index[op.mfc]].seconds
+            if zero3_in_place(problem, plan, mfc):
+                role = problem.role(mfc)
+                seconds += zero3_gather_seconds(role.arch, op.layout, role.bytes_per_element, problem.cluster)
+            return seconds
+        case Realloc():
+            return copy_seconds(problem, op.src, op.dst, op.model) + problem.cluster.realloc_overhead_seconds
+        case Ema():  # the trained model reallocated into the reference's home (mixing in is one pass over it)
+            return (copy_seconds(problem, op.src, op.dst, problem.graph[op.mfc].model)
+                    + problem.cluster.realloc_overhead_seconds)
+        case SendKey():
+            if op.src == op.dst:
+                return 0.0
+            return (problem.data_transfer(op.src, op.dst, key_bytes(problem.graph[op.mfc], op.key))
+                    + problem.cluster.transfer_overhead_seconds)
+        case Offload() | Reload():
+            cand = plan[problem.index[problem.home[op.model]]]
+            return cand.estimate.param_bytes / problem.cluster.host_bandwidth_bytes_per_second
+        case Free():
             return 0.0
-        return (problem.data_transfer(op.src, op.dst, key_bytes(problem.graph[op.mfc], op.key))
-                + problem.cluster.transfer_overhead_seconds)
-    if op.kind in ("offload", "reload"):
-        cand = plan[problem.index[problem.home[op.model]]]
-        return cand.estimate.param_bytes / problem.cluster.host_bandwidth_bytes_per_second
-    return 0.0  # free
+        case _:
+            assert_never(op)
 
 
 def op_name(op: Op, index: int) -> str:
-    if op.kind == "run":
+    """The op's span name in the timeline: an MFC's name for a run, else kind, what it serves, and key or index."""
+    if isinstance(op, Run):
         return op.mfc
-    what = op.mfc or op.model
-    return f"{op.kind}:{what}:{op.key}" if op.key else f"{op.kind}:{what}:{index}"
+    what = op_subject(op)
+    return f"{op.kind}:{what}:{op.key}" if isinstance(op, SendKey) else f"{op.kind}:{what}:{index}"
 
 
 def plan_tasks(problem, plan) -> list[Task]:
     """One task per op of one iteration (dependencies are the ranks each op shares with earlier ones)."""
     return [Task(op_name(op, i), op.ranks, seconds, (), op.kind)
-            for i, (op, seconds) in enumerate(plan_program(problem, plan)) if op.kind != "free"]
+            for i, (op, seconds) in enumerate(plan_program(problem, plan)) if not isinstance(op, Free)]
 
 
 def needs_copy(problem, plan, mfc) -> bool:

@@ -1,7 +1,7 @@
 """Bytes and seconds of parameter reallocation and of data transfer between MFCs.
 
 Reallocation has two implementations that count the same bytes: ``exact_realloc`` runs the
-runtime's planner (``runtime/realloc_plan.py``, which decides who sends which piece), and
+runtime's planner (``schedule/realloc_plan.py``, which decides who sends which piece), and
 ``fast_realloc`` does the same arithmetic per (stage, TP chunk) instead of per parameter, fast
 enough for the search's inner loop. The search uses the fast one; the schedule's reallocation
 steps carry the exact planner's bytes and the seconds computed from them.
@@ -19,6 +19,7 @@ from restage.layout import Layout
 from restage.models.config import ModelConfig
 from restage.models.sharding import param_specs, split_range, stage_layers
 from restage.plan.comm import links_seconds
+from restage.schedule.realloc_plan import contiguous_chunks, plan_reallocation
 
 # Bytes per token (or per sequence) of the keys MFCs hand each other; unknown keys count 4 per token.
 KEY_BYTES_PER_TOKEN = {"seqs": 8, "greedy_seqs": 8, "prompt_mask": 1, "greedy_prompt_mask": 1, "logprobs": 4,
@@ -32,13 +33,11 @@ class ReallocCost:
 
     total_bytes: int
     seconds: float
-    method: str  # "planner" (runtime/realloc_plan.py) or "fast"
+    method: str  # "planner" (schedule/realloc_plan.py) or "fast"
 
 
 def exact_realloc(cfg: ModelConfig, src: Layout, dst: Layout, bytes_per_element: int, cluster: ClusterSpec) -> ReallocCost:
     """Bytes from the runtime's reallocation planner; seconds from its pieces over the cluster's links."""
-    from restage.runtime.realloc_plan import plan_reallocation
-
     plan = plan_reallocation(cfg, src, dst, bytes_per_element=bytes_per_element, node_of=cluster.node_of)
     sends = [(p.src_rank, p.dst_ranks, p.numel * bytes_per_element) for p in plan.pieces]
     return ReallocCost(plan.total_bytes, links_seconds(cluster, sends), "planner")
@@ -118,7 +117,7 @@ def _fast_realloc(cfg: ModelConfig, src: Layout, dst: Layout, bytes_per_element:
                 for node, group in sorted(by_node.items()):
                     near = [h for h in holders if cluster.node_of(h) == node]
                     senders = sorted(near or holders, key=lambda h: (load[h], h))
-                    chunks = _chunks(group, min(len(senders), len(group))) if near else [group]
+                    chunks = contiguous_chunks(group, min(len(senders), len(group))) if near else [group]
                     for sender, chunk in zip(senders, chunks):
                         load[sender] += nbytes * len(chunk)
                         key = (sender, p1, t1, p2, t2, node)
@@ -127,16 +126,6 @@ def _fast_realloc(cfg: ModelConfig, src: Layout, dst: Layout, bytes_per_element:
     sends = [(key[0], receivers, sizes[key]) for key, receivers in groups.items()]
     total = sum(sizes[key] * len(receivers) for key, receivers in groups.items())
     return ReallocCost(total, links_seconds(cluster, sends), "fast")
-
-
-def _chunks(items: list[int], parts: int) -> list[list[int]]:
-    q, r = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        stop = start + q + (1 if i < r else 0)
-        out.append(items[start:stop])
-        start = stop
-    return out
 
 
 def zero3_gather_seconds(cfg: ModelConfig, layout: Layout, bytes_per_element: int, cluster: ClusterSpec) -> float:

@@ -16,10 +16,15 @@ import functools
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import assert_never
 
+from restage.config import config_from_dict
 from restage.errors import ConfigError
 from restage.layout import Layout
 from restage.models.config import ModelConfig
+from restage.schedule.file import Schedule
+from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
+from restage.schedule.realloc_plan import plan_reallocation
 
 
 def ranks_per_node(schedule) -> int:
@@ -48,9 +53,9 @@ def is_critic(name: str, spec, cfg: ModelConfig) -> bool:
     return cfg.is_critic or spec.init_critic_from_lm or name in ("critic", "reward")
 
 
-def realloc_model_config(schedule, experiment, name: str) -> ModelConfig:
+def realloc_model_config(schedule: Schedule, experiment, name: str) -> ModelConfig:
     """The architecture a model's parameters are reallocated in (with its value head where it has one)."""
-    cfg = ModelConfig.from_json(schedule.models[name]["arch"])
+    cfg = schedule.models[name].arch
     if is_critic(name, experiment.models[name], cfg) and not cfg.is_critic:
         cfg = cfg.as_critic()
     return cfg
@@ -61,14 +66,25 @@ def realloc_ranks(src: Layout, dst: Layout) -> tuple[int, ...]:
     return tuple(sorted(set(src.mesh) | set(dst.mesh)))
 
 
-def run_groups(layouts: Iterable[Layout], ops) -> list[tuple[int, ...]]:
+def parameter_move(op: Op) -> Realloc | Ema | None:
+    """``op`` if it reallocates parameters (a reallocation, or the one inside an EMA), else None."""
+    match op:
+        case Realloc() | Ema():
+            return op
+        case Run() | SendKey() | Free() | Offload() | Reload():
+            return None
+        case _:
+            assert_never(op)
+
+
+def run_groups(layouts: Iterable[Layout], ops: Iterable[Op]) -> list[tuple[int, ...]]:
     """Every multi-rank group a run creates, sorted: each layout's groups, then one per reallocation or EMA op."""
     wanted: set[tuple[int, ...]] = set()
     for layout in set(layouts):
         wanted |= {tuple(sorted(g)) for g in layout.all_groups()}
     for op in ops:
-        if op.kind in ("realloc", "ema"):
-            ranks = realloc_ranks(op.src, op.dst)
+        if (move := parameter_move(op)) is not None:
+            ranks = realloc_ranks(move.src, move.dst)
             if len(ranks) > 1:
                 wanted.add(ranks)
     return sorted(wanted)
@@ -79,9 +95,9 @@ def singleton_ranks(schedule) -> list[int]:
     the engine's barrier group) of a trainable model, which is one rank wherever that degree is 1."""
     out: set[int] = set()
     for info in schedule.models.values():
-        if not info["trainable"]:
+        if not info.trainable:
             continue
-        layout = Layout.from_json(info["home_layout"])
+        layout = info.home_layout
         s = layout.strategy
         if s.dp == 1 or s.tp == 1 or layout.size == 1:
             out |= set(layout.mesh)
@@ -128,14 +144,11 @@ class CommunicatorBound:
                 f"{lone} single-rank), {self.max_pairs} point-to-point rank pairs")
 
 
-def communicator_bound(schedule, realloc_plan: Callable | None = None) -> CommunicatorBound:
+def communicator_bound(schedule: Schedule, realloc_plan: Callable | None = None) -> CommunicatorBound:
     """The bound for a schedule. ``realloc_plan(model, src, dst)`` gives a ReallocPlan (the runtime passes its
     cached planner); by default plans are made here with the schedule's node placement."""
-    from restage.config import config_from_dict
-    from restage.runtime.realloc_plan import plan_reallocation
-
     ops = schedule.ops()
-    layouts = [Layout.from_json(entry["layout"]) for entry in schedule.mfcs]
+    layouts = [entry.layout for entry in schedule.mfcs]
     if realloc_plan is None:
         experiment = config_from_dict(schedule.config)
         node_of = block_node_of(ranks_per_node(schedule))
@@ -143,14 +156,13 @@ def communicator_bound(schedule, realloc_plan: Callable | None = None) -> Commun
 
         def realloc_plan(model: str, src: Layout, dst: Layout):
             return plan_reallocation(realloc_model_config(schedule, experiment, model), src, dst,
-                                     bytes_per_element=dtypes[schedule.models[model]["dtype"]], node_of=node_of)
+                                     bytes_per_element=dtypes[schedule.models[model].dtype], node_of=node_of)
 
-    mfcs = {entry["name"]: entry for entry in schedule.mfcs}
     pairs = pipeline_pairs(layouts)
     for op in ops:
-        if op.kind in ("realloc", "ema"):
-            model = op.model if op.kind == "realloc" else mfcs[op.mfc]["model"]
-            plan = realloc_plan(model, op.src, op.dst)
+        if (move := parameter_move(op)) is not None:
+            model = move.model if isinstance(move, Realloc) else schedule.mfc(move.mfc).model  # an EMA moves the trained one
+            plan = realloc_plan(model, move.src, move.dst)
             pairs |= {tuple(sorted(link)) for link in plan.bytes_by_link}
     groups = tuple(run_groups(layouts, ops)) + tuple((r,) for r in singleton_ranks(schedule))
     return CommunicatorBound(groups, frozenset(pairs))

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import assert_never
 
 from restage.data.batch import Batch
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout
 from restage.models.config import ModelConfig
-from restage.plan.compute import attended_tokens
-from restage.plan.flops import forward_flops
+from restage.models.flops import attended_tokens, forward_flops
 from restage.runtime.control import allgather, bcast
 from restage.runtime.transfer import (
     BatchMeta,
@@ -34,6 +34,7 @@ from restage.runtime.transfer import (
     execute_transfer,
     plan_transfer,
 )
+from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class DataFlow:
         self.ids: list[int] = []
 
     # -- start-up -------------------------------------------------------------------------------------
-    def create_comms(self, ops, comm) -> None:
+    def create_comms(self, ops: list[Op], comm) -> None:
         """MPI sub-communicators for the metadata and payloads of each transfer, split from ``comm`` in op order.
 
         ``Split`` is collective over all of ``comm`` (a rank outside a transfer passes MPI_UNDEFINED), once per
@@ -85,7 +86,14 @@ class DataFlow:
 
         split: set[tuple[int, ...]] = set()
         for op in ops:
-            if op.kind != "transfer" or op.ranks in split:
+            match op:
+                case SendKey():
+                    pass
+                case Run() | Realloc() | Free() | Offload() | Reload() | Ema():  # no MPI communicator of their own
+                    continue
+                case _:
+                    assert_never(op)
+            if op.ranks in split:
                 continue
             split.add(op.ranks)
             member = self.rank in op.ranks
@@ -104,7 +112,7 @@ class DataFlow:
         parts = contiguous_assignment(self._dataset_tokens, self.layouts[mfc.name].strategy.dp)
         return [self.ids[i] for i in parts[dp_rank]]
 
-    def _gather_meta(self, op, mine: Batch | None) -> OutputMeta:
+    def _gather_meta(self, op: SendKey, mine: Batch | None) -> OutputMeta:
         # Cached per (producer, op ranks): every member of one transfer communicator must take
         # part in its allgather, even a rank that learnt the producer's layout in an earlier op.
         cache_key = (op.producer, op.ranks)
@@ -128,7 +136,7 @@ class DataFlow:
         self.meta[cache_key] = meta
         return meta
 
-    def _assignment(self, op):
+    def _assignment(self, op: SendKey):
         """How the consumer cuts the global order: as the output holding its first input (its token ids) is cut.
 
         Keys from another producer (ReMax's greedy baseline rewards) come with that producer's
@@ -147,14 +155,14 @@ class DataFlow:
             parts = contiguous_assignment(tokens, op.dst.strategy.dp)
         return bcast(self._comms[op.ranks], parts, root=op.ranks.index(root))
 
-    def plan(self, op, meta: OutputMeta, assignment) -> TransferPlan:
+    def plan(self, op: SendKey, meta: OutputMeta, assignment) -> TransferPlan:
         """The plan of one transfer op (one key), senders chosen on the receivers' node (the run's ``node_of``)."""
         n_samples = len(meta.seqlens) // meta.group_size
         batch = BatchMeta(meta.ids or tuple(range(n_samples)), meta.seqlens, meta.group_size, (meta.key(op.key),),
                           meta.parts)
         return plan_transfer(batch, op.src, op.dst, assignment=assignment, node_of=self.node_of)
 
-    def execute(self, op, mine: Batch | None) -> tuple[Batch | None, int]:
+    def execute(self, op: SendKey, mine: Batch | None) -> tuple[Batch | None, int]:
         """Move ``op.key`` of the producer's output to the consumer's DP ranks; returns (received, bytes sent)."""
         meta = self._gather_meta(op, mine)
         if op.ranks == (self.rank,) and op.src == op.dst:

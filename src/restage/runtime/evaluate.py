@@ -1,7 +1,7 @@
 """Evaluation during training (``run.eval_every``): the held-out prompts answered greedily and scored.
 
 After every ``eval_every``-th step and after the last (steps count from 1), every rank walks an
-evaluation program (``program.build_eval_program``) before the step's records go to the master:
+evaluation program (``schedule.program.build_eval_program``) before the step's records go to the master:
 the actor's generate MFC, in its generation layout, answers each held-out prompt
 (``dataset.eval_fraction``) greedily, and the run's reward scores the answers: the rule reward
 (``reward_fn``) on the generating ranks, or the reward model's inference MFC where the iteration
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import assert_never
 
 import torch
 
@@ -34,7 +35,8 @@ from restage.data.batch import Batch
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout
-from restage.runtime.program import Op, build_eval_program
+from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
+from restage.schedule.program import build_eval_program
 
 
 @dataclass(frozen=True)
@@ -95,9 +97,20 @@ def plan_eval(graph: DataflowGraph, layouts: dict[str, Layout], cfg: ExperimentC
 def pass_ops(plan: EvalPlan, index: int) -> list[Op]:
     """The ops of pass ``index``: copies are made (realloc, reload) in the first pass only and dropped (free,
     offload) after the last only. Every rank of such an op skips it alike, so collectives still match."""
-    last = len(plan.passes) - 1
-    return [op for op in plan.ops
-            if not (index > 0 and op.kind in ("realloc", "reload")) and not (index < last and op.kind in ("free", "offload"))]
+    first, last = index == 0, index == len(plan.passes) - 1
+    return [op for op in plan.ops if _in_pass(op, first, last)]
+
+
+def _in_pass(op: Op, first: bool, last: bool) -> bool:
+    match op:
+        case Realloc() | Reload():
+            return first
+        case Free() | Offload():
+            return last
+        case Run() | SendKey() | Ema():
+            return True
+        case _:
+            assert_never(op)
 
 
 def answer_tokens(batch: Batch, mask_key: str) -> torch.Tensor:

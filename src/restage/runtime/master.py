@@ -66,7 +66,7 @@ class Master:
     def __init__(self, control, cfg: ExperimentConfig, schedule, trial_dir: Path, train_set, resume: bool):
         self.cfg, self.trial_dir, self.schedule = cfg, trial_dir, schedule
         self.cursor = Cursor(len(train_set), seed=cfg.seed, shuffle=cfg.dataset.shuffle)
-        self.first_mfc = schedule.mfcs[0]["name"]
+        self.first_mfc = schedule.mfcs[0].mfc.name
         self.step = 0
         self.progress = Progress(cfg.run.steps)
         self.resume = resume

@@ -58,7 +58,7 @@ class TrainSpec(Protocol):
 
 
 def needed_ops(specs: Iterable[TrainSpec], accelerator: str = "cuda") -> list[str]:
-    """The compiled DeepSpeed ops the trainable models of a config need (``ModelSpec`` values).
+    """The compiled DeepSpeed ops the trainable models need (``ModelSpec`` or schedule ``ModelEntry`` values).
 
     On DeepSpeed's cpu accelerator every engine's communication backend also loads its
     shared-memory all-reduce op (``deepspeed_shm_comm``) when it starts.

@@ -42,12 +42,12 @@ from restage.errors import LayoutError
 from restage.layout import ProcessGroups
 from restage.models.sharding import shard_specs
 from restage.runtime.nccl_rules import same_device
-from restage.runtime.realloc_plan import (
+from restage.schedule.realloc_plan import (
     SLOTS,
+    Message,
     Piece,
     ReallocPlan,
     Round,
-    Transfer,
     check_layouts,
     realloc_groups,
     schedule_rounds,
@@ -191,8 +191,8 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
     # Unit by unit on every rank, even where no source is ZeRO-3: the order must not depend on
     # anything a rank knows alone (costs a few more, smaller buckets; measured within noise).
     rounds = [r for r in schedule_rounds(plan, bucket_bytes, direct_min_bytes)
-              if any(t.src_rank == me or me in t.dst_ranks for t in r.transfers)]
-    transfers = [t for r in rounds for t in r.transfers if t.src_rank == me or me in t.dst_ranks]
+              if any(t.src_rank == me or me in t.dst_ranks for t in r.messages)]
+    transfers = [t for r in rounds for t in r.messages if t.src_rank == me or me in t.dst_ranks]
     local = [p for p in plan.local_pieces if p.src_rank == me]
     group = _check_inputs(plan, me, src, transfers, local, groups, dtype)
     zero3 = any(_is_zero3(t) for t in src.values())
@@ -224,14 +224,14 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
 
     tally = _Tally()
     batches = _Batches(buffer, me, src, dst, group, tally)
-    stages = sorted({r.stage for r in rounds} | {p.unit for p in local} | set(needs))
-    for stage in stages:
-        gather = needs.get(stage, ())
+    units = sorted({r.unit for r in rounds} | {p.unit for p in local} | set(needs))
+    for unit in units:
+        gather = needs.get(unit, ())
         with _gathered(src, gather, meter, bpe):
             # Local copies are made while this rank waits for its messages (see _Batches).
-            batches.local.extend(p for p in local if p.unit == stage)
+            batches.local.extend(p for p in local if p.unit == unit)
             for r in rounds:
-                if r.stage == stage:
+                if r.unit == unit:
                     batches.post(r)
             if gather:  # a gathered unit is released at the end of the block: finish everything reading it
                 batches.drain()
@@ -355,7 +355,7 @@ class _Batches:
     def __init__(self, buffer: torch.Tensor | None, me: int, src: dict, dst: dict, group, tally: _Tally):
         self.buffer = buffer
         # In flight, oldest first: (works, payloads to unpack, (start, stop) of its room or None).
-        self.pending: deque[tuple[list, list[tuple[Transfer, torch.Tensor]], tuple[int, int] | None]] = deque()
+        self.pending: deque[tuple[list, list[tuple[Message, torch.Tensor]], tuple[int, int] | None]] = deque()
         self.local: deque[Piece] = deque()  # local copies still to make
         self.me, self.src, self.dst, self.group, self.tally = me, src, dst, group, tally
 
@@ -365,7 +365,7 @@ class _Batches:
         start = self._room(numel) if numel else 0
         room = (start, start + numel) if numel else None
         ops, unpack = [], []
-        for t in r.transfers:
+        for t in r.messages:
             sender = t.src_rank == me
             if not sender and me not in t.dst_ranks:
                 continue

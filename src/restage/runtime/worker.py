@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import assert_never
 
 import torch
 import torch.distributed as dist
@@ -26,13 +27,11 @@ from restage.data.batch import Batch
 from restage.data.datasets import default_tokenizer_dir, load_splits, sample_fields
 from restage.data.tokenizer import load_tokenizer
 from restage.errors import ConfigError, LayoutError
-from restage.graph import DataflowGraph
 from restage.layout import Layout, ProcessGroups
 from restage.models.checkpoint import load_stage
 from restage.models.config import ModelConfig
 from restage.models.decoder import StageModule
 from restage.models.parallel import ParallelContext
-from restage.plan.schedule import read_schedule
 from restage.runtime import checkpoint as ckpt
 from restage.runtime import comm_budget, evaluate, nccl_rules
 from restage.runtime.clock import Clock, measure_offset, peak_memory_bytes
@@ -47,13 +46,12 @@ from restage.runtime.nccl_rules import rank_device
 from restage.runtime.nonfinite import NonFiniteError, any_rank, nonfinite_samples, nonfinite_stats
 from restage.runtime.offload import ModelCopy
 from restage.runtime.ops import prepare_run_ops
-from restage.runtime.program import check_ema_architectures, ema_targets
 from restage.runtime.realloc import execute_reallocation
-from restage.runtime.realloc_plan import plan_reallocation
 from restage.runtime.records import MFCRecord, MoveRecord, Span, StatsShare, StepRecord
-
-# Ops that wait for their peers to finish what they are doing (bounded by run.peer_wait_timeout_seconds).
-MOVES_WITH_PEERS = ("realloc", "transfer", "ema")
+from restage.schedule.file import Schedule, read_schedule
+from restage.schedule.ops import WITH_PEERS, Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
+from restage.schedule.program import check_ema_architectures, ema_targets
+from restage.schedule.realloc_plan import plan_reallocation
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -81,13 +79,13 @@ class ModelSlot:
 class Worker:
     """Everything one rank does in a run."""
 
-    def __init__(self, control: Control, cfg: ExperimentConfig, schedule, trial_dir: Path, resume: str,
+    def __init__(self, control: Control, cfg: ExperimentConfig, schedule: Schedule, trial_dir: Path, resume: str,
                  heartbeat: Heartbeat):
         self.control, self.cfg, self.schedule, self.trial_dir = control, cfg, schedule, trial_dir
         self.heartbeat = heartbeat  # what this rank is doing, for the launcher's watchdog
         self.rank = control.rank
         self.ops = schedule.ops()
-        self.graph = DataflowGraph(tuple(schedule.mfc(entry["name"]) for entry in schedule.mfcs))
+        self.graph = schedule.graph()
         self.layouts = {m.name: schedule.layout(m.name) for m in self.graph}
         self.algo = get_algorithm(cfg.algorithm)
         self.ema = ema_targets(self.graph)  # model updated by a reference EMA -> its train MFC
@@ -96,7 +94,7 @@ class Worker:
         self.train_set, self.eval_set = load_splits(cfg, self.tokenizer)
         self.state.sample_fields = sample_fields(self.train_set, self.eval_set)  # for the rewards' keywords
         self.source = self.train_set  # the split the running pass reads dataset keys from
-        offloaded = frozenset(op.model for op in self.ops if op.kind == "offload")
+        offloaded = frozenset(op.model for op in self.ops if isinstance(op, Offload))
         self.eval_plan = evaluate.plan_eval(self.graph, self.layouts, cfg, len(self.eval_set), offloaded)
         self.accuracy_fn = resolve_accuracy(cfg.reward_fn) if cfg.reward_fn else None
         self.device = rank_device()
@@ -139,7 +137,7 @@ class Worker:
             resume = ""
         beat.doing("start-up: reading the tokenizer and data set, measuring the clock offset to rank 0")
         worker = cls(control, cfg, schedule, trial_dir, resume, beat)
-        prepare_run_ops(control.comm, cfg.models.values(), doing=beat.doing)  # before any engine loads a compiled op
+        prepare_run_ops(control.comm, schedule.models.values(), doing=beat.doing)  # before any engine loads a compiled op
         beat.reached("compiled ops ready")
         beat.doing("start-up: creating process groups (with every rank)", waiting=True)
         worker._create_groups()
@@ -153,7 +151,7 @@ class Worker:
         return worker
 
     def _model_cfg(self, name: str) -> ModelConfig:
-        return ModelConfig.from_json(self.schedule.models[name]["arch"])
+        return self.schedule.models[name].arch
 
     def _create_groups(self) -> None:
         """The run's process groups (``comm_budget.run_groups``: layouts and one per reallocation; singletons
@@ -175,7 +173,7 @@ class Worker:
         if key not in self.realloc_plans:
             cfg = comm_budget.realloc_model_config(self.schedule, self.cfg, model)
             self.realloc_plans[key] = plan_reallocation(cfg, src, dst, node_of=self.node_of,
-                                                        bytes_per_element=DTYPES[self.cfg.models[model].dtype].itemsize)
+                                                        bytes_per_element=DTYPES[self.schedule.models[model].dtype].itemsize)
         return self.realloc_plans[key]
 
     def _load_models(self) -> None:
@@ -184,17 +182,17 @@ class Worker:
         if problem:  # the planner proposes no such layout; a hand-made schedule may hold one
             raise LayoutError(problem)
         for name, info in self.schedule.models.items():
-            spec = self.cfg.models[name]
-            home = Layout.from_json(info["home_layout"])
+            spec = self.cfg.models[name]  # optimizer settings and init_critic_from_lm; the schedule has the rest
+            home = info.home_layout
             cfg = self._model_cfg(name)
             critic = comm_budget.is_critic(name, spec, cfg)
             slot = ModelSlot(name, spec, cfg.as_critic() if critic and not cfg.is_critic else cfg, home)
             if self.rank in home:
-                self.heartbeat.doing(f"start-up: loading {name} ({spec.path})")
-                slot.module = load_stage(spec.path, home, self.groups, self.rank, DTYPES[spec.dtype], self.device,
+                self.heartbeat.doing(f"start-up: loading {name} ({info.path})")
+                slot.module = load_stage(info.path, home, self.groups, self.rank, DTYPES[info.dtype], self.device,
                                          critic=critic)
                 slot.cfg = slot.module.cfg
-                if not spec.trainable:
+                if not info.trainable:
                     slot.module.requires_grad_(False)
                     slot.module.eval()
             self.slots[name] = slot
@@ -250,8 +248,8 @@ class Worker:
         for op in self.ops:
             if self.rank not in op.ranks:
                 continue
-            self.heartbeat.doing(f"step {step + 1}: {describe_op(op)}", waiting=op.kind in MOVES_WITH_PEERS)
-            if op.kind == "run":
+            self.heartbeat.doing(f"step {step + 1}: {describe_op(op)}", waiting=isinstance(op, WITH_PEERS))
+            if isinstance(op, Run):
                 self._run(op, step, record)
             else:
                 self._move(op, record.moves)
@@ -270,15 +268,15 @@ class Worker:
                 if self.rank not in op.ranks:
                     continue
                 self.heartbeat.doing(f"evaluation pass {index + 1}: {describe_op(op)}",
-                                     waiting=op.kind in MOVES_WITH_PEERS)
-                if op.kind == "run":
+                                     waiting=isinstance(op, WITH_PEERS))
+                if isinstance(op, Run):
                     self._run_eval(op, record)
                 else:
                     self._move(op, None)  # not logged: the step's tables time the iteration only
         self.source = self.train_set
         record.eval_span = Span(begin, self.clock.now_synced())
 
-    def _run_eval(self, op, record: StepRecord) -> None:
+    def _run_eval(self, op: Run, record: StepRecord) -> None:
         plan = self.eval_plan
         mfc = self.graph[op.mfc]
         layout = self.layouts[mfc.name]
@@ -301,33 +299,39 @@ class Worker:
             for key, value in evaluate.score_sums(answered, mask_key, rewards, correct).items():
                 record.eval_sums[key] = record.eval_sums.get(key, 0.0) + value
 
-    def _move(self, op, moves: list[MoveRecord] | None) -> None:
+    def _move(self, op: Op, moves: list[MoveRecord] | None) -> None:
         """Every op but ``run``; what moved is appended to ``moves`` (the step's log rows) unless it is None."""
         begin = self.clock.now_synced()
-        if op.kind in MOVES_WITH_PEERS:
-            if op.kind == "realloc":
+        match op:
+            case Realloc():
                 row = ("realloc", op.model, self._realloc(op))
-            elif op.kind == "transfer":
+            case SendKey():
                 row = ("transfer", op.key, self._transfer(op))
-            else:  # logged as a reallocation (it is one, plus the mix) named after the model it updates
+            case Ema():  # logged as a reallocation (it is one, plus the mix) named after the model it updates
                 row = ("realloc", f"ema:{op.model}", self._ema(op))
-            if moves is not None:
-                kind, what, nbytes = row
-                moves.append(MoveRecord(kind, what, str(op.src), str(op.dst), nbytes, begin, self.clock.now_synced()))
-        elif op.kind == "free":
-            self.slots[op.model].copies.pop(op.dst, None)
-            self.frozen_copies.discard((op.model, op.dst))
-        elif op.kind in ("offload", "reload"):
-            slot = self.slots[op.model]
-            if slot.module is not None:
-                if slot.host_copy is None:
-                    slot.host_copy = ModelCopy(slot.name, slot.module, trainable=False)
-                if op.kind == "offload":
-                    slot.host_copy.offload()
-                else:
-                    slot.host_copy.reload(self.device)
+            case Free():
+                self.slots[op.model].copies.pop(op.layout, None)
+                self.frozen_copies.discard((op.model, op.layout))
+                return
+            case Offload() | Reload():
+                slot = self.slots[op.model]
+                if slot.module is not None:
+                    if slot.host_copy is None:
+                        slot.host_copy = ModelCopy(slot.name, slot.module, trainable=False)
+                    if isinstance(op, Offload):
+                        slot.host_copy.offload()
+                    else:
+                        slot.host_copy.reload(self.device)
+                return
+            case Run():
+                raise AssertionError(f"{op} is run by _run, not moved")
+            case _:
+                assert_never(op)
+        if moves is not None:
+            kind, what, nbytes = row
+            moves.append(MoveRecord(kind, what, str(op.src), str(op.dst), nbytes, begin, self.clock.now_synced()))
 
-    def _run(self, op, step: int, record: StepRecord) -> None:
+    def _run(self, op: Run, step: int, record: StepRecord) -> None:
         mfc = self.graph[op.mfc]
         slot = self.slots[mfc.model]
         layout = self.layouts[mfc.name]
@@ -404,7 +408,7 @@ class Worker:
         return _merge(parts)
 
     # -- data and parameter movement -------------------------------------------------------------------
-    def _realloc(self, op) -> int:
+    def _realloc(self, op: Realloc) -> int:
         slot = self.slots[op.model]
         plan = self._realloc_plan(op.model, op.src, op.dst)
         frozen = not slot.spec.trainable and op.model not in self.ema  # its weights never change
@@ -430,7 +434,7 @@ class Worker:
             slot.copies[op.dst] = module
         return result.stats.sent_bytes
 
-    def _ema(self, op) -> int:
+    def _ema(self, op: Ema) -> int:
         """``op.model <- (1 - eta) op.model + eta trained``: reallocate the trained model into the reference's home, mix."""
         mfc = self.graph[op.mfc]
         trained, target = self.slots[mfc.model], self.slots[op.model]
@@ -447,7 +451,7 @@ class Worker:
                 target.host_copy.changed()
         return result.stats.sent_bytes
 
-    def _transfer(self, op) -> int:
+    def _transfer(self, op: SendKey) -> int:
         mine = self.outputs.get(op.producer)
         received, nbytes = self.dataflow.execute(op, mine)
         if received is not None:
@@ -462,13 +466,19 @@ class Worker:
         dist.destroy_process_group()
 
 
-def describe_op(op) -> str:
+def describe_op(op: Op) -> str:
     """What an op does, for the heartbeat: its kind and the MFC, model or key it serves."""
-    if op.kind == "run":
-        return f"run {op.mfc}"
-    if op.kind == "transfer":
-        return f"transfer {op.key} {op.producer} -> {op.mfc}"
-    return f"{op.kind} {op.model}" + (f" for {op.mfc}" if op.mfc else "")
+    match op:
+        case Run():
+            return f"run {op.mfc}"
+        case SendKey():
+            return f"transfer {op.key} {op.producer} -> {op.mfc}"
+        case Ema():
+            return f"ema {op.model} for {op.mfc}"
+        case Realloc() | Free() | Offload() | Reload():
+            return f"{op.kind} {op.model}"
+        case _:
+            assert_never(op)
 
 
 def dp_reducer(group, device: torch.device):

@@ -1,4 +1,4 @@
-"""The per-iteration program every rank walks: runs, reallocations, transfers, frees, offloads.
+"""The per-iteration program every rank walks: runs, reallocations, key transfers, frees, offloads (``ops.py``).
 
 Derived deterministically from the MFCs (in graph order) and their layouts, so every rank
 computes the same list. Each op involves a known set of ranks; a rank performs the ops it is
@@ -20,40 +20,11 @@ trained model's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from restage.errors import ConfigError
 from restage.graph import DataflowGraph
 from restage.layout import Layout
 from restage.models.sharding import param_specs
-
-
-@dataclass(frozen=True)
-class Op:
-    """``kind`` is run | realloc | transfer | free | offload | reload | ema.
-
-    An ``ema`` op names the train MFC (``mfc``) whose model is mixed into ``model``, from the
-    trained model's home ``src`` into ``model``'s home ``dst``.
-    """
-
-    kind: str
-    ranks: tuple[int, ...]
-    mfc: str = ""
-    model: str = ""
-    key: str = ""
-    producer: str = ""
-    src: Layout | None = None
-    dst: Layout | None = None
-
-    def to_json(self) -> dict:
-        out = {"kind": self.kind, "ranks": list(self.ranks)}
-        for name in ("mfc", "model", "key", "producer"):
-            if getattr(self, name):
-                out[name] = getattr(self, name)
-        for name in ("src", "dst"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name).to_json()
-        return out
+from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
 
 
 def model_homes(graph: DataflowGraph, layouts: dict[str, Layout]) -> dict[str, Layout]:
@@ -129,26 +100,25 @@ def _walk(graph: DataflowGraph, mfcs: list, layouts: dict[str, Layout], offload_
     for i, mfc in enumerate(mfcs):
         layout, home = layouts[mfc.name], homes[mfc.model]
         if mfc.model in offload_idle and i == first_mfc[mfc.model]:
-            ops.append(Op("reload", home.mesh, model=mfc.model, dst=home))
+            ops.append(Reload(home.mesh, mfc.model, home))
         if layout != home and (mfc.model, layout) not in copies:
-            ops.append(Op("realloc", _union(home, layout), model=mfc.model, src=home, dst=layout))
+            ops.append(Realloc(_union(home, layout), mfc.model, home, layout))
             copies.add((mfc.model, layout))
         for key in mfc.inputs:
             producer = graph.producer(key)
             if producer is not None and producer in mfcs:
                 src = layouts[producer.name]
-                ops.append(Op("transfer", _union(src, layout), mfc=mfc.name, key=key, producer=producer.name,
-                              src=src, dst=layout))
-        ops.append(Op("run", layout.mesh, mfc=mfc.name, model=mfc.model, dst=layout))
+                ops.append(SendKey(_union(src, layout), mfc.name, key, producer.name, src, layout))
+        ops.append(Run(layout.mesh, mfc.name, mfc.model, layout))
         for target, train_mfc in ema.items():
             if train_mfc == mfc.name:
-                ops.append(Op("ema", _union(home, homes[target]), mfc=mfc.name, model=target, src=home, dst=homes[target]))
+                ops.append(Ema(_union(home, homes[target]), mfc.name, target, home, homes[target]))
         if mfc.kind == "train_step":  # copies made before now hold old weights: an MFC after this one gets a new copy
             updated = {mfc.model} | {t for t, m in ema.items() if m == mfc.name}
             copies = {(m, lay) for m, lay in copies if m not in updated}
         if layout != home and mfc.model in changing and last_use[(mfc.model, layout)] == i:
-            ops.append(Op("free", layout.mesh, model=mfc.model, dst=layout))
+            ops.append(Free(layout.mesh, mfc.model, layout))
             copies.discard((mfc.model, layout))
         if mfc.model in offload_idle and i == last_mfc[mfc.model]:
-            ops.append(Op("offload", home.mesh, model=mfc.model, dst=home))
+            ops.append(Offload(home.mesh, mfc.model, home))
     return ops

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
-from restage.errors import LayoutError, PlanError
+from restage.errors import PlanError
 from restage.layout import Layout
 from restage.models.config import ModelConfig
 from restage.models.sharding import ParamSpec, param_specs, shard_specs, validate_strategy
@@ -191,8 +191,8 @@ def _piece(name: str, unit: int, dim: int, lo: int, hi: int, have: _Holding, wan
                  (lo - want.interval[0], hi - want.interval[0]), have.shape, want.shape)
 
 
-def _split(items: list[int], parts: int) -> list[list[int]]:
-    """``items`` cut into ``parts`` contiguous, near-equal chunks."""
+def contiguous_chunks(items: list[int], parts: int) -> list[list[int]]:
+    """``items`` cut into ``parts`` contiguous, near-equal chunks (the first ones one longer where they do not divide)."""
     q, r = divmod(len(items), parts)
     out, start = [], 0
     for i in range(parts):
@@ -255,7 +255,7 @@ def plan_reallocation(cfg: ModelConfig, src: Layout, dst: Layout, *, bytes_per_e
                     group = by_node[node]
                     near = [c for c in candidates if node_of(c) == node]
                     senders = near or candidates
-                    chunks = _split(group, min(len(senders), len(group))) if near else [group]
+                    chunks = contiguous_chunks(group, min(len(senders), len(group))) if near else [group]
                     ranked = sorted(senders, key=lambda c: (load[c], c))
                     for sender, chunk in zip(ranked, chunks):
                         load[sender] += nbytes * len(chunk)
@@ -266,18 +266,19 @@ def plan_reallocation(cfg: ModelConfig, src: Layout, dst: Layout, *, bytes_per_e
 
 
 @dataclass(frozen=True)
-class Transfer:
+class Message:
     """One communication: ``pieces`` from ``src_rank`` to ``dst_ranks`` as one message.
 
     A side ``in place`` reads (sender) or writes (receivers) the piece's own memory; the other
-    side of a one-piece transfer may still go through a bucket (the sender packs a strided
+    side of a one-piece message may still go through a bucket (the sender packs a strided
     source block, or the receivers unpack into a strided destination block). ``packed``
-    transfers use a bucket on at least one side and hold at most the bucket size; a transfer
+    messages use a bucket on at least one side and hold at most the bucket size; a message
     of several pieces is packed on both sides. The sender sends it once to each receiver, in
-    one batch (``schedule_rounds``). ``stage`` is the pieces' unit when gathering unit by unit, else 0.
+    one batch (``schedule_rounds``). ``unit`` is the pieces' unit (``Piece.unit``) when gathering unit by unit,
+    else 0.
     """
 
-    stage: int
+    unit: int
     src_rank: int
     dst_ranks: tuple[int, ...]
     pieces: tuple[Piece, ...]
@@ -298,17 +299,17 @@ class Transfer:
 
 
 @lru_cache(maxsize=64)  # a run replays the same few plans every iteration
-def schedule_transfers(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: int = 1 << 18,
-                       by_unit: bool = True) -> tuple[Transfer, ...]:
-    """The plan's pieces as an ordered list of transfers, which every rank walks in the same order.
+def schedule_messages(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: int = 1 << 18,
+                      by_unit: bool = True) -> tuple[Message, ...]:
+    """The plan's pieces as an ordered list of messages, which every rank walks in the same order.
 
     A piece of at least ``direct_min_bytes`` that is contiguous on one side at least travels
     alone, in place on each side where it is contiguous (the other side packs or unpacks it
     through a bucket, so it must fit one). The rest are packed into buckets of at most
     ``bucket_bytes`` per (sender, receivers) channel, a piece larger than a bucket being cut
-    along its axis. ``by_unit`` keeps every transfer inside one unit (what a ZeRO-3 source
+    along its axis. ``by_unit`` keeps every message inside one unit (what a ZeRO-3 source
     gathers at a time; the executor always asks for it, so the order never depends on a
-    rank's source); without it a bucket spans units. Order: by stage, transfers in place on
+    rank's source); without it a bucket spans units. Order: by unit, messages in place on
     both sides first, then the others, each by channel and parameter. All ranks must pass the
     same arguments.
     """
@@ -318,10 +319,10 @@ def schedule_transfers(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: i
     channels: dict[tuple[int, int, tuple[int, ...]], list[Piece]] = defaultdict(list)
     for p in plan.pieces:
         channels[(p.unit if by_unit else 0, p.src_rank, p.dst_ranks)].append(p)
-    direct: list[Transfer] = []
-    packed: list[Transfer] = []
+    direct: list[Message] = []
+    packed: list[Message] = []
     capacity = bucket_bytes // bpe
-    for (stage, sender, receivers), pieces in sorted(channels.items()):
+    for (unit, sender, receivers), pieces in sorted(channels.items()):
         buckets: list[list[Piece]] = [[]]
         room = capacity  # elements left in the open bucket
         for p in pieces:
@@ -329,7 +330,7 @@ def schedule_transfers(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: i
             if (src_in_place and dst_in_place or (src_in_place or dst_in_place) and p.numel <= capacity) \
                     and p.numel * bpe >= direct_min_bytes:
                 (packed if not (src_in_place and dst_in_place) else direct).append(
-                    Transfer(stage, sender, receivers, (p,), src_in_place, dst_in_place))
+                    Message(unit, sender, receivers, (p,), src_in_place, dst_in_place))
                 continue
             if p.slab_numel > capacity:
                 raise PlanError(f"{p.name}: one slice of {p.slab_numel * bpe} bytes exceeds the bucket of "
@@ -344,9 +345,9 @@ def schedule_transfers(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: i
                 buckets[-1].append(p if (offset, take) == (0, length) else p.cut(offset, take))
                 room -= take * p.slab_numel
                 offset += take
-        packed.extend(Transfer(stage, sender, receivers, tuple(b)) for b in buckets if b)
-    # Stable sort: within a stage, every transfer in place on both sides, then the others, each in channel order.
-    return tuple(sorted(direct + packed, key=lambda t: (t.stage, t.packed)))
+        packed.extend(Message(unit, sender, receivers, tuple(b)) for b in buckets if b)
+    # Stable sort: within a unit, every message in place on both sides, then the others, each in channel order.
+    return tuple(sorted(direct + packed, key=lambda t: (t.unit, t.packed)))
 
 
 def realloc_groups(plan: ReallocPlan) -> list[tuple[int, ...]]:
@@ -360,44 +361,44 @@ def realloc_groups(plan: ReallocPlan) -> list[tuple[int, ...]]:
 
 @dataclass(frozen=True)
 class Round:
-    """Transfers every rank posts as one batch: inside one stage, and packing at most ``round_bytes`` on any rank."""
+    """Messages every rank posts as one batch: inside one unit, and packing at most ``round_bytes`` on any rank."""
 
-    stage: int
-    transfers: tuple[Transfer, ...]
+    unit: int
+    messages: tuple[Message, ...]
 
     def packed_numel(self, rank: int) -> int:
         """Elements ``rank`` packs (as sender) or unpacks (as receiver) in this round: its room in the bucket."""
-        return sum(t.numel for t in self.transfers if (rank == t.src_rank or rank in t.dst_ranks)
+        return sum(t.numel for t in self.messages if (rank == t.src_rank or rank in t.dst_ranks)
                    and not t.in_place_for(rank))
 
 
 @lru_cache(maxsize=64)
 def schedule_rounds(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: int = 1 << 18) -> tuple[Round, ...]:
-    """The plan's transfers (messages of at most a quarter bucket) cut into rounds all ranks agree on.
+    """The plan's messages (at most a quarter bucket) cut into rounds all ranks agree on.
 
     A round is one ``batch_isend_irecv`` on every rank taking part; a batch completes as a whole,
     so batches must match across ranks or two ranks could each wait on a batch holding a message
-    the other posts only later. Cutting by the global order alone (a new round at each stage, where
-    transfers in place on both sides end and packed ones begin, and whenever some rank's packed
+    the other posts only later. Cutting by the global order alone (a new round at each unit, where
+    messages in place on both sides end and packed ones begin, and whenever some rank's packed
     elements would pass half the bucket) makes them match. Keeping the rounds that need no bucket
     apart lets a rank free bucket room without waiting for the large in-place messages.
     """
     bpe = plan.bytes_per_element
     capacity = bucket_bytes // 2 // bpe
     rounds: list[Round] = []
-    current: list[Transfer] = []
+    current: list[Message] = []
     room: dict[int, int] = defaultdict(int)  # packed elements per rank in the open round
-    for t in schedule_transfers(plan, bucket_bytes // SLOTS, direct_min_bytes):
+    for t in schedule_messages(plan, bucket_bytes // SLOTS, direct_min_bytes):
         packers = [r for r in (t.src_rank, *t.dst_ranks) if not t.in_place_for(r)]
-        if current and (t.stage != current[0].stage or t.packed != current[-1].packed
+        if current and (t.unit != current[0].unit or t.packed != current[-1].packed
                         or any(room[r] + t.numel > capacity for r in packers)):
-            rounds.append(Round(current[0].stage, tuple(current)))
+            rounds.append(Round(current[0].unit, tuple(current)))
             current, room = [], defaultdict(int)
         current.append(t)
         for r in packers:
             room[r] += t.numel
     if current:
-        rounds.append(Round(current[0].stage, tuple(current)))
+        rounds.append(Round(current[0].unit, tuple(current)))
     return tuple(rounds)
 
 
@@ -407,10 +408,3 @@ def destination_shard_bytes(plan: ReallocPlan, rank: int) -> int:
     if coord is None:
         return 0
     return sum(s.numel for s in shard_specs(plan.cfg, plan.dst.strategy, coord.pp, coord.tp)) * plan.bytes_per_element
-
-
-def world_size_of(*layouts: Layout) -> int:
-    """The smallest world that holds every layout."""
-    if not layouts:
-        raise LayoutError("no layout given")
-    return 1 + max(max(layout.mesh) for layout in layouts)
