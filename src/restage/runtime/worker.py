@@ -1,4 +1,8 @@
-"""One rank of a run: its model shards, the iteration loop, and the ops it takes part in.
+"""One rank of a run: start-up, the iteration loop, and the dispatch of the ops it takes part in.
+
+The parts it holds: the model store (``runtime/model_store.py``: every model's shard, engine and
+copies), the op handlers (``runtime/op_handlers.py``: what each op does), the process groups, the
+data flow and the clock; checkpoints are written from those parts (``runtime/checkpoint.py``).
 
 Start-up (the same on every rank): read the schedule, join torch.distributed, create every
 process group the schedule needs (collectively, in one order; ``comm_budget`` says which and
