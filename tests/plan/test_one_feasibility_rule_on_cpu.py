@@ -148,13 +148,13 @@ def test_a_schedule_the_planner_writes_passes_the_runtimes_start_up_check(case):
     outcome = make_plan(cfg, with_baselines=False, time_budget_seconds=1, max_steps=100, seed=0)
     schedule = build_schedule(cfg, outcome, exact=False)
     assert schedule_problem(schedule, cfg, schedule.world_size) is None
-    homes = {name: Layout.from_json(info["home_layout"]) for name, info in schedule.models.items()}
+    homes = {name: info.home_layout for name, info in schedule.models.items()}
     assert set(homes) == set(cfg.models) & {m.model for m in outcome.problem.mfcs}
-    trained = [name for name, info in schedule.models.items() if info["trainable"]]
+    trained = [name for name, info in schedule.models.items() if info.trainable]
     assert trained  # the check covered a trained model's home
     # The same schedule with a trained model's home moved to a layout the runtime refuses is refused, naming it.
     name = trained[0]
     bad = Layout.contiguous(0, Strategy(tp=3))  # no model here has a head count divisible by 3
-    models = {**schedule.models, name: {**schedule.models[name], "home_layout": bad.to_json()}}
+    models = {**schedule.models, name: dataclasses.replace(schedule.models[name], home_layout=bad)}
     assert schedule_problem(dataclasses.replace(schedule, models=models), cfg, schedule.world_size).startswith(
         f"models.{name}: tp=3 does not divide")

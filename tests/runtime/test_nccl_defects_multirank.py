@@ -38,7 +38,7 @@ def test_pipeline_exchange_among_two_of_four_ranks_passes_nccl_rules():
 
 
 def _dp_reduce_host_tensor(rank, world_size):
-    from restage.runtime.worker import dp_reducer
+    from restage.runtime.op_handlers import dp_reducer
 
     groups = ProcessGroups([(0, 1)])
     reduce = dp_reducer(groups.get((0, 1)), nccl_rules.rank_device())
@@ -58,7 +58,7 @@ DATA_PLANE_TIMEOUT_SECONDS = 3.0
 
 def _late_senders(rank, world_size):
     from restage.runtime.control import set_world_timeout
-    from restage.runtime.worker import reallocate_when_ready
+    from restage.runtime.op_handlers import reallocate_when_ready
 
     set_world_timeout(DATA_PLANE_TIMEOUT_SECONDS)  # unbatched P2P runs on the world group
     cfg = tiny()

@@ -12,9 +12,8 @@ from restage.plan.comm import links_seconds
 from restage.plan.transfer import exact_realloc
 from restage.runtime import comm_budget
 from restage.runtime.dataflow import DataFlow, OutputMeta
-from restage.schedule.realloc_plan import plan_reallocation
+from restage.runtime.model_store import ModelStore
 from restage.runtime.transfer import KeySpec
-from restage.runtime.worker import Worker
 from restage.schedule.realloc_plan import plan_reallocation
 
 # Two "nodes" of two ranks: ranks 0, 1 on node 0 and ranks 2, 3 on node 1.
@@ -28,12 +27,12 @@ def _schedule(per_node: int = 2):
 
 
 def _runtime_plan(src, dst):
-    """The plan exactly as the worker makes it (``Worker._realloc_plan``), placement from the schedule."""
+    """The plan exactly as the worker makes it (``ModelStore.realloc_plan``), placement from the schedule."""
     schedule = _schedule()
     worker = SimpleNamespace(schedule=schedule, realloc_plans={},
                              cfg=SimpleNamespace(models={"actor": SimpleNamespace(dtype="fp32", init_critic_from_lm=False)}),
                              node_of=comm_budget.block_node_of(comm_budget.ranks_per_node(schedule)))
-    return Worker._realloc_plan(worker, "actor", src, dst)
+    return ModelStore.realloc_plan(worker, "actor", src, dst)
 
 
 def _inter_node_bytes(bytes_by_link) -> int:

@@ -30,11 +30,11 @@ from restage.launch.trial import trial_lock
 from restage.models.config import ModelConfig
 from restage.plan.planner import make_plan
 from restage.plan.schedule import build_schedule
-from restage.schedule.file import read_schedule, write_schedule
 from restage.report.journal import journal_path
 from restage.report.log import read_log
 from restage.runtime.checkpoint_dir import complete_steps, latest
 from restage.runtime.failure import clear_failures, describe_failure
+from restage.schedule.file import read_schedule, write_schedule
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

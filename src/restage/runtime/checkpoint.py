@@ -11,6 +11,7 @@ data cursor and step. A resume needs the same schedule (same layouts and world s
 from __future__ import annotations
 
 import contextlib
+import json
 import pickle
 from pathlib import Path
 
@@ -19,89 +20,97 @@ import torch.distributed as dist
 
 from restage.disk import writing
 from restage.errors import CheckpointError
+from restage.layout import ProcessGroups
 from restage.models.checkpoint import load_stage, save_checkpoint
 from restage.runtime import checkpoint_dir
+from restage.runtime.control import Control
 from restage.runtime.engines import barriers_on, engine_groups
+from restage.runtime.master import Master
+from restage.runtime.model_store import ModelSlot, ModelStore
 from restage.runtime.nonfinite import NonFiniteError, any_rank, finite_files, finite_weights
 
 ENGINE_TAG = "state"
 
 
-def _engine_group(worker, slot):
-    return worker.groups.get(slot.home.mesh) if slot.home.size > 1 else worker.groups.get((worker.rank,))
+def _engine_group(groups: ProcessGroups, slot: ModelSlot, rank: int):
+    return groups.get(slot.home.mesh) if slot.home.size > 1 else groups.get((rank,))
 
 
-def _rank_state(worker) -> dict:
-    state = {"torch": torch.get_rng_state(), "algo": worker.state.state_dict()}
+def _rank_state(algo_state) -> dict:
+    state = {"torch": torch.get_rng_state(), "algo": algo_state.state_dict()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def save(worker, step: int) -> None:
-    """Collective over all ranks: write checkpoint ``step`` and seal it."""
-    trained = [slot.module for slot in worker.slots.values() if slot.engine is not None and slot.module is not None]
-    if any_rank(not finite_weights(trained), dist.group.WORLD, worker.device):  # before anything is written
-        last = checkpoint_dir.latest(worker.trial_dir)
+def _trained(store: ModelStore) -> list:
+    return [slot.module for slot in store.slots.values() if slot.engine is not None and slot.module is not None]
+
+
+def save(trial_dir: Path, step: int, store: ModelStore, groups: ProcessGroups, control: Control, algo_state,
+         master: Master | None, keep_checkpoints: int) -> None:
+    """Collective over all ranks: write checkpoint ``step`` of ``store``'s models, this rank's RNG and
+    ``algo_state``, and the master's data cursor (``master`` on rank 0, else None); seal it."""
+    if any_rank(not finite_weights(_trained(store)), dist.group.WORLD, store.device):  # before anything is written
+        last = checkpoint_dir.latest(trial_dir)
         raise NonFiniteError(f"step {step}: non-finite weights; not checkpointed (the newest checkpoint, "
                              f"{last.name if last else 'none'}, stays the last)")
     # Every rank writes: a full disk on any of them is one line naming the checkpoint (the earlier ones stay whole).
-    with writing(f"checkpoint step-{step}", checkpoint_dir.checkpoints_root(worker.trial_dir)):
-        _write(worker, step)
+    with writing(f"checkpoint step-{step}", checkpoint_dir.checkpoints_root(trial_dir)):
+        path = Path(control.bcast(str(checkpoint_dir.begin(trial_dir, step)) if control.is_master else None))
+        _write_models(path, store, groups)
+        ranks = path / "ranks"
+        ranks.mkdir(exist_ok=True)
+        torch.save(_rank_state(algo_state), ranks / f"rank{store.rank}.pt")
+        control.barrier()
+        if master is not None:
+            checkpoint_dir.commit(trial_dir, step, master.checkpoint_state(), keep_checkpoints)
+        control.barrier()
 
 
-def _write(worker, step: int) -> None:
-    control = worker.control
-    path = Path(control.bcast(str(checkpoint_dir.begin(worker.trial_dir, step)) if control.is_master else None))
-    for name, slot in worker.slots.items():
-        if name in worker.ema and slot.module is not None:  # a reference the EMA changes: its weights, no engine
-            with _on_device(slot, worker.device):
-                save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.spec.path)
+def _write_models(path: Path, store: ModelStore, groups: ProcessGroups) -> None:
+    for name, slot in store.slots.items():
+        if name in store.ema and slot.module is not None:  # a reference the EMA changes: its weights, no engine
+            with _on_device(slot, store.device):
+                save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.entry.path)
         if slot.engine is None:
             continue
         with _maybe_gathered(slot):
-            save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.spec.path)
-        with barriers_on(_engine_group(worker, slot)), engine_groups(slot.engine):
+            save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.entry.path)
+        with barriers_on(_engine_group(groups, slot, store.rank)), engine_groups(slot.engine):
             slot.engine.save_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG, save_latest=False)
-    ranks = path / "ranks"
-    ranks.mkdir(exist_ok=True)
-    torch.save(_rank_state(worker), ranks / f"rank{worker.rank}.pt")
-    control.barrier()
-    if control.is_master:
-        checkpoint_dir.commit(worker.trial_dir, step, worker.master.checkpoint_state(), worker.cfg.run.keep_checkpoints)
-    control.barrier()
 
 
-def load(worker) -> int:
-    """Restore the last whole checkpoint; returns the step to continue from."""
-    path = checkpoint_dir.latest(worker.trial_dir)
+def load(trial_dir: Path, store: ModelStore, groups: ProcessGroups, control: Control, algo_state,
+         master: Master | None) -> int:
+    """Restore the last whole checkpoint into ``store``'s models, the RNG, ``algo_state`` and ``master`` (rank 0's
+    data cursor; None elsewhere); returns the step to continue from."""
+    path = checkpoint_dir.latest(trial_dir)
     if path is None:
-        raise CheckpointError(f"--resume: no complete checkpoint under {checkpoint_dir.checkpoints_root(worker.trial_dir)}; "
+        raise CheckpointError(f"--resume: no complete checkpoint under {checkpoint_dir.checkpoints_root(trial_dir)}; "
                               "run without --resume to start afresh")
-    import json
-
     manifest = json.loads((path / "manifest.json").read_text())
-    for name, slot in worker.slots.items():
-        if name in worker.ema and slot.module is not None:
-            _load_weights(slot, path / name / "hf", worker)
+    for name, slot in store.slots.items():
+        if name in store.ema and slot.module is not None:
+            _load_weights(slot, path / name / "hf", groups, store)
         if slot.engine is None:
             continue
-        with barriers_on(_engine_group(worker, slot)), engine_groups(slot.engine), _safe_engine_loads(slot.engine):
+        with (barriers_on(_engine_group(groups, slot, store.rank)), engine_groups(slot.engine),
+              _safe_engine_loads(slot.engine)):
             loaded, _ = slot.engine.load_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG)
         if loaded is None:
-            raise CheckpointError(f"{path / name / 'engine'}: DeepSpeed found no state for rank {worker.rank}; "
+            raise CheckpointError(f"{path / name / 'engine'}: DeepSpeed found no state for rank {store.rank}; "
                                   "resume with the same schedule and number of ranks")
-    trained = [slot.module for slot in worker.slots.values() if slot.engine is not None and slot.module is not None]
-    if any_rank(not finite_weights(trained), dist.group.WORLD, worker.device):
-        control = worker.control  # the master reads the older checkpoints' files, on this failure path only
-        raise CheckpointError(control.bcast(nonfinite_refusal(worker.trial_dir, path) if control.is_master else None))
-    state = safe_load(path / "ranks" / f"rank{worker.rank}.pt")
+    if any_rank(not finite_weights(_trained(store)), dist.group.WORLD, store.device):
+        # the master reads the older checkpoints' files, on this failure path only
+        raise CheckpointError(control.bcast(nonfinite_refusal(trial_dir, path) if control.is_master else None))
+    state = safe_load(path / "ranks" / f"rank{store.rank}.pt")
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    worker.state.load_state_dict(state["algo"])
-    if worker.master is not None:
-        worker.master.load_checkpoint_state(manifest)
+    algo_state.load_state_dict(state["algo"])
+    if master is not None:
+        master.load_checkpoint_state(manifest)
     dist.barrier()
     return int(manifest["step"])
 
@@ -163,9 +172,9 @@ def _safe_engine_loads(engine):
         checkpoint_engine.load = original
 
 
-def _load_weights(slot, hf_dir: Path, worker) -> None:
+def _load_weights(slot: ModelSlot, hf_dir: Path, groups: ProcessGroups, store: ModelStore) -> None:
     """Overwrite a frozen model's home shard with the weights a checkpoint saved (a reference the EMA changed)."""
-    saved = load_stage(hf_dir, slot.home, worker.groups, worker.rank, slot.module.dtype, worker.device)
+    saved = load_stage(hf_dir, slot.home, groups, store.rank, slot.module.dtype, store.device)
     with torch.no_grad():
         for param, value in zip(slot.module.parameters(), saved.parameters(), strict=True):
             param.copy_(value)
@@ -186,7 +195,7 @@ def _on_device(slot, device):
 
 @contextlib.contextmanager
 def _maybe_gathered(slot):
-    if slot.spec.zero_stage == 3:
+    if slot.entry.zero_stage == 3:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(slot.module.parameters())):

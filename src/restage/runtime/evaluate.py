@@ -35,6 +35,10 @@ from restage.data.batch import Batch
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout
+from restage.models.parallel import ParallelContext
+from restage.runtime.execute import run_eval_generate, run_inference
+from restage.runtime.op_handlers import OpHandlers, StepData
+from restage.runtime.records import StepRecord
 from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
 from restage.schedule.program import build_eval_program
 
@@ -111,6 +115,31 @@ def _in_pass(op: Op, first: bool, last: bool) -> bool:
             return True
         case _:
             assert_never(op)
+
+
+def run_eval(handlers: OpHandlers, op: Run, data: StepData, record: StepRecord, plan: EvalPlan, tokenizer,
+             accuracy_fn: Callable | None) -> None:
+    """One ``run`` op of an evaluation pass: answer (or score) this rank's prompts; reporting ranks add their sums."""
+    mfc = handlers.graph[op.mfc]
+    layout = handlers.layouts[mfc.name]
+    module = handlers.store.slots[mfc.model].at(layout)
+    ctx = ParallelContext.from_layout(layout, handlers.groups, handlers.rank)
+    batch = handlers.input_batch(mfc, layout, ctx.coord.dp, data)
+    ids_key, mask_key = plan.generate.outputs[:2]
+    rewards = None
+    if mfc.kind == "generate":
+        answered = data.outputs[mfc.name] = run_eval_generate(module, mfc, batch, handlers.cfg)
+    else:  # the reward model: its input holds the answers
+        answered = batch
+        rewards = run_inference(module, mfc, batch, handlers.algo, handlers.cfg, handlers.state).batch["rewards"]
+    scoring = (plan.reward or plan.generate).name == mfc.name
+    if scoring and ctx.coord.tp == 0 and ctx.coord.pp == ctx.strategy.pp - 1:  # one reporter per DP replica
+        correct = None
+        if rewards is None:
+            rewards, correct = rule_scores(answered, handlers.state.reward_fn, accuracy_fn, tokenizer, ids_key, mask_key,
+                                           handlers.state.sample_fields, handlers.cfg.rewards)
+        for key, value in score_sums(answered, mask_key, rewards, correct).items():
+            record.eval_sums[key] = record.eval_sums.get(key, 0.0) + value
 
 
 def answer_tokens(batch: Batch, mask_key: str) -> torch.Tensor:

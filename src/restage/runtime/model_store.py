@@ -1,0 +1,171 @@
+"""The model copies one rank holds: each model's home shard (and DeepSpeed engine) and its copies in other layouts.
+
+A model is loaded once, in its *home* layout (each rank reads only its slices); a trainable one gets
+a DeepSpeed engine over it. Copies in other layouts are made by reallocation (``runtime/realloc.py``,
+over plans made once per (model, source, destination) and kept), dropped by ``free``; a frozen
+model's home shard can sit in host memory between its MFCs (``offload``/``reload``,
+``runtime/offload.py``). A frozen model's copy never goes stale, so it is made once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from restage.config import ExperimentConfig, ModelSpec
+from restage.device import DTYPES
+from restage.graph import DataflowGraph
+from restage.layout import Layout, ProcessGroups, Strategy
+from restage.models.checkpoint import load_stage
+from restage.models.config import ModelConfig
+from restage.models.decoder import StageModule
+from restage.models.parallel import ParallelContext
+from restage.models.sharding import shard_specs
+from restage.runtime import comm_budget
+from restage.runtime.engines import build_engine, mark_norm_ownership
+from restage.runtime.heartbeat import Heartbeat
+from restage.runtime.offload import ModelCopy
+from restage.schedule.file import ModelEntry, Schedule
+from restage.schedule.program import check_ema_architectures, ema_targets
+from restage.schedule.realloc_plan import ReallocPlan, plan_reallocation
+
+
+@dataclass
+class ModelSlot:
+    """One model as this rank sees it: its home shard (and engine) and any copies in other layouts."""
+
+    name: str
+    entry: ModelEntry  # the schedule's: checkpoint, dtype, trainable, ZeRO stage, home
+    spec: ModelSpec  # the config's: optimizer settings, which the schedule does not carry
+    cfg: ModelConfig
+    home: Layout
+    module: StageModule | None = None
+    engine: object | None = None
+    copies: dict[Layout, StageModule] = field(default_factory=dict)
+    host_copy: ModelCopy | None = None  # a frozen model's home shard, offloaded between its MFCs
+
+    def at(self, layout: Layout) -> StageModule:
+        if layout == self.home:
+            assert self.module is not None, f"rank holds no {self.name} shard in {layout}"
+            return self.module
+        return self.copies[layout]
+
+
+class ModelStore:
+    """Every model's slot on this rank, the reallocation plans between its layouts, and which frozen copies exist."""
+
+    def __init__(self, schedule: Schedule, cfg: ExperimentConfig, graph: DataflowGraph, rank: int, device: torch.device,
+                 node_of):
+        self.schedule, self.cfg, self.graph = schedule, cfg, graph
+        self.rank, self.device = rank, device
+        # Block placement, as the planner costed it: runtime plans equal the estimator's (same node_of).
+        self.node_of = node_of
+        self.ema = ema_targets(graph)  # model updated by a reference EMA -> its train MFC
+        self.slots: dict[str, ModelSlot] = {}
+        self.realloc_plans: dict[tuple[str, Layout, Layout], ReallocPlan] = {}
+        self.frozen_copies: set[tuple[str, Layout]] = set()  # (model, layout) copies of frozen models already made
+
+    def realloc_plan(self, model: str, src: Layout, dst: Layout) -> ReallocPlan:
+        """The plan moving ``model`` from ``src`` to ``dst`` (made on first use, then kept)."""
+        key = (model, src, dst)
+        if key not in self.realloc_plans:
+            cfg = comm_budget.realloc_model_config(self.schedule, self.cfg, model)
+            self.realloc_plans[key] = plan_reallocation(cfg, src, dst, node_of=self.node_of,
+                                                        bytes_per_element=DTYPES[self.schedule.models[model].dtype].itemsize)
+        return self.realloc_plans[key]
+
+    def model_cfg(self, name: str) -> ModelConfig:
+        return self.schedule.models[name].arch
+
+    # -- start-up ------------------------------------------------------------------------------------
+    def load(self, groups: ProcessGroups, heartbeat: Heartbeat) -> None:
+        """Each model's shard in its home layout, on the ranks of that layout (every rank gets every slot)."""
+        check_ema_architectures(self.graph, {name: self.model_cfg(name) for name in self.schedule.models})
+        for name, info in self.schedule.models.items():
+            spec = self.cfg.models[name]
+            home = info.home_layout
+            cfg = info.arch
+            critic = comm_budget.is_critic(name, spec, cfg)
+            slot = ModelSlot(name, info, spec, cfg.as_critic() if critic and not cfg.is_critic else cfg, home)
+            if self.rank in home:
+                heartbeat.doing(f"start-up: loading {name} ({info.path})")
+                slot.module = load_stage(info.path, home, groups, self.rank, DTYPES[info.dtype], self.device,
+                                         critic=critic)
+                slot.cfg = slot.module.cfg
+                if not info.trainable:
+                    slot.module.requires_grad_(False)
+                    slot.module.eval()
+            self.slots[name] = slot
+        heartbeat.reached("models loaded")
+
+    def build_engines(self, groups: ProcessGroups, heartbeat: Heartbeat) -> None:
+        """A DeepSpeed engine over each trainable model's home layout (collective over its ranks, in model order)."""
+        for name, slot in self.slots.items():
+            if slot.module is None or not slot.entry.trainable:
+                continue
+            heartbeat.doing(f"start-up: building {name}'s DeepSpeed engine (with its ranks)", waiting=True)
+            train_mfc = next(m for m in self.graph if m.model == name and m.kind == "train_step")
+            optimizer_steps = self.cfg.run.steps * train_mfc.minibatches * train_mfc.epochs
+            _mark_norm(slot.module)
+            slot.engine = build_engine(slot.module, slot.spec, slot.home, self.rank, groups,
+                                       train_mfc.micro_batches, optimizer_steps)
+            slot.module.eval()
+        heartbeat.reached("engines built")
+
+    # -- copies --------------------------------------------------------------------------------------
+    def frozen(self, model: str) -> bool:
+        """Whether ``model``'s weights never change (not trained, no EMA moves it)."""
+        return not self.slots[model].entry.trainable and model not in self.ema
+
+    def copy_current(self, model: str, layout: Layout) -> bool:
+        """Whether a copy of ``model`` in ``layout`` was made and cannot have gone stale (a frozen model's).
+
+        Decided from what every rank of the reallocation knows (not from holding the copy, which only
+        destination ranks do): a sender must not send what no one receives."""
+        return self.frozen(model) and (model, layout) in self.frozen_copies
+
+    def adopt_copy(self, model: str, layout: Layout, state: Mapping[str, torch.Tensor], groups: ProcessGroups) -> None:
+        """Keep the reallocated ``state`` as ``model``'s copy in ``layout`` (on its ranks); a frozen one is made once.
+
+        The module adopts the tensors (built on "meta", it holds none); the copy is read-only."""
+        slot = self.slots[model]
+        if self.frozen(model):
+            self.frozen_copies.add((model, layout))
+        if self.rank in layout:
+            ctx = ParallelContext.from_layout(layout, groups, self.rank)
+            module = StageModule(slot.cfg, ctx, DTYPES[slot.entry.dtype], torch.device("meta"))
+            module.load_state_dict(state, strict=True, assign=True)
+            module.requires_grad_(False)
+            module.eval()
+            slot.copies[layout] = module
+
+    def free(self, model: str, layout: Layout) -> None:
+        self.slots[model].copies.pop(layout, None)
+        self.frozen_copies.discard((model, layout))
+
+    def offload(self, model: str) -> None:
+        """The home shard to host memory (copied the first time, or after an EMA changed it)."""
+        if (copy := self._host_copy(model)) is not None:
+            copy.offload()
+
+    def reload(self, model: str) -> None:
+        if (copy := self._host_copy(model)) is not None:
+            copy.reload(self.device)
+
+    def _host_copy(self, model: str) -> ModelCopy | None:
+        slot = self.slots[model]
+        if slot.module is None:
+            return None
+        if slot.host_copy is None:
+            slot.host_copy = ModelCopy(slot.name, slot.module, trainable=False)
+        return slot.host_copy
+
+
+def _mark_norm(module: StageModule) -> None:
+    ctx = module.ctx
+    specs = shard_specs(module.cfg, Strategy(tp=ctx.tp_size, pp=ctx.pp_size), ctx.pp_stage, ctx.tp_rank)
+    replicated = {s.param.name for s in specs if s.param.split_dim is None}
+    duplicate = {"embed.weight"} if (module.tied_head and ctx.pp_size > 1 and not ctx.is_first_stage) else set()
+    mark_norm_ownership(module, ctx.tp_rank, replicated, duplicate)

@@ -1,0 +1,207 @@
+"""What each op of the schedule does on one rank, over explicit parts: the model store, the process groups,
+the data flow and the clock. The Worker dispatches (``Worker.run_step``); the handlers do.
+
+A pass over the ops (an iteration, or one evaluation pass) threads one :class:`StepData` through them:
+the MFC outputs this rank produced, the inputs transferred to it, and the data set split the pass reads
+dataset keys from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from restage.algorithms.estimators import ema_mix_
+from restage.config import ExperimentConfig
+from restage.data.batch import Batch
+from restage.data.datasets import Dataset
+from restage.device import DTYPES
+from restage.graph import MFC, DataflowGraph
+from restage.layout import Layout, ProcessGroups
+from restage.models.parallel import ParallelContext
+from restage.runtime.clock import Clock, peak_memory_bytes
+from restage.runtime.control import wait_for_ranks
+from restage.runtime.dataflow import DataFlow, measured_flops
+from restage.runtime.engines import engine_groups
+from restage.runtime.execute import MFCResult, run_generate, run_inference, run_train
+from restage.runtime.model_store import ModelStore
+from restage.runtime.nonfinite import NonFiniteError, any_rank, nonfinite_samples, nonfinite_stats
+from restage.runtime.realloc import execute_reallocation
+from restage.runtime.records import MFCRecord, StatsShare, StepRecord
+from restage.schedule.ops import Ema, Realloc, Run, SendKey
+
+
+@dataclass
+class StepData:
+    """What one pass over the ops reads and produces on this rank (made afresh for each pass)."""
+
+    source: Dataset  # the split dataset keys are read from
+    outputs: dict[str, Batch] = field(default_factory=dict)  # MFC name -> this rank's output
+    inputs: dict[str, list[Batch]] = field(default_factory=dict)  # MFC name -> parts transferred to this rank
+
+
+class OpHandlers:
+    """The body of every op kind on this rank; ``skipped`` counts each train MFC's consecutive non-finite skips."""
+
+    def __init__(self, store: ModelStore, groups: ProcessGroups, dataflow: DataFlow, clock: Clock,
+                 layouts: dict[str, Layout], cfg: ExperimentConfig, algo, state):
+        self.store, self.groups, self.dataflow, self.clock = store, groups, dataflow, clock
+        self.graph: DataflowGraph = store.graph
+        self.layouts, self.cfg, self.algo, self.state = layouts, cfg, algo, state
+        self.rank, self.device = store.rank, store.device
+        self.skipped: dict[str, int] = {}  # train MFC -> consecutive steps skipped for non-finite inputs
+
+    # -- run -----------------------------------------------------------------------------------------
+    def run(self, op: Run, step: int, data: StepData, record: StepRecord) -> None:
+        mfc = self.graph[op.mfc]
+        slot = self.store.slots[mfc.model]
+        layout = self.layouts[mfc.name]
+        ctx = ParallelContext.from_layout(layout, self.groups, self.rank)
+        batch = self.input_batch(mfc, layout, ctx.coord.dp, data)
+        seed = (self.cfg.seed * 1_000_003 + step) * 101 + ctx.coord.dp
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        begin = self.clock.now_synced()
+        if mfc.kind == "generate":
+            result = run_generate(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state, seed)
+        elif mfc.kind == "inference":
+            result = run_inference(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state)
+        else:
+            # Checked before prepare_train too: it folds rewards into algorithm state (normalisers, KL control).
+            skip = self.nonfinite_inputs(mfc, layout, batch, step)
+            if not skip:
+                batch, prep_stats = self.algo.prepare_train(batch, self.cfg, self.state, step, self._dp_reduce(ctx))
+                skip = self.nonfinite_inputs(mfc, layout, batch, step)
+            if skip:
+                result = MFCResult(None, {f"{mfc.name}/skipped_nonfinite": 1.0}, 0)
+            else:
+                with engine_groups(slot.engine):
+                    result = run_train(slot.engine, mfc, batch, self.algo, self.cfg, self.state, seed)
+                result.stats.update({f"{mfc.name}/{k}": v for k, v in prep_stats.items()})
+                if bad := nonfinite_stats(result.stats):
+                    raise NonFiniteError(f"step {step + 1}: {mfc.name} trained on finite inputs but its "
+                                         f"{', '.join(bad)} is not finite; its weights are not saved (the newest "
+                                         "checkpoint is the last finite one)")
+        end = self.clock.now_synced()
+        if result.batch is not None:
+            data.outputs[mfc.name] = result.batch
+        peak = peak_memory_bytes(self.device)
+        flops = measured_flops(mfc, slot.cfg, result.batch if result.batch is not None else batch, result.tokens)
+        flops /= layout.strategy.tp * layout.strategy.pp  # this rank's share of its replica's work
+        tokens = result.tokens // (layout.strategy.tp * layout.strategy.pp)
+        record.mfcs.append(MFCRecord(mfc.name, mfc.model, mfc.kind, begin, end, tokens, flops, peak))
+        if ctx.coord.tp == 0 and ctx.coord.pp == ctx.strategy.pp - 1:  # one reporter per DP replica
+            record.stats.append(StatsShare(result.stats, batch.n_samples))
+
+    def nonfinite_inputs(self, mfc: MFC, layout: Layout, batch: Batch, step: int) -> bool:
+        """Whether this train MFC skips the step: NaN or inf in its inputs on any of its ranks (runtime/nonfinite.py)."""
+        samples, keys = nonfinite_samples(batch)
+        group = self.groups.get(layout.mesh) if layout.size > 1 else None
+        if not any_rank(bool(samples), group, self.device):
+            self.skipped[mfc.name] = 0
+            return False
+        where = f"step {step + 1}: {mfc.name}"
+        if samples:
+            print(f"restage: {where}: non-finite {', '.join(keys)} in samples {samples} on rank {self.rank}", flush=True)
+        self.skipped[mfc.name] = self.skipped.get(mfc.name, 0) + 1
+        run = self.cfg.run
+        if run.nonfinite == "stop":
+            raise NonFiniteError(f"{where}: non-finite inputs (NaN or inf rewards, advantages or log-probs); "
+                                 "fix the reward or data, or set run.nonfinite=skip to skip such steps")
+        if self.skipped[mfc.name] >= run.max_skipped_steps:
+            raise NonFiniteError(f"{where}: non-finite inputs in {self.skipped[mfc.name]} steps in a row "
+                                 f"(run.max_skipped_steps={run.max_skipped_steps}); fix the reward or data")
+        return True
+
+    def _dp_reduce(self, ctx: ParallelContext):
+        if ctx.strategy.dp == 1:
+            return None
+        return dp_reducer(self.groups.get(ctx.dp_ranks), self.device)
+
+    def input_batch(self, mfc: MFC, layout: Layout, dp_rank: int, data: StepData) -> Batch:
+        """This DP rank's slice of the MFC's inputs: dataset keys read locally, the rest as transferred."""
+        parts: list[Batch] = []
+        source = [k for k in mfc.inputs if self.graph.producer(k) is None]
+        if source:
+            positions = self.dataflow.dataset_positions(mfc, dp_rank)
+            parts.append(data.source.batch(positions).only(source))
+        parts += data.inputs.get(mfc.name, [])
+        return _merge(parts)
+
+    # -- data and parameter movement -------------------------------------------------------------------
+    def realloc(self, op: Realloc) -> int:
+        """A copy of ``op.model`` in ``op.dst`` from its home; returns the bytes this rank sent."""
+        store = self.store
+        if store.copy_current(op.model, op.dst):
+            return 0
+        slot = store.slots[op.model]
+        source = slot.engine if slot.engine is not None else slot.module
+        # The copy is read-only and dropped before its source next changes (a trained model's after
+        # its last use, a reference's once its EMA moves), so tensors this rank holds whole are shared.
+        # The executor allocates the rest.
+        result = reallocate_when_ready(store.realloc_plan(op.model, op.src, op.dst),
+                                       source if self.rank in op.src else None, self.groups,
+                                       self.cfg.run.peer_wait_timeout_seconds, dtype=DTYPES[slot.entry.dtype],
+                                       share_local=True, device=self.device)
+        store.adopt_copy(op.model, op.dst, result.state, self.groups)
+        return result.stats.sent_bytes
+
+    def ema(self, op: Ema) -> int:
+        """``op.model <- (1 - eta) op.model + eta trained``: reallocate the trained model into the reference's home, mix."""
+        mfc = self.graph[op.mfc]
+        trained, target = self.store.slots[mfc.model], self.store.slots[op.model]
+        plan = self.store.realloc_plan(mfc.model, op.src, op.dst)
+        source = trained.engine if self.rank in op.src else None
+        result = reallocate_when_ready(plan, source, self.groups, self.cfg.run.peer_wait_timeout_seconds,
+                                       dtype=DTYPES[trained.entry.dtype], share_local=True)
+        if self.rank in op.dst:
+            eta = float(mfc.options["ref_ema_eta"])
+            params = dict(target.module.named_parameters())
+            for name, mixed_in in result.state.items():
+                ema_mix_(params[name].data, mixed_in.to(params[name].device), eta)  # where it lives now (maybe host)
+            if target.host_copy is not None:
+                target.host_copy.changed()
+        return result.stats.sent_bytes
+
+    def transfer(self, op: SendKey, data: StepData) -> int:
+        mine = data.outputs.get(op.producer)
+        received, nbytes = self.dataflow.execute(op, mine)
+        if received is not None:
+            data.inputs.setdefault(op.mfc, []).append(received)
+        return nbytes
+
+
+def dp_reducer(group, device: torch.device):
+    """Sum over the DP group: tensors computed on the host go to the rank's device for the collective and come back."""
+
+    def reduce(tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.to(device, copy=True)  # NCCL has no host backend; copy: the caller's tensor stays as it was
+        dist.all_reduce(out, group=group)
+        return out.to(tensor.device)
+
+    return reduce
+
+
+def reallocate_when_ready(plan, source, groups: ProcessGroups, peer_wait_timeout_seconds: float, **options):
+    """``execute_reallocation`` once every rank of the plan has arrived, so the data-plane timeout times only the move."""
+    wait_for_ranks(sorted({*plan.src.mesh, *plan.dst.mesh}), peer_wait_timeout_seconds)
+    return execute_reallocation(plan, source, groups, **options)
+
+
+def _merge(parts: list[Batch]) -> Batch:
+    """Union of the keys of several batches over the same samples (same order)."""
+    if not parts:
+        raise ValueError("MFC has no inputs")
+    # Per-sequence keys of another generation (ReMax's greedy baseline rewards) arrive with that
+    # generation's lengths: only their samples must agree, and the token-carrying part sets the lengths.
+    out = next((part for part in parts if part.tokens), parts[0])
+    for part in parts:
+        if part is out:
+            continue
+        same = part.seqlens == out.seqlens if part.tokens else (part.n_seqs == out.n_seqs and part.ids == out.ids)
+        if not same:
+            raise RuntimeError(f"inputs disagree on the samples: {part.ids} vs {out.ids}")
+        out = out.with_keys(tokens=part.tokens, seqs=part.seqs)
+    return out
