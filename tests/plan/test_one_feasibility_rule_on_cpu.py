@@ -74,9 +74,10 @@ def _schedule(problem: PlanProblem, layouts: dict[str, Layout]) -> SimpleNamespa
         if mfc.name in layouts and mfc.model not in models:
             home = problem.home[mfc.model]
             layout = layouts[home] if home in layouts else problem.candidates(home)[0].layout
-            models[mfc.model] = {"arch": problem.roles[mfc.model].arch.to_json(), "home_layout": layout.to_json()}
-    mfcs = tuple({"name": name, "model": problem.graph[name].model, "layout": layout.to_json()}
-                 for name, layout in layouts.items())
+            role = problem.roles[mfc.model]
+            models[mfc.model] = SimpleNamespace(arch=role.arch, home_layout=layout, trainable=role.trainable,
+                                                zero_stage=role.zero_stage)
+    mfcs = tuple(SimpleNamespace(mfc=problem.graph[name], layout=layout) for name, layout in layouts.items())
     return SimpleNamespace(models=models, mfcs=mfcs)
 
 
