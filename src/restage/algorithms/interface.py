@@ -50,7 +50,7 @@ class Algorithm:
     prepare_train: PrepareTrainFn
 
     @property
-    def __name__(self) -> str:  # type: ignore[override]
+    def __name__(self) -> str:
         return self.module.__name__
 
     @classmethod

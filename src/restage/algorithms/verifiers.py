@@ -31,7 +31,7 @@ _FENCED = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 def sample_reward(fn: SampleReward) -> SampleReward:
     """Mark ``fn(prompt, completion, /, **fields) -> float`` as a per-sample reward (scored concurrently)."""
-    fn.per_sample = True
+    fn.__dict__["per_sample"] = True  # read by algorithms.scoring
     return fn
 
 
@@ -98,7 +98,7 @@ def math_reward(options: RewardsConfig) -> SampleReward:
         reference = reference_answer(str(fields[name]))
         return float(answer is not None and math_equal(answer, reference))
 
-    math.right_or_wrong = True  # evaluation reports the fraction scoring 1 as eval/accuracy
+    math.__dict__["right_or_wrong"] = True  # evaluation reports the fraction scoring 1 as eval/accuracy
     return math
 
 
@@ -115,7 +115,7 @@ def format_reward(options: RewardsConfig) -> SampleReward:
     def format(prompt: str, completion: str, /, **fields) -> float:  # noqa: A001  (the reward's name)
         return float(pattern.fullmatch(completion.strip()) is not None)
 
-    format.right_or_wrong = True
+    format.__dict__["right_or_wrong"] = True  # evaluation reports the fraction scoring 1 as eval/accuracy
     return format
 
 

@@ -222,6 +222,7 @@ def stage_params(cfg: ModelConfig, pp: int, stage: int) -> list[ParamSpec]:
     out = []
     for spec in param_specs(cfg):
         if spec.where == "layer":
+            assert spec.layer is not None  # a layer parameter names its layer
             keep = lo <= spec.layer < hi
         elif spec.where == "first":
             keep = stage == 0

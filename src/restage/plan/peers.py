@@ -73,7 +73,7 @@ def _ladder(base: RoleChange, savers: tuple[str, ...] = SAVERS) -> list[RoleChan
                 if saver == "offload_frozen" and not role.trainable:
                     role = dataclasses.replace(role, offload_when_idle=True)
                 elif saver != "offload_frozen" and role.trainable:
-                    role = dataclasses.replace(role, **{saver: True})
+                    role = dataclasses.replace(role, **{saver: True})  # type: ignore[arg-type]  # saver names a bool field
             return role
         return change
     return [level(k) for k in range(len(savers) + 1)]

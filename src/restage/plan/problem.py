@@ -140,7 +140,8 @@ def micro_batch_options(mfc: MFC, strategy: Strategy) -> list[int]:
         return [1]  # the runtime generates each DP rank's prompts as one batch
     base = max(mfc.micro_batches, strategy.pp)
     most = max(int(sequences_per_rank(mfc, strategy.dp)), 1)
-    out, m = [], base
+    out: list[int] = []
+    m = base
     for _ in range(MAX_MICRO_BATCH_DOUBLINGS + 1):
         if m > most and out:
             break
@@ -223,7 +224,7 @@ class PlanProblem:
         mesh size, and those its model's other MFCs keep (sharing a layout saves a reallocation)."""
         mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
         if mfc.name not in self._candidates:
-            shapes = dict(self._kept_shapes(mfc))
+            shapes: dict[tuple[int, Strategy], int | None] = dict(self._kept_shapes(mfc))
             for other in self.mfcs:
                 if other.model == mfc.model and other.name != mfc.name:
                     for size, strategy in self._kept_shapes(other):

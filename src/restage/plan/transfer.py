@@ -97,6 +97,7 @@ def _fast_realloc(cfg: ModelConfig, src: Layout, dst: Layout, bytes_per_element:
     # the dst DP replicas that do not already hold it, grouped by node as the planner does.
     for (p1, p2), common in overlaps.items():
         for t2 in range(s2.tp):
+            wanted: list[tuple[int | None, int]]  # (source TP rank, or None for the replicated part; elements)
             wanted = [(t1, sum(split.get((w, t1, t2), 0) * common[w] for w in ("layer", "first", "last")))
                       for t1 in range(s1.tp)]
             wanted.append((None, sum(replicated.get(w, 0) * common[w] for w in ("layer", "first", "last"))))

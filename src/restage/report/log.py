@@ -197,15 +197,15 @@ class LogWriter:
                 self._pending["steps"].pop()
                 raise ValueError(f"{name} rows of steps {stray} recorded while closing step {step}; "
                                  f"close each step before recording the next")
-        rows = {"step": step, **{name: list(pending) for name, pending in self._pending.items()}}
-        line = journal.encode(rows)
+        entry = {"step": step, **{name: list(pending) for name, pending in self._pending.items()}}
+        line = journal.encode(entry)
         for pending in self._pending.values():
             pending.clear()
         with writing(f"the run log (step {step})", self._journal_path):
             self._journal.append(line)
         self.last_complete_step = step
         for observer in self.observers:
-            observer.step(rows)
+            observer.step(entry)
 
     def close(self) -> None:
         """Fold the journal into ``log.h5``, mark it cleanly closed (the run ended normally) and remove the journal."""
