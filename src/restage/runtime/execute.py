@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from restage.algorithms import estimators, ops
-from restage.algorithms.base import Algorithm, AlgoState
+from restage.algorithms.base import AlgoState
+from restage.algorithms.interface import Algorithm
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch, pack_sequences
 from restage.device import rank_device
