@@ -8,8 +8,9 @@ Two kinds of reward function (``algorithms/rewards.py`` resolves both):
   called for every answer concurrently on ``rewards.workers`` threads (a code reward's sandboxed
   subprocesses run side by side).
 
-An answer whose reward raises or is not finite is reported on stderr with its sample id and scores
-0; with ``rewards.on_error: stop`` it stops the run instead (``RewardError``, one line).
+An answer whose per-sample reward raises, or whose reward is not finite, is reported on stderr with its
+sample id and scores 0; with ``rewards.on_error: stop`` it stops the run instead (``RewardError``, one
+line). A batched reward that raises stops the run: it cannot say which answer failed.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def score(fn: Callable, prompts: Sequence[str], answers: Sequence[str], sample_i
     fields = [dict(fields_of.get(i, {})) for i in sample_ids]
     name = getattr(fn, "__name__", "reward_fn")
     failures: list[tuple[object, str]] = []
+    results: list[float | str]
     if getattr(fn, "per_sample", False):
         def one(k: int) -> float | str:
             try:
@@ -52,10 +54,9 @@ def score(fn: Callable, prompts: Sequence[str], answers: Sequence[str], sample_i
         keywords = {}
         if takes_fields(fn):
             keywords = {key: [f.get(key) for f in fields] for key in dict.fromkeys(k for f in fields for k in f)}
-        try:
-            results = [float(v) for v in fn(list(prompts), list(answers), **keywords)]
-        except Exception as err:  # a batched reward cannot say which answer failed: each is reported
-            results = [f"raised {type(err).__name__} (batched: for every answer): {err}"] * len(answers)
+        # A batched reward that raises cannot say which answer failed: the error is the function's, and it
+        # stops the run on its rank as any exception in an MFC does (the rank's error line names it).
+        results = [float(v) for v in fn(list(prompts), list(answers), **keywords)]
         if len(results) != len(answers):
             raise RewardError(f"reward_fn {name} returned {len(results)} rewards for {len(answers)} answers")
     values = []
