@@ -15,7 +15,7 @@ import json
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,17 +35,10 @@ from restage.runtime.nonfinite import NonFiniteError, any_rank, finite_files, fi
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from restage.algorithms.base import AlgoState
     from restage.models.decoder import StageModule
 
 ENGINE_TAG = "state"
-
-
-class AlgoState(Protocol):
-    """What a checkpoint keeps of the algorithm's state (``algorithms.base``'s state object)."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 def _engine_group(groups: ProcessGroups, slot: ModelSlot, rank: int) -> ProcessGroup | None:
