@@ -13,10 +13,13 @@ from __future__ import annotations
 import contextlib
 import json
 import pickle
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.serialization import MAP_LOCATION
 
 from restage.disk import writing
 from restage.errors import CheckpointError
@@ -24,30 +27,36 @@ from restage.layout import ProcessGroups
 from restage.models.checkpoint import load_stage, save_checkpoint
 from restage.runtime import checkpoint_dir
 from restage.runtime.control import Control
-from restage.runtime.engines import barriers_on, engine_groups
+from restage.runtime.engines import Engine, barriers_on, engine_groups
 from restage.runtime.master import Master
 from restage.runtime.model_store import ModelSlot, ModelStore
 from restage.runtime.nonfinite import NonFiniteError, any_rank, finite_files, finite_weights
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from restage.algorithms.base import AlgoState
+    from restage.models.decoder import StageModule
+
 ENGINE_TAG = "state"
 
 
-def _engine_group(groups: ProcessGroups, slot: ModelSlot, rank: int):
+def _engine_group(groups: ProcessGroups, slot: ModelSlot, rank: int) -> ProcessGroup | None:
     return groups.get(slot.home.mesh) if slot.home.size > 1 else groups.get((rank,))
 
 
-def _rank_state(algo_state) -> dict:
+def _rank_state(algo_state: AlgoState) -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "algo": algo_state.state_dict()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _trained(store: ModelStore) -> list:
+def _trained(store: ModelStore) -> list[StageModule]:
     return [slot.module for slot in store.slots.values() if slot.engine is not None and slot.module is not None]
 
 
-def save(trial_dir: Path, step: int, store: ModelStore, groups: ProcessGroups, control: Control, algo_state,
+def save(trial_dir: Path, step: int, store: ModelStore, groups: ProcessGroups, control: Control, algo_state: AlgoState,
          master: Master | None, keep_checkpoints: int) -> None:
     """Collective over all ranks: write checkpoint ``step`` of ``store``'s models, this rank's RNG and
     ``algo_state``, and the master's data cursor (``master`` on rank 0, else None); seal it."""
@@ -75,13 +84,15 @@ def _write_models(path: Path, store: ModelStore, groups: ProcessGroups) -> None:
                 save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.entry.path)
         if slot.engine is None:
             continue
+        engine: Engine = slot.engine
+        assert slot.module is not None, f"{name}: an engine without its module"  # build_engine wraps the home shard
         with _maybe_gathered(slot):
             save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.entry.path)
-        with barriers_on(_engine_group(groups, slot, store.rank)), engine_groups(slot.engine):
-            slot.engine.save_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG, save_latest=False)
+        with barriers_on(_engine_group(groups, slot, store.rank)), engine_groups(engine):
+            engine.save_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG, save_latest=False)
 
 
-def load(trial_dir: Path, store: ModelStore, groups: ProcessGroups, control: Control, algo_state,
+def load(trial_dir: Path, store: ModelStore, groups: ProcessGroups, control: Control, algo_state: AlgoState,
          master: Master | None) -> int:
     """Restore the last whole checkpoint into ``store``'s models, the RNG, ``algo_state`` and ``master`` (rank 0's
     data cursor; None elsewhere); returns the step to continue from."""
@@ -95,9 +106,10 @@ def load(trial_dir: Path, store: ModelStore, groups: ProcessGroups, control: Con
             _load_weights(slot, path / name / "hf", groups, store)
         if slot.engine is None:
             continue
-        with (barriers_on(_engine_group(groups, slot, store.rank)), engine_groups(slot.engine),
-              _safe_engine_loads(slot.engine)):
-            loaded, _ = slot.engine.load_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG)
+        engine: Engine = slot.engine
+        with (barriers_on(_engine_group(groups, slot, store.rank)), engine_groups(engine),
+              _safe_engine_loads(engine)):
+            loaded, _ = engine.load_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG)
         if loaded is None:
             raise CheckpointError(f"{path / name / 'engine'}: DeepSpeed found no state for rank {store.rank}; "
                                   "resume with the same schedule and number of ranks")
@@ -131,7 +143,7 @@ def nonfinite_refusal(trial_dir: Path, path: Path) -> str:
             "resume from it, or start the trial afresh")
 
 
-def safe_load(path: Path, map_location=None, allowed: list | tuple = ()):
+def safe_load(path: Path, map_location: MAP_LOCATION = None, allowed: Sequence[Callable[..., object]] = ()) -> Any:
     """``torch.load`` that cannot run code: tensors, containers and plain values, plus the ``allowed`` classes.
 
     A checkpoint is data; a pickle can name any callable, and ``weights_only=False`` would call it on
@@ -148,7 +160,7 @@ def safe_load(path: Path, map_location=None, allowed: list | tuple = ()):
                               "checkpoint") from None
 
 
-def _deepspeed_state_types() -> list:
+def _deepspeed_state_types() -> list[Callable[..., object]]:
     """The classes DeepSpeed's engine and ZeRO optimizer files hold besides tensors and containers (listed by
     ``torch.serialization.get_unsafe_globals_in_checkpoint`` on its files), allowed in a weights-only load."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
@@ -159,7 +171,7 @@ def _deepspeed_state_types() -> list:
 
 
 @contextlib.contextmanager
-def _safe_engine_loads(engine):
+def _safe_engine_loads(engine: Engine) -> Iterator[None]:
     """DeepSpeed's engine reads its files through ``engine.checkpoint_engine.load``, with ``weights_only=False``;
     for the block, it reads them through ``safe_load`` instead (DeepSpeed has no switch for it)."""
     checkpoint_engine = engine.checkpoint_engine
@@ -174,30 +186,33 @@ def _safe_engine_loads(engine):
 
 def _load_weights(slot: ModelSlot, hf_dir: Path, groups: ProcessGroups, store: ModelStore) -> None:
     """Overwrite a frozen model's home shard with the weights a checkpoint saved (a reference the EMA changed)."""
-    saved = load_stage(hf_dir, slot.home, groups, store.rank, slot.module.dtype, store.device)
+    module = slot.module
+    assert module is not None, f"{slot.name}: no home shard to load into"  # callers check it
+    saved = load_stage(hf_dir, slot.home, groups, store.rank, module.dtype, store.device)
     with torch.no_grad():
-        for param, value in zip(slot.module.parameters(), saved.parameters(), strict=True):
+        for param, value in zip(module.parameters(), saved.parameters(), strict=True):
             param.copy_(value)
 
 
 @contextlib.contextmanager
-def _on_device(slot, device):
+def _on_device(slot: ModelSlot, device: torch.device) -> Iterator[None]:
     """An offloaded model back on the device for the block (saving gathers over TP, which NCCL does on the GPU)."""
-    offloaded = slot.host_copy is not None and slot.host_copy.location == "host"
-    if offloaded:
-        slot.host_copy.reload(device)
+    offloaded = slot.host_copy if slot.host_copy is not None and slot.host_copy.location == "host" else None
+    if offloaded is not None:
+        offloaded.reload(device)
     try:
         yield
     finally:
-        if offloaded:
-            slot.host_copy.offload()  # the host copy is still current: nothing is copied back
+        if offloaded is not None:
+            offloaded.offload()  # the host copy is still current: nothing is copied back
 
 
 @contextlib.contextmanager
-def _maybe_gathered(slot):
+def _maybe_gathered(slot: ModelSlot) -> Iterator[None]:
     if slot.entry.zero_stage == 3:
         import deepspeed
 
+        assert slot.module is not None  # only slots with an engine, which wraps the module, are gathered
         with deepspeed.zero.GatheredParameters(list(slot.module.parameters())):
             yield
     else:

@@ -18,22 +18,25 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import assert_never
 
-from restage.config import config_from_dict
+from restage.config import ExperimentConfig, ModelSpec, config_from_dict
 from restage.errors import ConfigError
 from restage.layout import Layout
 from restage.models.config import ModelConfig
 from restage.schedule.file import Schedule
 from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
-from restage.schedule.realloc_plan import plan_reallocation
+from restage.schedule.realloc_plan import ReallocPlan, plan_reallocation
 
 
-def ranks_per_node(schedule) -> int:
+def ranks_per_node(schedule: Schedule) -> int:
     """Ranks per node: the launcher's ``RESTAGE_RANKS_PER_NODE`` if set, else the schedule's cluster (as planned)."""
     value = os.environ.get("RESTAGE_RANKS_PER_NODE") or schedule.cluster.get("devices_per_node")
+    not_whole = ConfigError(f"ranks per node {value!r} is not a whole number; set RESTAGE_RANKS_PER_NODE")
+    if value is None:
+        raise not_whole
     try:
         per_node = int(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"ranks per node {value!r} is not a whole number; set RESTAGE_RANKS_PER_NODE") from None
+        raise not_whole from None
     if per_node < 1:
         raise ConfigError(f"ranks per node {per_node} must be >= 1; set RESTAGE_RANKS_PER_NODE")
     return per_node
@@ -48,12 +51,12 @@ def block_node_of(per_node: int) -> Callable[[int], int]:
     return functools.partial(_block, per_node)
 
 
-def is_critic(name: str, spec, cfg: ModelConfig) -> bool:
+def is_critic(name: str, spec: ModelSpec, cfg: ModelConfig) -> bool:
     """Whether a model runs with a value head (a critic or reward model), whatever its checkpoint says."""
     return cfg.is_critic or spec.init_critic_from_lm or name in ("critic", "reward")
 
 
-def realloc_model_config(schedule: Schedule, experiment, name: str) -> ModelConfig:
+def realloc_model_config(schedule: Schedule, experiment: ExperimentConfig, name: str) -> ModelConfig:
     """The architecture a model's parameters are reallocated in (with its value head where it has one)."""
     cfg = schedule.models[name].arch
     if is_critic(name, experiment.models[name], cfg) and not cfg.is_critic:
@@ -90,7 +93,7 @@ def run_groups(layouts: Iterable[Layout], ops: Iterable[Op]) -> list[tuple[int, 
     return sorted(wanted)
 
 
-def singleton_ranks(schedule) -> list[int]:
+def singleton_ranks(schedule: Schedule) -> list[int]:
     """Ranks that need a one-rank group: DeepSpeed asks its mpu for the dp, tp and model-parallel groups (and
     the engine's barrier group) of a trainable model, which is one rank wherever that degree is 1."""
     out: set[int] = set()
@@ -106,16 +109,21 @@ def singleton_ranks(schedule) -> list[int]:
 
 def pipeline_pairs(layouts: Iterable[Layout]) -> set[tuple[int, int]]:
     """Rank pairs the pipeline exchanges activations over: adjacent stages, and first with last (tied embeddings)."""
-    pairs = set()
+    pairs: set[tuple[int, int]] = set()
     for layout in set(layouts):
         s = layout.strategy
         for d in range(s.dp):
             for t in range(s.tp):
                 stages = [layout.rank_at(p, d, t) for p in range(s.pp)]
-                pairs |= {tuple(sorted(pair)) for pair in zip(stages, stages[1:])}
+                pairs |= {_unordered(a, b) for a, b in zip(stages, stages[1:])}
                 if s.pp > 1:
-                    pairs.add(tuple(sorted((stages[0], stages[-1]))))
+                    pairs.add(_unordered(stages[0], stages[-1]))
     return pairs
+
+
+def _unordered(a: int, b: int) -> tuple[int, int]:
+    """The pair of ranks ``a``, ``b`` lowest first: one key for either direction."""
+    return (a, b) if a <= b else (b, a)
 
 
 @dataclass(frozen=True)
@@ -144,7 +152,8 @@ class CommunicatorBound:
                 f"{lone} single-rank), {self.max_pairs} point-to-point rank pairs")
 
 
-def communicator_bound(schedule: Schedule, realloc_plan: Callable | None = None) -> CommunicatorBound:
+def communicator_bound(schedule: Schedule, realloc_plan: Callable[[str, Layout, Layout], ReallocPlan] | None = None
+                       ) -> CommunicatorBound:
     """The bound for a schedule. ``realloc_plan(model, src, dst)`` gives a ReallocPlan (the runtime passes its
     cached planner); by default plans are made here with the schedule's node placement."""
     ops = schedule.ops()
@@ -154,7 +163,7 @@ def communicator_bound(schedule: Schedule, realloc_plan: Callable | None = None)
         node_of = block_node_of(ranks_per_node(schedule))
         dtypes = {"fp32": 4, "bf16": 2, "fp16": 2}
 
-        def realloc_plan(model: str, src: Layout, dst: Layout):
+        def realloc_plan(model: str, src: Layout, dst: Layout) -> ReallocPlan:
             return plan_reallocation(realloc_model_config(schedule, experiment, model), src, dst,
                                      bytes_per_element=dtypes[schedule.models[model].dtype], node_of=node_of)
 
@@ -163,6 +172,6 @@ def communicator_bound(schedule: Schedule, realloc_plan: Callable | None = None)
         if (move := parameter_move(op)) is not None:
             model = move.model if isinstance(move, Realloc) else schedule.mfc(move.mfc).model  # an EMA moves the trained one
             plan = realloc_plan(model, move.src, move.dst)
-            pairs |= {tuple(sorted(link)) for link in plan.bytes_by_link}
+            pairs |= {_unordered(*link) for link in plan.bytes_by_link}
     groups = tuple(run_groups(layouts, ops)) + tuple((r,) for r in singleton_ranks(schedule))
     return CommunicatorBound(groups, frozenset(pairs))

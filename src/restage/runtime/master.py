@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from restage.config import ExperimentConfig
-from restage.data.datasets import Cursor
+from restage.data.datasets import Cursor, Dataset
 from restage.report import dashboards
 from restage.report.log import LogWriter
+from restage.runtime.control import Control
 from restage.runtime.progress import Progress
 from restage.runtime.records import StepDecision, StepRecord
+from restage.schedule.file import Schedule
 
 
 def merge_stats(records: list[StepRecord]) -> dict[str, float]:
@@ -63,7 +66,8 @@ def progress_stats(stats: dict[str, float]) -> dict[str, float]:
 
 
 class Master:
-    def __init__(self, control, cfg: ExperimentConfig, schedule, trial_dir: Path, train_set, resume: bool):
+    def __init__(self, control: Control, cfg: ExperimentConfig, schedule: Schedule, trial_dir: Path, train_set: Dataset,
+                 resume: bool):
         self.cfg, self.trial_dir, self.schedule = cfg, trial_dir, schedule
         self.cursor = Cursor(len(train_set), seed=cfg.seed, shuffle=cfg.dataset.shuffle)
         self.first_mfc = schedule.mfcs[0].mfc.name
@@ -122,10 +126,10 @@ class Master:
         return StepDecision(checkpoint=last or preempted or (every > 0 and self.step % every == 0),
                             stop=last or preempted)
 
-    def checkpoint_state(self) -> dict:
+    def checkpoint_state(self) -> dict[str, Any]:
         return {"cursor": self.cursor.state_dict(), "step": self.step}
 
-    def load_checkpoint_state(self, state: dict) -> None:
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         self.cursor.load_state_dict(state["cursor"])
         self.step = int(state["step"])
         self.progress.first_step = self.step

@@ -34,6 +34,7 @@ from collections import defaultdict, deque
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from restage.errors import LayoutError
 from restage.layout import ProcessGroups
 from restage.models.sharding import shard_specs
+from restage.runtime.engines import Engine
 from restage.runtime.nccl_rules import same_device
 from restage.schedule.realloc_plan import (
     SLOTS,
@@ -53,11 +55,19 @@ from restage.schedule.realloc_plan import (
     schedule_rounds,
 )
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["SLOTS", "ReallocResult", "ReallocStats", "Workspace", "execute_reallocation", "groups_for"]
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 # Smaller contiguous pieces are packed: per message overhead outweighs a copy below this size.
 DEFAULT_DIRECT_MIN_BYTES = 1 << 18
+
+# A rank's source shard: parameters by canonical name, a module, or a DeepSpeed engine (None: it holds none).
+Source: TypeAlias = "Mapping[str, torch.Tensor] | torch.nn.Module | Engine | None"
+# A round in flight: its works, the payloads to unpack, and (start, stop) of its room in the ring (None: in place).
+_InFlight: TypeAlias = "tuple[list[dist.Work], list[tuple[Message, torch.Tensor]], tuple[int, int] | None]"
 
 
 @dataclass(frozen=True)
@@ -134,7 +144,7 @@ class ReallocResult:
     stats: ReallocStats
 
 
-def source_state(source) -> dict[str, torch.Tensor]:
+def source_state(source: Source) -> dict[str, torch.Tensor]:
     """Parameters by canonical name from a shard dict, an ``nn.Module`` or a DeepSpeed engine."""
     if source is None:
         return {}
@@ -150,6 +160,11 @@ def _is_zero3(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "ds_status")
 
 
+def _zero3_shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    """A ZeRO-3 parameter's full shape (its own ``shape`` is that of its local partition)."""
+    return tuple(tensor.ds_shape)  # type: ignore[attr-defined]  # DeepSpeed sets it on the tensor; torch's types lack it
+
+
 def _view(tensor: torch.Tensor, dim: int, rng: tuple[int, int]) -> torch.Tensor:
     return tensor.detach().narrow(dim, rng[0], rng[1] - rng[0])
 
@@ -161,7 +176,7 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dtype: torch.dtype,
+def execute_reallocation(plan: ReallocPlan, source: Source, groups: ProcessGroups, *, dtype: torch.dtype,
                          destination: dict[str, torch.Tensor] | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                          direct_min_bytes: int = DEFAULT_DIRECT_MIN_BYTES, layer_by_layer: bool | None = None,
                          workspace: Workspace | None = None, device: torch.device | None = None,
@@ -248,15 +263,15 @@ def execute_reallocation(plan: ReallocPlan, source, groups: ProcessGroups, *, dt
     return ReallocResult(dst, stats)
 
 
-def _check_inputs(plan: ReallocPlan, me: int, src: dict, transfers: list, local: list[Piece],
-                  groups: ProcessGroups, dtype: torch.dtype):
+def _check_inputs(plan: ReallocPlan, me: int, src: dict[str, torch.Tensor], transfers: list[Message],
+                  local: list[Piece], groups: ProcessGroups, dtype: torch.dtype) -> ProcessGroup | None:
     """Fail on this rank before it communicates (missing parameters, wrong shapes or dtypes, a missing group);
     return the plan's group (None for a rank outside the plan or a one-rank plan)."""
     for p in [p for t in transfers if t.src_rank == me for p in t.pieces] + local:
         tensor = src.get(p.name)
         if tensor is None:
             raise KeyError(f"rank {me}: the source has no parameter {p.name!r}; it holds {sorted(src)[:4]}...")
-        shape = tuple(tensor.ds_shape) if _is_zero3(tensor) else tuple(tensor.shape)
+        shape = _zero3_shape(tensor) if _is_zero3(tensor) else tuple(tensor.shape)
         if shape != p.src_shape or tensor.dtype != dtype:
             raise ValueError(f"rank {me}: source {p.name} is {tuple(shape)} {tensor.dtype}, "
                              f"the plan expects {p.src_shape} {dtype}")
@@ -265,7 +280,7 @@ def _check_inputs(plan: ReallocPlan, me: int, src: dict, transfers: list, local:
     return groups.get(plan.ranks)
 
 
-def _agree(plan: ReallocPlan, group, device: torch.device) -> None:
+def _agree(plan: ReallocPlan, group: ProcessGroup, device: torch.device) -> None:
     """The group's first call is a collective every member joins (NCCL wants it before any batched P2P);
     it also checks that every member walks the same plan, which would otherwise hang."""
     fingerprint = zlib.crc32(f"{plan.src} {plan.dst} {len(plan.pieces)} {plan.total_bytes}".encode())
@@ -322,7 +337,7 @@ def _gathered(src: dict[str, torch.Tensor], names: tuple[str, ...], meter: _Mete
     import deepspeed
 
     params = [src[n] for n in names]
-    nbytes = sum(math.prod(p.ds_shape) for p in params) * bpe
+    nbytes = sum(math.prod(_zero3_shape(p)) for p in params) * bpe
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         meter.add("gathered", nbytes)
         try:
@@ -352,10 +367,10 @@ class _Batches:
     member posted (a member waits only on lower rounds, all finished), so nothing deadlocks.
     """
 
-    def __init__(self, buffer: torch.Tensor | None, me: int, src: dict, dst: dict, group, tally: _Tally):
+    def __init__(self, buffer: torch.Tensor | None, me: int, src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
+                 group: ProcessGroup | None, tally: _Tally) -> None:
         self.buffer = buffer
-        # In flight, oldest first: (works, payloads to unpack, (start, stop) of its room or None).
-        self.pending: deque[tuple[list, list[tuple[Message, torch.Tensor]], tuple[int, int] | None]] = deque()
+        self.pending: deque[_InFlight] = deque()  # in flight, oldest first
         self.local: deque[Piece] = deque()  # local copies still to make
         self.me, self.src, self.dst, self.group, self.tally = me, src, dst, group, tally
 
@@ -364,7 +379,8 @@ class _Batches:
         numel = r.packed_numel(me)
         start = self._room(numel) if numel else 0
         room = (start, start + numel) if numel else None
-        ops, unpack = [], []
+        ops: list[dist.P2POp] = []
+        unpack: list[tuple[Message, torch.Tensor]] = []
         for t in r.messages:
             sender = t.src_rank == me
             if not sender and me not in t.dst_ranks:
@@ -373,6 +389,7 @@ class _Batches:
                 (p,) = t.pieces
                 payload = _view(self.src[p.name], p.dim, p.src_range) if sender else _view(self.dst[p.name], p.dim, p.dst_range)
             else:
+                assert self.buffer is not None  # a round that packs here counted in the ring's size, so there is one
                 payload = self.buffer[start: start + t.numel]
                 start += t.numel
                 if sender:
@@ -396,6 +413,7 @@ class _Batches:
 
     def _room(self, numel: int) -> int:
         """Where ``numel`` elements fit after the newest packing round in flight, finishing the oldest until they do."""
+        assert self.buffer is not None  # asked only for a round that packs, which the ring was sized for
         size = self.buffer.numel()
         while True:
             rooms = [room for _, _, room in self.pending if room is not None]
@@ -411,7 +429,7 @@ class _Batches:
                 return head
             self._finish(next(entry for entry in self.pending if entry[2] is not None))
 
-    def _finish(self, entry) -> None:
+    def _finish(self, entry: _InFlight) -> None:
         del self.pending[next(i for i, e in enumerate(self.pending) if e is entry)]  # by identity: entries hold tensors
         works, unpack, _ = entry
         for work in works:

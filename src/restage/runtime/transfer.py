@@ -23,6 +23,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,10 @@ from restage.data.batch import Batch, contiguous_parts
 from restage.errors import LayoutError
 from restage.layout import Layout
 from restage.runtime.control import wait_quietly
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+    from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,8 @@ class KeySpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype.removeprefix("torch."))
+        dtype: torch.dtype = getattr(torch, self.dtype.removeprefix("torch."))
+        return dtype
 
     def row_bytes(self) -> int:
         return math.prod(self.trailing_shape) * torch.empty((), dtype=self.torch_dtype).element_size()
@@ -147,7 +153,8 @@ def contiguous_assignment(sample_tokens: Sequence[int], dp: int) -> list[list[in
     return parts + [[] for _ in range(dp - len(parts))]
 
 
-def _assign(meta: BatchMeta, dp: int, assignment, prefer: Callable[[int, int], bool]) -> list[list[int]]:
+def _assign(meta: BatchMeta, dp: int, assignment: str | Sequence[Sequence[int]] | None,
+            prefer: Callable[[int, int], bool]) -> list[list[int]]:
     tokens = [meta.sample_tokens(i) for i in range(meta.n_samples)]
     if assignment is None:
         return balance_by_tokens(tokens, dp, prefer)
@@ -204,7 +211,8 @@ def plan_transfer(meta: BatchMeta, producer: Layout, consumer: Layout, *, consum
 
     parts = _assign(meta, consumer.strategy.dp, assignment, local)
     load: dict[int, int] = defaultdict(int)
-    messages, links = [], defaultdict(int)
+    messages: list[Message] = []
+    links: defaultdict[tuple[int, int], int] = defaultdict(int)
     for d, part in enumerate(parts):
         by_producer: dict[int, list[int]] = defaultdict(list)
         for i in part:
@@ -237,11 +245,11 @@ class MpiChannel(Channel):
 
     TAG = 13
 
-    def __init__(self, comm, ranks: Sequence[int]):
+    def __init__(self, comm: MPI.Comm, ranks: Sequence[int]) -> None:
         self.comm = comm
         self.index = {r: i for i, r in enumerate(ranks)}
 
-    def exchange(self, sends, receives) -> None:
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], receives: Sequence[tuple[torch.Tensor, int]]) -> None:
         from mpi4py import MPI  # the control plane's library; only runtime processes have it
 
         # MPI keeps the order of messages between two ranks, so posting in the plan's order matches them.
@@ -256,10 +264,10 @@ class MpiChannel(Channel):
 class GlooChannel(Channel):
     """Over a gloo process group (None: the default group, when it is gloo), as one batch of sends and receives."""
 
-    def __init__(self, group=None):
+    def __init__(self, group: ProcessGroup | None = None) -> None:
         self.group = group
 
-    def exchange(self, sends, receives) -> None:
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], receives: Sequence[tuple[torch.Tensor, int]]) -> None:
         ops = [dist.P2POp(dist.irecv, t, r, self.group) for t, r in receives]
         ops += [dist.P2POp(dist.isend, t, r, self.group) for t, r in sends]
         for work in dist.batch_isend_irecv(ops) if ops else []:
@@ -293,7 +301,8 @@ def _slices(meta: BatchMeta, key: KeySpec, order: Sequence[int]) -> dict[int, tu
     return out
 
 
-def _pack(meta: BatchMeta, mine: Batch, order: Sequence[int], samples: Sequence[int], device) -> torch.Tensor:
+def _pack(meta: BatchMeta, mine: Batch, order: Sequence[int], samples: Sequence[int], device: torch.device
+          ) -> torch.Tensor:
     """One byte buffer: for each key, the rows of ``samples`` in turn."""
     parts = []
     for key in _packing_order(meta.keys):
@@ -316,11 +325,14 @@ def execute_transfer(plan: TransferPlan, mine: Batch | None, channel: Channel, r
     if my_part is not None and (0 if mine is None else mine.n_samples) != len(order):
         raise ValueError(f"rank {me} holds producer part {my_part} of {len(order)} samples but was given "
                          f"{None if mine is None else mine.n_samples}")
-    sent, received = defaultdict(int), defaultdict(int)
+    sent: defaultdict[tuple[int, int], int] = defaultdict(int)
+    received: defaultdict[tuple[int, int], int] = defaultdict(int)
     buffers: dict[Message, torch.Tensor] = {}
-    sends, receives = [], []
+    sends: list[tuple[torch.Tensor, int]] = []
+    receives: list[tuple[torch.Tensor, int]] = []
     for m in plan.messages:  # global order: both sides of every pair post in it
         if m.src_rank == me:
+            assert mine is not None  # a sender holds a non-empty producer part, and its batch was checked above
             payload = _pack(meta, mine, order, m.samples, torch.device("cpu"))
             sends += [(payload, r) for r in m.dst_ranks]  # one send per receiver, from the same bytes
             for r in m.dst_ranks:
@@ -336,7 +348,7 @@ def execute_transfer(plan: TransferPlan, mine: Batch | None, channel: Channel, r
 
 
 def _assemble(plan: TransferPlan, d: int, me: int, mine: Batch | None, order: Sequence[int],
-              buffers: Mapping[Message, torch.Tensor], device) -> Batch:
+              buffers: Mapping[Message, torch.Tensor], device: torch.device) -> Batch:
     """This consumer DP rank's batch: its samples in global order, from local rows or received messages."""
     meta, part = plan.meta, plan.assignment[d]
     where: dict[int, tuple[Message, int]] = {}  # sample -> (message, its index in the message)
@@ -344,15 +356,16 @@ def _assemble(plan: TransferPlan, d: int, me: int, mine: Batch | None, order: Se
         if me in m.dst_ranks:
             for k, i in enumerate(m.samples):
                 where[i] = (m, k)
-    tokens, seqs = {}, {}
+    tokens: dict[str, torch.Tensor] = {}
+    seqs: dict[str, torch.Tensor] = {}
     offsets = {m: 0 for m in buffers}
     byte_ranges: dict[tuple[Message, str], list[tuple[int, int]]] = {}
     for m in buffers:  # byte range of each (key, sample) inside each message, in packing order
         for key in _packing_order(meta.keys):
             ranges = []
-            for rows in _rows(meta, key, m.samples):
-                ranges.append((offsets[m], offsets[m] + rows * key.row_bytes()))
-                offsets[m] += rows * key.row_bytes()
+            for sample_rows in _rows(meta, key, m.samples):
+                ranges.append((offsets[m], offsets[m] + sample_rows * key.row_bytes()))
+                offsets[m] += sample_rows * key.row_bytes()
             byte_ranges[(m, key.name)] = ranges
     for key in meta.keys:
         rows = _rows(meta, key, part)
@@ -365,6 +378,7 @@ def _assemble(plan: TransferPlan, d: int, me: int, mine: Batch | None, order: Se
                 lo, hi = byte_ranges[(m, key.name)][k]
                 out[start:start + n] = buffers[m][lo:hi].view(key.torch_dtype).view(n, *key.trailing_shape)
             else:  # this rank produced the sample itself
+                assert mine is not None  # a sample no message brings is one this rank holds
                 lo, hi = local[i]
                 out[start:start + n] = mine[key.name][lo:hi].to(device)
             start += n
