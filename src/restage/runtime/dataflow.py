@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import assert_never
+from typing import TYPE_CHECKING, assert_never
 
 from restage.data.batch import Batch
+from restage.data.datasets import Dataset
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout
 from restage.models.config import ModelConfig
@@ -36,12 +37,19 @@ from restage.runtime.transfer import (
 )
 from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
 
+if TYPE_CHECKING:  # importing mpi4py initializes MPI: only create_comms, which talks over it, imports it
+    from mpi4py import MPI
+
+# How a consumer cuts the global order (transfer.plan_transfer's ``assignment``): "contiguous", or the global
+# sample indices of each consumer DP rank.
+Assignment = str | list[list[int]]
+
 
 @dataclass(frozen=True)
 class OutputMeta:
     """The global picture of one MFC's output batch."""
 
-    ids: tuple
+    ids: tuple[int, ...]
     seqlens: tuple[int, ...]
     group_size: int
     keys: tuple[KeySpec, ...]
@@ -56,7 +64,7 @@ class OutputPart:
     """What one producer DP rank tells the ranks of a transfer about its part of the output (sent over MPI)."""
 
     dp_rank: int
-    ids: tuple
+    ids: tuple[int, ...]
     seqlens: tuple[int, ...]
     group_size: int
     keys: tuple[KeySpec, ...]
@@ -68,13 +76,13 @@ class DataFlow:
     def __init__(self, graph: DataflowGraph, layouts: dict[str, Layout], rank: int,
                  node_of: Callable[[int], int] = lambda r: 0):
         self.graph, self.layouts, self.rank, self.node_of = graph, layouts, rank, node_of
-        self._comms: dict[tuple[int, ...], object] = {}
+        self._comms: dict[tuple[int, ...], MPI.Comm] = {}
         self.meta: dict[tuple[str, tuple[int, ...]], OutputMeta] = {}
         self._dataset_tokens: list[int] = []
         self.ids: list[int] = []
 
     # -- start-up -------------------------------------------------------------------------------------
-    def create_comms(self, ops: list[Op], comm) -> None:
+    def create_comms(self, ops: list[Op], comm: MPI.Comm) -> None:
         """MPI sub-communicators for the metadata and payloads of each transfer, split from ``comm`` in op order.
 
         ``Split`` is collective over all of ``comm`` (a rank outside a transfer passes MPI_UNDEFINED), once per
@@ -102,7 +110,7 @@ class DataFlow:
                 self._comms[op.ranks] = sub
 
     # -- per step ---------------------------------------------------------------------------------------
-    def begin_step(self, ids: list[int], dataset) -> None:
+    def begin_step(self, ids: list[int], dataset: Dataset) -> None:
         self.ids = list(ids)
         self.meta = {}
         self._dataset_tokens = dataset.batch(self.ids).sample_tokens() if self.ids else []
@@ -120,13 +128,14 @@ class DataFlow:
             return self.meta[cache_key]
         producer_layout = self.layouts[op.producer]
         coord = producer_layout.coord(self.rank)
-        contribution = None
+        contribution: OutputPart | None = None
         if coord is not None and coord.tp == 0 and coord.pp == 0 and mine is not None:
             contribution = OutputPart(coord.dp, mine.ids, mine.seqlens, mine.group_size, KeySpec.of(mine))
         gathered: list[OutputPart] = [c for c in allgather(self._comms[op.ranks], contribution) if c is not None]
         gathered.sort(key=lambda c: c.dp_rank)
         group = gathered[0].group_size if gathered else 1
-        parts, start = [[] for _ in range(producer_layout.strategy.dp)], 0
+        parts: list[tuple[int, ...]] = [() for _ in range(producer_layout.strategy.dp)]
+        start = 0
         for c in gathered:
             count = len(c.seqlens) // group
             parts[c.dp_rank] = tuple(range(start, start + count))
@@ -136,7 +145,7 @@ class DataFlow:
         self.meta[cache_key] = meta
         return meta
 
-    def _assignment(self, op: SendKey):
+    def _assignment(self, op: SendKey) -> Assignment:
         """How the consumer cuts the global order: as the output holding its first input (its token ids) is cut.
 
         Keys from another producer (ReMax's greedy baseline rewards) come with that producer's
@@ -147,15 +156,16 @@ class DataFlow:
         if primary is None or primary.name == op.producer:
             return "contiguous"
         root = op.dst.mesh[0]
-        parts = None
+        parts: list[list[int]] | None = None
         if self.rank == root:
             first = next(m for (producer, _), m in self.meta.items() if producer == primary.name)
             g = first.group_size
             tokens = [sum(first.seqlens[i:i + g]) for i in range(0, len(first.seqlens), g)]
             parts = contiguous_assignment(tokens, op.dst.strategy.dp)
-        return bcast(self._comms[op.ranks], parts, root=op.ranks.index(root))
+        assignment: list[list[int]] = bcast(self._comms[op.ranks], parts, root=op.ranks.index(root))
+        return assignment
 
-    def plan(self, op: SendKey, meta: OutputMeta, assignment) -> TransferPlan:
+    def plan(self, op: SendKey, meta: OutputMeta, assignment: Assignment) -> TransferPlan:
         """The plan of one transfer op (one key), senders chosen on the receivers' node (the run's ``node_of``)."""
         n_samples = len(meta.seqlens) // meta.group_size
         batch = BatchMeta(meta.ids or tuple(range(n_samples)), meta.seqlens, meta.group_size, (meta.key(op.key),),
@@ -178,7 +188,7 @@ class DataFlow:
         return _on_cpu(batch, batch.ids if meta.ids else ()), sent
 
 
-def _on_cpu(batch: Batch, ids: tuple) -> Batch:
+def _on_cpu(batch: Batch, ids: tuple[int, ...]) -> Batch:
     return Batch(batch.seqlens, {k: v.cpu() for k, v in batch.tokens.items()}, {k: v.cpu() for k, v in batch.seqs.items()},
                  batch.group_size, ids)
 

@@ -22,13 +22,13 @@ reward), ``eval/accuracy`` (fraction right, where the task has a right-or-wrong 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import assert_never
+from typing import TYPE_CHECKING, Any, assert_never
 
 import torch
 
-from restage.algorithms.rewards import decode, seq_sample_ids
+from restage.algorithms.rewards import AccuracyFn, RewardFn, decode, seq_sample_ids
 from restage.algorithms.scoring import score
 from restage.config import ExperimentConfig, RewardsConfig, RunConfig
 from restage.data.batch import Batch
@@ -41,6 +41,9 @@ from restage.runtime.op_handlers import OpHandlers, StepData
 from restage.runtime.records import StepRecord
 from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
 from restage.schedule.program import build_eval_program
+
+if TYPE_CHECKING:  # transformers is heavy to import; only the annotations name it
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,8 @@ def _in_pass(op: Op, first: bool, last: bool) -> bool:
             assert_never(op)
 
 
-def run_eval(handlers: OpHandlers, op: Run, data: StepData, record: StepRecord, plan: EvalPlan, tokenizer,
-             accuracy_fn: Callable | None) -> None:
+def run_eval(handlers: OpHandlers, op: Run, data: StepData, record: StepRecord, plan: EvalPlan,
+             tokenizer: PreTrainedTokenizerBase, accuracy_fn: AccuracyFn | None) -> None:
     """One ``run`` op of an evaluation pass: answer (or score) this rank's prompts; reporting ranks add their sums."""
     mfc = handlers.graph[op.mfc]
     layout = handlers.layouts[mfc.name]
@@ -131,12 +134,16 @@ def run_eval(handlers: OpHandlers, op: Run, data: StepData, record: StepRecord, 
         answered = data.outputs[mfc.name] = run_eval_generate(module, mfc, batch, handlers.cfg)
     else:  # the reward model: its input holds the answers
         answered = batch
-        rewards = run_inference(module, mfc, batch, handlers.algo, handlers.cfg, handlers.state).batch["rewards"]
+        scored = run_inference(module, mfc, batch, handlers.algo, handlers.cfg, handlers.state).batch
+        assert scored is not None  # run_inference always returns its batch
+        rewards = scored["rewards"]
     scoring = (plan.reward or plan.generate).name == mfc.name
     if scoring and ctx.coord.tp == 0 and ctx.coord.pp == ctx.strategy.pp - 1:  # one reporter per DP replica
         correct = None
         if rewards is None:
-            rewards, correct = rule_scores(answered, handlers.state.reward_fn, accuracy_fn, tokenizer, ids_key, mask_key,
+            reward_fn = handlers.state.reward_fn
+            assert reward_fn is not None  # no reward model: the config names a reward_fn (check_reward_source)
+            rewards, correct = rule_scores(answered, reward_fn, accuracy_fn, tokenizer, ids_key, mask_key,
                                            handlers.state.sample_fields, handlers.cfg.rewards)
         for key, value in score_sums(answered, mask_key, rewards, correct).items():
             record.eval_sums[key] = record.eval_sums.get(key, 0.0) + value
@@ -149,8 +156,9 @@ def answer_tokens(batch: Batch, mask_key: str) -> torch.Tensor:
         0, torch.repeat_interleave(torch.arange(batch.n_seqs), torch.tensor(batch.seqlens)), answer)
 
 
-def rule_scores(batch: Batch, reward_fn: Callable, accuracy_fn: Callable | None, tokenizer, ids_key: str,
-                mask_key: str, fields_of=None, options: RewardsConfig | None = None
+def rule_scores(batch: Batch, reward_fn: RewardFn, accuracy_fn: AccuracyFn | None, tokenizer: PreTrainedTokenizerBase,
+                ids_key: str, mask_key: str, fields_of: Mapping[int, Mapping[str, Any]] | None = None,
+                options: RewardsConfig | None = None
                 ) -> tuple[torch.Tensor, list[bool] | None]:
     """Rewards of generated answers under the rule reward (given each sample's dataset fields, ``fields_of``),
     and which are right where the task says (a right-or-wrong verifier's: those scoring 1)."""

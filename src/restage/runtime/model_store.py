@@ -9,7 +9,7 @@ model's home shard can sit in host memory between its MFCs (``offload``/``reload
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -57,7 +57,7 @@ class ModelStore:
     """Every model's slot on this rank, the reallocation plans between its layouts, and which frozen copies exist."""
 
     def __init__(self, schedule: Schedule, cfg: ExperimentConfig, graph: DataflowGraph, rank: int, device: torch.device,
-                 node_of):
+                 node_of: Callable[[int], int]) -> None:
         self.schedule, self.cfg, self.graph = schedule, cfg, graph
         self.rank, self.device = rank, device
         # Block placement, as the planner costed it: runtime plans equal the estimator's (same node_of).

@@ -8,12 +8,16 @@ dataset keys from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from restage.algorithms.base import AlgoState
 from restage.algorithms.estimators import ema_mix_
+from restage.algorithms.interface import Algorithm
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
 from restage.data.datasets import Dataset
@@ -28,9 +32,13 @@ from restage.runtime.engines import engine_groups
 from restage.runtime.execute import MFCResult, run_generate, run_inference, run_train
 from restage.runtime.model_store import ModelStore
 from restage.runtime.nonfinite import NonFiniteError, any_rank, nonfinite_samples, nonfinite_stats
-from restage.runtime.realloc import execute_reallocation
+from restage.runtime.realloc import ReallocResult, execute_reallocation
 from restage.runtime.records import MFCRecord, StatsShare, StepRecord
 from restage.schedule.ops import Ema, Realloc, Run, SendKey
+from restage.schedule.realloc_plan import ReallocPlan
+
+# Sums a tensor over a DP group (``dp_reducer``); what ``prepare_train`` is handed as ``reduce``.
+Reducer = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -46,7 +54,7 @@ class OpHandlers:
     """The body of every op kind on this rank; ``skipped`` counts each train MFC's consecutive non-finite skips."""
 
     def __init__(self, store: ModelStore, groups: ProcessGroups, dataflow: DataFlow, clock: Clock,
-                 layouts: dict[str, Layout], cfg: ExperimentConfig, algo, state):
+                 layouts: dict[str, Layout], cfg: ExperimentConfig, algo: Algorithm, state: AlgoState) -> None:
         self.store, self.groups, self.dataflow, self.clock = store, groups, dataflow, clock
         self.graph: DataflowGraph = store.graph
         self.layouts, self.cfg, self.algo, self.state = layouts, cfg, algo, state
@@ -115,7 +123,7 @@ class OpHandlers:
                                  f"(run.max_skipped_steps={run.max_skipped_steps}); fix the reward or data")
         return True
 
-    def _dp_reduce(self, ctx: ParallelContext):
+    def _dp_reduce(self, ctx: ParallelContext) -> Reducer | None:
         if ctx.strategy.dp == 1:
             return None
         return dp_reducer(self.groups.get(ctx.dp_ranks), self.device)
@@ -158,6 +166,7 @@ class OpHandlers:
                                        dtype=DTYPES[trained.entry.dtype], share_local=True)
         if self.rank in op.dst:
             eta = float(mfc.options["ref_ema_eta"])
+            assert target.module is not None, f"rank {self.rank} of {op.model}'s home {op.dst} holds no shard"
             params = dict(target.module.named_parameters())
             for name, mixed_in in result.state.items():
                 ema_mix_(params[name].data, mixed_in.to(params[name].device), eta)  # where it lives now (maybe host)
@@ -173,7 +182,7 @@ class OpHandlers:
         return nbytes
 
 
-def dp_reducer(group, device: torch.device):
+def dp_reducer(group: dist.ProcessGroup | None, device: torch.device) -> Reducer:
     """Sum over the DP group: tensors computed on the host go to the rank's device for the collective and come back."""
 
     def reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -184,7 +193,8 @@ def dp_reducer(group, device: torch.device):
     return reduce
 
 
-def reallocate_when_ready(plan, source, groups: ProcessGroups, peer_wait_timeout_seconds: float, **options):
+def reallocate_when_ready(plan: ReallocPlan, source: object, groups: ProcessGroups, peer_wait_timeout_seconds: float,
+                          **options: Any) -> ReallocResult:
     """``execute_reallocation`` once every rank of the plan has arrived, so the data-plane timeout times only the move."""
     wait_for_ranks(sorted({*plan.src.mesh, *plan.dst.mesh}), peer_wait_timeout_seconds)
     return execute_reallocation(plan, source, groups, **options)

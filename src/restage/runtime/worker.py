@@ -31,7 +31,7 @@ from restage.device import rank_device
 from restage.errors import ConfigError, LayoutError
 from restage.layout import ProcessGroups
 from restage.runtime import checkpoint as ckpt
-from restage.runtime import comm_budget, evaluate, nccl_rules
+from restage.runtime import checkpoint_dir, comm_budget, evaluate, nccl_rules
 from restage.runtime.clock import Clock, measure_offset
 from restage.runtime.control import Control, init_torch_distributed
 from restage.runtime.dataflow import DataFlow
@@ -70,8 +70,8 @@ class Worker:
         node_of = comm_budget.block_node_of(comm_budget.ranks_per_node(schedule))
         self.store = ModelStore(schedule, cfg, self.graph, self.rank, device, node_of)
         self.dataflow = DataFlow(self.graph, self.layouts, self.rank, node_of)
-        self.groups: ProcessGroups | None = None
-        self.handlers: OpHandlers | None = None  # made with the groups
+        self._groups: ProcessGroups | None = None  # made at start-up, with every rank (_create_groups)
+        self._handlers: OpHandlers | None = None  # made with the groups
         self.master = Master(control, cfg, schedule, trial_dir, self.train_set, bool(resume)) if control.is_master else None
         self.start_step = 0
         # Every timestamp this rank reports is on the master's clock, taken once the device is idle.
@@ -97,7 +97,7 @@ class Worker:
                                startup_timeout_seconds=cfg.run.startup_timeout_seconds)
         beat.reached("ranks up")
         torch.manual_seed(cfg.seed * 1000 + control.rank)
-        if resume == "if-any" and ckpt.checkpoint_dir.latest(trial_dir) is None:
+        if resume == "if-any" and checkpoint_dir.latest(trial_dir) is None:
             resume = ""
         beat.doing("start-up: reading the tokenizer and data set, measuring the clock offset to rank 0")
         worker = cls(control, cfg, schedule, trial_dir, resume, beat)
@@ -124,14 +124,25 @@ class Worker:
         if self.control.is_master:
             print(f"restage: {bound.summary()}", flush=True)
         nccl_rules.set_bound(max_groups=bound.max_communicators, max_pairs=bound.max_pairs)  # when the checks are on
-        self.groups = ProcessGroups(comm_budget.run_groups(self.layouts.values(), self.ops),
-                                    singletons=comm_budget.singleton_ranks(self.schedule),
-                                    timeout_seconds=self.cfg.run.collective_timeout_seconds,
-                                    startup_timeout_seconds=self.cfg.run.startup_timeout_seconds)
+        groups = ProcessGroups(comm_budget.run_groups(self.layouts.values(), self.ops),
+                               singletons=comm_budget.singleton_ranks(self.schedule),
+                               timeout_seconds=self.cfg.run.collective_timeout_seconds,
+                               startup_timeout_seconds=self.cfg.run.startup_timeout_seconds)
+        self._groups = groups
         eval_ops = list(self.eval_plan.ops) if self.eval_plan is not None else []
         self.dataflow.create_comms(self.ops + eval_ops, self.control.comm)
-        self.handlers = OpHandlers(self.store, self.groups, self.dataflow, self.clock, self.layouts, self.cfg,
-                                   self.algo, self.state)
+        self._handlers = OpHandlers(self.store, groups, self.dataflow, self.clock, self.layouts, self.cfg,
+                                    self.algo, self.state)
+
+    @property
+    def groups(self) -> ProcessGroups:
+        assert self._groups is not None, "the process groups are made at start-up (Worker.start)"
+        return self._groups
+
+    @property
+    def handlers(self) -> OpHandlers:
+        assert self._handlers is not None, "the op handlers are made with the process groups (Worker.start)"
+        return self._handlers
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -152,7 +163,11 @@ class Worker:
                 self.evaluate(record)  # after the step's end: evaluation is not iteration time
             beat.doing(f"step {step + 1}: waiting for every rank's end of the step", waiting=True)
             records = self.control.gather(record)
-            decision = self.control.bcast(self.master.end_step(step, records) if self.master else None)
+            decision = None
+            if self.master:
+                assert records is not None  # the master is gather's root: it gets every rank's record
+                decision = self.master.end_step(step, records)
+            decision = self.control.bcast(decision)
             step += 1
             if decision.checkpoint:
                 beat.doing(f"step {step}: saving checkpoint step-{step}")

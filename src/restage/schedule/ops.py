@@ -114,7 +114,7 @@ def op_to_json(op: Op) -> dict[str, Any]:
     return out
 
 
-_KINDS: dict[str, type] = {cls.kind: cls for cls in get_args(Op)}
+_KINDS: dict[str, type[Op]] = {cls.kind: cls for cls in get_args(Op)}
 
 
 def op_from_json(data: dict[str, Any]) -> Op:

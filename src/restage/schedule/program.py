@@ -21,8 +21,9 @@ trained model's.
 from __future__ import annotations
 
 from restage.errors import ConfigError
-from restage.graph import DataflowGraph
+from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout
+from restage.models.config import ModelConfig
 from restage.models.sharding import param_specs
 from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
 
@@ -50,7 +51,7 @@ def ema_targets(graph: DataflowGraph) -> dict[str, str]:
     return out
 
 
-def check_ema_architectures(graph: DataflowGraph, archs: dict) -> None:
+def check_ema_architectures(graph: DataflowGraph, archs: dict[str, ModelConfig]) -> None:
     """ConfigError unless every EMA target has the parameters of the model mixed into it (``archs``: name -> ModelConfig)."""
     for target, mfc in ema_targets(graph).items():
         trained = graph[mfc].model
@@ -84,7 +85,7 @@ def build_eval_program(graph: DataflowGraph, layouts: dict[str, Layout], names: 
     return _walk(graph, [graph[name] for name in names], layouts, offload_idle)
 
 
-def _walk(graph: DataflowGraph, mfcs: list, layouts: dict[str, Layout], offload_idle: frozenset[str]) -> list[Op]:
+def _walk(graph: DataflowGraph, mfcs: list[MFC], layouts: dict[str, Layout], offload_idle: frozenset[str]) -> list[Op]:
     """The ops running ``mfcs`` (all of ``graph``'s, or some in graph order) where ``layouts`` put them."""
     homes = model_homes(graph, layouts)
     ema = ema_targets(graph)

@@ -147,6 +147,7 @@ def unit_of(cfg: ModelConfig, spec: ParamSpec) -> int:
     if spec.where == "first":
         return 0
     if spec.where == "layer":
+        assert spec.layer is not None  # param_specs gives every "layer" parameter its block index
         return 1 + spec.layer
     return cfg.num_layers + 1
 
@@ -183,6 +184,10 @@ def _holdings(cfg: ModelConfig, layout: Layout) -> dict[str, list[_Holding]]:
                 else:  # the tied embedding's copy on the last stage
                     held.ranks.extend(ranks)
     return {name: sorted(h.values(), key=lambda x: x.interval) for name, h in by_name.items()}
+
+
+# What a piece's closure binds: name, unit, dim, lo, hi, the sender's holding and the receiver's.
+_PieceAt = tuple[str, int, int, int, int, _Holding, _Holding]
 
 
 def _piece(name: str, unit: int, dim: int, lo: int, hi: int, have: _Holding, want: _Holding,
@@ -235,7 +240,8 @@ def plan_reallocation(cfg: ModelConfig, src: Layout, dst: Layout, *, bytes_per_e
                 if lo >= hi:
                     continue
 
-                def piece(sender: int, receivers: tuple[int, ...], *, _at=(name, unit, dim, lo, hi, have, want)) -> Piece:
+                def piece(sender: int, receivers: tuple[int, ...], *,
+                          _at: _PieceAt = (name, unit, dim, lo, hi, have, want)) -> Piece:
                     return _piece(*_at, sender, receivers)
 
                 holders = set(have.ranks)
