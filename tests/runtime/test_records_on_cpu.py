@@ -11,7 +11,7 @@ import torch
 from restage.data.batch import pack_sequences
 from restage.graph import DataflowGraph
 from restage.layout import Layout, Strategy
-from restage.runtime import dataflow
+from restage.runtime import routing
 from restage.runtime.master import merge_eval, merge_stats
 from restage.runtime.records import MFCRecord, MoveRecord, Span, StatsShare, StepDecision, StepRecord
 from restage.runtime.transfer import KeySpec
@@ -53,16 +53,16 @@ def test_a_transfers_metadata_is_gathered_as_typed_parts(monkeypatch):
 
     def allgather(comm, contribution):
         sent.append(contribution)
-        other = dataflow.OutputPart(1, theirs.ids, theirs.seqlens, 1, KeySpec.of(theirs))
+        other = routing.OutputPart(1, theirs.ids, theirs.seqlens, 1, KeySpec.of(theirs))
         return [_over_mpi(other), _over_mpi(contribution), None]  # None: a rank that holds no part
 
-    monkeypatch.setattr(dataflow, "allgather", allgather)
+    monkeypatch.setattr(routing, "allgather", allgather)
     producer, consumer = Layout.contiguous(0, Strategy(dp=2)), Layout.contiguous(2, Strategy(dp=1))
-    flow = dataflow.DataFlow(DataflowGraph(()), {"gen": producer}, rank=0)
+    flow = routing.SampleRouter(DataflowGraph(()), {"gen": producer}, rank=0)
     flow._comms[(0, 1, 2)] = None
     op = SimpleNamespace(producer="gen", ranks=(0, 1, 2), src=producer, dst=consumer, key="rewards")
     meta = flow._gather_meta(op, mine)
-    assert sent == [dataflow.OutputPart(0, (7, 8), (3, 5), 1, KeySpec.of(mine))]
+    assert sent == [routing.OutputPart(0, (7, 8), (3, 5), 1, KeySpec.of(mine))]
     assert KeySpec.of(mine) == (KeySpec("ids", True, "int64"), KeySpec("rewards", False, "float32", (2,)))
     assert (meta.ids, meta.seqlens, meta.parts) == ((7, 8, 9), (3, 5, 4), ((0, 1), (2,)))
     plan = flow.plan(op, meta, "contiguous")

@@ -11,8 +11,8 @@ from restage.graph import DataflowGraph
 from restage.plan.comm import links_seconds
 from restage.plan.transfer import exact_realloc
 from restage.runtime import comm_budget
-from restage.runtime.dataflow import DataFlow, OutputMeta
 from restage.runtime.model_store import ModelStore
+from restage.runtime.routing import OutputMeta, SampleRouter
 from restage.runtime.transfer import KeySpec
 from restage.schedule.realloc_plan import plan_reallocation
 
@@ -75,9 +75,9 @@ def test_a_data_transfer_is_sent_from_the_receivers_node():
     op = SimpleNamespace(src=producer, dst=consumer, key="values")
     meta = OutputMeta(ids=(10, 11, 12), seqlens=(5, 7, 3), group_size=1, keys=(KeySpec("values", True, "float32"),),
                       parts=((0, 1, 2),))
-    flow = DataFlow(DataflowGraph(()), {}, 3, comm_budget.block_node_of(2))
+    flow = SampleRouter(DataflowGraph(()), {}, 3, comm_budget.block_node_of(2))
     plan = flow.plan(op, meta, "contiguous")
     assert [(m.src_rank, m.dst_ranks) for m in plan.messages] == [(2, (3,))]
     assert plan.bytes_by_link == {(2, 3): 15 * 4} and _inter_node_bytes(plan.bytes_by_link) == 0
-    blind = DataFlow(DataflowGraph(()), {}, 3).plan(op, meta, "contiguous")
+    blind = SampleRouter(DataflowGraph(()), {}, 3).plan(op, meta, "contiguous")
     assert _inter_node_bytes(blind.bytes_by_link) == 15 * 4  # the lowest rank, on the other node

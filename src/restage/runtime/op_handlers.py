@@ -27,13 +27,13 @@ from restage.layout import Layout, ProcessGroups
 from restage.models.parallel import ParallelContext
 from restage.runtime.clock import Clock, peak_memory_bytes
 from restage.runtime.control import wait_for_ranks
-from restage.runtime.dataflow import DataFlow, measured_flops
 from restage.runtime.engines import engine_groups
 from restage.runtime.execute import MFCResult, run_generate, run_inference, run_train
 from restage.runtime.model_store import ModelStore
 from restage.runtime.nonfinite import NonFiniteError, any_rank, nonfinite_samples, nonfinite_stats
 from restage.runtime.realloc import ReallocResult, execute_reallocation
 from restage.runtime.records import MFCRecord, StatsShare, StepRecord
+from restage.runtime.routing import SampleRouter, measured_flops
 from restage.schedule.ops import Ema, Realloc, Run, SendKey
 from restage.schedule.realloc_plan import ReallocPlan
 
@@ -53,9 +53,9 @@ class StepData:
 class OpHandlers:
     """The body of every op kind on this rank; ``skipped`` counts each train MFC's consecutive non-finite skips."""
 
-    def __init__(self, store: ModelStore, groups: ProcessGroups, dataflow: DataFlow, clock: Clock,
+    def __init__(self, store: ModelStore, groups: ProcessGroups, router: SampleRouter, clock: Clock,
                  layouts: dict[str, Layout], cfg: ExperimentConfig, algo: Algorithm, state: AlgoState) -> None:
-        self.store, self.groups, self.dataflow, self.clock = store, groups, dataflow, clock
+        self.store, self.groups, self.router, self.clock = store, groups, router, clock
         self.graph: DataflowGraph = store.graph
         self.layouts, self.cfg, self.algo, self.state = layouts, cfg, algo, state
         self.rank, self.device = store.rank, store.device
@@ -133,7 +133,7 @@ class OpHandlers:
         parts: list[Batch] = []
         source = [k for k in mfc.inputs if self.graph.producer(k) is None]
         if source:
-            positions = self.dataflow.dataset_positions(mfc, dp_rank)
+            positions = self.router.dataset_positions(mfc, dp_rank)
             parts.append(data.source.batch(positions).only(source))
         parts += data.inputs.get(mfc.name, [])
         return _merge(parts)
@@ -176,7 +176,7 @@ class OpHandlers:
 
     def transfer(self, op: SendKey, data: StepData) -> int:
         mine = data.outputs.get(op.producer)
-        received, nbytes = self.dataflow.execute(op, mine)
+        received, nbytes = self.router.execute(op, mine)
         if received is not None:
             data.inputs.setdefault(op.mfc, []).append(received)
         return nbytes

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 import torch.distributed as dist
 
+from restage.device import rank_device
 from restage.errors import LayoutError
 from restage.layout import ProcessGroups
 from restage.models.sharding import shard_specs
@@ -169,16 +170,9 @@ def _view(tensor: torch.Tensor, dim: int, rng: tuple[int, int]) -> torch.Tensor:
     return tensor.detach().narrow(dim, rng[0], rng[1] - rng[0])
 
 
-def default_device() -> torch.device:
-    """The device tensors travel on for the default group's backend."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def execute_reallocation(plan: ReallocPlan, source: Source, groups: ProcessGroups, *, dtype: torch.dtype,
                          destination: dict[str, torch.Tensor] | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                         direct_min_bytes: int = DEFAULT_DIRECT_MIN_BYTES, layer_by_layer: bool | None = None,
+                         direct_min_bytes: int = DEFAULT_DIRECT_MIN_BYTES,
                          workspace: Workspace | None = None, device: torch.device | None = None,
                          share_local: bool = False) -> ReallocResult:
     """Move the parameters as ``plan`` says; call on every rank of src and dst with the same arguments.
@@ -188,7 +182,7 @@ def execute_reallocation(plan: ReallocPlan, source: Source, groups: ProcessGroup
     to fill in place (e.g. the parameters of the destination model); allocated when None.
     A ZeRO-3 engine's partitions are gathered one unit (embeddings, a layer, the head) at a
     time; transfers always go unit by unit, so ranks agree on their order whatever their
-    source is (``layer_by_layer`` is accepted for older callers and ignored).
+    source is.
     ``workspace`` keeps the bucket buffer between calls (a temporary one is used otherwise).
     ``share_local``: a destination tensor this rank holds whole in the source becomes the source
     tensor (a given destination tensor is rebound to its storage) instead of a copy of it;
@@ -201,7 +195,7 @@ def execute_reallocation(plan: ReallocPlan, source: Source, groups: ProcessGroup
         raise LayoutError(f"dtype {dtype} does not have the plan's {plan.bytes_per_element} bytes per element; "
                           f"plan with bytes_per_element={torch.empty((), dtype=dtype).element_size()}")
     me = dist.get_rank()
-    device = device or default_device()
+    device = device or rank_device(dist.get_backend() == "nccl")  # the device tensors travel on for the backend
     src = source_state(source) if me in plan.src else {}
     # Unit by unit on every rank, even where no source is ZeRO-3: the order must not depend on
     # anything a rank knows alone (costs a few more, smaller buckets; measured within noise).

@@ -34,7 +34,6 @@ from restage.runtime import checkpoint as ckpt
 from restage.runtime import checkpoint_dir, comm_budget, evaluate, nccl_rules
 from restage.runtime.clock import Clock, measure_offset
 from restage.runtime.control import Control, init_torch_distributed
-from restage.runtime.dataflow import DataFlow
 from restage.runtime.feasibility import schedule_problem
 from restage.runtime.heartbeat import Heartbeat, beat_interval_seconds
 from restage.runtime.master import Master
@@ -42,6 +41,7 @@ from restage.runtime.model_store import ModelStore
 from restage.runtime.op_handlers import OpHandlers, StepData
 from restage.runtime.ops import prepare_run_ops
 from restage.runtime.records import MoveRecord, Span, StepRecord
+from restage.runtime.routing import SampleRouter
 from restage.schedule.file import Schedule, read_schedule
 from restage.schedule.ops import WITH_PEERS, Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
 
@@ -69,7 +69,7 @@ class Worker:
         # Block placement, as the planner costed it: runtime plans equal the estimator's (same node_of).
         node_of = comm_budget.block_node_of(comm_budget.ranks_per_node(schedule))
         self.store = ModelStore(schedule, cfg, self.graph, self.rank, device, node_of)
-        self.dataflow = DataFlow(self.graph, self.layouts, self.rank, node_of)
+        self.router = SampleRouter(self.graph, self.layouts, self.rank, node_of)
         self._groups: ProcessGroups | None = None  # made at start-up, with every rank (_create_groups)
         self._handlers: OpHandlers | None = None  # made with the groups
         self.master = Master(control, cfg, schedule, trial_dir, self.train_set, bool(resume)) if control.is_master else None
@@ -130,8 +130,8 @@ class Worker:
                                startup_timeout_seconds=self.cfg.run.startup_timeout_seconds)
         self._groups = groups
         eval_ops = list(self.eval_plan.ops) if self.eval_plan is not None else []
-        self.dataflow.create_comms(self.ops + eval_ops, self.control.comm)
-        self._handlers = OpHandlers(self.store, groups, self.dataflow, self.clock, self.layouts, self.cfg,
+        self.router.create_comms(self.ops + eval_ops, self.control.comm)
+        self._handlers = OpHandlers(self.store, groups, self.router, self.clock, self.layouts, self.cfg,
                                     self.algo, self.state)
 
     @property
@@ -179,7 +179,7 @@ class Worker:
     def run_step(self, step: int, ids: list[int]) -> StepRecord:
         record = StepRecord(rank=self.rank, step=step)
         data = StepData(self.train_set)
-        self.dataflow.begin_step(ids, self.train_set)
+        self.router.begin_step(ids, self.train_set)
         for op in self.ops:
             if self.rank not in op.ranks:
                 continue
@@ -197,7 +197,7 @@ class Worker:
         begin = self.clock.now_synced()
         for index, positions in enumerate(plan.passes):
             data = StepData(self.eval_set)
-            self.dataflow.begin_step(list(positions), self.eval_set)
+            self.router.begin_step(list(positions), self.eval_set)
             for op in evaluate.pass_ops(plan, index):
                 if self.rank not in op.ranks:
                     continue

@@ -70,7 +70,7 @@ class OutputPart:
     keys: tuple[KeySpec, ...]
 
 
-class DataFlow:
+class SampleRouter:
     """Per-step sample assignment and output transfer for one rank."""
 
     def __init__(self, graph: DataflowGraph, layouts: dict[str, Layout], rank: int,
