@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from restage.algorithms import get_algorithm
+from restage.algorithms.interface import get_algorithm
 from restage.config import load_config
 from restage.data.batch import pack_sequences
 from restage.data.datasets import load_splits, sample_fields
