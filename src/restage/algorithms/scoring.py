@@ -8,9 +8,10 @@ Two kinds of reward function (``algorithms/rewards.py`` resolves both):
   called for every answer concurrently on ``rewards.workers`` threads (a code reward's sandboxed
   subprocesses run side by side).
 
-An answer whose per-sample reward raises, or whose reward is not finite, is reported on stderr with its
-sample id and scores 0; with ``rewards.on_error: stop`` it stops the run instead (``RewardError``, one
-line). A batched reward that raises stops the run: it cannot say which answer failed.
+An answer whose per-sample reward raises or is not finite is reported on stderr with its sample id and
+scores 0; with ``rewards.on_error: stop`` it stops the run instead (``RewardError``, one line). A batched
+reward keeps its contract: one that raises stops the run (it cannot say which answer failed), and a
+non-finite value goes to the trainer's non-finite guard (``run.nonfinite``).
 """
 
 from __future__ import annotations
@@ -39,26 +40,27 @@ def score(fn: Callable, prompts: Sequence[str], answers: Sequence[str], sample_i
     fields_of = fields_of or {}
     fields = [dict(fields_of.get(i, {})) for i in sample_ids]
     name = getattr(fn, "__name__", "reward_fn")
-    failures: list[tuple[object, str]] = []
-    results: list[float | str]
-    if getattr(fn, "per_sample", False):
-        def one(k: int) -> float | str:
-            try:
-                return float(fn(prompts[k], answers[k], **fields[k]))
-            except Exception as err:  # the reward's own bug or a malformed sample: reported, not fatal
-                return f"raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-
-        with ThreadPoolExecutor(max_workers=min(options.workers, max(1, len(answers)))) as pool:
-            results = list(pool.map(one, range(len(answers))))
-    else:
+    if not getattr(fn, "per_sample", False):
         keywords = {}
         if takes_fields(fn):
             keywords = {key: [f.get(key) for f in fields] for key in dict.fromkeys(k for f in fields for k in f)}
-        # A batched reward that raises cannot say which answer failed: the error is the function's, and it
-        # stops the run on its rank as any exception in an MFC does (the rank's error line names it).
-        results = [float(v) for v in fn(list(prompts), list(answers), **keywords)]
-        if len(results) != len(answers):
-            raise RewardError(f"reward_fn {name} returned {len(results)} rewards for {len(answers)} answers")
+        # The batched protocol keeps its contract: an exception stops the run on its rank as any exception in
+        # an MFC does (it cannot say which answer failed), and a non-finite value reaches the trainer's
+        # non-finite guard (run.nonfinite: skip the step's training or stop; runtime/nonfinite.py).
+        batched = [float(v) for v in fn(list(prompts), list(answers), **keywords)]
+        if len(batched) != len(answers):
+            raise RewardError(f"reward_fn {name} returned {len(batched)} rewards for {len(answers)} answers")
+        return batched
+
+    def one(k: int) -> float | str:
+        try:
+            return float(fn(prompts[k], answers[k], **fields[k]))
+        except Exception as err:  # the reward's own bug or a malformed sample: reported, not fatal
+            return f"raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+    with ThreadPoolExecutor(max_workers=min(options.workers, max(1, len(answers)))) as pool:
+        results = list(pool.map(one, range(len(answers))))
+    failures: list[tuple[object, str]] = []
     values = []
     for sample, value in zip(sample_ids, results):
         if isinstance(value, float) and not math.isfinite(value):
