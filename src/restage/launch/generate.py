@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -150,6 +151,14 @@ def main(args: argparse.Namespace) -> int:
     return subprocess.run(command, env=env).returncode
 
 
+class Completion(NamedTuple):
+    """One prompt's answer as a DP rank sends it to rank 0 over MPI."""
+
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 def _run(args, nproc: int, use_mpi: bool) -> int:
     path = _model_dir(args)
     prompts, texts = args.prompt_ids, args.prompt_texts
@@ -174,10 +183,10 @@ def _run(args, nproc: int, use_mpi: bool) -> int:
     coord = layout.coord(rank)
     assert coord is not None  # the mesh is every rank
     mine = list(range(coord.dp, len(prompts), strategy.dp))
-    rows = []
+    rows: list[Completion] = []
     if mine:
         out = generate(module, [prompts[i] for i in mine], params)
-        rows = list(zip(mine, out.sequences(), out.token_logprobs()))
+        rows = [Completion(i, ids, logprobs) for i, ids, logprobs in zip(mine, out.sequences(), out.token_logprobs())]
     if control is not None:
         gathered = control.gather(rows if coord.pp == 0 and coord.tp == 0 else [])
         rows = [row for part in gathered for row in part] if gathered is not None else []
@@ -190,12 +199,13 @@ def _run(args, nproc: int, use_mpi: bool) -> int:
     return 0
 
 
-def _print(args, rows, prompts, texts, tokenizer, strategy) -> None:
+def _print(args, rows: list[Completion], prompts, texts, tokenizer, strategy) -> None:
     def text(ids):
         return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None
 
-    completions = [{"prompt": texts[i], "prompt_token_ids": prompts[i], "token_ids": ids, "text": text(ids),
-                    "logprobs": [round(lp, 6) for lp in logprobs]} for i, ids, logprobs in rows]
+    completions = [{"prompt": texts[row.prompt_index], "prompt_token_ids": prompts[row.prompt_index],
+                    "token_ids": row.token_ids, "text": text(row.token_ids),
+                    "logprobs": [round(lp, 6) for lp in row.logprobs]} for row in rows]
     if args.json:
         print(json.dumps({"model": str(_model_dir(args)), "strategy": str(strategy), "completions": completions}))
         return
