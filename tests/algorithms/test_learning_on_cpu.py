@@ -10,7 +10,7 @@ from tiny_loop import logprobs, packed_logits, sample, tiny_model
 from restage.algorithms.interface import get_algorithm
 from restage.algorithms.rewards import register_reward
 from restage.config import config_from_dict
-from restage.data import datasets, tasks
+from restage.data import datasets, sources, tasks
 from restage.data.tokenizer import load_tokenizer
 
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "synthetic"
@@ -31,7 +31,7 @@ def test_sft_loss_falls_by_more_than_half(tokenizer):
     c = cfg("sft")
     sft = get_algorithm("sft")
     state = sft.init_state(c)
-    rows = datasets.read_jsonl(SHIPPED / "sft.jsonl", ("prompt", "answer"))
+    rows = sources.read_jsonl(SHIPPED / "sft.jsonl", ("prompt", "answer"))
     examples = datasets.tokenize(rows[:640], "sft", tokenizer, 9, 7)
     model = tiny_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -57,7 +57,7 @@ def grpo_rewards(tokenizer, reward_fn, steps, seed=0):
     c = cfg("grpo", reward_fn=reward_fn, algo={"group_size": 8, "kl_coef": 0.01})
     grpo = get_algorithm("grpo")
     state = grpo.init_state(c, tokenizer)
-    rows = datasets.read_jsonl(SHIPPED / "prompts.jsonl", ("prompt",))
+    rows = sources.read_jsonl(SHIPPED / "prompts.jsonl", ("prompt",))
     examples = datasets.tokenize(rows, "prompt", tokenizer, 9, 7)
     torch.manual_seed(seed)
     model = tiny_model(seed)
@@ -90,7 +90,7 @@ def test_grpo_raises_the_task_reward_and_the_negated_reward_lowers_it(tokenizer)
 
 
 def preference_splits(tokenizer):
-    rows = datasets.read_jsonl(SHIPPED / "preference.jsonl", ("prompt", "chosen", "rejected"))
+    rows = sources.read_jsonl(SHIPPED / "preference.jsonl", ("prompt", "chosen", "rejected"))
     examples = datasets.tokenize(rows, "preference", tokenizer, 9, 7)
     return examples[:1350], datasets.collate(examples[1350:], "preference")  # the jobs' eval_fraction 0.1
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from restage.config import ConfigError, config_from_dict
-from restage.data import datasets, make, tasks
+from restage.data import datasets, make, sources, tasks
 from restage.data.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,7 +107,7 @@ def test_data_errors_are_one_line_with_the_line_number(tmp_path, content, messag
     if content is not None:
         path.write_text(content)
     with pytest.raises(ConfigError, match=message) as err:
-        datasets.read_jsonl(path, ("prompt", "answer"))
+        sources.read_jsonl(path, ("prompt", "answer"))
     assert "\n" not in str(err.value)
 
 
@@ -117,11 +117,11 @@ def test_a_file_that_is_not_utf8_is_refused_naming_line_and_byte(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(good + bad)
     with pytest.raises(ConfigError) as err:
-        datasets.read_jsonl(path, ("prompt", "answer"))
+        sources.read_jsonl(path, ("prompt", "answer"))
     assert str(err.value) == f"{path}:2: not UTF-8 (byte {len(good) + bad.index(0xE9)} of the file, 0xe9); save the " \
                              "file as UTF-8"
     path.write_bytes(good + good)
-    assert datasets.read_jsonl(path, ("prompt", "answer")) == [{"prompt": "café", "answer": "b"}] * 2
+    assert sources.read_jsonl(path, ("prompt", "answer")) == [{"prompt": "café", "answer": "b"}] * 2
 
 
 def test_missing_tokenizer_is_a_config_error(tmp_path):

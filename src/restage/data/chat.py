@@ -1,6 +1,6 @@
 """Turning a row's prompt or answer into token ids: text, chat messages through the tokenizer's template, or ids.
 
-* text, ``dataset.chat_template`` off: ``[BOS] + tokens`` (``datasets.encode_prompt``);
+* text, ``dataset.chat_template`` off: ``[BOS] + tokens`` (``encode_prompt``);
 * text or a message list, ``dataset.chat_template`` on: ``tokenizer.apply_chat_template(messages,
   add_generation_prompt=True)`` (text becomes one user message); the template owns the special tokens;
 * token ids (pre-tokenised): taken as they are.

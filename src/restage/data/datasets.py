@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch, pack_sequences
-from restage.data.chat import answer_ids, encode_answer, encode_prompt, prompt_ids  # noqa: F401  (encoders re-exported)
+from restage.data.chat import answer_ids, prompt_ids
 from restage.data.sources import ROLES as FIELDS
-from restage.data.sources import read_jsonl, read_rows, select_roles  # noqa: F401  (read_jsonl re-exported)
+from restage.data.sources import read_rows, select_roles
 from restage.data.tokenizer import load_tokenizer
 from restage.errors import ConfigError
 

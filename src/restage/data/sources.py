@@ -2,7 +2,7 @@
 
 ``read_rows(path, split)`` returns one dict per example whatever the format:
 
-* ``*.jsonl`` / ``*.json`` lines: one JSON object per line (``datasets.read_jsonl``'s errors);
+* ``*.jsonl`` / ``*.json`` lines: one JSON object per line (``read_jsonl``'s errors);
 * ``*.parquet``: read with ``pyarrow`` (the ``data`` extra);
 * a directory written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict`` whose
   ``split`` is taken), read with ``datasets.load_from_disk`` (the ``data`` extra). Only local directories

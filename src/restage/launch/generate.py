@@ -7,7 +7,7 @@ re-launches itself under the environment's ``mpirun`` (N = dp * tp * pp ranks; t
 dealt round-robin to the data-parallel replicas) and rank 0 prints the completions in prompt
 order. Prompts are text (tokenised with the directory's tokenizer), token ids (``--token-ids``),
 or a JSONL file of ``{"prompt": TEXT}`` / ``{"token_ids": [...]}`` lines. A text prompt is encoded
-exactly as training encodes a data set's prompts (``data.datasets.encode_prompt``: BOS, then the
+exactly as training encodes a data set's prompts (``data.chat.encode_prompt``: BOS, then the
 tokens, cut from the left to ``--max-prompt-tokens`` as to ``dataset.max_prompt_tokens``).
 """
 
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from restage.data.datasets import encode_prompt
+from restage.data.chat import encode_prompt
 from restage.device import DTYPES, TORCH_NAMES, torch_dtype
 from restage.errors import ConfigError, RestageError
 from restage.launch.mpirun import mpirun_command
