@@ -17,8 +17,8 @@ def _store(**trainable: bool) -> ModelStore:
     store = ModelStore(SimpleNamespace(models={}), SimpleNamespace(models={}), DataflowGraph(()), rank=0,
                        device=torch.device("cpu"), node_of=lambda rank: 0)
     for name, is_trained in trainable.items():
-        entry = SimpleNamespace(trainable=is_trained, dtype="fp32")  # what the store reads of a schedule entry
-        store.slots[name] = ModelSlot(name, entry, SimpleNamespace(), tiny(), HOME)
+        entry = SimpleNamespace(trainable=is_trained, dtype="fp32", home_layout=HOME)  # what the store reads of one
+        store.slots[name] = ModelSlot(name, entry, SimpleNamespace(), tiny())
     return store
 
 

@@ -84,7 +84,7 @@ def _write_models(path: Path, store: ModelStore, groups: ProcessGroups) -> None:
                 save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.entry.path)
         if slot.engine is None:
             continue
-        engine: Engine = slot.engine
+        engine = slot.engine
         assert slot.module is not None, f"{name}: an engine without its module"  # build_engine wraps the home shard
         with _maybe_gathered(slot):
             save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.entry.path)
@@ -106,7 +106,7 @@ def load(trial_dir: Path, store: ModelStore, groups: ProcessGroups, control: Con
             _load_weights(slot, path / name / "hf", groups, store)
         if slot.engine is None:
             continue
-        engine: Engine = slot.engine
+        engine = slot.engine
         with (barriers_on(_engine_group(groups, slot, store.rank)), engine_groups(engine),
               _safe_engine_loads(engine)):
             loaded, _ = engine.load_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG)

@@ -24,7 +24,7 @@ from restage.models.decoder import StageModule
 from restage.models.parallel import ParallelContext
 from restage.models.sharding import shard_specs
 from restage.runtime import comm_budget
-from restage.runtime.engines import build_engine, mark_norm_ownership
+from restage.runtime.engines import Engine, build_engine, mark_norm_ownership
 from restage.runtime.heartbeat import Heartbeat
 from restage.runtime.offload import ModelCopy
 from restage.schedule.file import ModelEntry, Schedule
@@ -40,11 +40,14 @@ class ModelSlot:
     entry: ModelEntry  # the schedule's: checkpoint, dtype, trainable, ZeRO stage, home
     spec: ModelSpec  # the config's: optimizer settings, which the schedule does not carry
     cfg: ModelConfig
-    home: Layout
     module: StageModule | None = None
-    engine: object | None = None
+    engine: Engine | None = None
     copies: dict[Layout, StageModule] = field(default_factory=dict)
     host_copy: ModelCopy | None = None  # a frozen model's home shard, offloaded between its MFCs
+
+    @property
+    def home(self) -> Layout:
+        return self.entry.home_layout
 
     def at(self, layout: Layout) -> StageModule:
         if layout == self.home:
@@ -88,7 +91,7 @@ class ModelStore:
             home = info.home_layout
             cfg = info.arch
             critic = comm_budget.is_critic(name, spec, cfg)
-            slot = ModelSlot(name, info, spec, cfg.as_critic() if critic and not cfg.is_critic else cfg, home)
+            slot = ModelSlot(name, info, spec, cfg.as_critic() if critic and not cfg.is_critic else cfg)
             if self.rank in home:
                 heartbeat.doing(f"start-up: loading {name} ({info.path})")
                 slot.module = load_stage(info.path, home, groups, self.rank, DTYPES[info.dtype], self.device,
