@@ -78,7 +78,7 @@ class Master:
         self.control = control
 
     def open_log(self, resume_step: int | None) -> None:
-        dtypes = {spec.dtype for spec in self.cfg.models.values()}
+        dtypes = {entry.dtype for entry in self.schedule.models.values()}  # the models the run holds
         self.log = LogWriter(self.trial_dir, world_size=self.control.world_size, config=self.cfg.to_yaml(),
                              schedule=self.schedule.to_json(), cluster=self.schedule.cluster,
                              dtype=dtypes.pop() if len(dtypes) == 1 else "", resume_step=resume_step,
