@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 # name -> build_tiny keyword arguments. Between them they cover every family, tied and untied
-# heads, Mistral's sliding window, sharded safetensors, pytorch_model.bin and critic heads.
+# heads, Mistral's sliding window, sharded safetensors, pytorch_model.bin, critic heads and a
+# mixture of experts (Mixtral: 4 experts, top 2, renormalised).
 MODELS = {
     "llama": dict(family="llama"),
     "llama_tied": dict(family="llama", tied=True, max_shard_size="100KB"),
@@ -13,6 +14,7 @@ MODELS = {
     "qwen2": dict(family="qwen2"),
     "qwen2_tied": dict(family="qwen2", tied=True),
     "gpt2": dict(family="gpt2", tied=True),
+    "mixtral": dict(family="mixtral"),
     "llama_critic": dict(family="llama", critic=True),
     "gpt2_critic": dict(family="gpt2", critic=True),
 }
