@@ -13,8 +13,8 @@ from restage.runtime.spawn import spawn
 pytestmark = pytest.mark.multirank
 
 STRATEGIES = {(2, 2): Strategy(tp=2, pp=2), (1, 4): Strategy(pp=4)}
-TRAIN = ["qwen2_tied", "gpt2", "llama_critic", "mixtral"]  # tied head copy + biases + fused GPT-2 weights + value
-# head + experts with the load-balancing loss
+# tied head copy, biases, fused GPT-2, value head, q/k norms, experts with the load-balancing loss (dense and sparse layers)
+TRAIN = ["qwen2_tied", "gpt2", "llama_critic", "qwen3", "mixtral", "qwen3_moe"]
 
 
 def micro_batches():
