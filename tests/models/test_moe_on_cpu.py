@@ -136,3 +136,16 @@ def test_tp_wider_than_the_experts_is_refused_in_one_line():
                       moe_intermediate_size=4, sparse_layers=(0,))
     with pytest.raises(LayoutError, match="tp=8 exceeds the experts' MLP width 4; use tp <= 4"):
         validate_strategy(cfg, Strategy(tp=8))
+
+
+def test_experiment_config_overrides_the_checkpoints_aux_loss_coefficient(tmp_path):
+    from restage.config import ConfigError, load_config
+
+    job = tmp_path / "job.yaml"
+    job.write_text("experiment: x\nalgorithm: sft\nmodels:\n  actor: {path: a, trainable: true}\n")
+    assert load_config(job, []).models["actor"].router_aux_loss_coef is None  # config.json's value
+    assert load_config(job, ["models.actor.router_aux_loss_coef=0.5"]).models["actor"].router_aux_loss_coef == 0.5
+    with pytest.raises(ConfigError, match=r"models.actor.router_aux_loss_coef: -1.0 must be >= 0 \(or left out"):
+        load_config(job, ["models.actor.router_aux_loss_coef=-1"])
+    cfg = preset("mixtral-8x7b")
+    assert RouterLog(cfg).aux_coef == 0.02 and RouterLog(cfg, 0.5).aux_coef == 0.5
