@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import torch
 
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}
 # name -> build_tiny keyword arguments. Between them they cover every family, tied and untied
-# heads, Mistral's sliding window, sharded safetensors, pytorch_model.bin and critic heads.
+# heads, Mistral's sliding window, Qwen3's q/k norms and explicit head_dim, sharded safetensors,
+# pytorch_model.bin and critic heads.
 MODELS = {
     "llama": dict(family="llama"),
     "llama_tied": dict(family="llama", tied=True, max_shard_size="100KB"),
@@ -15,6 +18,13 @@ MODELS = {
     "gpt2": dict(family="gpt2", tied=True),
     "llama_critic": dict(family="llama", critic=True),
     "gpt2_critic": dict(family="gpt2", critic=True),
+    # Qwen3: q/k norms, and head_dim (24, 32) unlike hidden_size / heads (16), so q and o are not square.
+    "qwen3": dict(family="qwen3", head_dim=24),
+    "qwen3_tied": dict(family="qwen3", tied=True, head_dim=32),
+    "qwen3_critic": dict(family="qwen3", critic=True, head_dim=24),
+    # Llama 3.1's RoPE, its bands set so that the tiny model's 8 frequencies (wavelengths 6 to 20,000
+    # positions) fall in all three: 1 kept, 2 blended, 5 divided by the factor (tests/models/test_rope_on_cpu.py).
+    "llama31": dict(family="llama", rope_parameters=LLAMA31_ROPE),
 }
 CAUSAL = [name for name in MODELS if "critic" not in name]
 CRITICS = [name for name in MODELS if "critic" in name]

@@ -13,7 +13,7 @@ from restage.runtime.spawn import spawn
 pytestmark = pytest.mark.multirank
 
 STRATEGIES = {(2, 2): Strategy(tp=2, pp=2), (1, 4): Strategy(pp=4)}
-TRAIN = ["qwen2_tied", "gpt2", "llama_critic"]  # tied head copy + biases + fused GPT-2 weights + value head
+TRAIN = ["qwen2_tied", "gpt2", "llama_critic", "qwen3"]  # tied head copy, biases, fused GPT-2, value head, q/k norms
 
 
 def micro_batches():

@@ -29,6 +29,7 @@ from restage.models.parallel import (
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
+from restage.models.rope import apply_rope, rope_cos_sin
 from restage.models.sharding import shard_specs, split_range, stage_layers, validate_strategy
 
 ACTIVATIONS = {
@@ -54,10 +55,27 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.normalise(x)
+
+    def normalise(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 and scale after casting back, as transformers does, so fp16/bf16 agree.
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class HeadNorm(RMSNorm):
+    """Qwen3's q_norm / k_norm: RMSNorm over each head's ``head_dim`` values, one weight shared by all heads.
+
+    The weight is replicated over TP but each rank normalises only its own heads, so its gradient
+    is summed over the TP group (``copy_to_tp``: identity forward, all-reduce backward).
+    """
+
+    def __init__(self, head_dim: int, eps: float, ctx: ParallelContext, dtype, device):
+        super().__init__(head_dim, eps, dtype, device)
+        self.ctx = ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp(self.weight, self.ctx) * self.normalise(x)
 
 
 class LayerNorm(nn.Module):
@@ -76,21 +94,6 @@ def _norm(cfg: ModelConfig, dtype, device) -> nn.Module:
     return cls(cfg.hidden_size, cfg.norm_eps, dtype, device)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[T, head_dim]`` cos and sin of the rotary embedding (computed in fp32, then cast)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
-    freqs = positions.float().unsqueeze(-1) * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, H, D]`` (half-split convention of the HF LLaMA checkpoints)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layer: int, dtype, device):
         super().__init__()
@@ -101,6 +104,9 @@ class Attention(nn.Module):
         self.k = ColumnParallelLinear(hidden, kv_heads * cfg.head_dim, cfg.qkv_bias, dtype, device)
         self.v = ColumnParallelLinear(hidden, kv_heads * cfg.head_dim, cfg.qkv_bias, dtype, device)
         self.o = RowParallelLinear(heads * cfg.head_dim, hidden, cfg.o_bias, ctx, dtype, device)
+        # Qwen3 normalises every query and key head over head_dim before RoPE.
+        self.q_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, ctx, dtype, device) if cfg.qk_norm else None
+        self.k_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, ctx, dtype, device) if cfg.qk_norm else None
 
     def forward(self, x, batch: PackedBatch, rope, cache: KVCache | None) -> torch.Tensor:
         tokens = x.shape[0]
@@ -108,6 +114,8 @@ class Attention(nn.Module):
         q = self.q(x).view(tokens, -1, self.head_dim)
         k = self.k(x).view(tokens, -1, self.head_dim)
         v = self.v(x).view(tokens, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None and cache.decoding:
@@ -211,7 +219,7 @@ class StageModule(nn.Module):
             h = inputs
         rope = None
         if self.cfg.family != "gpt2":
-            rope = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+            rope = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype, self.cfg.rope_scaling)
         for block in self.layers.values():
             h = block(h, batch, rope, cache)
         if not self.ctx.is_last_stage:

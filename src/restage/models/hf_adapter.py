@@ -1,6 +1,6 @@
 """HF tensor names and layouts <-> canonical parameters (see ``sharding.py``).
 
-LLaMA/Mistral/Qwen2 store ``nn.Linear`` weights ``[out, in]`` like we do, under other names.
+LLaMA/Mistral/Qwen2/Qwen3 store ``nn.Linear`` weights ``[out, in]`` like we do, under other names.
 GPT-2 stores ``Conv1D`` weights transposed (``[in, out]``) and fuses q, k, v into one
 ``c_attn`` tensor; a canonical parameter therefore maps to a (key, offset, transpose) source,
 from which any slice of it can be read without reading the rest of the HF tensor.
@@ -14,12 +14,14 @@ import torch
 
 from restage.device import TORCH_NAMES
 from restage.models.config import ModelConfig
+from restage.models.rope import rope_to_hf
 from restage.models.sharding import ParamSpec
 
 _LLAMA_TOP = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
               "lm_head.weight": "lm_head.weight", "score.weight": "score.weight"}
 _LLAMA_LAYER = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attn.q": "self_attn.q_proj",
                 "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj", "attn.o": "self_attn.o_proj",
+                "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm",
                 "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
 _GPT2_TOP = {"embed.weight": "transformer.wte.weight", "pos_embed.weight": "transformer.wpe.weight",
              "final_norm.weight": "transformer.ln_f.weight", "final_norm.bias": "transformer.ln_f.bias",
@@ -105,11 +107,16 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = Non
     out.update(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                max_position_embeddings=cfg.max_positions, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
-               rope_theta=cfg.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+               rope_theta=cfg.rope_theta, rope_parameters=rope_to_hf(cfg.rope_theta, cfg.rope_scaling))
+    # transformers reads rope_scaling before rope_parameters: drop the source's, which the line above replaces
+    for key in ("rope_scaling", "original_max_position_embeddings"):
+        out.pop(key, None)
     if cfg.model_type == "mistral":
         out["sliding_window"] = cfg.sliding_window
     elif cfg.model_type == "qwen2":
         out["use_sliding_window"] = False
-    else:
+    else:  # llama, qwen3 (whose attention_bias covers q, k, v and o alike)
         out["attention_bias"] = cfg.o_bias
+        if cfg.model_type == "qwen3":
+            out["use_sliding_window"] = False
     return out
