@@ -37,6 +37,26 @@ _ARCH_MODEL_TYPES = {name: model_type for model_type, name in _MODEL_TYPES.items
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on some linears (``models/lora.py``): ``y = W x + (alpha / rank) B A x``, W frozen.
+
+    ``target_modules`` are canonical module names (q, k, v, o, gate, up, down), checked by ``config.LoraSpec``.
+    """
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))  # JSON gives a list
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Shapes and options of one decoder; ``family`` is ``llama`` or ``gpt2``."""
 
@@ -66,12 +86,15 @@ class ModelConfig:
     head_dim: int = 0  # width of one attention head; 0: hidden_size // num_heads (Qwen3 sets its own)
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (weights [head_dim]) before RoPE
     rope_scaling: RopeScaling | None = None  # None: the default RoPE (see models/rope.py)
+    lora: LoraConfig | None = None  # adapters on a frozen base (models/lora.py); None: dense
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))  # JSON gives a list
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         object.__setattr__(self, "rope_scaling", RopeScaling.from_json(self.rope_scaling))  # JSON gives a dict
+        if isinstance(self.lora, dict):  # from JSON, or from asdict (as_critic)
+            object.__setattr__(self, "lora", LoraConfig(**self.lora))
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:

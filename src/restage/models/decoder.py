@@ -18,6 +18,7 @@ from restage.errors import LayoutError
 from restage.layout import Strategy
 from restage.models.attention import KVCache, varlen_attention
 from restage.models.config import ModelConfig
+from restage.models.lora import apply_lora
 from restage.models.packing import PackedBatch
 from restage.models.parallel import (
     ColumnParallelLinear,
@@ -186,6 +187,8 @@ class StageModule(nn.Module):
                 self.lm_head = Weight((vocab_hi - vocab_lo, cfg.hidden_size), dtype, device)
             elif not first:  # the last stage's own copy of the tied embedding, used as the head
                 self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype, device)
+        if cfg.lora is not None:
+            apply_lora(self, cfg, ctx)  # adapters on the targeted linears; the base frozen
         self._check_contract(strategy)
 
     def _check_contract(self, strategy: Strategy) -> None:
