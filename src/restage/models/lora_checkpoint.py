@@ -140,3 +140,16 @@ def merge_lora(adapter_dir: str | Path, base_dir: str | Path, out_dir: str | Pat
         if (Path(base_dir) / name).is_file():
             shutil.copyfile(Path(base_dir) / name, out / name)
     return out
+
+
+def add_arguments(parser) -> None:
+    """``restage merge-lora ADAPTER_DIR BASE_DIR OUT_DIR``."""
+    parser.add_argument("adapter_dir", help="saved adapters (checkpoints/step-N/<model>/adapter, PEFT layout)")
+    parser.add_argument("base_dir", help="the HF model directory the adapters were trained on")
+    parser.add_argument("out_dir", help="where to write the merged HF checkpoint (new or empty)")
+
+
+def main(args) -> int:
+    out = merge_lora(args.adapter_dir, args.base_dir, args.out_dir)
+    print(f"restage: merged {args.adapter_dir} into {out}")
+    return 0

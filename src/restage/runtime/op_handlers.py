@@ -166,7 +166,8 @@ class OpHandlers:
 
     # -- data and parameter movement -------------------------------------------------------------------
     def realloc(self, op: Realloc) -> int:
-        """A copy of ``op.model`` in ``op.dst`` from its home; returns the bytes this rank sent."""
+        """A copy of ``op.model`` in ``op.dst`` from its home (only the adapters into a LoRA copy that holds the
+        base); returns the bytes this rank sent."""
         store = self.store
         if store.copy_current(op.model, op.dst):
             return 0
@@ -175,7 +176,8 @@ class OpHandlers:
         # The copy is read-only and dropped before its source next changes (a trained model's after
         # its last use, a reference's once its EMA moves), so tensors this rank holds whole are shared.
         # The executor allocates the rest.
-        result = reallocate_when_ready(store.realloc_plan(op.model, op.src, op.dst),
+        plan = store.realloc_plan(op.model, op.src, op.dst, adapters_only=store.holds_base(op.model, op.dst))
+        result = reallocate_when_ready(plan,
                                        source if self.rank in op.src else None, self.groups,
                                        self.cfg.run.peer_wait_timeout_seconds, dtype=DTYPES[slot.entry.dtype],
                                        share_local=True, device=self.device)
