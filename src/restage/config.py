@@ -351,8 +351,10 @@ def _coerce(value, tp, key: str):
     if origin in (typing.Union, types.UnionType):
         errors = []
         for option in typing.get_args(tp):
-            if option is type(None) and value is None:
-                return None
+            if option is type(None):
+                if value is None:
+                    return None
+                continue  # a value is not None: only the other options can take it
             try:
                 return _coerce(value, option, key)
             except ConfigError as err:

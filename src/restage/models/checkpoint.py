@@ -21,9 +21,8 @@ from safetensors.torch import save_file
 
 from restage.errors import CheckpointError
 from restage.layout import Layout, ProcessGroups, Strategy
-from restage.models.config import ModelConfig
+from restage.models.config import LoraConfig, ModelConfig
 from restage.models.decoder import StageModule
-from restage.models.config import LoraConfig
 from restage.models.hf_adapter import BASE_PREFIXES, hf_config_dict, hf_source, to_hf_tensors
 from restage.models.lora import init_adapter
 from restage.models.parallel import ParallelContext
