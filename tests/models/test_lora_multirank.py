@@ -134,7 +134,7 @@ def test_lora_tp_exactness_adapter_only_reallocation_and_zero_stages(tmp_path):
         t = r["tp2_dp2"]
         assert t["keys"] == r["adapter_names"]
         assert t["received"] == t["adapter_shard_bytes"] - t["local_bytes"] > 0
-        assert t["first_received"] > 20 * t["received"]
+        assert t["first_received"] > 10 * t["received"]
         # rank 0 -> rank 1: rank 1 receives exactly the adapters' bytes.
         o = r["r0_r1"]
         if rank == 1:
