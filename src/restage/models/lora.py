@@ -75,7 +75,7 @@ def apply_lora(stage: nn.Module, cfg: ModelConfig, ctx: ParallelContext) -> None
     """Wrap ``cfg.lora``'s target linears of every block of ``stage`` and freeze all but the adapters (in place)."""
     lora = cfg.lora
     assert lora is not None  # the decoder calls it for a LoRA model only
-    for block in stage.layers.values():  # type: ignore[union-attr]  # a StageModule's ModuleDict of blocks
+    for block in stage.get_submodule("layers").children():  # a StageModule's blocks
         for target in lora.target_modules:
             parent_name, attr = LORA_TARGETS[target].split(".")
             parent = getattr(block, parent_name)
