@@ -175,7 +175,8 @@ class OpHandlers:
         source = slot.engine if slot.engine is not None else slot.module
         # The copy is read-only and dropped before its source next changes (a trained model's after
         # its last use, a reference's once its EMA moves), so tensors this rank holds whole are shared.
-        # The executor allocates the rest.
+        # (A LoRA model's copy is kept, but its base never changes and its adapters are moved again before
+        # each use.) The executor allocates the rest.
         plan = store.realloc_plan(op.model, op.src, op.dst, adapters_only=store.holds_base(op.model, op.dst))
         result = reallocate_when_ready(plan,
                                        source if self.rank in op.src else None, self.groups,
