@@ -1,4 +1,4 @@
-"""``restage plan|run|submit|sweep|status|cancel|report|profile|generate``.
+"""``restage plan|run|submit|sweep|status|cancel|report|profile|generate|merge-lora``.
 
 Each command lives in the module that owns it; that module exposes ``add_arguments(parser)``
 and ``main(args) -> int``. Only the chosen command's module is imported, so ``restage report``
@@ -24,13 +24,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("restage.report.cli", "throughput report and plots from a run's log.h5"),
     "profile": ("restage.plan.profiler", "time model pieces on this device and store a profile"),
     "generate": ("restage.launch.generate", "generate text from a HF model directory"),
+    "merge-lora": ("restage.models.lora_checkpoint", "merge saved LoRA adapters into a HF checkpoint"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        lines = [f"  {name:<9} {help_}" for name, (_, help_) in COMMANDS.items()]
+        lines = [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
         print("usage: restage COMMAND [options]\n\ncommands:\n" + "\n".join(lines), file=sys.stderr if argv else sys.stdout)
         if argv and argv[0] not in ("-h", "--help"):
             print(f"restage: error: unknown command {argv[0]!r}", file=sys.stderr)

@@ -36,6 +36,27 @@ class OptimConfig:
     min_lr_ratio: float = 0.0
 
 
+# LoRA targets: restage's canonical module names, and the HF names they may also be given as.
+LORA_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
+LORA_HF_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
+                 "down_proj": "down"}
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """``models.<name>.lora``: low-rank adapters on a frozen base (docs/algorithms.md, "LoRA")."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    target_modules: tuple[str, ...] = ("q", "k", "v", "o")
+    dropout: float = 0.0
+
+    def canonical_targets(self) -> tuple[str, ...]:
+        """The targets as canonical names (HF names mapped), in canonical order."""
+        names = {LORA_HF_NAMES.get(t, t) for t in self.target_modules}
+        return tuple(m for m in LORA_MODULES if m in names)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One named model of the experiment (actor, critic, ref, reward)."""
@@ -52,6 +73,7 @@ class ModelSpec:
     init_critic_from_lm: bool = False  # build a scalar head on top of a causal LM checkpoint
     router_aux_loss_coef: float | None = None  # mixture of experts: load-balancing loss weight; None: config.json's
     optim: OptimConfig = field(default_factory=OptimConfig)
+    lora: LoraSpec | None = None  # adapters on a frozen base; absent: the whole model is trained
 
 
 @dataclass(frozen=True)
@@ -225,6 +247,8 @@ class ExperimentConfig:
                                   "or cosine")
             if optim.grad_clip < 0 or optim.weight_decay < 0 or optim.warmup_steps < 0:
                 raise ConfigError(f"models.{name}.optim: grad_clip, weight_decay and warmup_steps must be >= 0")
+            if spec.lora is not None:
+                _check_lora(name, spec)
         gen, run = self.generation, self.run
         if gen.max_new_tokens < 1:
             raise ConfigError(f"generation.max_new_tokens: {gen.max_new_tokens} must be >= 1")
@@ -276,6 +300,24 @@ class ExperimentConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+def _check_lora(name: str, spec: ModelSpec) -> None:
+    lora, key = spec.lora, f"models.{name}.lora"
+    assert lora is not None  # called for a model with a lora section
+    if not spec.trainable:
+        raise ConfigError(f"{key}: adapters are trained, but models.{name} is not trainable; set "
+                          f"models.{name}.trainable=true or remove {key}")
+    if lora.rank < 1:
+        raise ConfigError(f"{key}.rank: {lora.rank} must be >= 1")
+    if not lora.alpha > 0:
+        raise ConfigError(f"{key}.alpha: {lora.alpha} must be > 0")
+    unknown = [t for t in lora.target_modules if t not in LORA_MODULES and t not in LORA_HF_NAMES]
+    if unknown or not lora.target_modules:
+        raise ConfigError(f"{key}.target_modules: {unknown or 'an empty list'} is not a list of "
+                          f"{', '.join(LORA_MODULES)} (or their HF names {', '.join(LORA_HF_NAMES)})")
+    if lora.dropout != 0:
+        raise ConfigError(f"{key}.dropout: {lora.dropout}; LoRA dropout is not implemented, set it to 0")
+
+
 def _check_user_data(cfg: ExperimentConfig) -> None:
     """The dataset's held-out choice, the rewards' and the dashboards' options."""
     ds, rewards = cfg.dataset, cfg.rewards
@@ -313,8 +355,10 @@ def _coerce(value, tp, key: str):
     if origin in (typing.Union, types.UnionType):
         errors = []
         for option in typing.get_args(tp):
-            if option is type(None) and value is None:
-                return None
+            if option is type(None):
+                if value is None:
+                    return None
+                continue  # a value is not None: only the other options can take it
             try:
                 return _coerce(value, option, key)
             except ConfigError as err:

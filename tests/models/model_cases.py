@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}
 # name -> build_tiny keyword arguments. Between them they cover every family, tied and untied
 # heads, Mistral's sliding window, Qwen3's q/k norms and explicit head_dim, sharded safetensors,
 # pytorch_model.bin, critic heads and mixtures of experts (Mixtral: 4 experts, top 2, renormalised;
@@ -22,6 +24,9 @@ MODELS = {
     "qwen3": dict(family="qwen3", head_dim=24),
     "qwen3_tied": dict(family="qwen3", tied=True, head_dim=32),
     "qwen3_critic": dict(family="qwen3", critic=True, head_dim=24),
+    # Llama 3.1's RoPE, its bands set so that the tiny model's 8 frequencies (wavelengths 6 to 20,000
+    # positions) fall in all three: 1 kept, 2 blended, 5 divided by the factor (tests/models/test_rope_on_cpu.py).
+    "llama31": dict(family="llama", rope_parameters=LLAMA31_ROPE),
     "qwen3_moe": dict(family="qwen3_moe", head_dim=24),
     "mixtral_critic": dict(family="mixtral", critic=True),
 }

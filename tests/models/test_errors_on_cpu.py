@@ -91,3 +91,18 @@ def test_restage_generate_prints_one_line_and_exits_2(tiny_models, tmp_path, cap
     assert restage(["generate", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("restage: error: ") and expected in err
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}},
+     "rope type 'longrope' is not supported; use one of default, linear, dynamic, llama3, yarn"),
+    ({"model_type": "llama5"}, "model_type 'llama5' does not match architecture 'LlamaForCausalLM'; set model_type to "
+                               "'llama'"),
+])
+def test_unsupported_rope_or_model_type_in_restage_generate_is_one_line(tiny_models, tmp_path, capsys, change, expected):
+    model = _copy(tiny_models, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **change}))
+    assert restage(["generate", str(model), "--token-ids", "1 2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("restage: error: ") and expected in err

@@ -1,4 +1,5 @@
-"""``restage generate`` under mpirun with tp=2 and two data-parallel replicas gives the one-process completions."""
+"""``restage generate`` under mpirun: tp=2 with two data-parallel replicas gives the one-process completions, and
+Qwen3 and Llama 3.1 (scaled RoPE) under tp=2 x pp=2 give transformers' greedy tokens and log-probabilities."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from model_cases import PROMPTS, hf_greedy
+import torch
+from model_cases import PROMPTS
 
 pytestmark = pytest.mark.multirank
 
@@ -30,9 +32,18 @@ def test_four_ranks_tp2_dp2_match_one_process(tiny_models):
         assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
-def test_mixture_of_experts_under_tp2_pp2_is_token_identical_to_transformers(tiny_models, name):
-    # One launch per model splits both ways at once (tp2 and pp2 alone run in test_layouts_multirank).
-    done = _run(tiny_models[name], "--tp", "2", "--pp", "2")
-    assert done["strategy"] == "dp1tp2pp2"
-    assert [c["token_ids"] for c in done["completions"]] == hf_greedy(tiny_models[name], PROMPTS[:3], 8)
+@pytest.mark.parametrize("name", ["qwen3", "llama31", "mixtral", "qwen3_moe"])
+def test_tp2_pp2_greedy_tokens_and_logprobs_equal_transformers(tiny_models, name):
+    from restage.models.tiny import load_hf
+
+    out = _run(tiny_models[name], "--tp", "2", "--pp", "2", "--min-new-tokens", "8")
+    assert out["strategy"] == "dp1tp2pp2" and len(out["completions"]) == 3
+    hf = load_hf(tiny_models[name])
+    for prompt, completion in zip(PROMPTS[:3], out["completions"]):
+        reference = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                eos_token_id=2, pad_token_id=0)[0, len(prompt):].tolist()
+        assert completion["token_ids"] == reference
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + reference])).logits[0, len(prompt) - 1:-1]
+        ref_logprobs = logits.log_softmax(-1).gather(1, torch.tensor(reference)[:, None]).squeeze(1)
+        assert (torch.tensor(completion["logprobs"]) - ref_logprobs).abs().max().item() <= 1e-4

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.multirank
 
 STRATEGIES = {(1, 1): Strategy(dp=4), (2, 1): Strategy(dp=2, tp=2), (1, 2): Strategy(dp=2, pp=2),
               (2, 2): Strategy(tp=2, pp=2)}
-GENERATE = ["llama", "mistral", "qwen2_tied", "gpt2", "qwen3", "qwen3_tied", "mixtral", "qwen3_moe"]
-SAVE = ["qwen2_tied", "gpt2", "llama_critic", "qwen3", "qwen3_critic", "mixtral", "qwen3_moe"]
+GENERATE = ["llama", "mistral", "qwen2_tied", "gpt2", "qwen3", "qwen3_tied", "llama31", "mixtral", "qwen3_moe"]
+SAVE = ["qwen2_tied", "gpt2", "llama_critic", "qwen3", "qwen3_critic", "llama31", "mixtral", "qwen3_moe"]
 NEW_TOKENS = 32
 
 
@@ -39,7 +39,7 @@ def _run_layouts(rank, world_size, paths, save_root):
     layouts = {key: Layout(tuple(range(world_size)), s) for key, s in STRATEGIES.items()}
     groups = ProcessGroups([g for layout in layouts.values() for g in layout.all_groups()])
     micro_batches = [MicroBatch(*pack(seqs)) for seqs in MICRO_BATCHES]
-    out = {"outputs": {}, "generated": {}, "bytes": {}}
+    out = {"outputs": {}, "generated": {}, "bytes": {}, "qwen3_bytes": {}}
     for key, layout in layouts.items():
         coord = layout.coord(rank)
         for name, path in paths.items():
@@ -71,13 +71,16 @@ def _run_layouts(rank, world_size, paths, save_root):
     reader = load_checkpoint(module, paths["llama"])
     coord = layout.coord(rank)
     out["bytes"][rank] = (reader.bytes_read, reader.total_bytes(), shard_bytes(cfg, layout.strategy, coord.pp, coord.tp, 4))
+    cfg = ModelConfig.from_pretrained(paths["qwen3"])  # with the replicated q/k norms every rank reads whole
+    reader = load_checkpoint(StageModule(cfg, ParallelContext.from_layout(layout, groups, rank)), paths["qwen3"])
+    out["qwen3_bytes"][rank] = (reader.bytes_read, shard_bytes(cfg, layout.strategy, coord.pp, coord.tp, 4))
     return out
 
 
 @pytest.fixture(scope="module")
 def layout_results(tiny_models, tmp_path_factory):
     save_root = tmp_path_factory.mktemp("saved")
-    merged = {"outputs": {}, "generated": {}, "bytes": {}}
+    merged = {"outputs": {}, "generated": {}, "bytes": {}, "qwen3_bytes": {}}
     for result in spawn(_run_layouts, 4, tiny_models, str(save_root), timeout_seconds=600):
         for kind, values in result.items():
             merged[kind].update(values)
@@ -128,6 +131,12 @@ def test_a_tp2_pp2_rank_reads_about_a_quarter_of_the_weights(layout_results):
     for rank, (read, total, shard) in layout_results["bytes"].items():
         assert read == shard, f"rank {rank} read {read} bytes for a shard of {shard}"
         assert read <= 0.27 * total, f"rank {rank} read {read / total:.1%} of the checkpoint"
+
+
+def test_a_tp2_pp2_rank_reads_only_its_qwen3_shard(layout_results):
+    assert len(layout_results["qwen3_bytes"]) == 4
+    for rank, (read, shard) in layout_results["qwen3_bytes"].items():
+        assert read == shard, f"rank {rank} read {read} bytes for a shard of {shard}"
 
 
 @pytest.mark.parametrize("name", SAVE)

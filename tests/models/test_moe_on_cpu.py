@@ -149,3 +149,17 @@ def test_experiment_config_overrides_the_checkpoints_aux_loss_coefficient(tmp_pa
         load_config(job, ["models.actor.router_aux_loss_coef=-1"])
     cfg = preset("mixtral-8x7b")
     assert RouterLog(cfg).aux_coef == 0.02 and RouterLog(cfg, 0.5).aux_coef == 0.5
+
+
+def test_lora_on_a_mixtures_mlp_is_refused_in_one_line_and_attention_lora_is_taken():
+    from restage.config import ConfigError, LoraSpec
+    from restage.plan.problem import with_lora
+
+    cfg = preset("qwen3-30b-a3b")
+    with pytest.raises(ConfigError) as err:
+        with_lora("actor", cfg, LoraSpec(target_modules=("q", "gate_proj")))
+    assert str(err.value) == ("models.actor.lora: a mixture of experts takes no adapters on its MLP (gate) yet; "
+                              "target attention only (q, k, v, o)")
+    adapted = with_lora("actor", cfg, LoraSpec(target_modules=("q", "v")))
+    names = {s.name for s in param_specs(adapted)}
+    assert "layers.0.attn.q.lora_A.weight" in names and not any("experts" in n and "lora" in n for n in names)

@@ -56,3 +56,14 @@ def test_profile_shows_progress_and_writes_to_the_user_cache_not_the_repository(
     assert [line.split(" done")[0] for line in progress[3:5]] == ["restage profile: round 1/2", "restage profile: round 2/2"]
     used = find_profile("local-cpu", preset("llama-tiny"), "fp32")  # the planner finds it, or says which it takes
     assert used is not None and (used.name == out.name or any(" note: the planner takes " in line for line in lines))
+
+
+def test_a_profile_is_not_reused_across_head_widths_or_qk_norms():
+    import dataclasses
+
+    from restage.plan.profile import arch_signature
+
+    qwen3 = preset("qwen3-8b")
+    assert arch_signature(qwen3) != arch_signature(dataclasses.replace(qwen3, head_dim=64))
+    assert arch_signature(qwen3) != arch_signature(dataclasses.replace(qwen3, qk_norm=False))
+    assert arch_signature(preset("llama-3.1-8b")) == arch_signature(dataclasses.replace(preset("llama-3.1-8b"), head_dim=0))

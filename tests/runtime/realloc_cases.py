@@ -18,6 +18,7 @@ def tiny(kind: str = "llama") -> ModelConfig:
         "tied": dict(tied_embeddings=True),
         "qwen2": dict(model_type="qwen2", qkv_bias=True, num_kv_heads=6, intermediate_size=101),
         "critic": dict(is_critic=True),
+        "qwen3": dict(model_type="qwen3", qk_norm=True, head_dim=8, num_kv_heads=6),  # q wider than hidden
         "gpt2": dict(family="gpt2", model_type="gpt2", qkv_bias=True, o_bias=True, tied_embeddings=True,
                      intermediate_size=192),
     }[kind]
@@ -77,6 +78,7 @@ PAIRS_8 = [
     ("qwen2", L(range(0, 3), tp=3), L(range(3, 7), dp=2, tp=2), "qkv bias, 6 KV heads, tp 3->2"),
     ("qwen2", L(range(0, 6), dp=1, tp=6), L(range(1, 7), tp=3, pp=2), "qkv bias, tp 6->3 pp up, shifted"),
     ("critic", L(range(0, 4), dp=2, pp=2), L(range(4, 8), tp=2, pp=2), "critic head, disjoint"),
+    ("qwen3", L(range(0, 6), tp=6), L(range(2, 8), dp=2, tp=3), "qwen3 q/k norms, head_dim 8, tp 6->3"),
     ("gpt2", L(range(0, 4), tp=4), L(range(0, 6), dp=2, tp=3), "gpt2 biases and positions, tp 4->3"),
     ("gpt2", L(range(0, 8), dp=4, pp=2), L(range(3, 7), tp=2, pp=2), "gpt2 tied, pp and tp change"),
 ]

@@ -6,7 +6,8 @@ functions (docs/algorithms.md has the full contract).
 In short, per iteration the runtime:
 
 1. ``generate`` MFCs: runs the model, packs ``seqs``/``prompt_mask``/``logprobs`` into a ``Batch``,
-   then calls ``after_generate(mfc_name, batch, cfg, state)`` (function rewards are added here);
+   then calls ``after_generate(mfc_name, batch, cfg, state)`` (function rewards are added here: under the
+   runtime, which gives the state a ``reward_pool``, they are started here and attached where first sent);
 2. ``inference`` MFCs: runs the forward pass that ``forward_outputs(mfc_name, cfg)`` asks for on
    each micro-batch and turns it into the MFC's output keys with ``inference(...)``;
 3. once per iteration on the train ranks: ``prepare_train(batch, cfg, state, step, reduce)``;
@@ -17,12 +18,14 @@ In short, per iteration the runtime:
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 
 from restage.algorithms import ops
 from restage.algorithms._graphs import reward_source, sizes  # noqa: F401  (re-exported for algorithm modules)
-from restage.algorithms.rewards import function_rewards, resolve_reward
+from restage.algorithms.rewards import as_tensor, function_rewards, resolve_reward, start_function_rewards
+from restage.algorithms.scoring import PendingScores, RewardPool
 from restage.config import ExperimentConfig, build
 from restage.data.batch import Batch
 from restage.errors import ConfigError
@@ -67,6 +70,10 @@ class AlgoState:
         self.reward_fn = resolve_reward(cfg.reward_fn, cfg.rewards) if cfg.reward_fn else None
         self.reward_options = cfg.rewards
         self.sample_fields: dict = {}  # sample id -> dataset fields, for the reward (the runtime sets it)
+        # The runtime sets a pool: function rewards then score behind the rank's next ops; after_generate leaves
+        # them in ``pending_rewards`` (generate MFC -> its rewards being scored) for the runtime to take.
+        self.reward_pool: RewardPool | None = None
+        self.pending_rewards: dict[str, PendingRewards] = {}
         self.persistent = persistent
         self._step: int | None = None
         self._snapshot: dict | None = None
@@ -141,8 +148,23 @@ def generated_reward_keys(mfc: MFC) -> tuple[str, str, str] | None:
     return mfc.outputs[0], mfc.outputs[1], rewards[0]
 
 
+@dataclass(frozen=True)
+class PendingRewards:
+    """A generate MFC's function rewards being scored: the key they go to, and the scores to wait for."""
+
+    key: str
+    scores: PendingScores
+
+    def attach(self, batch: Batch) -> Batch:
+        """``batch`` with the rewards under ``key``, once scored (raises what the reward raised)."""
+        return batch.with_keys(seqs={self.key: as_tensor(self.scores)})
+
+
 def default_after_generate(mfc_name: str, batch: Batch, state: AlgoState) -> Batch:
-    """Check the group layout and attach function rewards to a generated batch when the MFC declares them."""
+    """Check the group layout and attach function rewards to a generated batch when the MFC declares them.
+
+    With ``state.reward_pool`` (the runtime's) the rewards are only started: the batch comes back without
+    them and ``state.pending_rewards[mfc_name]`` holds them until the runtime attaches them."""
     mfc = state.graph[mfc_name]
     group = int(mfc.options.get("group_size", 1))
     if batch.group_size != group:
@@ -152,5 +174,10 @@ def default_after_generate(mfc_name: str, batch: Batch, state: AlgoState) -> Bat
         return batch
     if state.reward_fn is None or state.tokenizer is None:
         raise ValueError(f"{mfc_name} must attach {keys[2]!r} but the state has no reward function or tokenizer")
-    return batch.with_keys(seqs={keys[2]: function_rewards(batch, state.reward_fn, state.tokenizer, keys[0], keys[1],
-                                                           state.sample_fields, state.reward_options)})
+    if state.reward_pool is None:  # not under the runtime (tests, tools): scored here and now
+        return batch.with_keys(seqs={keys[2]: function_rewards(batch, state.reward_fn, state.tokenizer, keys[0],
+                                                               keys[1], state.sample_fields, state.reward_options)})
+    state.pending_rewards[mfc_name] = PendingRewards(keys[2], start_function_rewards(
+        batch, state.reward_fn, state.tokenizer, state.reward_pool, keys[0], keys[1], state.sample_fields,
+        state.reward_options))
+    return batch

@@ -4,7 +4,8 @@ A reward function takes the batch's prompts and answers as decoded text and retu
 answer: ``fn(prompts: list[str], answers: list[str]) -> Sequence[float]`` (with ``**fields``, it also
 gets each answer's dataset fields as keyword lists), or is a per-sample reward
 (``verifiers.sample_reward``: ``fn(prompt, completion, /, **fields) -> float``, scored on a thread pool;
-``algorithms/scoring.py``). It runs on CPU, on whatever process holds the generated tokens.
+``algorithms/scoring.py``). It runs on CPU, on whatever process holds the generated tokens, on a pool
+thread: ``start_function_rewards`` starts it and returns at once, ``function_rewards`` waits.
 ``reward_fn`` names a registered reward (``sort``; the verifiers ``math``, ``format``, ``code``, built
 from the config's ``rewards`` options) or any importable ``module:function``.
 """
@@ -16,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from restage.algorithms.scoring import score
+from restage.algorithms.scoring import PendingScores, RewardPool
 from restage.config import RewardsConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
@@ -102,11 +103,24 @@ def seq_sample_ids(batch: Batch) -> list:
     return [batch.ids[i // batch.group_size] for i in range(batch.n_seqs)]
 
 
+def start_function_rewards(batch: Batch, fn: RewardFn, tokenizer, pool: RewardPool, ids_key: str = "seqs",
+                           prompt_key: str = "prompt_mask", fields_of=None, options: RewardsConfig | None = None
+                           ) -> PendingScores:
+    """Decode a batch of generated sequences here, then score them on ``pool``; ``fields_of`` maps a sample id to
+    its dataset fields (``datasets.sample_fields``), handed to the reward as keywords."""
+    prompts, answers = decode(batch, tokenizer, ids_key, prompt_key)
+    return pool.submit(fn, prompts, answers, seq_sample_ids(batch), fields_of, options or RewardsConfig())
+
+
+def as_tensor(scores: PendingScores) -> torch.Tensor:
+    """``[n_seqs]`` float32 rewards, once scored (raises what ``PendingScores.result`` raises)."""
+    return torch.tensor(scores.result(), dtype=torch.float32)
+
+
 def function_rewards(batch: Batch, fn: RewardFn, tokenizer, ids_key: str = "seqs",
                      prompt_key: str = "prompt_mask", fields_of=None, options: RewardsConfig | None = None
                      ) -> torch.Tensor:
-    """``[n_seqs]`` float32 rewards of a batch of generated sequences under a reward function; ``fields_of``
-    maps a sample id to its dataset fields (``datasets.sample_fields``), handed to the reward as keywords."""
-    prompts, answers = decode(batch, tokenizer, ids_key, prompt_key)
-    values = score(fn, prompts, answers, seq_sample_ids(batch), fields_of, options or RewardsConfig())
-    return torch.tensor(values, dtype=torch.float32)
+    """``[n_seqs]`` float32 rewards of a batch of generated sequences under a reward function, scored now."""
+    options = options or RewardsConfig()
+    with RewardPool(min(options.workers, batch.n_seqs)) as pool:
+        return as_tensor(start_function_rewards(batch, fn, tokenizer, pool, ids_key, prompt_key, fields_of, options))

@@ -7,12 +7,16 @@ the sandbox. Each run gets:
 * an environment of ``PATH``, ``HOME`` (the working directory) and ``LANG`` alone: nothing of ours;
 * resource limits: address space, CPU seconds, processes, file size, open files; a wall-clock limit
   after which its whole process group is killed;
-* as root (this machine): a new network namespace with no interfaces (``unshare(CLONE_NEWNET)``) and
-  the uid ``nobody``, so the kernel refuses every write to our files; without root the audit hook
-  below is the only fence (documented in docs/algorithms.md, "Verifiable rewards");
+* fences chosen at run time by what the kernel allows (``sandbox_child.confine``): no network (as root
+  a new network namespace and the uid ``nobody``; without root a new user namespace with its own
+  network namespace), Landlock (writes only in the working directory, reads only of the interpreter's
+  libraries and system directories, no access to other processes; TCP refused where no network
+  namespace was had);
 * an audit hook (``sandbox_child.py``) refusing writes outside the working directory, new processes,
   signals, sockets, ``ctypes``, reads of other processes' ``/proc`` and of our home directory.
 
+Where a kernel fence is missing (no user namespaces, no Landlock) the audit hook is what is left; the
+first run that finds so says which, in one line on stderr (docs/algorithms.md, "Verifiable rewards").
 The sandbox protects the machine; it does not promise an answer cannot game its score.
 """
 
@@ -32,6 +36,8 @@ from pathlib import Path
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 NOBODY = 65534
+SYSTEM_READS = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/dev", "/proc")
+_said: set[str] = set()  # the weaker-fence lines already printed by this process
 
 
 @dataclass(frozen=True)
@@ -63,19 +69,42 @@ def sandbox_python() -> str:
     return sys.executable  # the child drops its uid after start-up, once the interpreter is loaded
 
 
-def run_test(code: str, test: str, limits: Limits = Limits()) -> bool:
-    """True when ``code`` then ``test`` run to the end in the sandbox within ``limits``."""
+def read_roots(python: str) -> list[str]:
+    """What the sandbox may read besides its working directory: system directories and the interpreter's own."""
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, str(Path(python).parent.parent)}
+    return sorted({*SYSTEM_READS, *(os.path.realpath(p) for p in prefixes), *prefixes})
+
+
+def weaker_fences(network: str, files: str) -> str | None:
+    """The one line saying which kernel fences a sandbox run lacked (None when it had them all)."""
+    lacking = []
+    if network != "namespace":
+        lacking.append("no network namespace (user namespaces are off here, or refused): "
+                       + ("TCP is refused by Landlock, other sockets" if network == "landlock-tcp" else "sockets")
+                       + " only by the audit hook")
+    if files == "hook":
+        lacking.append("no Landlock and no uid change: writes outside its directory and reads of our files are "
+                       "refused only by the audit hook")
+    if not lacking:
+        return None
+    return "restage: sandbox: weaker isolation on this machine: " + "; ".join(lacking)
+
+
+def run_test(code: str, test: str, limits: Limits = Limits(), namespaces: bool = True) -> bool:
+    """True when ``code`` then ``test`` run to the end in the sandbox within ``limits``; ``namespaces=False``
+    skips the namespace fences (what a machine without user namespaces gets; for tests)."""
     nonce = secrets.token_hex(16)
     workdir = tempfile.mkdtemp(prefix="restage-sandbox-")
     try:
         if os.geteuid() == 0:
             os.chown(workdir, NOBODY, NOBODY)
-        request = {"code": code, "test": test, "nonce": nonce,
-                   "forbidden_reads": sorted({os.path.expanduser("~"), "/root"}),
+        python = sandbox_python()
+        request = {"code": code, "test": test, "nonce": nonce, "namespaces": namespaces,
+                   "forbidden_reads": sorted({os.path.expanduser("~"), "/root"}), "read_roots": read_roots(python),
                    "limits": {"memory_bytes": limits.memory_bytes, "processes": limits.processes,
                               "file_bytes": limits.file_bytes, "cpu_seconds": max(1, int(limits.timeout_seconds) + 1)}}
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"}
-        process = subprocess.Popen([sandbox_python(), "-I", "-B", str(CHILD)], cwd=workdir, env=env,
+        process = subprocess.Popen([python, "-I", "-B", str(CHILD)], cwd=workdir, env=env,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    start_new_session=True, close_fds=True)
         try:
@@ -85,9 +114,22 @@ def run_test(code: str, test: str, limits: Limits = Limits()) -> bool:
             return False
         finally:
             _kill_group(process)  # anything it left behind in its session
-        return process.returncode == 0 and out.decode(errors="replace").rstrip().endswith(nonce)
+        return process.returncode == 0 and _passed(out.decode(errors="replace"), nonce)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _passed(out: str, nonce: str) -> bool:
+    """Whether the child's last line is the nonce (and the fences that held, reported once if weaker)."""
+    last = out.rstrip().rpartition("\n")[2].split()
+    if not last or last[0] != nonce:
+        return False
+    fences = dict(part.partition("=")[::2] for part in last[1:])
+    line = weaker_fences(fences.get("network", "hook"), fences.get("files", "hook"))
+    if line is not None and line not in _said:
+        _said.add(line)
+        print(line, file=sys.stderr, flush=True)
+    return True
 
 
 def _kill_group(process: subprocess.Popen) -> None:

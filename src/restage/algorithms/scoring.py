@@ -8,10 +8,16 @@ Two kinds of reward function (``algorithms/rewards.py`` resolves both):
   called for every answer concurrently on ``rewards.workers`` threads (a code reward's sandboxed
   subprocesses run side by side).
 
+Scoring is started (``RewardPool.submit``) and collected (``PendingScores.result``) apart, so the rank
+that generated the answers goes on with its next ops while the pool scores them (the runtime collects
+the rewards where they are first sent; docs/algorithms.md, "Rewards"). ``score`` does both at once.
+Either way the reward runs on a pool thread, never the main thread (so it cannot install signal handlers).
+
 An answer whose per-sample reward raises or is not finite is reported on stderr with its sample id and
 scores 0; with ``rewards.on_error: stop`` it stops the run instead (``RewardError``, one line). A batched
 reward keeps its contract: one that raises stops the run (it cannot say which answer failed), and a
-non-finite value goes to the trainer's non-finite guard (``run.nonfinite``).
+non-finite value goes to the trainer's non-finite guard (``run.nonfinite``). Both surface when the
+scores are collected.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import inspect
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from restage.config import RewardsConfig
 from restage.errors import RewardError
@@ -34,44 +41,92 @@ def takes_fields(fn: Callable) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class PendingScores:
+    """The rewards of one batch being scored on a ``RewardPool``; ``result()`` waits for them."""
+
+    name: str  # the reward's, for messages
+    sample_ids: tuple  # the dataset id of each answer
+    futures: tuple[Future, ...]  # one per answer (per-sample), or one for the whole batch (batched)
+    batched: bool
+    options: RewardsConfig
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def result(self) -> list[float]:
+        """One reward per answer; raises what a batched reward raised, or ``RewardError`` (on_error: stop)."""
+        n = len(self.sample_ids)
+        if self.batched:
+            # The batched protocol keeps its contract: an exception stops the run on its rank as any exception
+            # in an MFC does (it cannot say which answer failed), and a non-finite value reaches the trainer's
+            # non-finite guard (run.nonfinite: skip the step's training or stop; runtime/nonfinite.py).
+            batched = [float(v) for v in self.futures[0].result()]
+            if len(batched) != n:
+                raise RewardError(f"reward_fn {self.name} returned {len(batched)} rewards for {n} answers")
+            return batched
+        failures: list[tuple[object, str]] = []
+        values = []
+        for sample, future in zip(self.sample_ids, self.futures):
+            value = future.result()
+            if isinstance(value, float) and not math.isfinite(value):
+                value = f"returned {value}"
+            if isinstance(value, str):
+                failures.append((sample, value))
+                value = 0.0
+            values.append(value)
+        for sample, what in failures:
+            line = f"reward {self.name}: sample {sample} {what}"
+            if self.options.on_error == "stop":
+                raise RewardError(f"{line}; fix the reward (or set rewards.on_error=zero to score such answers 0)")
+            print(f"restage: {line}; scored 0 (rewards.on_error=stop stops the run instead)", file=sys.stderr,
+                  flush=True)
+        return values
+
+
+class RewardPool:
+    """The ``rewards.workers`` threads that score answers; kept for a run so scoring can go on behind other work."""
+
+    def __init__(self, workers: int) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="restage-reward")
+
+    def submit(self, fn: Callable, prompts: Sequence[str], answers: Sequence[str], sample_ids: Sequence,
+               fields_of: Mapping[int, Mapping] | None = None, options: RewardsConfig = RewardsConfig()
+               ) -> PendingScores:
+        """Start scoring; ``sample_ids[i]`` is the dataset id of answer ``i`` (its fields' key)."""
+        fields_of = fields_of or {}
+        fields = [dict(fields_of.get(i, {})) for i in sample_ids]
+        name = getattr(fn, "__name__", "reward_fn")
+        prompts, answers = list(prompts), list(answers)
+        if not getattr(fn, "per_sample", False):
+            keywords = {}
+            if takes_fields(fn):
+                keywords = {key: [f.get(key) for f in fields] for key in dict.fromkeys(k for f in fields for k in f)}
+            return PendingScores(name, tuple(sample_ids), (self._executor.submit(fn, prompts, answers, **keywords),),
+                                 True, options)
+
+        def one(k: int) -> float | str:
+            try:
+                return float(fn(prompts[k], answers[k], **fields[k]))
+            except Exception as err:  # the reward's own bug or a malformed sample: reported, not fatal
+                return f"raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+        return PendingScores(name, tuple(sample_ids), tuple(self._executor.submit(one, k) for k in range(len(answers))),
+                             False, options)
+
+    def close(self) -> None:
+        """Stop taking work; scoring already started finishes on its threads."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._executor.shutdown(wait=True)
+
+
 def score(fn: Callable, prompts: Sequence[str], answers: Sequence[str], sample_ids: Sequence,
           fields_of: Mapping[int, Mapping] | None = None, options: RewardsConfig = RewardsConfig()) -> list[float]:
-    """One reward per answer; ``sample_ids[i]`` is the dataset id of answer ``i`` (its fields' key)."""
-    fields_of = fields_of or {}
-    fields = [dict(fields_of.get(i, {})) for i in sample_ids]
-    name = getattr(fn, "__name__", "reward_fn")
-    if not getattr(fn, "per_sample", False):
-        keywords = {}
-        if takes_fields(fn):
-            keywords = {key: [f.get(key) for f in fields] for key in dict.fromkeys(k for f in fields for k in f)}
-        # The batched protocol keeps its contract: an exception stops the run on its rank as any exception in
-        # an MFC does (it cannot say which answer failed), and a non-finite value reaches the trainer's
-        # non-finite guard (run.nonfinite: skip the step's training or stop; runtime/nonfinite.py).
-        batched = [float(v) for v in fn(list(prompts), list(answers), **keywords)]
-        if len(batched) != len(answers):
-            raise RewardError(f"reward_fn {name} returned {len(batched)} rewards for {len(answers)} answers")
-        return batched
-
-    def one(k: int) -> float | str:
-        try:
-            return float(fn(prompts[k], answers[k], **fields[k]))
-        except Exception as err:  # the reward's own bug or a malformed sample: reported, not fatal
-            return f"raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-
-    with ThreadPoolExecutor(max_workers=min(options.workers, max(1, len(answers)))) as pool:
-        results = list(pool.map(one, range(len(answers))))
-    failures: list[tuple[object, str]] = []
-    values = []
-    for sample, value in zip(sample_ids, results):
-        if isinstance(value, float) and not math.isfinite(value):
-            value = f"returned {value}"
-        if isinstance(value, str):
-            failures.append((sample, value))
-            value = 0.0
-        values.append(value)
-    for sample, what in failures:
-        line = f"reward {name}: sample {sample} {what}"
-        if options.on_error == "stop":
-            raise RewardError(f"{line}; fix the reward (or set rewards.on_error=zero to score such answers 0)")
-        print(f"restage: {line}; scored 0 (rewards.on_error=stop stops the run instead)", file=sys.stderr, flush=True)
-    return values
+    """One reward per answer, scored now on a pool of ``options.workers`` threads (``RewardPool.submit`` + result)."""
+    with RewardPool(min(options.workers, max(1, len(answers)))) as pool:
+        return pool.submit(fn, prompts, answers, sample_ids, fields_of, options).result()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -20,11 +21,12 @@ from safetensors.torch import save_file
 
 from restage.errors import CheckpointError
 from restage.layout import Layout, ProcessGroups, Strategy
-from restage.models.config import ModelConfig
+from restage.models.config import LoraConfig, ModelConfig
 from restage.models.decoder import StageModule
 from restage.models.hf_adapter import BASE_PREFIXES, hf_config_dict, hf_source, to_hf_tensors
+from restage.models.lora import init_adapter
 from restage.models.parallel import ParallelContext
-from restage.models.sharding import ShardSpec, shard_specs, split_range, stage_params, validate_strategy
+from restage.models.sharding import ShardSpec, is_adapter, shard_specs, split_range, stage_params, validate_strategy
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "generation_config.json", "chat_template.jinja")
@@ -134,6 +136,9 @@ def load_checkpoint(module: StageModule, path: str | Path, reader: WeightReader 
     params = dict(module.named_parameters())
     for shard in shard_specs(cfg, Strategy(tp=ctx.tp_size, pp=ctx.pp_size), ctx.pp_stage, ctx.tp_rank):
         name, param = shard.param.name, params[shard.param.name]
+        if is_adapter(cfg, name) and name != "score.weight":
+            init_adapter(param, shard)  # a HF checkpoint holds the base; adapters start fresh (or from an engine's state)
+            continue
         source = hf_source(cfg, name)
         key = reader.resolve(source.key)
         if key is None and name == "score.weight":
@@ -167,16 +172,20 @@ def _init_score(param: torch.nn.Parameter) -> None:
 
 
 def load_stage(path: str | Path, layout: Layout, groups: ProcessGroups | None, rank: int,
-               dtype: torch.dtype = torch.float32, device=None, critic: bool = False) -> StageModule:
+               dtype: torch.dtype = torch.float32, device=None, critic: bool = False,
+               lora: LoraConfig | None = None) -> StageModule:
     """Build this rank's StageModule for ``layout`` and load its shard of the checkpoint at ``path``.
 
     ``groups`` must hold the layout's groups (``ProcessGroups(layout.all_groups())``); it may be
-    None for a one-rank layout. ``critic=True`` gives a causal LM checkpoint a scalar head.
+    None for a one-rank layout. ``critic=True`` gives a causal LM checkpoint a scalar head; ``lora`` adds fresh
+    adapters (``models/lora.py``) on a frozen base.
     """
     hf = _read_hf_config(path)
     cfg = ModelConfig.from_hf_dict(hf, source=str(path))
     if critic and not cfg.is_critic:
         cfg = cfg.as_critic()
+    if lora is not None:
+        cfg = replace(cfg, lora=lora)
     validate_strategy(cfg, layout.strategy, name=str(path))  # before any group is touched
     ctx = ParallelContext.from_layout(layout, groups, rank)
     module = StageModule(cfg, ctx, dtype=dtype, device=device)
@@ -190,7 +199,7 @@ def _read_hf_config(path: str | Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-def _gather_full(tensor: torch.Tensor, shard: ShardSpec, ctx: ParallelContext) -> torch.Tensor:
+def gather_full(tensor: torch.Tensor, shard: ShardSpec, ctx: ParallelContext) -> torch.Tensor:
     """The full parameter from its TP shards (unequal widths allowed)."""
     dim = shard.param.split_dim
     if dim is None or ctx.tp_size == 1:
@@ -228,7 +237,7 @@ def save_checkpoint(module: StageModule, path: str | Path, dtype: torch.dtype | 
     for name, param in module.named_parameters():
         if name == "embed.weight" and not ctx.is_first_stage:
             continue  # the last stage's copy of a tied embedding; stage 0 saves the original
-        full[name] = _gather_full(param.detach(), shards[name], ctx).to(dtype=dtype, device="cpu")
+        full[name] = gather_full(param.detach(), shards[name], ctx).to(dtype=dtype, device="cpu")
     if ctx.tp_rank == 0:
         path.mkdir(parents=True, exist_ok=True)
         save_file(to_hf_tensors(cfg, full), str(path / _stage_file(ctx.pp_stage, ctx.pp_size)), metadata={"format": "pt"})

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from restage.errors import CheckpointError, hub_hint
 from restage.models.moe_config import REFUSED_ARCHITECTURES, moe_fields
+from restage.models.rope import RopeScaling, rope_from_hf
 
 # HF architecture name -> (family, is_critic). Critic and reward models are saved as
 # XForSequenceClassification with num_labels=1, which transformers loads directly.
@@ -40,6 +41,26 @@ _MODEL_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3
 # transformers' Qwen3Config defaults head_dim to 128 (not hidden_size / heads) when config.json leaves it out.
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_moe": 128}
 _ARCH_MODEL_TYPES = {name: model_type for model_type, name in _MODEL_TYPES.items()}  # "Qwen3" -> "qwen3"
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters on some linears (``models/lora.py``): ``y = W x + (alpha / rank) B A x``, W frozen.
+
+    ``target_modules`` are canonical module names (q, k, v, o, gate, up, down), checked by ``config.LoraSpec``.
+    """
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))  # JSON gives a list
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
 
 @dataclass(frozen=True)
@@ -71,6 +92,8 @@ class ModelConfig:
     activation: str = ""  # "" is the family's default: silu (SwiGLU) for llama, gelu_tanh for gpt2
     head_dim: int = 0  # width of one attention head; 0: hidden_size // num_heads (Qwen3 sets its own)
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (weights [head_dim]) before RoPE
+    rope_scaling: RopeScaling | None = None  # None: the default RoPE (see models/rope.py)
+    lora: LoraConfig | None = None  # adapters on a frozen base (models/lora.py); None: dense
     # Mixture of experts (models/moe.py); num_experts == 0 is a dense model.
     num_experts: int = 0
     experts_per_token: int = 0  # top-k
@@ -84,6 +107,9 @@ class ModelConfig:
         object.__setattr__(self, "sparse_layers", tuple(self.sparse_layers))
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        object.__setattr__(self, "rope_scaling", RopeScaling.from_json(self.rope_scaling))  # JSON gives a dict
+        if isinstance(self.lora, dict):  # from JSON, or from asdict (as_critic)
+            object.__setattr__(self, "lora", LoraConfig(**self.lora))
 
     @property
     def is_moe(self) -> bool:
@@ -158,24 +184,19 @@ class ModelConfig:
                 raise CheckpointError(f"{source}: mlp_bias=true is not supported")
             if hf.get("hidden_act", "silu") != "silu":
                 raise CheckpointError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported; only silu")
-            rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type != "default":
-                raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported; only the default RoPE")
+            rope_theta, rope_scaling = rope_from_hf(hf, source)
             sliding_window = hf.get("sliding_window") if model_type in ("mistral", "mixtral") else None
             if model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
                 raise CheckpointError(f"{source}: {_MODEL_TYPES[model_type]} use_sliding_window=true is not supported; "
                                       "set it to false")
-            rope_theta = hf.get("rope_theta")
-            if rope_theta is None:  # transformers 5 nests it under rope_parameters
-                rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
             return cls(
                 family=family, model_type=model_type, vocab_size=hf["vocab_size"],
                 hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
                 num_layers=hf["num_hidden_layers"], num_heads=num_heads,
                 num_kv_heads=hf.get("num_key_value_heads") or num_heads,
                 max_positions=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-6),
-                rope_theta=float(rope_theta), tied_embeddings=bool(hf.get("tie_word_embeddings", False)) and not is_critic,
+                rope_theta=rope_theta, rope_scaling=rope_scaling,
+                tied_embeddings=bool(hf.get("tie_word_embeddings", False)) and not is_critic,
                 qkv_bias=(model_type == "qwen2") or bool(hf.get("attention_bias", False)), head_dim=head_dim,
                 qk_norm=model_type in ("qwen3", "qwen3_moe"),
                 o_bias=bool(hf.get("attention_bias", False)), is_critic=is_critic,

@@ -20,6 +20,7 @@ from restage.errors import LayoutError
 from restage.layout import Strategy
 from restage.models.attention import KVCache, varlen_attention
 from restage.models.config import ModelConfig
+from restage.models.lora import apply_lora
 from restage.models.moe import MoEMLP, RouterLog
 from restage.models.packing import PackedBatch
 from restage.models.parallel import (
@@ -32,6 +33,7 @@ from restage.models.parallel import (
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
+from restage.models.rope import apply_rope, rope_cos_sin
 from restage.models.sharding import shard_specs, split_range, stage_layers, validate_strategy
 
 ACTIVATIONS = {
@@ -94,21 +96,6 @@ class LayerNorm(nn.Module):
 def _norm(cfg: ModelConfig, dtype, device) -> nn.Module:
     cls = LayerNorm if cfg.family == "gpt2" else RMSNorm
     return cls(cfg.hidden_size, cfg.norm_eps, dtype, device)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[T, head_dim]`` cos and sin of the rotary embedding (computed in fp32, then cast)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
-    freqs = positions.float().unsqueeze(-1) * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, H, D]`` (half-split convention of the HF LLaMA checkpoints)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -207,6 +194,8 @@ class StageModule(nn.Module):
                 self.lm_head = Weight((vocab_hi - vocab_lo, cfg.hidden_size), dtype, device)
             elif not first:  # the last stage's own copy of the tied embedding, used as the head
                 self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype, device)
+        if cfg.lora is not None:
+            apply_lora(self, cfg, ctx)  # adapters on the targeted linears; the base frozen
         self._check_contract(strategy)
 
     def _check_contract(self, strategy: Strategy) -> None:
@@ -242,7 +231,7 @@ class StageModule(nn.Module):
             h = inputs
         rope = None
         if self.cfg.family != "gpt2":
-            rope = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+            rope = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype, self.cfg.rope_scaling)
         for block in self.layers.values():
             h = block(h, batch, rope, cache, routing)
         if not self.ctx.is_last_stage:

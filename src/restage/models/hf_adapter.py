@@ -15,6 +15,7 @@ import torch
 from restage.device import TORCH_NAMES
 from restage.models.config import ModelConfig
 from restage.models.moe_config import moe_hf_dict
+from restage.models.rope import rope_to_hf
 from restage.models.sharding import ParamSpec
 
 _LLAMA_TOP = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
@@ -121,7 +122,10 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = Non
     out.update(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                max_position_embeddings=cfg.max_positions, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
-               rope_theta=cfg.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+               rope_theta=cfg.rope_theta, rope_parameters=rope_to_hf(cfg.rope_theta, cfg.rope_scaling))
+    # transformers reads rope_scaling before rope_parameters: drop the source's, which the line above replaces
+    for key in ("rope_scaling", "original_max_position_embeddings"):
+        out.pop(key, None)
     out.update(moe_hf_dict(cfg.model_type, cfg.num_layers, cfg.num_experts, cfg.experts_per_token,
                            cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.router_aux_loss_coef, cfg.sparse_layers))
     if cfg.model_type in ("mistral", "mixtral"):

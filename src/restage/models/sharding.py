@@ -125,7 +125,41 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
         specs.append(ParamSpec("score.weight", (1, h), None, 1, None, "last"))
     elif not cfg.tied_embeddings:
         specs.append(ParamSpec("lm_head.weight", (cfg.vocab_size, h), 0, 1, None, "last"))
-    return specs
+    return _with_lora(cfg, specs) if cfg.lora is not None else specs
+
+
+# LoRA target (canonical module name) -> the module path inside a block.
+LORA_TARGETS = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.o", "gate": "mlp.gate", "up": "mlp.up",
+                "down": "mlp.down"}
+
+
+def _with_lora(cfg: ModelConfig, specs: list[ParamSpec]) -> list[ParamSpec]:
+    """``specs`` with ``<module>.lora_A.weight`` ``[r, in]`` and ``<module>.lora_B.weight`` ``[out, r]`` after each
+    targeted weight. A column-parallel base (split dim 0) gives a replicated A and a B split like the base; a
+    row-parallel one (split dim 1) an A split like the base and a replicated B: each rank's A and B then multiply
+    exactly the slice of the activations its base shard sees."""
+    assert cfg.lora is not None  # only called for a LoRA model
+    rank = cfg.lora.rank
+    targets = {LORA_TARGETS[t] for t in cfg.lora.target_modules}
+    out = []
+    for spec in specs:
+        out.append(spec)
+        module = spec.name.split(".", 2)[-1].removesuffix(".weight") if spec.where == "layer" else ""
+        if module not in targets or not spec.name.endswith(".weight"):
+            continue
+        prefix = spec.name.removesuffix("weight")
+        out_features, in_features = spec.shape
+        column = spec.split_dim == 0
+        out.append(ParamSpec(prefix + "lora_A.weight", (rank, in_features), None if column else 1,
+                             1 if column else spec.unit, spec.layer, "layer"))
+        out.append(ParamSpec(prefix + "lora_B.weight", (out_features, rank), 0 if column else None,
+                             spec.unit if column else 1, spec.layer, "layer"))
+    return out
+
+
+def is_adapter(cfg: ModelConfig, name: str) -> bool:
+    """Whether a parameter is trained in a LoRA model: its adapters, and a critic's fresh scalar head."""
+    return cfg.lora is not None and (".lora_A." in name or ".lora_B." in name or name == "score.weight")
 
 
 def strategy_problem(cfg: ModelConfig, strategy: Strategy, name: str = "model") -> str | None:

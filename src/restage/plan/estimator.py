@@ -5,7 +5,8 @@ all-reduces (two per block per pass), the 1F1B pipeline's fill and drain plus st
 sends, ZeRO's gradient reduction / parameter gathering over the DP group, the optimizer step,
 and generation as a prefill followed by memory-bound decoding steps. Collectives are not
 assumed to overlap with compute. Memory per rank: parameters, gradients and optimizer states
-per ZeRO stage (``state_bytes``, held while the layout is the model's home), and what exists only
+per ZeRO stage (``state_bytes``, held while the layout is the model's home; for a LoRA model gradients and
+optimizer state only of the adapters), and what exists only
 while the MFC runs (``transient_bytes``): activations (all blocks' or, with recomputation, only
 block inputs), logits, the KV cache.
 
@@ -24,7 +25,7 @@ from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.config import ModelConfig
 from restage.models.flops import block_shape
-from restage.models.sharding import shard_bytes, stage_layers, validate_strategy
+from restage.models.sharding import is_adapter, shard_bytes, shard_specs, stage_layers, validate_strategy
 from restage.plan.comm import allgather_seconds, allreduce_seconds, broadcast_seconds, p2p_seconds, reduce_scatter_seconds
 from restage.plan.compute import DTYPE_BYTES, ProfiledCompute, RooflineCompute
 from restage.plan.profile import find_profile
@@ -83,6 +84,16 @@ def stage_param_elements(cfg: ModelConfig, tp: int, pp: int) -> tuple[int, ...]:
     """Parameter elements the first TP rank (the largest chunk) of each pipeline stage holds."""
     strategy = Strategy(tp=tp, pp=pp)
     return tuple(shard_bytes(cfg, strategy, s, 0, 1) for s in range(pp))
+
+
+@lru_cache(maxsize=4096)
+def stage_trained_elements(cfg: ModelConfig, tp: int, pp: int) -> tuple[int, ...]:
+    """Elements the first TP rank of each stage trains: all its parameters, or a LoRA model's adapters."""
+    if cfg.lora is None:
+        return stage_param_elements(cfg, tp, pp)
+    strategy = Strategy(tp=tp, pp=pp)
+    return tuple(sum(s.numel for s in shard_specs(cfg, strategy, stage, 0) if is_adapter(cfg, s.param.name))
+                 for stage in range(pp))
 
 
 def activation_elements_per_token(cfg: ModelConfig, tp: int) -> float:
@@ -155,7 +166,8 @@ class Estimator:
             parts["overhead_seconds"] = overhead
         source = compute.describe() if hasattr(compute, "describe") else compute.source
         params = max(stage_param_elements(role.arch, layout.strategy.tp, layout.strategy.pp))
-        return Estimate(seconds=seconds, state_bytes=_state_bytes(role, mfc, params, layout.strategy.dp),
+        trained = max(stage_trained_elements(role.arch, layout.strategy.tp, layout.strategy.pp))
+        return Estimate(seconds=seconds, state_bytes=_state_bytes(role, mfc, params, trained, layout.strategy.dp),
                         param_bytes=params * role.bytes_per_element, transient_bytes=int(transient), micro_batches=m,
                         source=source, breakdown=tuple(sorted(parts.items())))
 
@@ -188,14 +200,15 @@ def overhead_seconds(cluster: ClusterSpec, mfc: MFC, layout: Layout, m: int) -> 
     return sum(n * getattr(cluster, f"{name}_overhead_seconds") for name, n in counts.items())
 
 
-def _state_bytes(role: ModelRole, mfc: MFC, params: int, dp: int) -> int:
+def _state_bytes(role: ModelRole, mfc: MFC, params: int, trained: int, dp: int) -> int:
+    """Parameters, and for a train step the gradients and optimizer state of the ``trained`` elements."""
     e = role.bytes_per_element
     if mfc.kind != "train_step":
         return params * e
     z = role.zero_stage
     param_bytes = 0 if (z == 3 and role.offload_params) else params * e / (dp if z == 3 else 1)
-    grad_bytes = params * e / (dp if z >= 2 else 1)
-    optim_bytes = 0 if role.offload_optimizer else params * _OPTIMIZER_BYTES[role.dtype] / (dp if z >= 1 else 1)
+    grad_bytes = trained * e / (dp if z >= 2 else 1)
+    optim_bytes = 0 if role.offload_optimizer else trained * _OPTIMIZER_BYTES[role.dtype] / (dp if z >= 1 else 1)
     return int(param_bytes + grad_bytes + optim_bytes)
 
 
@@ -230,14 +243,15 @@ def _train(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Lay
         gather_s = (3 if recompute else 2) * allgather_seconds(cluster, dp_group, params * e)
     per_micro = compute_s + tp_s + send_s + gather_s
     pipeline = (m + s.pp - 1) * per_micro
-    grads = params * e
+    trained = max(stage_trained_elements(cfg, s.tp, s.pp))  # a LoRA model reduces and steps only its adapters
+    grads = trained * e
     if role.zero_stage == 0:
         dp_s = allreduce_seconds(cluster, dp_group, grads)
     elif role.zero_stage in (1, 2):
-        dp_s = reduce_scatter_seconds(cluster, dp_group, grads) + allgather_seconds(cluster, dp_group, params * e)
+        dp_s = reduce_scatter_seconds(cluster, dp_group, grads) + allgather_seconds(cluster, dp_group, trained * e)
     else:
         dp_s = reduce_scatter_seconds(cluster, dp_group, grads)
-    optim_s = compute.optimizer_step(params / (s.dp if role.zero_stage >= 1 else 1))
+    optim_s = compute.optimizer_step(trained / (s.dp if role.zero_stage >= 1 else 1))
     if role.offload_optimizer:
         optim_s *= _HOST_OPTIMIZER_SLOWDOWN
     steps = mfc.epochs * mfc.minibatches

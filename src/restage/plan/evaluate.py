@@ -52,7 +52,7 @@ def _ranks(layout):
 def plan_memory(problem: PlanProblem, plan: Plan) -> tuple[int, tuple[int, ...]]:
     """(peak bytes of the fullest rank, each MFC's peak bytes) for ``plan``.
 
-    Persistent: each model's home state, and the copies of frozen models on other layouts (the
+    Persistent: each model's home state, and the copies of frozen and LoRA models on other layouts (the
     runtime keeps those). Transient, per MFC: its activations / KV cache, plus its parameters when
     it runs on a copy of a trained model, on a ZeRO-3 gather, or on an offloaded frozen model.
     """
@@ -70,7 +70,8 @@ def plan_memory(problem: PlanProblem, plan: Plan) -> tuple[int, tuple[int, ...]]
         role = problem.role(mfc)
         need = cand.estimate.transient_bytes
         copy = needs_copy(problem, plan, mfc)
-        if copy and not role.trainable and not role.offload_when_idle:
+        kept = not role.trainable or role.arch.lora is not None  # a LoRA model's copies keep their base
+        if copy and kept and not role.offload_when_idle:
             if (mfc.model, cand.layout) not in frozen_copies:
                 frozen_copies.add((mfc.model, cand.layout))
                 persistent[_ranks(cand.layout)] += cand.estimate.param_bytes

@@ -15,13 +15,15 @@ MFCs run on a reallocated copy when their layout differs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from restage.cluster import ClusterSpec
+from restage.config import LoraSpec
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout, Strategy
+from restage.models.config import LoraConfig, ModelConfig
 from restage.models.sharding import layout_problem
 from restage.plan.estimator import Estimate, Estimator, ModelRole, dp_size_ok, sequences_per_rank
 from restage.plan.transfer import ReallocCost, data_transfer_seconds, exact_realloc, fast_realloc
@@ -64,7 +66,6 @@ Plan = tuple[Candidate, ...]
 
 def roles_from_config(cfg, graph: DataflowGraph | None = None) -> dict[str, ModelRole]:
     """ModelRoles of a config's models: architecture from ``arch`` (a preset) or the checkpoint's config.json."""
-    from restage.models.config import ModelConfig
     from restage.models.presets import preset
 
     trained = set(graph.trained_models()) if graph is not None else set()
@@ -77,11 +78,25 @@ def roles_from_config(cfg, graph: DataflowGraph | None = None) -> dict[str, Mode
             arch = ModelConfig.from_pretrained(spec.path)
             if spec.init_critic_from_lm:
                 arch = arch.as_critic()
+        if spec.lora is not None:
+            arch = with_lora(name, arch, spec.lora)
         roles[name] = ModelRole(name=name, arch=arch, dtype=spec.dtype, trainable=spec.trainable or name in trained,
                                 zero_stage=spec.zero_stage, gradient_checkpointing=spec.gradient_checkpointing,
                                 offload_optimizer=spec.offload_optimizer, offload_params=spec.offload_params,
                                 offload_when_idle=spec.offload_when_idle, path=spec.path, preset=spec.arch)
     return roles
+
+
+def with_lora(name: str, arch: ModelConfig, spec: LoraSpec) -> ModelConfig:
+    """``arch`` with the adapters of ``models.<name>.lora``; GPT-2 is refused in one line."""
+    if arch.family == "gpt2":
+        raise ConfigError(f"models.{name}.lora: LoRA supports the LLaMA family (llama, mistral, qwen2), not GPT-2; "
+                          f"remove models.{name}.lora")
+    mlp = sorted(set(spec.canonical_targets()) & {"gate", "up", "down"})
+    if arch.is_moe and mlp:
+        raise ConfigError(f"models.{name}.lora: a mixture of experts takes no adapters on its MLP ({', '.join(mlp)}) "
+                          f"yet; target attention only (q, k, v, o)")
+    return replace(arch, lora=LoraConfig(spec.rank, spec.alpha, spec.canonical_targets(), spec.dropout))
 
 
 def mesh_options(cluster: ClusterSpec) -> list[tuple[int, int]]:
@@ -269,7 +284,9 @@ class PlanProblem:
         if key not in self._realloc:
             role = self.roles[model]
             cost = exact_realloc if self.exact_realloc else fast_realloc
-            self._realloc[key] = cost(role.arch, src, dst, role.bytes_per_element, self.cluster)
+            # A LoRA model's copies keep the frozen base (schedule/program.py): in the steady state only adapters move.
+            self._realloc[key] = cost(role.arch, src, dst, role.bytes_per_element, self.cluster,
+                                      adapters_only=role.arch.lora is not None)
         return self._realloc[key]
 
     def data_transfer(self, src: Layout, dst: Layout, nbytes: int) -> float:

@@ -100,7 +100,8 @@ def plan_program(problem, plan) -> list[tuple[Op, float]]:
     Sort keys: (relaxed start, rank of the kind at one start, list index); a transfer's start is
     placed once its consumer's ranks are known to be free, a free or offload goes right after the op before it."""
     offload = frozenset(name for name, role in problem.roles.items() if role.offload_when_idle and not role.trainable)
-    ops = build_program(problem.graph, plan_layouts(problem, plan), offload_idle=offload)
+    resident = frozenset(name for name, role in problem.roles.items() if role.arch.lora is not None)
+    ops = build_program(problem.graph, plan_layouts(problem, plan), offload_idle=offload, resident=resident)
     free: dict[int, float] = {}
     run_end: dict[str, float] = {}
     arrived: dict[str, float] = {}  # MFC -> when its last input lands
@@ -151,7 +152,7 @@ def copy_seconds(problem, src, dst, model: str) -> float:
     """Seconds to reallocate ``model`` from ``src`` to ``dst``, plus a ZeRO-3 gather out of its training engine."""
     role = problem.roles[model]
     seconds = 0.0 if src == dst else problem.realloc(model, src, dst).seconds
-    if role.trainable and role.zero_stage == 3:
+    if role.trainable and role.zero_stage == 3 and role.arch.lora is None:  # LoRA: only the adapters are gathered
         seconds += zero3_gather_seconds(role.arch, src, role.bytes_per_element, problem.cluster)
     return seconds
 

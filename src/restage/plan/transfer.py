@@ -4,7 +4,8 @@ Reallocation has two implementations that count the same bytes: ``exact_realloc`
 runtime's planner (``schedule/realloc_plan.py``, which decides who sends which piece), and
 ``fast_realloc`` does the same arithmetic per (stage, TP chunk) instead of per parameter, fast
 enough for the search's inner loop. The search uses the fast one; the schedule's reallocation
-steps carry the exact planner's bytes and the seconds computed from them.
+steps carry the exact planner's bytes and the seconds computed from them. For a LoRA model
+(``adapters_only``) both count only the adapters: its copies keep the frozen base between steps.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from restage.cluster import ClusterSpec
 from restage.graph import MFC
 from restage.layout import Layout
 from restage.models.config import ModelConfig
-from restage.models.sharding import param_specs, split_range, stage_layers
+from restage.models.sharding import is_adapter, param_specs, split_range, stage_layers
 from restage.plan.comm import links_seconds
 from restage.schedule.realloc_plan import contiguous_chunks, plan_reallocation
 
@@ -36,20 +37,22 @@ class ReallocCost:
     method: str  # "planner" (schedule/realloc_plan.py) or "fast"
 
 
-def exact_realloc(cfg: ModelConfig, src: Layout, dst: Layout, bytes_per_element: int, cluster: ClusterSpec) -> ReallocCost:
+def exact_realloc(cfg: ModelConfig, src: Layout, dst: Layout, bytes_per_element: int, cluster: ClusterSpec,
+                  adapters_only: bool = False) -> ReallocCost:
     """Bytes from the runtime's reallocation planner; seconds from its pieces over the cluster's links."""
-    plan = plan_reallocation(cfg, src, dst, bytes_per_element=bytes_per_element, node_of=cluster.node_of)
+    plan = plan_reallocation(cfg, src, dst, bytes_per_element=bytes_per_element, node_of=cluster.node_of,
+                             adapters_only=adapters_only)
     sends = [(p.src_rank, p.dst_ranks, p.numel * bytes_per_element) for p in plan.pieces]
     return ReallocCost(plan.total_bytes, links_seconds(cluster, sends), "planner")
 
 
 @lru_cache(maxsize=1024)
-def _layer_template(cfg: ModelConfig, tp_src: int, tp_dst: int) -> tuple[dict, dict]:
+def _layer_template(cfg: ModelConfig, tp_src: int, tp_dst: int, adapters_only: bool) -> tuple[dict, dict]:
     """Per-group overlap elements: split[(where, t_src, t_dst)] and replicated[where] for one layer / the ends."""
     split: dict[tuple[str, int, int], int] = defaultdict(int)
     replicated: dict[str, int] = defaultdict(int)
     for spec in param_specs(cfg):
-        if spec.where == "layer" and spec.layer != 0:
+        if spec.where == "layer" and spec.layer != 0 or adapters_only and not is_adapter(cfg, spec.name):
             continue
         if spec.split_dim is None:
             replicated[spec.where] += spec.numel
@@ -80,15 +83,17 @@ def _stage_overlaps(cfg: ModelConfig, pp_src: int, pp_dst: int) -> dict[tuple[in
     return out
 
 
-def fast_realloc(cfg: ModelConfig, src: Layout, dst: Layout, bytes_per_element: int, cluster: ClusterSpec) -> ReallocCost:
+def fast_realloc(cfg: ModelConfig, src: Layout, dst: Layout, bytes_per_element: int, cluster: ClusterSpec,
+                 adapters_only: bool = False) -> ReallocCost:
     """The planner's byte counts and sender choice, computed per (stage, TP chunk) rather than per parameter."""
-    return _fast_realloc(cfg, src, dst, bytes_per_element, cluster)
+    return _fast_realloc(cfg, src, dst, bytes_per_element, cluster, adapters_only)
 
 
 @lru_cache(maxsize=65536)
-def _fast_realloc(cfg: ModelConfig, src: Layout, dst: Layout, bytes_per_element: int, cluster: ClusterSpec) -> ReallocCost:
+def _fast_realloc(cfg: ModelConfig, src: Layout, dst: Layout, bytes_per_element: int, cluster: ClusterSpec,
+                  adapters_only: bool) -> ReallocCost:
     s1, s2 = src.strategy, dst.strategy
-    split, replicated = _layer_template(cfg, s1.tp, s2.tp)
+    split, replicated = _layer_template(cfg, s1.tp, s2.tp, adapters_only)
     overlaps = _stage_overlaps(cfg, s1.pp, s2.pp)
     load: dict[int, int] = defaultdict(int)
     groups: dict[tuple, list[int]] = defaultdict(list)  # (sender, piece) -> receivers

@@ -2,7 +2,8 @@
 
 Layout of ``checkpoints/step-N/`` (whole or absent, see ``checkpoint_dir``):
 ``<model>/hf/`` a HF directory (safetensors + config.json + tokenizer) that transformers loads
-(trainable models, and a reference that an EMA updates);
+(trainable models, and a reference that an EMA updates); for a LoRA model instead ``<model>/adapter/``, its
+adapters in PEFT's layout over the base at the model's path (``restage merge-lora`` makes a HF directory of it);
 ``<model>/engine/`` DeepSpeed's own files (module, optimizer and LR scheduler state per rank);
 ``ranks/rank<R>.pt`` each rank's RNG states and algorithm state; ``manifest.json`` the master's
 data cursor and step. A resume needs the same schedule (same layouts and world size).
@@ -25,6 +26,7 @@ from restage.disk import writing
 from restage.errors import CheckpointError
 from restage.layout import ProcessGroups
 from restage.models.checkpoint import load_stage, save_checkpoint
+from restage.models.lora_checkpoint import save_adapters
 from restage.runtime import checkpoint_dir
 from restage.runtime.control import Control
 from restage.runtime.engines import Engine, barriers_on, engine_groups
@@ -87,7 +89,10 @@ def _write_models(path: Path, store: ModelStore, groups: ProcessGroups) -> None:
         engine = slot.engine
         assert slot.module is not None, f"{name}: an engine without its module"  # build_engine wraps the home shard
         with _maybe_gathered(slot):
-            save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.entry.path)
+            if slot.cfg.lora is not None:
+                save_adapters(slot.module, path / name / "adapter", slot.entry.path)
+            else:
+                save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.entry.path)
         with barriers_on(_engine_group(groups, slot, store.rank)), engine_groups(engine):
             engine.save_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG, save_latest=False)
 

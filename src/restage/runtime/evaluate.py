@@ -98,7 +98,9 @@ def plan_eval(graph: DataflowGraph, layouts: dict[str, Layout], cfg: ExperimentC
     names = (generate.name,) + ((reward.name,) if reward is not None else ())
     min_prompts = max(layouts[name].strategy.dp for name in names)
     passes = eval_passes(n_prompts, max(cfg.run.batch_size, min_prompts), min_prompts)
-    return EvalPlan(generate, reward, tuple(build_eval_program(graph, layouts, names, offload_idle)), tuple(passes))
+    resident = frozenset(name for name, spec in cfg.models.items() if spec.lora is not None)  # LoRA: copies stay
+    return EvalPlan(generate, reward, tuple(build_eval_program(graph, layouts, names, offload_idle, resident)),
+                    tuple(passes))
 
 
 def pass_ops(plan: EvalPlan, index: int) -> list[Op]:

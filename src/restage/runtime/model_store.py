@@ -4,7 +4,9 @@ A model is loaded once, in its *home* layout (each rank reads only its slices); 
 a DeepSpeed engine over it. Copies in other layouts are made by reallocation (``runtime/realloc.py``,
 over plans made once per (model, source, destination) and kept), dropped by ``free``; a frozen
 model's home shard can sit in host memory between its MFCs (``offload``/``reload``,
-``runtime/offload.py``). A frozen model's copy never goes stale, so it is made once.
+``runtime/offload.py``). A frozen model's copy never goes stale, so it is made once. A LoRA model's copy
+keeps its frozen base: the first reallocation into a layout moves every parameter, later ones only the
+adapters (``adapters_only`` plans), written into the copy in place.
 """
 
 from __future__ import annotations
@@ -67,16 +69,18 @@ class ModelStore:
         self.node_of = node_of
         self.ema = ema_targets(graph)  # model updated by a reference EMA -> its train MFC
         self.slots: dict[str, ModelSlot] = {}
-        self.realloc_plans: dict[tuple[str, Layout, Layout], ReallocPlan] = {}
+        self.realloc_plans: dict[tuple[str, Layout, Layout, bool], ReallocPlan] = {}
         self.frozen_copies: set[tuple[str, Layout]] = set()  # (model, layout) copies of frozen models already made
+        self.base_copies: set[tuple[str, Layout]] = set()  # (model, layout) copies of LoRA models holding the base
 
-    def realloc_plan(self, model: str, src: Layout, dst: Layout) -> ReallocPlan:
-        """The plan moving ``model`` from ``src`` to ``dst`` (made on first use, then kept)."""
-        key = (model, src, dst)
+    def realloc_plan(self, model: str, src: Layout, dst: Layout, adapters_only: bool = False) -> ReallocPlan:
+        """The plan moving ``model`` (or, ``adapters_only``, its adapters) from ``src`` to ``dst`` (made once, kept)."""
+        key = (model, src, dst, adapters_only)
         if key not in self.realloc_plans:
             cfg = comm_budget.realloc_model_config(self.schedule, self.cfg, model)
             self.realloc_plans[key] = plan_reallocation(cfg, src, dst, node_of=self.node_of,
-                                                        bytes_per_element=DTYPES[self.schedule.models[model].dtype].itemsize)
+                                                        bytes_per_element=DTYPES[self.schedule.models[model].dtype].itemsize,
+                                                        adapters_only=adapters_only)
         return self.realloc_plans[key]
 
     def model_cfg(self, name: str) -> ModelConfig:
@@ -95,7 +99,7 @@ class ModelStore:
             if self.rank in home:
                 heartbeat.doing(f"start-up: loading {name} ({info.path})")
                 slot.module = load_stage(info.path, home, groups, self.rank, DTYPES[info.dtype], self.device,
-                                         critic=critic)
+                                         critic=critic, lora=info.arch.lora)
                 slot.cfg = slot.module.cfg
                 if not info.trainable:
                     slot.module.requires_grad_(False)
@@ -129,13 +133,27 @@ class ModelStore:
         destination ranks do): a sender must not send what no one receives."""
         return self.frozen(model) and (model, layout) in self.frozen_copies
 
+    def holds_base(self, model: str, layout: Layout) -> bool:
+        """Whether ``model`` is a LoRA model whose copy in ``layout`` holds its base (from what every rank of the
+        reallocation knows, as ``copy_current``): then only its adapters need to move."""
+        return (model, layout) in self.base_copies
+
     def adopt_copy(self, model: str, layout: Layout, state: Mapping[str, torch.Tensor], groups: ProcessGroups) -> None:
         """Keep the reallocated ``state`` as ``model``'s copy in ``layout`` (on its ranks); a frozen one is made once.
 
-        The module adopts the tensors (built on "meta", it holds none); the copy is read-only."""
+        The module adopts the tensors (built on "meta", it holds none); the copy is read-only. Into a LoRA
+        model's copy that holds its base, ``state`` (its adapters) is written in place."""
         slot = self.slots[model]
         if self.frozen(model):
             self.frozen_copies.add((model, layout))
+        if self.holds_base(model, layout):
+            if self.rank in layout:
+                copy = slot.copies[layout]
+                for name, tensor in state.items():
+                    copy.get_parameter(name).data = tensor
+            return
+        if slot.cfg.lora is not None:
+            self.base_copies.add((model, layout))
         if self.rank in layout:
             ctx = ParallelContext.from_layout(layout, groups, self.rank)
             module = StageModule(slot.cfg, ctx, DTYPES[slot.entry.dtype], torch.device("meta"))
@@ -147,6 +165,7 @@ class ModelStore:
     def free(self, model: str, layout: Layout) -> None:
         self.slots[model].copies.pop(layout, None)
         self.frozen_copies.discard((model, layout))
+        self.base_copies.discard((model, layout))
 
     def offload(self, model: str) -> None:
         """The home shard to host memory (copied the first time, or after an EMA changed it)."""

@@ -4,6 +4,15 @@ the data flow and the clock. The Worker dispatches (``Worker.run_step``); the ha
 A pass over the ops (an iteration, or one evaluation pass) threads one :class:`StepData` through them:
 the MFC outputs this rank produced, the inputs transferred to it, and the data set split the pass reads
 dataset keys from.
+
+Function rewards do not hold the rank up. A generate MFC's rewards are started on the state's reward pool
+(``AlgoState.reward_pool``, ``algorithms/scoring.py``) and its output is kept without them
+(``StepData.scoring``); the rank goes on with its next ops (a reference or critic inference, transfers of
+the answers), and the rewards are waited for and attached only where the schedule first sends that key
+(``Worker.run_step`` settles them before that transfer), or at the end of the pass. The schedule and the
+algorithm contract are unchanged: a consumer still receives the key by a transfer; only the producer's
+wait moved from the end of its MFC to that transfer. A reward that raises stops the run there, in the same
+step and with the same message.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from restage.algorithms.base import AlgoState
+from restage.algorithms.base import AlgoState, PendingRewards
 from restage.algorithms.estimators import ema_mix_
 from restage.algorithms.interface import Algorithm
 from restage.config import ExperimentConfig
@@ -48,6 +57,23 @@ class StepData:
     source: Dataset  # the split dataset keys are read from
     outputs: dict[str, Batch] = field(default_factory=dict)  # MFC name -> this rank's output
     inputs: dict[str, list[Batch]] = field(default_factory=dict)  # MFC name -> parts transferred to this rank
+    scoring: dict[str, PendingRewards] = field(default_factory=dict)  # generate MFC -> its rewards, still scored
+
+    def keep(self, mfc_name: str, batch: Batch, state: AlgoState) -> None:
+        """Keep an MFC's output; function rewards its ``after_generate`` started stay pending until ``settle``."""
+        self.outputs[mfc_name] = batch
+        pending = state.pending_rewards.pop(mfc_name, None)
+        if pending is not None:
+            self.scoring[mfc_name] = pending
+
+    def waits_for(self, producer: str, key: str) -> bool:
+        """Whether ``key`` of ``producer``'s output is a reward still being scored."""
+        return producer in self.scoring and self.scoring[producer].key == key
+
+    def settle(self, producer: str | None = None) -> None:
+        """Wait for the rewards of ``producer`` (or of every generate MFC) and attach them to its output."""
+        for name in [producer] if producer is not None else list(self.scoring):
+            self.outputs[name] = self.scoring.pop(name).attach(self.outputs[name])
 
 
 class OpHandlers:
@@ -94,7 +120,7 @@ class OpHandlers:
                                          "checkpoint is the last finite one)")
         end = self.clock.now_synced()
         if result.batch is not None:
-            data.outputs[mfc.name] = result.batch
+            data.keep(mfc.name, result.batch, self.state)
         peak = peak_memory_bytes(self.device)
         flops = measured_flops(mfc, slot.cfg, result.batch if result.batch is not None else batch, result.tokens)
         flops /= layout.strategy.tp * layout.strategy.pp  # this rank's share of its replica's work
@@ -140,7 +166,8 @@ class OpHandlers:
 
     # -- data and parameter movement -------------------------------------------------------------------
     def realloc(self, op: Realloc) -> int:
-        """A copy of ``op.model`` in ``op.dst`` from its home; returns the bytes this rank sent."""
+        """A copy of ``op.model`` in ``op.dst`` from its home (only the adapters into a LoRA copy that holds the
+        base); returns the bytes this rank sent."""
         store = self.store
         if store.copy_current(op.model, op.dst):
             return 0
@@ -148,8 +175,10 @@ class OpHandlers:
         source = slot.engine if slot.engine is not None else slot.module
         # The copy is read-only and dropped before its source next changes (a trained model's after
         # its last use, a reference's once its EMA moves), so tensors this rank holds whole are shared.
-        # The executor allocates the rest.
-        result = reallocate_when_ready(store.realloc_plan(op.model, op.src, op.dst),
+        # (A LoRA model's copy is kept, but its base never changes and its adapters are moved again before
+        # each use.) The executor allocates the rest.
+        plan = store.realloc_plan(op.model, op.src, op.dst, adapters_only=store.holds_base(op.model, op.dst))
+        result = reallocate_when_ready(plan,
                                        source if self.rank in op.src else None, self.groups,
                                        self.cfg.run.peer_wait_timeout_seconds, dtype=DTYPES[slot.entry.dtype],
                                        share_local=True, device=self.device)

@@ -42,7 +42,6 @@ import torch.distributed as dist
 from restage.device import rank_device
 from restage.errors import LayoutError
 from restage.layout import ProcessGroups
-from restage.models.sharding import shard_specs
 from restage.runtime.engines import Engine
 from restage.runtime.nccl_rules import same_device
 from restage.schedule.realloc_plan import (
@@ -287,12 +286,8 @@ def _agree(plan: ReallocPlan, group: ProcessGroup, device: torch.device) -> None
 def _destination(plan: ReallocPlan, me: int, given: dict[str, torch.Tensor] | None, dtype: torch.dtype,
                  device: torch.device, meter: _Meter, shared: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This rank's destination tensors: the given ones or new ones; ``shared`` ones are the source's own (no memory)."""
-    coord = plan.dst.coord(me)
-    if coord is None:
-        return {}
-    specs = shard_specs(plan.cfg, plan.dst.strategy, coord.pp, coord.tp)
     out = {}
-    for s in specs:
+    for s in plan.destination_specs(me):
         name = s.param.name
         if given is not None:
             tensor = given[name]

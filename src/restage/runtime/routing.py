@@ -123,9 +123,13 @@ class SampleRouter:
     def _gather_meta(self, op: SendKey, mine: Batch | None) -> OutputMeta:
         # Cached per (producer, op ranks): every member of one transfer communicator must take
         # part in its allgather, even a rank that learnt the producer's layout in an earlier op.
+        # Gathered again when the cached picture lacks the key: a generate MFC's function rewards join its
+        # output after its first transfers (they score in the background; runtime/op_handlers.py). Every member
+        # holds the same cached picture, so all of them gather again together.
         cache_key = (op.producer, op.ranks)
-        if cache_key in self.meta:
-            return self.meta[cache_key]
+        cached = self.meta.get(cache_key)
+        if cached is not None and any(k.name == op.key for k in cached.keys):
+            return cached
         producer_layout = self.layouts[op.producer]
         coord = producer_layout.coord(self.rank)
         contribution: OutputPart | None = None

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from restage.algorithms.interface import get_algorithm
 from restage.algorithms.rewards import resolve_accuracy
+from restage.algorithms.scoring import RewardPool
 from restage.config import ExperimentConfig, config_from_dict
 from restage.data.datasets import default_tokenizer_dir, load_splits, sample_fields
 from restage.data.tokenizer import load_tokenizer
@@ -62,6 +63,7 @@ class Worker:
         self.state = self.algo.init_state(cfg, self.tokenizer)
         self.train_set, self.eval_set = load_splits(cfg, self.tokenizer)
         self.state.sample_fields = sample_fields(self.train_set, self.eval_set)  # for the rewards' keywords
+        self.state.reward_pool = RewardPool(cfg.rewards.workers)  # rewards score behind the next ops (op_handlers)
         offloaded = frozenset(op.model for op in self.ops if isinstance(op, Offload))
         self.eval_plan = evaluate.plan_eval(self.graph, self.layouts, cfg, len(self.eval_set), offloaded)
         self.accuracy_fn = resolve_accuracy(cfg.reward_fn) if cfg.reward_fn else None
@@ -183,11 +185,17 @@ class Worker:
         for op in self.ops:
             if self.rank not in op.ranks:
                 continue
+            if isinstance(op, SendKey) and data.waits_for(op.producer, op.key):
+                # Rewards scored behind the ops since their generate MFC are first needed here: waiting for
+                # them is still that MFC's work (not a wait on peers), and the heartbeat says so.
+                self.heartbeat.doing(f"step {step + 1}: run {op.producer}")
+                data.settle(op.producer)
             self.heartbeat.doing(f"step {step + 1}: {describe_op(op)}", waiting=isinstance(op, WITH_PEERS))
             if isinstance(op, Run):
                 self.handlers.run(op, step, data, record)
             else:
                 self._move(op, record.moves, data)
+        data.settle()  # none left today (every reward key is sent somewhere); a reward's error still ends this step
         return record
 
     def evaluate(self, record: StepRecord) -> None:
@@ -237,6 +245,8 @@ class Worker:
             moves.append(MoveRecord(kind, what, str(op.src), str(op.dst), nbytes, begin, self.clock.now_synced()))
 
     def close(self) -> None:
+        if self.state.reward_pool is not None:
+            self.state.reward_pool.close()
         if self.master is not None:
             self.master.close()
         self.heartbeat.doing("closing: waiting for every rank", waiting=True)

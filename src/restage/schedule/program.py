@@ -9,7 +9,9 @@ Where a model lives: a trainable model's *home* is its train MFC's layout (the D
 engine, never freed); a frozen model's home is the layout of its first MFC. Any other layout
 gets a copy by reallocation from home before the MFC that needs it. Copies of a trainable
 model go stale at its train step, so they are freed after their last use in the iteration;
-copies of frozen models are kept.
+copies of frozen models are kept. A LoRA model's copies keep their frozen base between steps
+(``resident``): they are never freed, and the runtime's later reallocations into them move only
+the adapters (``runtime/model_store.py``).
 
 A reference EMA (a train MFC whose ``options`` hold ``ref_ema_eta`` > 0 and ``ref_ema_model``)
 adds an ``ema`` op right after that train step: the trained model is reallocated from its home
@@ -64,17 +66,18 @@ def _union(*layouts: Layout) -> tuple[int, ...]:
     return tuple(sorted({r for layout in layouts for r in layout.mesh}))
 
 
-def build_program(graph: DataflowGraph, layouts: dict[str, Layout], offload_idle: frozenset[str] = frozenset()
-                  ) -> list[Op]:
+def build_program(graph: DataflowGraph, layouts: dict[str, Layout], offload_idle: frozenset[str] = frozenset(),
+                  resident: frozenset[str] = frozenset()) -> list[Op]:
     """The ops of one iteration, in the order every rank walks them.
 
-    ``offload_idle``: frozen models to move to CPU memory between their MFCs.
+    ``offload_idle``: frozen models to move to CPU memory between their MFCs. ``resident``: trained models
+    whose copies stay (LoRA models: the base does not change, only the adapters are moved again).
     """
-    return _walk(graph, list(graph), layouts, offload_idle)
+    return _walk(graph, list(graph), layouts, offload_idle, resident)
 
 
 def build_eval_program(graph: DataflowGraph, layouts: dict[str, Layout], names: tuple[str, ...],
-                       offload_idle: frozenset[str] = frozenset()) -> list[Op]:
+                       offload_idle: frozenset[str] = frozenset(), resident: frozenset[str] = frozenset()) -> list[Op]:
     """The ops of one evaluation pass (runtime/evaluate.py): only the MFCs ``names`` (the actor's generation, and
     the reward model's inference when the reward is a model), each in its iteration layout.
 
@@ -82,10 +85,11 @@ def build_eval_program(graph: DataflowGraph, layouts: dict[str, Layout], names: 
     and freed after its last use here, as in the iteration; data transfers carry what the named
     MFCs read from each other.
     """
-    return _walk(graph, [graph[name] for name in names], layouts, offload_idle)
+    return _walk(graph, [graph[name] for name in names], layouts, offload_idle, resident)
 
 
-def _walk(graph: DataflowGraph, mfcs: list[MFC], layouts: dict[str, Layout], offload_idle: frozenset[str]) -> list[Op]:
+def _walk(graph: DataflowGraph, mfcs: list[MFC], layouts: dict[str, Layout], offload_idle: frozenset[str],
+          resident: frozenset[str] = frozenset()) -> list[Op]:
     """The ops running ``mfcs`` (all of ``graph``'s, or some in graph order) where ``layouts`` put them."""
     homes = model_homes(graph, layouts)
     ema = ema_targets(graph)
@@ -117,7 +121,7 @@ def _walk(graph: DataflowGraph, mfcs: list[MFC], layouts: dict[str, Layout], off
         if mfc.kind == "train_step":  # copies made before now hold old weights: an MFC after this one gets a new copy
             updated = {mfc.model} | {t for t, m in ema.items() if m == mfc.name}
             copies = {(m, lay) for m, lay in copies if m not in updated}
-        if layout != home and mfc.model in changing and last_use[(mfc.model, layout)] == i:
+        if layout != home and mfc.model in changing - resident and last_use[(mfc.model, layout)] == i:
             ops.append(Free(layout.mesh, mfc.model, layout))
             copies.discard((mfc.model, layout))
         if mfc.model in offload_idle and i == last_mfc[mfc.model]:

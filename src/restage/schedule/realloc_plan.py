@@ -23,7 +23,7 @@ from functools import cached_property, lru_cache
 from restage.errors import PlanError
 from restage.layout import Layout
 from restage.models.config import ModelConfig
-from restage.models.sharding import ParamSpec, param_specs, shard_specs, validate_strategy
+from restage.models.sharding import ParamSpec, ShardSpec, is_adapter, param_specs, shard_specs, validate_strategy
 
 # A message is at most 1/SLOTS of the bucket, so a round (half a bucket) holds at least SLOTS // 2 of them.
 SLOTS = 4
@@ -111,6 +111,18 @@ class ReallocPlan:
     local_pieces: tuple[Piece, ...]
     bytes_by_link: dict[tuple[int, int], int] = field(hash=False)
     lower_bound_bytes: int
+    adapters_only: bool = False  # a LoRA model into a copy that holds its base: only the trained parameters move
+
+    def moves(self, name: str) -> bool:
+        """Whether parameter ``name`` is part of this reallocation."""
+        return not self.adapters_only or is_adapter(self.cfg, name)
+
+    def destination_specs(self, rank: int) -> list[ShardSpec]:
+        """The shards ``rank`` receives or copies (none if it is not in the destination)."""
+        coord = self.dst.coord(rank)
+        if coord is None:
+            return []
+        return [s for s in shard_specs(self.cfg, self.dst.strategy, coord.pp, coord.tp) if self.moves(s.param.name)]
 
     @property
     def total_bytes(self) -> int:
@@ -208,7 +220,8 @@ def contiguous_chunks(items: list[int], parts: int) -> list[list[int]]:
 
 
 def plan_reallocation(cfg: ModelConfig, src: Layout, dst: Layout, *, bytes_per_element: int,
-                      node_of: Callable[[int], int] = lambda r: 0, world_size: int | None = None) -> ReallocPlan:
+                      node_of: Callable[[int], int] = lambda r: 0, world_size: int | None = None,
+                      adapters_only: bool = False) -> ReallocPlan:
     """Plan moving a model's parameters from layout ``src`` to layout ``dst``.
 
     ``node_of(rank)`` names the node of a global rank: a receiver takes a piece from a sender
@@ -217,6 +230,7 @@ def plan_reallocation(cfg: ModelConfig, src: Layout, dst: Layout, *, bytes_per_e
     many local candidates as there are, so DP replicas share the work. Receivers on a node with
     no candidate share one sender (the bytes cross nodes once per node). Raises LayoutError
     (one line) if either layout does not fit the model or, given ``world_size``, the world.
+    ``adapters_only``: move only a LoRA model's trained parameters (the destination holds the base).
     """
     check_layouts(cfg, src, dst, world_size)
     if bytes_per_element < 1:
@@ -230,7 +244,7 @@ def plan_reallocation(cfg: ModelConfig, src: Layout, dst: Layout, *, bytes_per_e
     links: dict[tuple[int, int], int] = defaultdict(int)
     lower_bound = 0
     for name, spec in specs.items():
-        if name not in dst_hold:
+        if name not in dst_hold or (adapters_only and not is_adapter(cfg, name)):
             continue
         dim = spec.split_dim if spec.split_dim is not None else 0
         unit = unit_of(cfg, spec)
@@ -268,7 +282,8 @@ def plan_reallocation(cfg: ModelConfig, src: Layout, dst: Layout, *, bytes_per_e
                         pieces.append(piece(sender, tuple(chunk)))
                         for r in chunk:
                             links[(sender, r)] += nbytes
-    return ReallocPlan(cfg, src, dst, bytes_per_element, tuple(pieces), tuple(local), dict(links), lower_bound)
+    return ReallocPlan(cfg, src, dst, bytes_per_element, tuple(pieces), tuple(local), dict(links), lower_bound,
+                       adapters_only)
 
 
 @dataclass(frozen=True)
@@ -409,8 +424,5 @@ def schedule_rounds(plan: ReallocPlan, bucket_bytes: int, direct_min_bytes: int 
 
 
 def destination_shard_bytes(plan: ReallocPlan, rank: int) -> int:
-    """Bytes of the destination shard ``rank`` holds after the reallocation (0 if not in the destination)."""
-    coord = plan.dst.coord(rank)
-    if coord is None:
-        return 0
-    return sum(s.numel for s in shard_specs(plan.cfg, plan.dst.strategy, coord.pp, coord.tp)) * plan.bytes_per_element
+    """Bytes of the destination shard ``rank`` receives or copies (0 if not in the destination)."""
+    return sum(s.numel for s in plan.destination_specs(rank)) * plan.bytes_per_element

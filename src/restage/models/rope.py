@@ -1,0 +1,184 @@
+"""Rotary position embeddings: the default RoPE and the scaled variants HF configs name.
+
+``rope_from_hf`` reads a llama-family ``config.json`` (the ``rope_scaling`` dict of older configs or
+transformers 5's ``rope_parameters``, which also carries ``rope_theta``); ``inv_frequencies`` gives the
+frequencies transformers' rotary embedding uses for it, ``rope_cos_sin`` the tables the decoder applies.
+
+Supported ``rope_type``s, all static (one set of frequencies for every position):
+
+* ``default``: ``theta ** (-2i / head_dim)``.
+* ``linear``: the default frequencies divided by ``factor`` (position interpolation).
+* ``llama3`` (Llama 3.1 to 3.3): wavelengths shorter than ``original_max_position_embeddings /
+  high_freq_factor`` are kept, those longer than ``original / low_freq_factor`` are divided by ``factor``,
+  and the band between is blended linearly in ``original / wavelength``.
+* ``yarn``: per-frequency blend of interpolated (``/ factor``) and original frequencies over a ramp set by
+  ``beta_fast`` / ``beta_slow``, and cos / sin multiplied by ``attention_factor`` (so attention logits by its
+  square).
+* ``dynamic`` (NTK): transformers rescales theta only once a sequence passes ``max_position_embeddings``;
+  below that its frequencies are the default ones. restage refuses every sequence longer than
+  ``max_position_embeddings`` (``generation.generate``, ``data.datasets.check_positions``), so it uses the
+  default frequencies, exactly what transformers uses at those lengths. Lengths past it, where the
+  frequencies would depend on the longest sequence of the batch (which packing and KV-cache decoding
+  change), are never run.
+
+Anything else (``longrope``, ``partial_rotary_factor`` < 1, ...) is refused with one line naming the
+supported types.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from restage.errors import CheckpointError
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+DEFAULT_THETA = 10000.0  # transformers' default_theta, used when a config names none
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A scaled RoPE (``rope_type`` other than ``default``), its keys resolved as transformers resolves them."""
+
+    rope_type: str  # linear | dynamic | llama3 | yarn
+    factor: float
+    original_max_positions: int = 0  # llama3, yarn: the pre-training context length
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+    attention_factor: float = 1.0  # yarn: multiplies cos and sin
+
+    def to_hf(self) -> dict:
+        """The ``rope_parameters`` keys (but ``rope_theta``) transformers reads back to the same frequencies."""
+        out: dict = {"rope_type": self.rope_type, "factor": self.factor}
+        if self.rope_type == "llama3":
+            out.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor,
+                       original_max_position_embeddings=self.original_max_positions)
+        elif self.rope_type == "yarn":
+            out.update(original_max_position_embeddings=self.original_max_positions, beta_fast=self.beta_fast,
+                       beta_slow=self.beta_slow, truncate=self.truncate, attention_factor=self.attention_factor)
+        return out
+
+    @classmethod
+    def from_json(cls, data: RopeScaling | dict | None) -> RopeScaling | None:
+        return cls(**data) if isinstance(data, dict) else data
+
+
+def rope_to_hf(theta: float, scaling: RopeScaling | None) -> dict:
+    """A ``rope_parameters`` dict for ``config.json``."""
+    return {**(scaling.to_hf() if scaling else {"rope_type": "default"}), "rope_theta": theta}
+
+
+def rope_from_hf(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, scaling)`` of a llama-family HF config dict; raise CheckpointError saying what to change."""
+    # transformers takes rope_scaling over rope_parameters, and the dict's own rope_theta over the top-level one.
+    rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    theta = float(rope.get("rope_theta") or hf.get("rope_theta") or DEFAULT_THETA)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported; use one of {', '.join(ROPE_TYPES)} "
+                              "(rope_scaling / rope_parameters in config.json)")
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise CheckpointError(f"{source}: partial_rotary_factor={partial} is not supported; only RoPE over the whole "
+                              "head (1.0)")
+    if rope_type == "default":
+        return theta, None
+    max_positions = hf.get("max_position_embeddings", 2048)
+    original = int(hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+                   or max_positions)
+    try:
+        if rope_type in ("linear", "dynamic"):
+            return theta, RopeScaling(rope_type, float(rope["factor"]))
+        if rope_type == "llama3":
+            return theta, RopeScaling("llama3", float(rope["factor"]), original,
+                                      low_freq_factor=float(rope["low_freq_factor"]),
+                                      high_freq_factor=float(rope["high_freq_factor"]))
+    except KeyError as missing:
+        raise CheckpointError(f"{source}: rope type {rope_type!r} needs {missing} in rope_scaling / rope_parameters; "
+                              "add it") from None
+    factor = float(rope.get("factor") or max_positions / original)
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor, 1.0))
+    return theta, RopeScaling("yarn", factor, original, beta_fast=float(rope.get("beta_fast") or 32),
+                              beta_slow=float(rope.get("beta_slow") or 1), truncate=bool(rope.get("truncate", True)),
+                              attention_factor=float(attention_factor))
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@lru_cache(maxsize=64)
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None, device=None) -> torch.Tensor:
+    """``[head_dim / 2]`` fp32 inverse frequencies on ``device`` (cached: one copy to the device, not one a call)."""
+    return _inv_frequencies(head_dim, theta, scaling).to(device)
+
+
+def _inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    base = 1.0 / theta**exponents
+    if scaling is None or scaling.rope_type == "dynamic":
+        return base
+    if scaling.rope_type == "linear":
+        return base / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3(base, scaling)
+    return _yarn(head_dim, theta, exponents, scaling)
+
+
+def _llama3(base: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    wavelength = 2 * math.pi / base
+    long_wave = s.original_max_positions / s.low_freq_factor  # longer: fully interpolated
+    short_wave = s.original_max_positions / s.high_freq_factor  # shorter: kept
+    scaled = torch.where(wavelength > long_wave, base / s.factor, base)
+    # Between the two: blend of interpolated and kept, linear in the rotations the old context holds.
+    blend = (s.original_max_positions / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    mixed = (1 - blend) * scaled / s.factor + blend * scaled
+    between = (wavelength >= short_wave) & (wavelength <= long_wave)
+    return torch.where(between, mixed, scaled)
+
+
+def _yarn(head_dim: int, theta: float, exponents: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    def dimension_of(rotations: float) -> float:
+        """The (fractional) dimension whose wavelength fits ``rotations`` times into the original context."""
+        return head_dim * math.log(s.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_of(s.beta_fast), dimension_of(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does, so the ramp is a step rather than a division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    wavelength_scale = theta**exponents
+    kept, interpolated = 1.0 / wavelength_scale, 1.0 / (s.factor * wavelength_scale)
+    keep = 1 - ramp  # 1 for the fast (short-wavelength) dimensions, 0 for the slow ones
+    return interpolated * (1 - keep) + kept * keep
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype,
+                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, head_dim]`` cos and sin of the rotary embedding (computed in fp32, then cast)."""
+    inv_freq = inv_frequencies(head_dim, theta, scaling, positions.device)
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    if scaling is not None and scaling.attention_factor != 1.0:
+        cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+    return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]`` (half-split convention of the HF LLaMA checkpoints)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
