@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from restage.errors import CheckpointError, hub_hint
-from restage.models.moe_config import REFUSED_ARCHITECTURES, moe_fields
+from restage.models.moe_config import MOE_MODEL_TYPES, REFUSED_ARCHITECTURES, moe_fields
 from restage.models.rope import RopeScaling, rope_from_hf
 
 # HF architecture name -> (family, is_critic). Critic and reward models are saved as
@@ -40,6 +40,7 @@ _MODEL_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3
                 "qwen3_moe": "Qwen3Moe", "gpt2": "GPT2"}
 # transformers' Qwen3Config defaults head_dim to 128 (not hidden_size / heads) when config.json leaves it out.
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_moe": 128}
+_DENSE_MODEL_TYPES = [t for t in _MODEL_TYPES if t not in MOE_MODEL_TYPES]
 _ARCH_MODEL_TYPES = {name: model_type for model_type, name in _MODEL_TYPES.items()}  # "Qwen3" -> "qwen3"
 
 
@@ -177,7 +178,8 @@ class ModelConfig:
             model_type = hf.get("model_type", arch_type)
             if model_type != arch_type:
                 raise CheckpointError(f"{source}: model_type {model_type!r} does not match architecture {arch!r}; set "
-                                      f"model_type to {arch_type!r} (supported: {', '.join(_MODEL_TYPES)})")
+                                      f"model_type to {arch_type!r} (supported: {', '.join(_DENSE_MODEL_TYPES)}) (mixtures "
+                                      f"of experts: {', '.join(MOE_MODEL_TYPES)})")
             num_heads = hf["num_attention_heads"]
             head_dim = hf.get("head_dim") or _DEFAULT_HEAD_DIM.get(model_type) or hf["hidden_size"] // num_heads
             if hf.get("mlp_bias"):
