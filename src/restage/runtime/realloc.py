@@ -42,7 +42,7 @@ import torch.distributed as dist
 from restage.device import rank_device
 from restage.errors import LayoutError
 from restage.layout import ProcessGroups
-from restage.models.sharding import shard_specs
+from restage.models.sharding import coord_shard_specs
 from restage.runtime.engines import Engine
 from restage.runtime.nccl_rules import same_device
 from restage.schedule.realloc_plan import (
@@ -290,7 +290,7 @@ def _destination(plan: ReallocPlan, me: int, given: dict[str, torch.Tensor] | No
     coord = plan.dst.coord(me)
     if coord is None:
         return {}
-    specs = shard_specs(plan.cfg, plan.dst.strategy, coord.pp, coord.tp)
+    specs = coord_shard_specs(plan.cfg, plan.dst.strategy, coord)
     out = {}
     for s in specs:
         name = s.param.name
