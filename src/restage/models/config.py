@@ -1,7 +1,8 @@
 """Architecture description of a decoder, read from a HF ``config.json``.
 
-One dataclass covers both supported families: the LLaMA family (LLaMA, Mistral, Qwen2) and
-GPT-2. Everything downstream (the decoder, sharding, the estimator) reads only this.
+One dataclass covers both supported families: the LLaMA family (LLaMA, Mistral, Qwen2, and the
+mixture-of-experts Mixtral) and GPT-2. Everything downstream (the decoder, sharding, the
+estimator) reads only this.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from restage.errors import CheckpointError, hub_hint
+from restage.models.moe_config import REFUSED_ARCHITECTURES, moe_fields
 
 # HF architecture name -> (family, is_critic). Critic and reward models are saved as
 # XForSequenceClassification with num_labels=1, which transformers loads directly.
@@ -18,16 +20,18 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "LlamaForCausalLM": ("llama", False),
     "MistralForCausalLM": ("llama", False),
     "Qwen2ForCausalLM": ("llama", False),
+    "MixtralForCausalLM": ("llama", False),
     "GPT2LMHeadModel": ("gpt2", False),
     "LlamaForSequenceClassification": ("llama", True),
     "MistralForSequenceClassification": ("llama", True),
     "Qwen2ForSequenceClassification": ("llama", True),
+    "MixtralForSequenceClassification": ("llama", True),
     "GPT2ForSequenceClassification": ("gpt2", True),
 }
 # GPT-2 activation_function -> our activation name.
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
                      "silu": "silu", "swish": "silu"}
-_MODEL_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "gpt2": "GPT2"}
+_MODEL_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "mixtral": "Mixtral", "gpt2": "GPT2"}
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,25 @@ class ModelConfig:
     pad_token_id: int | None = None
     sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` tokens only
     activation: str = ""  # "" is the family's default: silu (SwiGLU) for llama, gelu_tanh for gpt2
+    # Mixture of experts (models/moe.py); num_experts == 0 is a dense model.
+    num_experts: int = 0
+    experts_per_token: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1 (Mixtral always does)
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss added in training
+    sparse_layers: tuple[int, ...] = ()  # the layers whose MLP is the mixture (the others are dense)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))  # JSON gives a list
+        object.__setattr__(self, "sparse_layers", tuple(self.sparse_layers))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0 and bool(self.sparse_layers)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether block ``layer``'s MLP is the mixture of experts."""
+        return layer in self.sparse_layers
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -92,6 +112,8 @@ class ModelConfig:
         """Read a HF config dict; raise CheckpointError naming the supported architectures."""
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else None
+        if arch in REFUSED_ARCHITECTURES:
+            raise CheckpointError(f"{source}: {REFUSED_ARCHITECTURES[arch]}")
         if arch not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise CheckpointError(f"{source}: architecture {arch!r} is not supported; use one of: {supported}")
@@ -118,8 +140,8 @@ class ModelConfig:
                     pad_token_id=hf.get("pad_token_id"), activation=activation,
                 )
             model_type = hf.get("model_type", "llama")
-            if model_type not in ("llama", "mistral", "qwen2"):
-                raise CheckpointError(f"{source}: model_type {model_type!r} is not llama, mistral or qwen2")
+            if model_type not in ("llama", "mistral", "qwen2", "mixtral"):
+                raise CheckpointError(f"{source}: model_type {model_type!r} is not llama, mistral, qwen2 or mixtral")
             num_heads = hf["num_attention_heads"]
             if hf.get("head_dim") not in (None, hf["hidden_size"] // num_heads):
                 raise CheckpointError(f"{source}: head_dim != hidden_size / num_attention_heads is not supported")
@@ -131,7 +153,7 @@ class ModelConfig:
             rope_type = rope.get("rope_type", rope.get("type", "default"))
             if rope_type != "default":
                 raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported; only the default RoPE")
-            sliding_window = hf.get("sliding_window") if model_type == "mistral" else None
+            sliding_window = hf.get("sliding_window") if model_type in ("mistral", "mixtral") else None
             if model_type == "qwen2" and hf.get("use_sliding_window"):
                 raise CheckpointError(f"{source}: Qwen2 use_sliding_window=true is not supported; set it to false")
             rope_theta = hf.get("rope_theta")
@@ -148,7 +170,7 @@ class ModelConfig:
                 o_bias=bool(hf.get("attention_bias", False)), is_critic=is_critic,
                 bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
                 eos_token_ids=_ids(hf.get("eos_token_id")), pad_token_id=hf.get("pad_token_id"),
-                sliding_window=sliding_window, activation="silu",
+                sliding_window=sliding_window, activation="silu", **moe_fields(hf, model_type, source),
             )
         except KeyError as missing:
             raise CheckpointError(f"{source}: config.json lacks {missing}; is it a HF model config?") from None

@@ -1,5 +1,7 @@
 """The decoder: one pipeline stage's shard of a LLaMA-family or GPT-2 model, as plain PyTorch.
 
+A block's MLP is a mixture of experts (``moe.py``) where ``cfg.is_sparse(layer)``.
+
 ``StageModule`` holds exactly the parameters ``sharding.shard_specs`` assigns to its
 (pp stage, tp rank), under their canonical names (``layers.3.attn.q.weight``), so parameter
 reallocation and checkpoints address them without a translation table. Activations are packed
@@ -18,6 +20,7 @@ from restage.errors import LayoutError
 from restage.layout import Strategy
 from restage.models.attention import KVCache, varlen_attention
 from restage.models.config import ModelConfig
+from restage.models.moe import MoEMLP, RouterLog
 from restage.models.packing import PackedBatch
 from restage.models.parallel import (
     ColumnParallelLinear,
@@ -145,10 +148,14 @@ class Block(nn.Module):
         self.attn_norm = _norm(cfg, dtype, device)
         self.attn = Attention(cfg, ctx, layer, dtype, device)
         self.mlp_norm = _norm(cfg, dtype, device)
-        self.mlp = MLP(cfg, ctx, dtype, device)
+        self.mlp: MLP | MoEMLP = MoEMLP(cfg, ctx, layer, dtype, device) if cfg.is_sparse(layer) else MLP(
+            cfg, ctx, dtype, device)
 
-    def forward(self, h, batch: PackedBatch, rope, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, h, batch: PackedBatch, rope, cache: KVCache | None, routing: RouterLog | None = None
+                ) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), batch, rope, cache)
+        if isinstance(self.mlp, MoEMLP):
+            return h + self.mlp(self.mlp_norm(h), routing)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -197,12 +204,14 @@ class StageModule(nn.Module):
         return self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight
 
     def forward(self, inputs: torch.Tensor, batch: PackedBatch, cache: KVCache | None = None,
-                select: torch.Tensor | None = None) -> torch.Tensor:
+                select: torch.Tensor | None = None, routing: RouterLog | None = None) -> torch.Tensor:
         """Run this stage on a packed batch.
 
         ``inputs``: token ids ``[T]`` on the first stage, hidden states ``[T, hidden]`` elsewhere.
         ``select``: on the last stage, indices of the tokens whose logits/values are wanted
         (e.g. each sequence's last token during generation); all tokens when None.
+        ``routing``: for a mixture-of-experts model, where its sparse layers report their
+        load-balancing loss and expert loads (training, ``pipeline.train_1f1b``).
         """
         if self.ctx.is_first_stage:
             h = self.embed(inputs)
@@ -214,7 +223,7 @@ class StageModule(nn.Module):
         if self.cfg.family != "gpt2":
             rope = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         for block in self.layers.values():
-            h = block(h, batch, rope, cache)
+            h = block(h, batch, rope, cache, routing)
         if not self.ctx.is_last_stage:
             return h
         if select is not None:

@@ -14,6 +14,7 @@ import torch
 
 from restage.device import TORCH_NAMES
 from restage.models.config import ModelConfig
+from restage.models.moe_config import moe_hf_dict
 from restage.models.sharding import ParamSpec
 
 _LLAMA_TOP = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
@@ -21,6 +22,14 @@ _LLAMA_TOP = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": 
 _LLAMA_LAYER = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attn.q": "self_attn.q_proj",
                 "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj", "attn.o": "self_attn.o_proj",
                 "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
+# Mixture of experts: the router and each expert's weights, as transformers 5 saves them (one tensor per
+# expert, not its in-memory fused [E, 2I, H] form). Mixtral: w1 = gate, w3 = up, w2 = down.
+_MOE_LAYER = {
+    "mixtral": {"mlp.router": "block_sparse_moe.gate", "gate": "block_sparse_moe.experts.{e}.w1",
+                "up": "block_sparse_moe.experts.{e}.w3", "down": "block_sparse_moe.experts.{e}.w2"},
+    "qwen3_moe": {"mlp.router": "mlp.gate", "gate": "mlp.experts.{e}.gate_proj", "up": "mlp.experts.{e}.up_proj",
+                  "down": "mlp.experts.{e}.down_proj"},
+}
 _GPT2_TOP = {"embed.weight": "transformer.wte.weight", "pos_embed.weight": "transformer.wpe.weight",
              "final_norm.weight": "transformer.ln_f.weight", "final_norm.bias": "transformer.ln_f.bias",
              "lm_head.weight": "lm_head.weight", "score.weight": "score.weight"}
@@ -57,6 +66,12 @@ def hf_source(cfg: ModelConfig, name: str) -> HFSource:
         return HFSource(top[name])
     _, layer, rest = name.split(".", 2)  # layers.<i>.<module>.<weight|bias>
     module, kind = rest.rsplit(".", 1)
+    if module.startswith("mlp.experts.") or module == "mlp.router":
+        moe = _MOE_LAYER[cfg.model_type]
+        if module == "mlp.router":
+            return HFSource(f"model.layers.{layer}.{moe[module]}.{kind}")
+        _, _, expert, proj = module.split(".")  # mlp.experts.<e>.<gate|up|down>
+        return HFSource(f"model.layers.{layer}.{moe[proj].format(e=expert)}.{kind}")
     if not gpt2:
         return HFSource(f"model.layers.{layer}.{_LLAMA_LAYER[module]}.{kind}")
     prefix = f"transformer.h.{layer}."
@@ -106,7 +121,9 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = Non
                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                max_position_embeddings=cfg.max_positions, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
                rope_theta=cfg.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
-    if cfg.model_type == "mistral":
+    out.update(moe_hf_dict(cfg.model_type, cfg.num_layers, cfg.num_experts, cfg.experts_per_token,
+                           cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.router_aux_loss_coef, cfg.sparse_layers))
+    if cfg.model_type in ("mistral", "mixtral"):
         out["sliding_window"] = cfg.sliding_window
     elif cfg.model_type == "qwen2":
         out["use_sliding_window"] = False

@@ -115,6 +115,15 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
             add("mlp.up.bias", (inter,), 0)
             add("mlp.down.weight", (h, inter), 1)
             add("mlp.down.bias", (h,), None)
+        elif cfg.is_sparse(i):
+            # The router is replicated; each expert is split over TP like a dense MLP and stays a
+            # parameter of its own, so a later expert-parallel split is a partition of whole experts.
+            add("mlp.router.weight", (cfg.num_experts, h), None)
+            moe = cfg.moe_intermediate_size
+            for e in range(cfg.num_experts):
+                add(f"mlp.experts.{e}.gate.weight", (moe, h), 0)
+                add(f"mlp.experts.{e}.up.weight", (moe, h), 0)
+                add(f"mlp.experts.{e}.down.weight", (h, moe), 1)
         else:
             add("mlp.gate.weight", (inter, h), 0)
             add("mlp.up.weight", (inter, h), 0)
@@ -131,7 +140,7 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
 
 def num_experts(cfg: ModelConfig) -> int:
     """Experts per mixture-of-experts layer; 0 for a dense model."""
-    return int(getattr(cfg, "num_experts", 0) or 0)
+    return cfg.num_experts if cfg.is_moe else 0
 
 
 def expert_owner(cfg: ModelConfig, ep: int, expert: int) -> int:
@@ -163,6 +172,8 @@ def strategy_problem(cfg: ModelConfig, strategy: Strategy, name: str = "model") 
         return f"{name}: pp={pp} is larger than its {cfg.num_layers} layers; use pp <= {cfg.num_layers}"
     if tp > cfg.vocab_size or tp > cfg.intermediate_size:
         return f"{name}: tp={tp} exceeds the vocabulary or MLP width"
+    if cfg.is_moe and tp > cfg.moe_intermediate_size:
+        return f"{name}: tp={tp} exceeds the experts' MLP width {cfg.moe_intermediate_size}; use tp <= {cfg.moe_intermediate_size}"
     return ep_problem(cfg, strategy, name)
 
 
@@ -227,15 +238,22 @@ def stage_layers(cfg: ModelConfig, pp: int) -> tuple[tuple[int, int], ...]:
     if pp > cfg.num_layers:
         validate_strategy(cfg, Strategy(tp=1, pp=pp))
     specs = param_specs(cfg)
-    per_layer = sum(s.numel for s in specs if s.layer == 0)
+    per_layer = [0] * cfg.num_layers  # a MoE model's dense and sparse layers differ
+    for spec in specs:
+        if spec.layer is not None:
+            per_layer[spec.layer] += spec.numel
+    before = [0]
+    for count in per_layer:
+        before.append(before[-1] + count)
     first = sum(s.numel for s in specs if s.where == "first")
     last = sum(s.numel for s in specs if s.where == "last")
     if cfg.tied_embeddings and pp > 1:
         last += cfg.vocab_size * cfg.hidden_size
     n = cfg.num_layers
 
-    def cost(stage: int, count: int) -> int:
-        return count * per_layer + (first if stage == 0 else 0) + (last if stage == pp - 1 else 0)
+    def cost(stage: int, start: int, count: int) -> int:
+        layers = before[start + count] - before[start]
+        return layers + (first if stage == 0 else 0) + (last if stage == pp - 1 else 0)
 
     # Exact minimax contiguous partition by dynamic programming: best[s][k] is the smallest
     # achievable maximum stage cost when stages s.. hold the last k layers.
@@ -246,7 +264,7 @@ def stage_layers(cfg: ModelConfig, pp: int) -> tuple[tuple[int, int], ...]:
     for s in range(pp - 1, -1, -1):
         for k in range(1, n + 1):
             for take in range(1, k - (pp - 1 - s) + 1):
-                value = max(cost(s, take), best[s + 1][k - take])
+                value = max(cost(s, n - k, take), best[s + 1][k - take])
                 if value < best[s][k]:
                     best[s][k], choice[s][k] = value, take
     ranges, start, left = [], 0, n

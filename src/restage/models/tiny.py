@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-FAMILIES = ("llama", "mistral", "qwen2", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "gpt2")
 
 # Deliberately awkward sizes: the vocabulary and MLP width do not divide by 2, so TP splits are uneven.
 TINY_SIZES = dict(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=171,
@@ -45,17 +45,28 @@ def tiny_hf_config(family: str = "llama", tied: bool = False, critic: bool = Fal
                                          n_inner=s["intermediate_size"], n_positions=s["max_positions"], **common)
         config.architectures = ["GPT2ForSequenceClassification" if critic else "GPT2LMHeadModel"]
         return config
-    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}
+    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
+               "mixtral": transformers.MixtralConfig}
     if family not in classes:
         raise ValueError(f"unknown family {family!r}; use one of {FAMILIES}")
     extra = {"sliding_window": sliding_window} if family == "mistral" else {}
+    extra.update(_moe_options(family, s))
     config = classes[family](hidden_size=s["hidden_size"], num_hidden_layers=s["num_layers"],
                              num_attention_heads=s["num_heads"], num_key_value_heads=s["num_kv_heads"],
                              intermediate_size=s["intermediate_size"], max_position_embeddings=s["max_positions"],
                              rope_theta=5000.0 if family == "qwen2" else 10000.0, **extra, **common)
-    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[family]
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "mixtral": "Mixtral"}[family]
     config.architectures = [prefix + ("ForSequenceClassification" if critic else "ForCausalLM")]
     return config
+
+
+def _moe_options(family: str, sizes: dict) -> dict:
+    """The mixture's config keys of a tiny MoE model: 4 experts, top 2 (``sizes`` may override), a large aux-loss
+    coefficient so that a test sees the loss's gradient."""
+    if family != "mixtral":
+        return {}
+    return dict(num_local_experts=sizes.get("num_experts", 4), num_experts_per_tok=sizes.get("experts_per_token", 2),
+                router_aux_loss_coef=sizes.get("router_aux_loss_coef", 0.1))
 
 
 _WORDS = ("the a an and or but if then so of to in on at by for with from up down out over under again is are was "
@@ -119,4 +130,6 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32):
     config = transformers.AutoConfig.from_pretrained(path)
     critic = (config.architectures or [""])[0].endswith("ForSequenceClassification")
     cls = transformers.AutoModelForSequenceClassification if critic else transformers.AutoModelForCausalLM
-    return cls.from_pretrained(path, dtype=dtype).eval()
+    # The eager experts loop: transformers' default grouped matmul needs 16-byte aligned widths (ours are odd).
+    extra = {"experts_implementation": "eager"} if getattr(config, "num_local_experts", None) else {}
+    return cls.from_pretrained(path, dtype=dtype, **extra).eval()
