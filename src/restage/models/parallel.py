@@ -53,13 +53,13 @@ class ParallelContext:
         if groups is None and layout.size > 1:
             raise ValueError(f"layout {layout} spans several ranks and needs its ProcessGroups")
         tp, pp, dp = (layout.group_of(rank, kind) for kind in ("tp", "pp", "dp"))
-        found = [groups.get(g) if groups is not None else None for g in (tp, pp, dp)]
+        def group(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+            return groups.get(ranks) if groups is not None else None
+
         if layout.strategy.ep == 1:
-            return cls(layout.strategy, coord, tp, pp, dp, *found)
+            return cls(layout.strategy, coord, tp, pp, dp, group(tp), group(pp), group(dp))
         ep, edp = layout.group_of(rank, "ep"), layout.group_of(rank, "edp")
-        ep_group, edp_group = (groups.get(g) if groups is not None else None for g in (ep, edp))
-        return cls(layout.strategy, coord, tp, pp, dp, *found, ep_ranks=ep, edp_ranks=edp, ep_group=ep_group,
-                   edp_group=edp_group)
+        return cls(layout.strategy, coord, tp, pp, dp, group(tp), group(pp), group(dp), ep, edp, group(ep), group(edp))
 
     @classmethod
     def single(cls) -> ParallelContext:
