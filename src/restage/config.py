@@ -50,6 +50,7 @@ class ModelSpec:
     gradient_checkpointing: bool = False
     offload_when_idle: bool = False  # non-trainable models: move to CPU memory between their MFCs
     init_critic_from_lm: bool = False  # build a scalar head on top of a causal LM checkpoint
+    router_aux_loss_coef: float | None = None  # mixture of experts: load-balancing loss weight; None: config.json's
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -199,6 +200,9 @@ class ExperimentConfig:
                 raise ConfigError(f"models.{name}.dtype: {spec.dtype!r} is not one of {', '.join((*DTYPES, AUTO_DTYPE))}")
             if spec.zero_stage not in (0, 1, 2, 3):
                 raise ConfigError(f"models.{name}.zero_stage: {spec.zero_stage} must be 0, 1, 2 or 3")
+            if spec.router_aux_loss_coef is not None and not spec.router_aux_loss_coef >= 0:
+                raise ConfigError(f"models.{name}.router_aux_loss_coef: {spec.router_aux_loss_coef} must be >= 0 "
+                                  "(or left out for the checkpoint's config.json value)")
         self._resolve_auto_dtypes()
         if self.run.steps < 1 or self.run.batch_size < 1 or self.run.micro_batches < 1:
             raise ConfigError("run.steps, run.batch_size and run.micro_batches must be >= 1")

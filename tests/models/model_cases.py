@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 # name -> build_tiny keyword arguments. Between them they cover every family, tied and untied
-# heads, Mistral's sliding window, sharded safetensors, pytorch_model.bin and critic heads.
+# heads, Mistral's sliding window, Qwen3's q/k norms and explicit head_dim, sharded safetensors,
+# pytorch_model.bin, critic heads and mixtures of experts (Mixtral: 4 experts, top 2, renormalised;
+# Qwen3-MoE: not renormalised, one dense layer among sparse ones).
 MODELS = {
     "llama": dict(family="llama"),
     "llama_tied": dict(family="llama", tied=True, max_shard_size="100KB"),
@@ -13,8 +15,14 @@ MODELS = {
     "qwen2": dict(family="qwen2"),
     "qwen2_tied": dict(family="qwen2", tied=True),
     "gpt2": dict(family="gpt2", tied=True),
+    "mixtral": dict(family="mixtral"),
     "llama_critic": dict(family="llama", critic=True),
     "gpt2_critic": dict(family="gpt2", critic=True),
+    # Qwen3: q/k norms, and head_dim (24, 32) unlike hidden_size / heads (16), so q and o are not square.
+    "qwen3": dict(family="qwen3", head_dim=24),
+    "qwen3_tied": dict(family="qwen3", tied=True, head_dim=32),
+    "qwen3_critic": dict(family="qwen3", critic=True, head_dim=24),
+    "qwen3_moe": dict(family="qwen3_moe", head_dim=24),
 }
 CAUSAL = [name for name in MODELS if "critic" not in name]
 CRITICS = [name for name in MODELS if "critic" in name]

@@ -15,7 +15,7 @@ from restage.models.packing import pack
 ONE_RANK = Layout((0,), Strategy())
 
 
-@pytest.mark.parametrize("name", ["llama_tied", "mistral", "gpt2"])  # sharded index, pytorch_model.bin, fused GPT-2
+@pytest.mark.parametrize("name", ["llama_tied", "mistral", "gpt2", "qwen3"])  # sharded index, .bin, fused GPT-2, q/k norms
 def test_single_rank_save_reloads_in_transformers_with_the_same_weights(tiny_models, tmp_path, name):
     from restage.models.tiny import load_hf
 

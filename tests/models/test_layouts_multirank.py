@@ -20,8 +20,8 @@ pytestmark = pytest.mark.multirank
 
 STRATEGIES = {(1, 1): Strategy(dp=4), (2, 1): Strategy(dp=2, tp=2), (1, 2): Strategy(dp=2, pp=2),
               (2, 2): Strategy(tp=2, pp=2)}
-GENERATE = ["llama", "mistral", "qwen2_tied", "gpt2"]
-SAVE = ["qwen2_tied", "gpt2", "llama_critic"]
+GENERATE = ["llama", "mistral", "qwen2_tied", "gpt2", "qwen3", "qwen3_tied", "mixtral", "qwen3_moe"]
+SAVE = ["qwen2_tied", "gpt2", "llama_critic", "qwen3", "qwen3_critic", "mixtral", "qwen3_moe"]
 NEW_TOKENS = 32
 
 

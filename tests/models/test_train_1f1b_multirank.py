@@ -13,7 +13,8 @@ from restage.runtime.spawn import spawn
 pytestmark = pytest.mark.multirank
 
 STRATEGIES = {(2, 2): Strategy(tp=2, pp=2), (1, 4): Strategy(pp=4)}
-TRAIN = ["qwen2_tied", "gpt2", "llama_critic"]  # tied head copy + biases + fused GPT-2 weights + value head
+# tied head copy, biases, fused GPT-2, value head, q/k norms, experts with the load-balancing loss (dense and sparse layers)
+TRAIN = ["qwen2_tied", "gpt2", "llama_critic", "qwen3", "mixtral", "qwen3_moe"]
 
 
 def micro_batches():
@@ -60,7 +61,7 @@ def _train(rank, world_size, paths):
     for key, layout in layouts.items():
         for name in TRAIN:
             module = load_stage(paths[name], layout, groups, rank)
-            losses = train_1f1b(module, mbs, make_loss(module, len(mbs)))
+            losses = train_1f1b(module, mbs, make_loss(module, len(mbs)), aux_scale=1 / len(mbs))
             grads = {n: p.grad.clone() for n, p in module.named_parameters()}
             out[(name, key, rank)] = (grads, losses)
     return out
@@ -73,7 +74,7 @@ def reference(path):
 
     module = load_stage(path, Layout((0,), Strategy()), None, 0)
     mbs = micro_batches()
-    losses = train_1f1b(module, mbs, make_loss(module, len(mbs)))
+    losses = train_1f1b(module, mbs, make_loss(module, len(mbs)), aux_scale=1 / len(mbs))
     return {n: p.grad for n, p in module.named_parameters()}, losses
 
 

@@ -1,8 +1,8 @@
 """Architecture description of a decoder, read from a HF ``config.json``.
 
-One dataclass covers both supported families: the LLaMA family (LLaMA, Mistral, Qwen2, and the
-mixture-of-experts Mixtral) and GPT-2. Everything downstream (the decoder, sharding, the
-estimator) reads only this.
+One dataclass covers both supported families: the LLaMA family (LLaMA, Mistral, Qwen2, Qwen3, and
+the mixture-of-experts Mixtral and Qwen3-MoE) and GPT-2. Everything downstream (the decoder,
+sharding, the estimator) reads only this.
 """
 
 from __future__ import annotations
@@ -20,18 +20,26 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "LlamaForCausalLM": ("llama", False),
     "MistralForCausalLM": ("llama", False),
     "Qwen2ForCausalLM": ("llama", False),
+    "Qwen3ForCausalLM": ("llama", False),
     "MixtralForCausalLM": ("llama", False),
+    "Qwen3MoeForCausalLM": ("llama", False),
     "GPT2LMHeadModel": ("gpt2", False),
     "LlamaForSequenceClassification": ("llama", True),
     "MistralForSequenceClassification": ("llama", True),
     "Qwen2ForSequenceClassification": ("llama", True),
+    "Qwen3ForSequenceClassification": ("llama", True),
     "MixtralForSequenceClassification": ("llama", True),
+    "Qwen3MoeForSequenceClassification": ("llama", True),
     "GPT2ForSequenceClassification": ("gpt2", True),
 }
 # GPT-2 activation_function -> our activation name.
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
                      "silu": "silu", "swish": "silu"}
-_MODEL_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "mixtral": "Mixtral", "gpt2": "GPT2"}
+_MODEL_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
+                "qwen3_moe": "Qwen3Moe", "gpt2": "GPT2"}
+# transformers' Qwen3Config defaults head_dim to 128 (not hidden_size / heads) when config.json leaves it out.
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_moe": 128}
+_ARCH_MODEL_TYPES = {name: model_type for model_type, name in _MODEL_TYPES.items()}  # "Qwen3" -> "qwen3"
 
 
 @dataclass(frozen=True)
@@ -39,7 +47,7 @@ class ModelConfig:
     """Shapes and options of one decoder; ``family`` is ``llama`` or ``gpt2``."""
 
     family: str
-    model_type: str  # HF model_type: llama, mistral, qwen2, gpt2
+    model_type: str  # HF model_type: llama, mistral, qwen2, qwen3, gpt2
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -61,6 +69,8 @@ class ModelConfig:
     pad_token_id: int | None = None
     sliding_window: int | None = None  # Mistral: attend to the last `sliding_window` tokens only
     activation: str = ""  # "" is the family's default: silu (SwiGLU) for llama, gelu_tanh for gpt2
+    head_dim: int = 0  # width of one attention head; 0: hidden_size // num_heads (Qwen3 sets its own)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (weights [head_dim]) before RoPE
     # Mixture of experts (models/moe.py); num_experts == 0 is a dense model.
     num_experts: int = 0
     experts_per_token: int = 0  # top-k
@@ -72,6 +82,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))  # JSON gives a list
         object.__setattr__(self, "sparse_layers", tuple(self.sparse_layers))
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
 
     @property
     def is_moe(self) -> bool:
@@ -85,10 +97,6 @@ class ModelConfig:
     def stop_token_ids(self) -> tuple[int, ...]:
         """The token ids that end generation."""
         return self.eos_token_ids or (() if self.eos_token_id is None else (self.eos_token_id,))
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     @property
     def hf_architecture(self) -> str:
@@ -139,12 +147,13 @@ class ModelConfig:
                     eos_token_id=_first(hf.get("eos_token_id")), eos_token_ids=_ids(hf.get("eos_token_id")),
                     pad_token_id=hf.get("pad_token_id"), activation=activation,
                 )
-            model_type = hf.get("model_type", "llama")
-            if model_type not in ("llama", "mistral", "qwen2", "mixtral"):
-                raise CheckpointError(f"{source}: model_type {model_type!r} is not llama, mistral, qwen2 or mixtral")
+            arch_type = _ARCH_MODEL_TYPES[arch.removesuffix("ForCausalLM").removesuffix("ForSequenceClassification")]
+            model_type = hf.get("model_type", arch_type)
+            if model_type != arch_type:
+                raise CheckpointError(f"{source}: model_type {model_type!r} does not match architecture {arch!r}; set "
+                                      f"model_type to {arch_type!r} (supported: {', '.join(_MODEL_TYPES)})")
             num_heads = hf["num_attention_heads"]
-            if hf.get("head_dim") not in (None, hf["hidden_size"] // num_heads):
-                raise CheckpointError(f"{source}: head_dim != hidden_size / num_attention_heads is not supported")
+            head_dim = hf.get("head_dim") or _DEFAULT_HEAD_DIM.get(model_type) or hf["hidden_size"] // num_heads
             if hf.get("mlp_bias"):
                 raise CheckpointError(f"{source}: mlp_bias=true is not supported")
             if hf.get("hidden_act", "silu") != "silu":
@@ -154,8 +163,9 @@ class ModelConfig:
             if rope_type != "default":
                 raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported; only the default RoPE")
             sliding_window = hf.get("sliding_window") if model_type in ("mistral", "mixtral") else None
-            if model_type == "qwen2" and hf.get("use_sliding_window"):
-                raise CheckpointError(f"{source}: Qwen2 use_sliding_window=true is not supported; set it to false")
+            if model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
+                raise CheckpointError(f"{source}: {_MODEL_TYPES[model_type]} use_sliding_window=true is not supported; "
+                                      "set it to false")
             rope_theta = hf.get("rope_theta")
             if rope_theta is None:  # transformers 5 nests it under rope_parameters
                 rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
@@ -166,7 +176,8 @@ class ModelConfig:
                 num_kv_heads=hf.get("num_key_value_heads") or num_heads,
                 max_positions=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-6),
                 rope_theta=float(rope_theta), tied_embeddings=bool(hf.get("tie_word_embeddings", False)) and not is_critic,
-                qkv_bias=(model_type == "qwen2") or bool(hf.get("attention_bias", False)),
+                qkv_bias=(model_type == "qwen2") or bool(hf.get("attention_bias", False)), head_dim=head_dim,
+                qk_norm=model_type in ("qwen3", "qwen3_moe"),
                 o_bias=bool(hf.get("attention_bias", False)), is_critic=is_critic,
                 bos_token_id=hf.get("bos_token_id"), eos_token_id=_first(hf.get("eos_token_id")),
                 eos_token_ids=_ids(hf.get("eos_token_id")), pad_token_id=hf.get("pad_token_id"),

@@ -57,10 +57,27 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.normalise(x)
+
+    def normalise(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 and scale after casting back, as transformers does, so fp16/bf16 agree.
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class HeadNorm(RMSNorm):
+    """Qwen3's q_norm / k_norm: RMSNorm over each head's ``head_dim`` values, one weight shared by all heads.
+
+    The weight is replicated over TP but each rank normalises only its own heads, so its gradient
+    is summed over the TP group (``copy_to_tp``: identity forward, all-reduce backward).
+    """
+
+    def __init__(self, head_dim: int, eps: float, ctx: ParallelContext, dtype, device):
+        super().__init__(head_dim, eps, dtype, device)
+        self.ctx = ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp(self.weight, self.ctx) * self.normalise(x)
 
 
 class LayerNorm(nn.Module):
@@ -104,6 +121,9 @@ class Attention(nn.Module):
         self.k = ColumnParallelLinear(hidden, kv_heads * cfg.head_dim, cfg.qkv_bias, dtype, device)
         self.v = ColumnParallelLinear(hidden, kv_heads * cfg.head_dim, cfg.qkv_bias, dtype, device)
         self.o = RowParallelLinear(heads * cfg.head_dim, hidden, cfg.o_bias, ctx, dtype, device)
+        # Qwen3 normalises every query and key head over head_dim before RoPE.
+        self.q_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, ctx, dtype, device) if cfg.qk_norm else None
+        self.k_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, ctx, dtype, device) if cfg.qk_norm else None
 
     def forward(self, x, batch: PackedBatch, rope, cache: KVCache | None) -> torch.Tensor:
         tokens = x.shape[0]
@@ -111,6 +131,8 @@ class Attention(nn.Module):
         q = self.q(x).view(tokens, -1, self.head_dim)
         k = self.k(x).view(tokens, -1, self.head_dim)
         v = self.v(x).view(tokens, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None and cache.decoding:

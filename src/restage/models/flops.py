@@ -3,6 +3,10 @@
 Per token a forward costs 2 FLOPs per matrix parameter (blocks and head) plus causal
 attention, 4 * attended keys * query width per block. The planner's cost model and the
 runtime's measured FLOP/s both count with these.
+
+A mixture-of-experts block computes with its router and the ``k`` experts a token is sent to
+only (``matmul_params``), but holds, and on a large batch reads, every expert
+(``weight_params``); a ``BlockShape`` is the average over a model's dense and sparse blocks.
 """
 
 from __future__ import annotations
@@ -25,21 +29,39 @@ class BlockShape:
     vocab: int
     head_out: int  # vocab for an LM head, 1 for a scalar head
     gated: bool  # SwiGLU (three MLP matrices) or plain MLP (two)
+    stored_inter: int = 0  # MLP width held (a mixture: all experts'); 0: ``inter``
+    router: int = 0  # router outputs (experts) per block, averaged over blocks
 
     @property
     def matmul_params(self) -> int:
-        """Weight elements of the block's matrices (norms and biases are negligible)."""
-        attn = self.hidden * (2 * self.q_out + 2 * self.kv_out)
+        """Weight elements one token computes with (norms and biases are negligible; a mixture: the router and the
+        token's ``k`` experts)."""
+        attn = self.hidden * (2 * self.q_out + 2 * self.kv_out + self.router)
         return attn + (3 if self.gated else 2) * self.hidden * self.inter
+
+    @property
+    def weight_params(self) -> int:
+        """Weight elements of the block's matrices (a mixture: every expert's)."""
+        extra = (self.stored_inter - self.inter if self.stored_inter else 0) * (3 if self.gated else 2) * self.hidden
+        return self.matmul_params + extra
 
 
 @lru_cache(maxsize=512)
 def block_shape(cfg: ModelConfig, tp: int = 1) -> BlockShape:
     """Shapes of one TP shard (heads, MLP width and vocabulary divided by ``tp``)."""
     hd = cfg.head_dim
+    inter = stored = math.ceil(cfg.intermediate_size / tp)
+    router = 0
+    if cfg.is_moe:  # averaged over the blocks: dense ones have ``intermediate_size``, sparse ones experts
+        sparse, dense = len(cfg.sparse_layers), cfg.num_layers - len(cfg.sparse_layers)
+        expert = math.ceil(cfg.moe_intermediate_size / tp)
+        inter = round((dense * inter + sparse * cfg.experts_per_token * expert) / cfg.num_layers)
+        stored = round((dense * stored + sparse * cfg.num_experts * expert) / cfg.num_layers)
+        router = round(sparse * cfg.num_experts / cfg.num_layers)
     return BlockShape(hidden=cfg.hidden_size, q_out=cfg.num_heads * hd // tp, kv_out=cfg.num_kv_heads * hd // tp,
-                      inter=math.ceil(cfg.intermediate_size / tp), vocab=math.ceil(cfg.vocab_size / tp),
-                      head_out=1 if cfg.is_critic else math.ceil(cfg.vocab_size / tp), gated=cfg.family != "gpt2")
+                      inter=inter, vocab=math.ceil(cfg.vocab_size / tp),
+                      head_out=1 if cfg.is_critic else math.ceil(cfg.vocab_size / tp), gated=cfg.family != "gpt2",
+                      stored_inter=stored, router=router)
 
 
 def attended_tokens(seq: int, window: int | None) -> float:

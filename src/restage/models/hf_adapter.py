@@ -1,6 +1,6 @@
 """HF tensor names and layouts <-> canonical parameters (see ``sharding.py``).
 
-LLaMA/Mistral/Qwen2 store ``nn.Linear`` weights ``[out, in]`` like we do, under other names.
+LLaMA/Mistral/Qwen2/Qwen3 store ``nn.Linear`` weights ``[out, in]`` like we do, under other names.
 GPT-2 stores ``Conv1D`` weights transposed (``[in, out]``) and fuses q, k, v into one
 ``c_attn`` tensor; a canonical parameter therefore maps to a (key, offset, transpose) source,
 from which any slice of it can be read without reading the rest of the HF tensor.
@@ -21,6 +21,7 @@ _LLAMA_TOP = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": 
               "lm_head.weight": "lm_head.weight", "score.weight": "score.weight"}
 _LLAMA_LAYER = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attn.q": "self_attn.q_proj",
                 "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj", "attn.o": "self_attn.o_proj",
+                "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm",
                 "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
 # Mixture of experts: the router and each expert's weights, as transformers 5 saves them (one tensor per
 # expert, not its in-memory fused [E, 2I, H] form). Mixtral: w1 = gate, w3 = up, w2 = down.
@@ -127,6 +128,8 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = Non
         out["sliding_window"] = cfg.sliding_window
     elif cfg.model_type == "qwen2":
         out["use_sliding_window"] = False
-    else:
+    else:  # llama, qwen3 (whose attention_bias covers q, k, v and o alike)
         out["attention_bias"] = cfg.o_bias
+        if cfg.model_type in ("qwen3", "qwen3_moe"):
+            out["use_sliding_window"] = False
     return out

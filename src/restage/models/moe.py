@@ -21,6 +21,7 @@ share and the total is exact under pp.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -83,6 +84,28 @@ class RouterLog:
         if self.forwards:
             out["router/aux_loss"] = self.aux_sum / self.forwards
         return out
+
+
+def router_stats(routing: RouterLog, ctx: ParallelContext, device: torch.device) -> dict[str, float]:
+    """``routing.stats()`` over every pipeline stage of the replica (a collective over the PP group).
+
+    Each stage logs only its own layers; the sum over stages gives every stage the whole model's.
+    """
+    if ctx.pp_size == 1:
+        return routing.stats()
+    cfg = routing.cfg
+    layers = list(cfg.sparse_layers)
+    table = torch.zeros(len(layers) + 1, cfg.num_experts, dtype=torch.float64)
+    for row, layer in enumerate(layers):
+        if layer in routing.loads:
+            table[row] = routing.loads[layer].cpu()
+    table[-1, 0] = routing.aux_sum
+    table = table.to(device)
+    dist.all_reduce(table, group=ctx.pp_group)
+    whole = RouterLog(cfg, routing.aux_coef)
+    whole.loads = {layer: table[row] for row, layer in enumerate(layers) if table[row].sum() > 0}
+    whole.aux_sum, whole.forwards = float(table[-1, 0]), routing.forwards
+    return whole.stats()
 
 
 class Expert(nn.Module):

@@ -9,6 +9,11 @@ receiver always knows the shape it expects (``[tokens, hidden]``).
 remaining backwards; at most ``P - s`` micro-batches hold activations at once. The caller
 supplies the loss (``loss_fn``) and may route every backward through its own hook
 (``backward_fn``), e.g. a DeepSpeed engine.
+
+Mixture-of-experts models add their load-balancing loss (``moe.RouterLog``) in training: every
+stage adds its own sparse layers' share of a micro-batch's loss to what it backpropagates for
+that micro-batch (the last stage to the ``loss_fn`` loss, the others beside the output gradient),
+so the sum over stages is the whole model's loss, as on one rank.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from restage.models.decoder import StageModule
+from restage.models.moe import RouterLog
 from restage.models.packing import PackedBatch
 
 
@@ -34,11 +40,15 @@ class MicroBatch:
 
 
 LossFn = Callable[[torch.Tensor, MicroBatch], Any]  # returns a scalar loss, or (loss, anything)
-BackwardFn = Callable[[torch.Tensor, "torch.Tensor | None"], None]  # (tensor, grad or None for a loss)
+# (tensor, grad or None for a loss, a loss of this stage's own to add to it or None); see train_1f1b.
+BackwardFn = Callable[[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], None]
 
 
-def default_backward(tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
-    torch.autograd.backward(tensor, grad)
+def default_backward(tensor: torch.Tensor, grad: torch.Tensor | None, stage_loss: torch.Tensor | None = None) -> None:
+    if stage_loss is None:
+        torch.autograd.backward(tensor, grad)
+    else:
+        torch.autograd.backward([tensor, stage_loss], [grad, None])
 
 
 def _p2p(ops: list[tuple[str, torch.Tensor, int]]) -> None:
@@ -87,14 +97,20 @@ def pipeline_forward(module: StageModule, micro_batches: Sequence[MicroBatch],
 
 
 def train_1f1b(module: StageModule, micro_batches: Sequence[MicroBatch], loss_fn: LossFn,
-               backward_fn: BackwardFn = default_backward, sync_tied: bool = True) -> list[Any] | None:
+               backward_fn: BackwardFn = default_backward, sync_tied: bool = True,
+               routing: RouterLog | None = None, aux_scale: float = 1.0) -> list[Any] | None:
     """Forward and backward every micro-batch with the 1F1B schedule; gradients accumulate in ``.grad``.
 
     ``loss_fn(output, mb)`` runs on the last stage and returns the micro-batch's loss (scale it
     as you want it summed, e.g. by 1 / number of micro-batches), or ``(loss, stats)``.
-    ``backward_fn(tensor, grad)`` is called once per micro-batch on every stage: with
-    ``(loss, None)`` on the last stage and ``(stage output, its gradient)`` elsewhere. With tied
-    embeddings and pp > 1, ``sync_tied`` sums the two copies' gradients at the end.
+    ``backward_fn(tensor, grad, stage_loss)`` is called once per micro-batch on every stage: with
+    ``(loss, None, None)`` on the last stage and ``(stage output, its gradient, stage_loss)``
+    elsewhere, ``stage_loss`` being None or a scalar this stage adds, scaled like a ``loss_fn`` loss
+    (a mixture's load-balancing loss). With tied embeddings and pp > 1, ``sync_tied`` sums the two
+    copies' gradients at the end.
+    A mixture-of-experts model reports into ``routing`` (a fresh ``RouterLog`` when None); its
+    load-balancing loss per micro-batch is multiplied by ``aux_scale`` (what ``loss_fn`` scales
+    a micro-batch's loss by, e.g. 1 / number of micro-batches).
     Returns the ``loss_fn`` results on the last stage, None elsewhere.
     """
     ctx = module.ctx
@@ -102,6 +118,9 @@ def train_1f1b(module: StageModule, micro_batches: Sequence[MicroBatch], loss_fn
     warmup = min(ctx.pp_size - ctx.pp_stage - 1, n)
     in_flight: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []  # (micro-batch, input, output)
     results: list[Any] = []
+    if routing is None and module.cfg.is_moe:
+        routing = RouterLog(module.cfg)
+    stage_losses: dict[int, torch.Tensor] = {}  # micro-batch -> this stage's own loss (off the last stage)
 
     def recv_forward(i: int) -> torch.Tensor | None:
         if ctx.is_first_stage:
@@ -110,16 +129,21 @@ def train_1f1b(module: StageModule, micro_batches: Sequence[MicroBatch], loss_fn
 
     def forward(i: int, x: torch.Tensor | None) -> torch.Tensor:
         mb = micro_batches[i]
-        out = module(mb.tokens if x is None else x, mb.batch)
+        out = module(mb.tokens if x is None else x, mb.batch, routing=routing)
+        aux = routing.take_aux_loss() if routing is not None else None
+        if aux is not None:
+            aux = aux * aux_scale
         if not ctx.is_last_stage:
+            if aux is not None:
+                stage_losses[i] = aux
             return out
         result = loss_fn(out, mb)
         loss = result[0] if isinstance(result, tuple) else result
         results.append(_detached(result))
-        return loss
+        return loss if aux is None else loss + aux
 
-    def backward(out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None) -> torch.Tensor | None:
-        backward_fn(out, grad)
+    def backward(i: int, out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None) -> torch.Tensor | None:
+        backward_fn(out, grad, stage_losses.pop(i, None))
         return None if x is None else x.grad
 
     def exchange(send_kind: str, tensor: torch.Tensor | None, recv_kind: str | None, recv_like: torch.Tensor | None):
@@ -151,7 +175,7 @@ def train_1f1b(module: StageModule, micro_batches: Sequence[MicroBatch], loss_fn
         oldest, x_old, out_old = in_flight.pop(0)
         like = _hidden_buffer(module, micro_batches[oldest])
         grad_out = exchange("forward", None if ctx.is_last_stage else out, None if ctx.is_last_stage else "backward", like)
-        grad_in = backward(out_old, grad_out if not ctx.is_last_stage else None, x_old)
+        grad_in = backward(oldest, out_old, grad_out if not ctx.is_last_stage else None, x_old)
         if j == steady - 1:
             exchange("backward", grad_in, None, None)
         else:
@@ -162,7 +186,7 @@ def train_1f1b(module: StageModule, micro_batches: Sequence[MicroBatch], loss_fn
     for _ in range(warmup):
         oldest, x_old, out_old = in_flight.pop(0)
         grad_out = exchange("forward", None, "backward", _hidden_buffer(module, micro_batches[oldest]))
-        grad_in = backward(out_old, grad_out, x_old)
+        grad_in = backward(oldest, out_old, grad_out, x_old)
         exchange("backward", grad_in, None, None)
     if sync_tied:
         sync_tied_embedding_grads(module)

@@ -108,6 +108,9 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
         add("attn.o.weight", (h, q_out), 1, hd)
         if cfg.o_bias:
             add("attn.o.bias", (h,), None)
+        if cfg.qk_norm:  # per-head norms (Qwen3): every TP rank holds them whole
+            add("attn.q_norm.weight", (hd,), None)
+            add("attn.k_norm.weight", (hd,), None)
         add("mlp_norm.weight", (h,), None)
         if gpt2:
             add("mlp_norm.bias", (h,), None)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-FAMILIES = ("llama", "mistral", "qwen2", "mixtral", "gpt2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gpt2")
 
 # Deliberately awkward sizes: the vocabulary and MLP width do not divide by 2, so TP splits are uneven.
 TINY_SIZES = dict(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=171,
@@ -31,8 +31,12 @@ def quiet_transformers():
 
 
 def tiny_hf_config(family: str = "llama", tied: bool = False, critic: bool = False, sliding_window: int | None = None,
-                   **sizes):
-    """A transformers config of ``family`` with the given sizes (defaults: TINY_SIZES)."""
+                   head_dim: int | None = None, rope_parameters: dict | None = None, **sizes):
+    """A transformers config of ``family`` with the given sizes (defaults: TINY_SIZES).
+
+    ``head_dim``: an explicit head width (default hidden_size / heads); ``rope_parameters``: a RoPE
+    scaling dict (``rope_type`` and its keys) for the llama family.
+    """
     transformers = quiet_transformers()
 
     s = {**TINY_SIZES, **sizes}
@@ -46,27 +50,39 @@ def tiny_hf_config(family: str = "llama", tied: bool = False, critic: bool = Fal
         config.architectures = ["GPT2ForSequenceClassification" if critic else "GPT2LMHeadModel"]
         return config
     classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
-               "mixtral": transformers.MixtralConfig}
+               "qwen3": transformers.Qwen3Config, "mixtral": transformers.MixtralConfig,
+               "qwen3_moe": transformers.Qwen3MoeConfig}
     if family not in classes:
         raise ValueError(f"unknown family {family!r}; use one of {FAMILIES}")
-    extra = {"sliding_window": sliding_window} if family == "mistral" else {}
+    extra: dict = {"sliding_window": sliding_window} if family == "mistral" else {}
+    theta = {"qwen2": 5000.0, "qwen3": 20000.0, "qwen3_moe": 20000.0}.get(family, 10000.0)
+    extra["rope_parameters"] = {"rope_type": "default", **(rope_parameters or {}), "rope_theta": theta}
+    if head_dim is not None or family in ("qwen3", "qwen3_moe"):  # Qwen3Config's own default is 128, not hidden / heads
+        extra["head_dim"] = head_dim or s["hidden_size"] // s["num_heads"]
     extra.update(_moe_options(family, s))
     config = classes[family](hidden_size=s["hidden_size"], num_hidden_layers=s["num_layers"],
                              num_attention_heads=s["num_heads"], num_key_value_heads=s["num_kv_heads"],
                              intermediate_size=s["intermediate_size"], max_position_embeddings=s["max_positions"],
-                             rope_theta=5000.0 if family == "qwen2" else 10000.0, **extra, **common)
-    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "mixtral": "Mixtral"}[family]
+                             **extra, **common)
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
+              "qwen3_moe": "Qwen3Moe"}[family]
     config.architectures = [prefix + ("ForSequenceClassification" if critic else "ForCausalLM")]
     return config
 
 
 def _moe_options(family: str, sizes: dict) -> dict:
-    """The mixture's config keys of a tiny MoE model: 4 experts, top 2 (``sizes`` may override), a large aux-loss
-    coefficient so that a test sees the loss's gradient."""
-    if family != "mixtral":
+    """The mixture's config keys of a tiny MoE model: 4 experts, top 2, a large aux-loss coefficient so that a test
+    sees the loss's gradient; Qwen3-MoE: experts 43 wide (odd), top-k not renormalised, layer 1 dense. ``sizes``
+    may override each (num_experts, experts_per_token, router_aux_loss_coef, moe_intermediate_size, norm_topk_prob,
+    mlp_only_layers)."""
+    if family not in ("mixtral", "qwen3_moe"):
         return {}
-    return dict(num_local_experts=sizes.get("num_experts", 4), num_experts_per_tok=sizes.get("experts_per_token", 2),
-                router_aux_loss_coef=sizes.get("router_aux_loss_coef", 0.1))
+    out = dict(num_local_experts=sizes.get("num_experts", 4), num_experts_per_tok=sizes.get("experts_per_token", 2),
+               router_aux_loss_coef=sizes.get("router_aux_loss_coef", 0.1))
+    if family == "qwen3_moe":
+        out.update(moe_intermediate_size=sizes.get("moe_intermediate_size", 43),
+                   norm_topk_prob=sizes.get("norm_topk_prob", False), mlp_only_layers=sizes.get("mlp_only_layers", [1]))
+    return out
 
 
 _WORDS = ("the a an and or but if then so of to in on at by for with from up down out over under again is are was "
@@ -91,14 +107,16 @@ def build_tiny_tokenizer(path: str | Path, vocab_size: int) -> None:
 
 
 def build_tiny(path: str | Path, family: str = "llama", tied: bool = False, critic: bool = False, seed: int = 0,
-               sliding_window: int | None = None, weight_format: str = "safetensors", max_shard_size: str | int | None = None,
+               sliding_window: int | None = None, head_dim: int | None = None, rope_parameters: dict | None = None,
+               weight_format: str = "safetensors", max_shard_size: str | int | None = None,
                dtype: torch.dtype = torch.float32, tokenizer: bool = True, **sizes) -> Path:
     """Write a random HF model directory (with a word-level tokenizer unless ``tokenizer=False``).
 
     ``weight_format`` is ``safetensors`` or ``bin`` (``pytorch_model.bin``).
     """
     transformers = quiet_transformers()
-    config = tiny_hf_config(family, tied=tied, critic=critic, sliding_window=sliding_window, **sizes)
+    config = tiny_hf_config(family, tied=tied, critic=critic, sliding_window=sliding_window, head_dim=head_dim,
+                            rope_parameters=rope_parameters, **sizes)
     torch.manual_seed(seed)
     cls = transformers.AutoModelForSequenceClassification if critic else transformers.AutoModelForCausalLM
     model = cls.from_config(config)

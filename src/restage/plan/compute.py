@@ -42,7 +42,7 @@ class RooflineCompute:
     def block_forward(self, batch: float, seq: int, tp: int) -> float:
         s = block_shape(self.cfg, tp)
         tokens = batch * seq
-        matmul = self._kernel(2 * tokens * s.matmul_params, (s.matmul_params + tokens * (s.hidden + s.inter)) * self.bytes)
+        matmul = self._kernel(2 * tokens * s.matmul_params, (s.weight_params + tokens * (s.hidden + s.inter)) * self.bytes)
         ctx = attended_tokens(seq, self.cfg.sliding_window)
         attention = self._kernel(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes)
         elementwise = tokens * _ELEMENTWISE_HIDDEN_PER_TOKEN * s.hidden * self.bytes / self.bytes_per_second
@@ -53,7 +53,7 @@ class RooflineCompute:
         # about 2.5x its forward; elementwise traffic doubles.
         s = block_shape(self.cfg, tp)
         tokens = batch * seq
-        matmul = 2 * self._kernel(2 * tokens * s.matmul_params, (s.matmul_params + tokens * (s.hidden + s.inter)) * self.bytes)
+        matmul = 2 * self._kernel(2 * tokens * s.matmul_params, (s.weight_params + tokens * (s.hidden + s.inter)) * self.bytes)
         ctx = attended_tokens(seq, self.cfg.sliding_window)
         attention = 2.5 * self._kernel(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes)
         elementwise = 2 * tokens * _ELEMENTWISE_HIDDEN_PER_TOKEN * s.hidden * self.bytes / self.bytes_per_second
@@ -68,7 +68,7 @@ class RooflineCompute:
         """One new token for each of ``batch`` sequences, attending to ``ctx`` cached tokens each."""
         s = block_shape(self.cfg, tp)
         ctx = min(ctx, self.cfg.sliding_window) if self.cfg.sliding_window else ctx
-        matmul = self._kernel(2 * batch * s.matmul_params, s.matmul_params * self.bytes)
+        matmul = self._kernel(2 * batch * s.matmul_params, s.weight_params * self.bytes)
         attention = self._kernel(4 * batch * ctx * s.q_out, batch * ctx * 2 * s.kv_out * self.bytes)
         return matmul + attention + self.cluster.block_overhead_seconds
 

@@ -24,7 +24,8 @@ from restage.models.config import ModelConfig
 PROFILE_FORMAT_VERSION = 1
 OPS = ("embed_forward", "block_forward", "block_backward", "prefill", "decode_step", "head_forward", "head_backward",
        "optimizer_step_per_param")
-_SIGNATURE_FIELDS = ("family", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size", "activation")
+_SIGNATURE_FIELDS = ("family", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size", "activation",
+                     "num_experts", "experts_per_token", "moe_intermediate_size")
 
 
 def arch_signature(cfg: ModelConfig) -> tuple:

@@ -24,6 +24,7 @@ from restage.device import rank_device
 from restage.graph import MFC
 from restage.models.decoder import StageModule
 from restage.models.generation import SamplingParams, generate
+from restage.models.moe import RouterLog, router_stats
 from restage.models.packing import PackedBatch
 from restage.models.parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from restage.models.pipeline import MicroBatch, pipeline_forward, train_1f1b
@@ -170,7 +171,8 @@ def loss_scale_factor(engine: Engine, device: torch.device | None = None) -> flo
     return float(scaler.scale(probe).detach()) if scaler is not None else 1.0
 
 
-def stage_backward(engine: Engine, tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
+def stage_backward(engine: Engine, tensor: torch.Tensor, grad: torch.Tensor | None,
+                   stage_loss: torch.Tensor | None = None) -> None:
     """One micro-batch's backward on one pipeline stage, through the engine.
 
     DeepSpeed owns loss scaling, gradient accumulation and the ZeRO reductions, so every stage's
@@ -179,12 +181,17 @@ def stage_backward(engine: Engine, tensor: torch.Tensor, grad: torch.Tensor | No
     ``backward(out, grad)``; ``grad`` already carries the last stage's loss scale and 1/GAS, so
     the surrogate is divided by the scale the engine multiplies every loss by (fp16) and
     ``scale_wrt_gas`` is off. It is summed in fp32: an fp16 sum of scaled products overflows.
+    ``stage_loss`` (a mixture's load-balancing loss of this stage's layers, in the units of the
+    last stage's loss) is added to the surrogate divided by the accumulation steps, as the last
+    stage's loss is.
     """
     if grad is None:
         engine.backward(tensor)
         return
-    surrogate = (tensor.float() * grad.float()).sum()
-    engine.backward(surrogate / loss_scale_factor(engine, tensor.device), scale_wrt_gas=False)
+    surrogate = (tensor.float() * grad.float()).sum() / loss_scale_factor(engine, tensor.device)
+    if stage_loss is not None:
+        surrogate = surrogate + stage_loss.float() / engine.gradient_accumulation_steps()
+    engine.backward(surrogate, scale_wrt_gas=False)
 
 
 def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState, seed: int
@@ -208,13 +215,15 @@ def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: Expe
     done = [0]  # backward passes in the current minibatch
     n_micro = [1]
 
-    def backward_fn(tensor: torch.Tensor, grad: torch.Tensor | None) -> None:
+    def backward_fn(tensor: torch.Tensor, grad: torch.Tensor | None, stage_loss: torch.Tensor | None) -> None:
         # The boundary is set by hand and the optimizer steps once after the whole 1F1B schedule:
         # stepping inside it would put the gradient-norm collective (over all stages) between two
         # stages' pipeline sends.
         engine.set_gradient_accumulation_boundary(done[0] == n_micro[0] - 1)
-        stage_backward(engine, tensor, grad)
+        stage_backward(engine, tensor, grad, stage_loss)
         done[0] += 1
+
+    routing = RouterLog(module.cfg, cfg.models[mfc.model].router_aux_loss_coef) if module.cfg.is_moe else None
 
     for _, _, minibatch in estimators.minibatches(batch, mfc.minibatches, mfc.epochs, seed):
         micro = _micro_batches(minibatch, ids_key, mfc.micro_batches)
@@ -222,7 +231,7 @@ def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: Expe
             # Fewer samples than micro-batches on this minibatch: accumulate over what there is.
             engine.set_train_batch_size(len(micro) * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
         done[0], n_micro[0] = 0, len(micro)
-        results = train_1f1b(module, micro, loss_fn, backward_fn, sync_tied=False)
+        results = train_1f1b(module, micro, loss_fn, backward_fn, sync_tied=False, routing=routing)
         stop = can_stop and _early_stop_anywhere(engine, results)
         if stop:
             _step_without_update(engine)
@@ -237,6 +246,8 @@ def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: Expe
     module.eval()
     stats = {f"{mfc.name}/{k}": v / count for k, v in stats_sum.items()} if count else {}
     stats[f"{mfc.name}/lr"] = float(engine.get_lr()[0])
+    if routing is not None:
+        stats.update({f"{mfc.name}/{k}": v for k, v in router_stats(routing, module.ctx, rank_device()).items()})
     return MFCResult(None, stats, batch.n_tokens * mfc.epochs)
 
 
