@@ -1,5 +1,5 @@
-"""Expert parallelism on 4 real gloo ranks, one launch: a tiny Mixtral under dp4ep2, dp4ep4, dp2ep2tp2 and
-dp2ep2pp2 against transformers (logits, greedy generation with replicas that hold different prompts, none, or
+"""Expert parallelism on 4 real gloo ranks, one launch: a tiny Mixtral and Qwen3-MoE under dp4ep2, dp4ep4, dp2ep2tp2
+and dp2ep2pp2 against transformers (logits, greedy generation with replicas that hold different prompts, none, or
 finish early), 1F1B gradients under dp2ep2pp2 against one rank, and reallocation between ep, tp and pp layouts
 of the model (bit-exact, bytes equal to the lower bound)."""
 
@@ -14,7 +14,7 @@ from restage.runtime.spawn import spawn
 
 pytestmark = pytest.mark.multirank
 
-MOE = {"mixtral": dict(family="mixtral")}
+MOE = {"mixtral": dict(family="mixtral"), "qwen3_moe": dict(family="qwen3_moe", head_dim=24)}
 LAYOUTS = {"dp4ep2": Strategy(dp=4, ep=2), "dp4ep4": Strategy(dp=4, ep=4), "dp2ep2tp2": Strategy(dp=2, tp=2, ep=2),
            "dp2ep2pp2": Strategy(dp=2, pp=2, ep=2)}
 NEW_TOKENS = 16
@@ -51,7 +51,7 @@ def _micro_batches(seqs_list):
     return [MicroBatch(*pack(seqs)) for seqs in seqs_list]
 
 
-def _run(rank, world_size, path, early_eos):
+def _run(rank, world_size, paths, early_eos):
     from restage.layout import ProcessGroups
     from restage.models.checkpoint import load_stage
     from restage.models.config import ModelConfig
@@ -62,27 +62,27 @@ def _run(rank, world_size, path, early_eos):
     from restage.runtime.realloc import execute_reallocation, groups_for
     from restage.schedule.realloc_plan import plan_reallocation
 
-    cfg = ModelConfig.from_pretrained(path)
+    cfg = ModelConfig.from_pretrained(paths["mixtral"])
     plans = [(plan_reallocation(cfg, Layout(a, sa), Layout(b, sb), bytes_per_element=4),
               plan_reallocation(cfg, Layout(b, sb), Layout(a, sa), bytes_per_element=4)) for _, a, sa, b, sb in REALLOC]
     layouts = {key: Layout(tuple(range(world_size)), s) for key, s in LAYOUTS.items()}
     groups = ProcessGroups([g for layout in layouts.values() for g in layout.all_groups()]
                            + groups_for(*(p for pair in plans for p in pair)))
     out = {"logits": {}, "generated": {}, "grads": {}, "losses": {}, "realloc": {}}
-    for key, layout in layouts.items():
-        module = load_stage(path, layout, groups, rank)
+    for (key, layout), name in ((kv, name) for kv in layouts.items() for name in MOE):
+        module = load_stage(paths[name], layout, groups, rank)
         ctx = module.ctx
         mine = _micro_batches(FORWARD[ctx.dp_rank])
         logits = pipeline_forward(module, mine, post_fn=lambda o, mb, m=module: gather_from_tp(
             o, m.ctx, vocab_sizes(m.cfg.vocab_size, m.ctx)))
         if logits is not None and ctx.tp_rank == 0:
-            out["logits"][(key, rank)] = (ctx.dp_rank, torch.cat(logits))
-        prompts, eos = replica_prompts(ctx.dp_rank, early_eos)
+            out["logits"][(name, key, rank)] = (ctx.dp_rank, torch.cat(logits))
+        prompts, eos = replica_prompts(ctx.dp_rank, early_eos[name])
         gen = generate(module, prompts, SamplingParams(max_new_tokens=NEW_TOKENS, greedy=True, eos_token_ids=eos))
-        out["generated"][(key, rank)] = (ctx.dp_rank, gen.sequences())
-        if key == "dp2ep2pp2":
+        out["generated"][(name, key, rank)] = (ctx.dp_rank, gen.sequences())
+        if key == "dp2ep2pp2" and name == "mixtral":
             mbs = _micro_batches(TRAIN[ctx.dp_rank])
-            losses = train_1f1b(module, mbs, _loss(module, len(mbs)))
+            losses = train_1f1b(module, mbs, _loss(module, len(mbs)), aux_scale=1 / len(mbs))
             average_gradients(module, ctx)
             out["grads"][rank] = {n: p.grad.clone() for n, p in module.named_parameters()}
             out["losses"][rank] = (ctx.dp_rank, losses)
@@ -120,48 +120,63 @@ def _same(got, expected) -> bool:
 
 
 @pytest.fixture(scope="module")
-def moe_path(tmp_path_factory):
+def moe_paths(tmp_path_factory):
     from restage.models.tiny import build_tiny
 
-    return str(build_tiny(tmp_path_factory.mktemp("moe") / "mixtral", seed=5, **MOE["mixtral"]))
+    root = tmp_path_factory.mktemp("moe")
+    return {name: str(build_tiny(root / name, seed=5 + i, **kwargs)) for i, (name, kwargs) in enumerate(MOE.items())}
 
 
 @pytest.fixture(scope="module")
-def reference(moe_path):
-    greedy = hf_greedy(moe_path, PROMPTS, NEW_TOKENS)
-    return {"greedy": greedy, "early_eos": greedy[EARLY][4]}
+def moe_path(moe_paths):
+    return moe_paths["mixtral"]
 
 
 @pytest.fixture(scope="module")
-def results(moe_path, reference):
+def reference(moe_paths):
+    out = {}
+    for name, path in moe_paths.items():
+        greedy = hf_greedy(path, PROMPTS, NEW_TOKENS)
+        out[name] = {"greedy": greedy, "early_eos": greedy[EARLY][4]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(moe_paths, reference):
     merged: dict = {}
-    for result in spawn(_run, 4, moe_path, reference["early_eos"], timeout_seconds=600):
+    early_eos = {name: ref["early_eos"] for name, ref in reference.items()}
+    for result in spawn(_run, 4, moe_paths, early_eos, timeout_seconds=600):
         for kind, values in result.items():
             merged.setdefault(kind, {}).update(values)
     return merged
 
 
-def test_logits_equal_transformers_under_every_ep_layout(results, moe_path):
+@pytest.mark.parametrize("name", list(MOE))
+def test_logits_equal_transformers_under_every_ep_layout(results, moe_paths, name):
     expected = {}
     for d, mbs in FORWARD.items():
-        expected[d] = torch.cat(hf_outputs(moe_path, [s for mb in mbs for s in mb]))
+        expected[d] = torch.cat(hf_outputs(moe_paths[name], [s for mb in mbs for s in mb]))
     seen = set()
-    for (key, rank), (dp_index, logits) in results["logits"].items():
+    for (model, key, rank), (dp_index, logits) in results["logits"].items():
+        if model != name:
+            continue
         diff = (logits - expected[dp_index]).abs().max().item()
-        assert diff <= 1e-4, f"{key} rank {rank}: max |logit diff| {diff:.2e}"
+        assert diff <= 1e-4, f"{name} {key} rank {rank}: max |logit diff| {diff:.2e}"
         seen.add(key)
-        print(f"ep logits {key} rank {rank}: max |diff| {diff:.2e}")
+        print(f"ep logits {name} {key} rank {rank}: max |diff| {diff:.2e}")
     assert seen == set(LAYOUTS)
 
 
-def test_greedy_generation_is_token_identical_with_replicas_that_finish_early_or_hold_nothing(results, reference):
-    greedy, eos = reference["greedy"], reference["early_eos"]
+@pytest.mark.parametrize("name", list(MOE))
+def test_greedy_generation_is_token_identical_with_replicas_that_finish_early_or_hold_nothing(results, reference, name):
+    greedy, eos = reference[name]["greedy"], reference[name]["early_eos"]
     early = greedy[EARLY][: greedy[EARLY].index(eos) + 1]
     assert len(early) < NEW_TOKENS  # that replica really finishes before its peers
     expected = {0: greedy, 1: [early], 2: [], 3: [greedy[3]]}
-    assert {key for key, _ in results["generated"]} == set(LAYOUTS)
-    for (key, rank), (dp_index, sequences) in results["generated"].items():
-        assert sequences == expected[dp_index], f"{key} rank {rank} (replica {dp_index})"
+    runs = {(key, rank): v for (model, key, rank), v in results["generated"].items() if model == name}
+    assert {key for key, _ in runs} == set(LAYOUTS)
+    for (key, rank), (dp_index, sequences) in runs.items():
+        assert sequences == expected[dp_index], f"{name} {key} rank {rank} (replica {dp_index})"
 
 
 def test_1f1b_gradients_under_dp2_ep2_pp2_equal_one_rank(results, moe_path):
@@ -173,7 +188,7 @@ def test_1f1b_gradients_under_dp2_ep2_pp2_equal_one_rank(results, moe_path):
 
     module = load_stage(moe_path, Layout((0,), Strategy()), None, 0)
     mbs = _micro_batches(TRAIN[0] + TRAIN[1])
-    ref_losses = train_1f1b(module, mbs, _loss(module, len(mbs)))
+    ref_losses = train_1f1b(module, mbs, _loss(module, len(mbs)), aux_scale=1 / len(mbs))
     ref = {n: p.grad for n, p in module.named_parameters()}
     cfg = ModelConfig.from_pretrained(moe_path)
     layout = Layout(tuple(range(4)), LAYOUTS["dp2ep2pp2"])
