@@ -25,7 +25,14 @@ from restage.layout import Layout, Strategy
 from restage.models.config import ModelConfig
 from restage.models.flops import block_shape
 from restage.models.sharding import shard_bytes, stage_layers, validate_strategy
-from restage.plan.comm import allgather_seconds, allreduce_seconds, broadcast_seconds, p2p_seconds, reduce_scatter_seconds
+from restage.plan.comm import (
+    allgather_seconds,
+    allreduce_seconds,
+    alltoall_seconds,
+    broadcast_seconds,
+    p2p_seconds,
+    reduce_scatter_seconds,
+)
 from restage.plan.compute import DTYPE_BYTES, ProfiledCompute, RooflineCompute
 from restage.plan.profile import find_profile
 
@@ -79,10 +86,23 @@ class Estimate:
 
 
 @lru_cache(maxsize=4096)
-def stage_param_elements(cfg: ModelConfig, tp: int, pp: int) -> tuple[int, ...]:
-    """Parameter elements the first TP rank (the largest chunk) of each pipeline stage holds."""
-    strategy = Strategy(tp=tp, pp=pp)
-    return tuple(shard_bytes(cfg, strategy, s, 0, 1) for s in range(pp))
+def stage_param_elements(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> tuple[int, ...]:
+    """Parameter elements the first TP rank (the largest chunk) of each pipeline stage holds (with ep: its
+    ``1 / ep`` of the experts)."""
+    strategy = Strategy(dp=ep, tp=tp, pp=pp, ep=ep)
+    return tuple(shard_bytes(cfg, strategy, s, 0, 1, ep_rank=0) for s in range(pp))
+
+
+def expert_exchange_seconds(cluster: ClusterSpec, cfg: ModelConfig, layout: Layout, tokens: float, e: int) -> float:
+    """One pass of the most loaded stage's sparse layers over ``tokens`` tokens under ep: two all-to-alls each
+    (to the experts and back), every rank sending ``tokens * hidden * top_k * bytes * (ep - 1) / ep``, over
+    the ep group's link (intra- or inter-node by where the group sits). 0 without ep."""
+    s = layout.strategy
+    if s.ep == 1 or not cfg.is_moe:
+        return 0.0
+    sparse = max(sum(1 for i in range(lo, hi) if cfg.is_sparse(i)) for lo, hi in stage_layers(cfg, s.pp))
+    rows = tokens * cfg.hidden_size * cfg.experts_per_token * e
+    return sparse * 2 * alltoall_seconds(cluster, _worst_group(layout, "ep"), rows)
 
 
 def activation_elements_per_token(cfg: ModelConfig, tp: int) -> float:
@@ -94,7 +114,7 @@ def activation_elements_per_token(cfg: ModelConfig, tp: int) -> float:
 
 
 def _worst_group(layout: Layout, kind: str) -> tuple[int, ...]:
-    groups = {"tp": layout.tp_groups, "dp": layout.dp_groups, "pp": layout.pp_groups}[kind]()
+    groups = {"tp": layout.tp_groups, "dp": layout.dp_groups, "pp": layout.pp_groups, "ep": layout.ep_groups}[kind]()
     return max(groups, key=lambda g: (len(g), g[-1] - g[0]))
 
 
@@ -136,7 +156,7 @@ class Estimator:
         which the runtime runs as one batch)."""
         s = layout.strategy
         m = 1 if mfc.kind == "generate" else (micro_batches or max(mfc.micro_batches, s.pp))
-        links = tuple(self.cluster.link(_worst_group(layout, k)) for k in ("tp", "dp", "pp"))
+        links = tuple(self.cluster.link(_worst_group(layout, k)) for k in ("tp", "dp", "pp", "ep"))
         key = (mfc, role, s, m, links)
         if key not in self._cache:
             self._cache[key] = self._estimate(mfc, role, layout, m)
@@ -154,7 +174,7 @@ class Estimator:
             seconds += overhead
             parts["overhead_seconds"] = overhead
         source = compute.describe() if hasattr(compute, "describe") else compute.source
-        params = max(stage_param_elements(role.arch, layout.strategy.tp, layout.strategy.pp))
+        params = max(stage_param_elements(role.arch, layout.strategy.tp, layout.strategy.pp, layout.strategy.ep))
         return Estimate(seconds=seconds, state_bytes=_state_bytes(role, mfc, params, layout.strategy.dp),
                         param_bytes=params * role.bytes_per_element, transient_bytes=int(transient), micro_batches=m,
                         source=source, breakdown=tuple(sorted(parts.items())))
@@ -224,11 +244,13 @@ def _train(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Lay
     layers = _max_stage_layers(cfg, s.pp)
     tp_s = layers * (6 if recompute else 4) * allreduce_seconds(cluster, tp_group, tokens * cfg.hidden_size * e)
     send_s = 2 * p2p_seconds(cluster, pp_group[0], pp_group[-1], tokens * cfg.hidden_size * e) if s.pp > 1 else 0.0
-    params = max(stage_param_elements(cfg, s.tp, s.pp))
+    params = max(stage_param_elements(cfg, s.tp, s.pp, s.ep))
     gather_s = 0.0
     if role.zero_stage == 3:  # parameters gathered for the forward and again for the backward of every micro-batch
         gather_s = (3 if recompute else 2) * allgather_seconds(cluster, dp_group, params * e)
-    per_micro = compute_s + tp_s + send_s + gather_s
+    # ep: the forward's exchanges, the backward's reverse ones, and the recomputed forward's
+    ep_s = (3 if recompute else 2) * expert_exchange_seconds(cluster, cfg, layout, tokens, e)
+    per_micro = compute_s + tp_s + send_s + gather_s + ep_s
     pipeline = (m + s.pp - 1) * per_micro
     grads = params * e
     if role.zero_stage == 0:
@@ -245,7 +267,7 @@ def _train(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Lay
     parts = {"compute_seconds": steps * (m + s.pp - 1) * compute_s, "tp_comm_seconds": steps * (m + s.pp - 1) * tp_s,
              "pp_send_seconds": steps * (m + s.pp - 1) * send_s, "zero3_gather_seconds": steps * (m + s.pp - 1) * gather_s,
              "pp_bubble_seconds": steps * (s.pp - 1) * per_micro, "dp_comm_seconds": steps * dp_s,
-             "optimizer_seconds": steps * optim_s}
+             "optimizer_seconds": steps * optim_s, "ep_comm_seconds": steps * (m + s.pp - 1) * ep_s}
     # Memory: 1F1B keeps min(m, pp) micro-batches of activations in flight on the first stage.
     in_flight = min(m, s.pp)
     per_layer = (cfg.hidden_size if recompute else activation_elements_per_token(cfg, s.tp)) * tokens * e
@@ -270,10 +292,11 @@ def _inference(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout:
     layers = _max_stage_layers(cfg, s.pp)
     tp_s = layers * 2 * allreduce_seconds(cluster, tp_group, tokens * cfg.hidden_size * e)
     send_s = p2p_seconds(cluster, pp_group[0], pp_group[-1], tokens * cfg.hidden_size * e) if s.pp > 1 else 0.0
-    per_micro = compute_s + tp_s + send_s
+    ep_s = expert_exchange_seconds(cluster, cfg, layout, tokens, e)
+    per_micro = compute_s + tp_s + send_s + ep_s
     rounds = m + s.pp - 1
     parts = {"compute_seconds": rounds * compute_s, "tp_comm_seconds": rounds * tp_s, "pp_send_seconds": rounds * send_s,
-             "pp_bubble_seconds": (s.pp - 1) * per_micro}
+             "pp_bubble_seconds": (s.pp - 1) * per_micro, "ep_comm_seconds": rounds * ep_s}
     transient = _forward_workspace(cfg, s.tp, tokens, e) + 2 * tokens * block_shape(cfg, s.tp).head_out * LOGIT_BYTES
     return rounds * per_micro, transient, parts
 
@@ -297,7 +320,8 @@ def _generate(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: 
                                    compute.head_forward(b, s.tp))
     prefill_comm = layers * 2 * allreduce_seconds(cluster, tp_group, b * prompt * hidden_bytes)
     prefill_send = p2p_seconds(cluster, pp_group[0], pp_group[-1], b * prompt * hidden_bytes) if s.pp > 1 else 0.0
-    prefill = s.pp * (prefill_stage + prefill_comm) + (s.pp - 1) * prefill_send
+    prefill_ep = s.pp * expert_exchange_seconds(cluster, cfg, layout, b * prompt, e)
+    prefill = s.pp * (prefill_stage + prefill_comm) + (s.pp - 1) * prefill_send + prefill_ep
     # Decoding: every step feeds the batch through all pp stages one after the other (the next token
     # needs the last stage's output), against a KV cache of prompt + (gen + 1) / 2 tokens on average.
     ctx = prompt + (gen + 1) / 2
@@ -311,11 +335,12 @@ def _generate(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: 
         cluster, tp_group, b * cfg.vocab_size * LOGIT_BYTES) + (0 if mfc.greedy else 2 * broadcast_seconds(
             cluster, tp_group, chosen)) + 2 * broadcast_seconds(cluster, pp_group, chosen)
     decode_send = (s.pp - 1) * p2p_seconds(cluster, pp_group[0], pp_group[-1], b * hidden_bytes) if s.pp > 1 else 0.0
-    decode = gen * (s.pp * decode_stage + decode_comm + decode_send)
+    decode_ep = s.pp * expert_exchange_seconds(cluster, cfg, layout, b, e)
+    decode = gen * (s.pp * decode_stage + decode_comm + decode_send + decode_ep)
     parts = {"prefill_seconds": prefill, "decode_seconds": decode,
              "compute_seconds": s.pp * prefill_stage + gen * s.pp * decode_stage,
              "tp_comm_seconds": s.pp * prefill_comm + gen * decode_comm,
-             "pp_send_seconds": (s.pp - 1) * prefill_send + gen * decode_send}
+             "pp_send_seconds": (s.pp - 1) * prefill_send + gen * decode_send, "ep_comm_seconds": prefill_ep + gen * decode_ep}
     # Memory: the KV cache of every sequence of the batch.
     kv_out = block_shape(cfg, s.tp).kv_out
     window = min(prompt + gen, cfg.sliding_window) if cfg.sliding_window else prompt + gen
