@@ -199,11 +199,12 @@ def training_layout_problem(name: str, cfg: ModelConfig, zero_stage: int, strate
         # The two copies' gradients would have to be summed inside DeepSpeed's reduction.
         return (f"models.{name}: training a model with tied embeddings under pp={strategy.pp} is not supported; "
                 "train it with pp=1 (tp and dp are fine)")
-    if strategy.ep > 1 and zero_stage != 0:
-        # ZeRO-1/2/3 partition every parameter over the whole dp group, which assumes dp ranks hold the same
-        # parameters; under ep they hold different experts (runtime/expert_grads.py reduces them itself).
-        return (f"models.{name}: training under ep={strategy.ep} needs zero_stage 0 (ZeRO partitions over dp, "
-                f"whose ranks hold different experts); set zero_stage=0 or train with ep=1")
+    if strategy.ep > 1:
+        # The model trains under ep (models/expert_parallel.average_gradients: 1F1B gradients equal one rank's),
+        # but the DeepSpeed engine would reduce and partition expert gradients over dp, whose ranks hold different
+        # experts; until the engine gets expert-dp groups, a train MFC keeps ep=1 (generate and inference take ep).
+        return (f"models.{name}: training under ep={strategy.ep} is not supported by the DeepSpeed engine yet; train "
+                "with ep=1 (generation and inference may use ep)")
     return None
 
 
