@@ -23,6 +23,7 @@ MODELS = {
     "qwen3_tied": dict(family="qwen3", tied=True, head_dim=32),
     "qwen3_critic": dict(family="qwen3", critic=True, head_dim=24),
     "qwen3_moe": dict(family="qwen3_moe", head_dim=24),
+    "mixtral_critic": dict(family="mixtral", critic=True),
 }
 CAUSAL = [name for name in MODELS if "critic" not in name]
 CRITICS = [name for name in MODELS if "critic" in name]

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from model_cases import PROMPTS
+from model_cases import PROMPTS, hf_greedy
 
 pytestmark = pytest.mark.multirank
 
@@ -28,3 +28,11 @@ def test_four_ranks_tp2_dp2_match_one_process(tiny_models):
     assert [c["token_ids"] for c in four["completions"]] == [c["token_ids"] for c in one["completions"]]
     for a, b in zip(four["completions"], one["completions"]):
         assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_mixture_of_experts_under_tp2_pp2_is_token_identical_to_transformers(tiny_models, name):
+    # One launch per model splits both ways at once (tp2 and pp2 alone run in test_layouts_multirank).
+    done = _run(tiny_models[name], "--tp", "2", "--pp", "2")
+    assert done["strategy"] == "dp1tp2pp2"
+    assert [c["token_ids"] for c in done["completions"]] == hf_greedy(tiny_models[name], PROMPTS[:3], 8)

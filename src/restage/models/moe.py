@@ -30,7 +30,6 @@ from restage.models.expert_parallel import local_experts, run_experts_parallel
 from restage.models.parallel import (
     ColumnParallelLinear,
     ParallelContext,
-    RowParallelLinear,
     copy_to_tp,
     reduce_from_tp,
 )
@@ -109,24 +108,33 @@ def router_stats(routing: RouterLog, ctx: ParallelContext, device: torch.device)
 
 
 class Expert(nn.Module):
-    """One expert: a SwiGLU MLP, this rank's TP slice of it; returns the partial (not yet all-reduced) output."""
+    """One expert: a SwiGLU MLP, this rank's TP slice of it; returns the partial (not yet all-reduced) output.
+
+    Every weight is used through its own module's forward: ZeRO-3 gathers a module's parameters in
+    hooks on that forward.
+    """
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype, device):
         super().__init__()
         lo, hi = split_range(cfg.moe_intermediate_size, ctx.tp_size, ctx.tp_rank)
         self.gate = ColumnParallelLinear(cfg.hidden_size, hi - lo, False, dtype, device)
         self.up = ColumnParallelLinear(cfg.hidden_size, hi - lo, False, dtype, device)
-        # RowParallelLinear only for its [hidden, local width] weight; the all-reduce is the layer's, once.
-        self.down = RowParallelLinear(hi - lo, cfg.hidden_size, False, ctx, dtype, device)
+        # Row-parallel in layout ([hidden, local width]) but local: the all-reduce is the layer's, once for all experts.
+        self.down = ColumnParallelLinear(hi - lo, cfg.hidden_size, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(self.gate(x)) * self.up(x), self.down.weight)
+        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Router(nn.Module):
+    """The replicated router: logits ``[T, E]``."""
+
     def __init__(self, cfg: ModelConfig, dtype, device):
         super().__init__()
         self.weight = nn.Parameter(torch.empty((cfg.num_experts, cfg.hidden_size), dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 class MoEMLP(nn.Module):
@@ -145,7 +153,7 @@ class MoEMLP(nn.Module):
         self.num_experts = cfg.num_experts
 
     def forward(self, x: torch.Tensor, routing: RouterLog | None = None) -> torch.Tensor:
-        probs = F.linear(x, self.router.weight).float().softmax(dim=-1)  # [T, E]
+        probs = self.router(x).float().softmax(dim=-1)  # [T, E]
         top_probs, top_index = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,8 +40,13 @@ class MicroBatch:
 
 
 LossFn = Callable[[torch.Tensor, MicroBatch], Any]  # returns a scalar loss, or (loss, anything)
-# (tensor, grad or None for a loss, a loss of this stage's own to add to it or None); see train_1f1b.
-BackwardFn = Callable[[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], None]
+
+
+class BackwardFn(Protocol):
+    """``(tensor, grad or None for a loss[, a loss of this stage's own to add])``; see ``train_1f1b``."""
+
+    def __call__(self, tensor: torch.Tensor, grad: torch.Tensor | None, stage_loss: torch.Tensor | None = None, /
+                 ) -> None: ...
 
 
 def default_backward(tensor: torch.Tensor, grad: torch.Tensor | None, stage_loss: torch.Tensor | None = None) -> None:
@@ -103,11 +108,11 @@ def train_1f1b(module: StageModule, micro_batches: Sequence[MicroBatch], loss_fn
 
     ``loss_fn(output, mb)`` runs on the last stage and returns the micro-batch's loss (scale it
     as you want it summed, e.g. by 1 / number of micro-batches), or ``(loss, stats)``.
-    ``backward_fn(tensor, grad, stage_loss)`` is called once per micro-batch on every stage: with
-    ``(loss, None, None)`` on the last stage and ``(stage output, its gradient, stage_loss)``
-    elsewhere, ``stage_loss`` being None or a scalar this stage adds, scaled like a ``loss_fn`` loss
-    (a mixture's load-balancing loss). With tied embeddings and pp > 1, ``sync_tied`` sums the two
-    copies' gradients at the end.
+    ``backward_fn(tensor, grad[, stage_loss])`` is called once per micro-batch on every stage: with
+    ``(loss, None)`` on the last stage and ``(stage output, its gradient)`` elsewhere, plus, off
+    the last stage of a mixture of experts, ``stage_loss``: the load-balancing loss of this
+    stage's layers, scaled like a ``loss_fn`` loss, to add to what it backpropagates. With tied
+    embeddings and pp > 1, ``sync_tied`` sums the two copies' gradients at the end.
     A mixture-of-experts model reports into ``routing`` (a fresh ``RouterLog`` when None); its
     load-balancing loss per micro-batch is multiplied by ``aux_scale`` (what ``loss_fn`` scales
     a micro-batch's loss by, e.g. 1 / number of micro-batches).
@@ -143,7 +148,11 @@ def train_1f1b(module: StageModule, micro_batches: Sequence[MicroBatch], loss_fn
         return loss if aux is None else loss + aux
 
     def backward(i: int, out: torch.Tensor, grad: torch.Tensor | None, x: torch.Tensor | None) -> torch.Tensor | None:
-        backward_fn(out, grad, stage_losses.pop(i, None))
+        stage_loss = stage_losses.pop(i, None)
+        if stage_loss is None:  # a dense model's hook may take two arguments only
+            backward_fn(out, grad)
+        else:
+            backward_fn(out, grad, stage_loss)
         return None if x is None else x.grad
 
     def exchange(send_kind: str, tensor: torch.Tensor | None, recv_kind: str | None, recv_like: torch.Tensor | None):

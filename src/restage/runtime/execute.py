@@ -221,7 +221,7 @@ def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: Expe
     done = [0]  # backward passes in the current minibatch
     n_micro = [1]
 
-    def backward_fn(tensor: torch.Tensor, grad: torch.Tensor | None, stage_loss: torch.Tensor | None) -> None:
+    def backward_fn(tensor: torch.Tensor, grad: torch.Tensor | None, stage_loss: torch.Tensor | None = None, /) -> None:
         # The boundary is set by hand and the optimizer steps once after the whole 1F1B schedule:
         # stepping inside it would put the gradient-norm collective (over all stages) between two
         # stages' pipeline sends.
