@@ -35,8 +35,10 @@ def test_candidates_gain_ep_for_a_moe_model_only():
     assert Strategy(dp=8, ep=8) in moe and Strategy(dp=4, tp=2, ep=4) in moe
     dense = strategies_for(8, role("llama-7b"), INF, cluster)
     assert {s.ep for s in dense} == {1}
-    # the runtime refuses to train under ep (its DeepSpeed engine), so a train step gets no ep candidate
-    assert {s.ep for s in strategies_for(8, role(zero_stage=0), TRAIN, cluster)} == {1}
+    # a train step takes ep with ZeRO 0-2 (runtime/expert_engine.py); ZeRO-3 takes no expert groups
+    assert {s.ep for s in strategies_for(8, role(zero_stage=0), TRAIN, cluster)} == {1, 2, 4, 8}
+    assert {s.ep for s in strategies_for(8, role(zero_stage=2), TRAIN, cluster)} == {1, 2, 4, 8}
+    assert {s.ep for s in strategies_for(8, role(zero_stage=3), TRAIN, cluster)} == {1}
 
 
 def test_ep_divides_the_expert_memory_and_costs_two_all_to_alls_per_sparse_layer():
@@ -70,6 +72,31 @@ def test_bad_ep_is_refused_in_one_line_naming_what_to_change():
     odd = dataclasses.replace(moe, num_experts=6)
     assert layout_problem("actor", odd, Strategy(dp=4, ep=4), 8) == (
         "models.actor: ep=4 does not divide its 6 experts; use ep in [1, 2]")
-    trained = layout_problem("actor", moe, Strategy(dp=2, ep=2), 8, trained=True, zero_stage=0)
-    assert trained is not None and "train with ep=1" in trained and "\n" not in trained
+    trained = layout_problem("actor", moe, Strategy(dp=2, ep=2), 2, trained=True, zero_stage=3)
+    assert trained is not None and "set zero_stage=2 or train with ep=1" in trained and "\n" not in trained
+    assert all(layout_problem("actor", moe, Strategy(dp=2, ep=2), 8, trained=True, zero_stage=z) is None
+               for z in (0, 1, 2))
     assert layout_problem("actor", moe, Strategy(dp=2, ep=2), 8) is None
+
+
+def test_training_under_ep_reduces_expert_gradients_over_the_expert_dp_group():
+    from restage.plan.comm import allgather_seconds, reduce_scatter_seconds
+    from restage.plan.estimator import stage_expert_elements, stage_param_elements
+
+    cfg, cluster = preset("mixtral-8x7b"), load_cluster("h100-80gb", nodes=2)
+    r = role(zero_stage=1)
+    for ep in (2, 8):
+        strategy = Strategy(dp=16, ep=ep)
+        layout = Layout.contiguous(0, strategy)
+        params, experts = stage_param_elements(cfg, 1, 1, ep)[0], stage_expert_elements(cfg, 1, 1, ep)[0]
+        assert experts == stage_expert_elements(cfg, 1, 1)[0] // ep > 0
+        edp = layout.edp_groups()[0]
+        assert len(edp) == 16 // ep
+        expected = sum(reduce_scatter_seconds(cluster, group, n * 2) + allgather_seconds(cluster, group, n * 2)
+                       for group, n in ((tuple(range(16)), params - experts), (edp, experts)))
+        got = estimate(TRAIN, strategy, r).part("dp_comm_seconds") / TRAIN.minibatches
+        assert got == pytest.approx(expected)
+    # ZeRO partitions the experts' optimizer state over dp / ep ranks, not dp: more state per rank than ep=1 would
+    # suggest after dividing the experts by ep, and ZeRO-0 trains as ZeRO-1 under ep
+    zero0, zero1 = (estimate(TRAIN, Strategy(dp=16, ep=8), role(zero_stage=z)) for z in (0, 1))
+    assert zero0.state_bytes == zero1.state_bytes

@@ -199,12 +199,10 @@ def training_layout_problem(name: str, cfg: ModelConfig, zero_stage: int, strate
         # The two copies' gradients would have to be summed inside DeepSpeed's reduction.
         return (f"models.{name}: training a model with tied embeddings under pp={strategy.pp} is not supported; "
                 "train it with pp=1 (tp and dp are fine)")
-    if strategy.ep > 1:
-        # The model trains under ep (models/expert_parallel.average_gradients: 1F1B gradients equal one rank's),
-        # but the DeepSpeed engine would reduce and partition expert gradients over dp, whose ranks hold different
-        # experts; until the engine gets expert-dp groups, a train MFC keeps ep=1 (generate and inference take ep).
-        return (f"models.{name}: training under ep={strategy.ep} is not supported by the DeepSpeed engine yet; train "
-                "with ep=1 (generation and inference may use ep)")
+    if strategy.ep > 1 and zero_stage == 3:
+        # The engine trains experts with DeepSpeed's MoE groups (runtime/expert_engine.py), which ZeRO-3 refuses.
+        return (f"models.{name}: training under ep={strategy.ep} needs zero_stage 0, 1 or 2 (DeepSpeed's ZeRO-3 "
+                "takes no expert groups); set zero_stage=2 or train with ep=1")
     return None
 
 

@@ -24,7 +24,7 @@ from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.config import ModelConfig
 from restage.models.flops import block_shape
-from restage.models.sharding import shard_bytes, stage_layers, validate_strategy
+from restage.models.sharding import shard_bytes, shard_specs, stage_layers, validate_strategy
 from restage.plan.comm import (
     allgather_seconds,
     allreduce_seconds,
@@ -93,6 +93,20 @@ def stage_param_elements(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> tup
     return tuple(shard_bytes(cfg, strategy, s, 0, 1, ep_rank=0) for s in range(pp))
 
 
+@lru_cache(maxsize=4096)
+def stage_expert_elements(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> tuple[int, ...]:
+    """Of ``stage_param_elements``, those of experts (this rank's ``1 / ep`` of them): under ep they are
+    reduced and partitioned over the expert-dp group instead of dp."""
+    strategy = Strategy(dp=ep, tp=tp, pp=pp, ep=ep)
+    return tuple(sum(s.numel for s in shard_specs(cfg, strategy, stage, 0, 0) if s.param.expert is not None)
+                 for stage in range(pp))
+
+
+def trained_zero_stage(zero_stage: int, ep: int) -> int:
+    """The ZeRO stage a model trains with (``runtime.engines.effective_zero_stage``: ZeRO-0 runs as 1 under ep)."""
+    return 1 if ep > 1 and zero_stage == 0 else zero_stage
+
+
 def expert_exchange_seconds(cluster: ClusterSpec, cfg: ModelConfig, layout: Layout, tokens: float, e: int) -> float:
     """One pass of the most loaded stage's sparse layers over ``tokens`` tokens under ep: two all-to-alls each
     (to the experts and back), every rank sending ``tokens * hidden * top_k * bytes * (ep - 1) / ep``, over
@@ -114,7 +128,8 @@ def activation_elements_per_token(cfg: ModelConfig, tp: int) -> float:
 
 
 def _worst_group(layout: Layout, kind: str) -> tuple[int, ...]:
-    groups = {"tp": layout.tp_groups, "dp": layout.dp_groups, "pp": layout.pp_groups, "ep": layout.ep_groups}[kind]()
+    groups = {"tp": layout.tp_groups, "dp": layout.dp_groups, "pp": layout.pp_groups, "ep": layout.ep_groups,
+              "edp": layout.edp_groups}[kind]()
     return max(groups, key=lambda g: (len(g), g[-1] - g[0]))
 
 
@@ -174,8 +189,8 @@ class Estimator:
             seconds += overhead
             parts["overhead_seconds"] = overhead
         source = compute.describe() if hasattr(compute, "describe") else compute.source
-        params = max(stage_param_elements(role.arch, layout.strategy.tp, layout.strategy.pp, layout.strategy.ep))
-        return Estimate(seconds=seconds, state_bytes=_state_bytes(role, mfc, params, layout.strategy.dp),
+        params, experts = _worst_stage(role.arch, layout.strategy)
+        return Estimate(seconds=seconds, state_bytes=_state_bytes(role, mfc, params, experts, layout.strategy),
                         param_bytes=params * role.bytes_per_element, transient_bytes=int(transient), micro_batches=m,
                         source=source, breakdown=tuple(sorted(parts.items())))
 
@@ -208,14 +223,27 @@ def overhead_seconds(cluster: ClusterSpec, mfc: MFC, layout: Layout, m: int) -> 
     return sum(n * getattr(cluster, f"{name}_overhead_seconds") for name, n in counts.items())
 
 
-def _state_bytes(role: ModelRole, mfc: MFC, params: int, dp: int) -> int:
+def _worst_stage(cfg: ModelConfig, s: Strategy) -> tuple[int, int]:
+    """Parameter elements of the largest stage's first TP rank, and how many of them are experts'."""
+    params, experts = stage_param_elements(cfg, s.tp, s.pp, s.ep), stage_expert_elements(cfg, s.tp, s.pp, s.ep)
+    stage = max(range(s.pp), key=lambda i: params[i])
+    return params[stage], experts[stage]
+
+
+def _partitioned(params: int, experts: int, s: Strategy) -> float:
+    """Elements of a ZeRO partition: shared parameters split over dp, experts over their expert-dp group."""
+    return (params - experts) / s.dp + experts / (s.dp // s.ep)
+
+
+def _state_bytes(role: ModelRole, mfc: MFC, params: int, experts: int, s: Strategy) -> int:
     e = role.bytes_per_element
     if mfc.kind != "train_step":
         return params * e
-    z = role.zero_stage
-    param_bytes = 0 if (z == 3 and role.offload_params) else params * e / (dp if z == 3 else 1)
-    grad_bytes = params * e / (dp if z >= 2 else 1)
-    optim_bytes = 0 if role.offload_optimizer else params * _OPTIMIZER_BYTES[role.dtype] / (dp if z >= 1 else 1)
+    z = trained_zero_stage(role.zero_stage, s.ep)
+    part = _partitioned(params, experts, s)
+    param_bytes = 0 if (z == 3 and role.offload_params) else (part if z == 3 else params) * e
+    grad_bytes = (part if z >= 2 else params) * e
+    optim_bytes = 0 if role.offload_optimizer else (part if z >= 1 else params) * _OPTIMIZER_BYTES[role.dtype]
     return int(param_bytes + grad_bytes + optim_bytes)
 
 
@@ -244,7 +272,7 @@ def _train(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Lay
     layers = _max_stage_layers(cfg, s.pp)
     tp_s = layers * (6 if recompute else 4) * allreduce_seconds(cluster, tp_group, tokens * cfg.hidden_size * e)
     send_s = 2 * p2p_seconds(cluster, pp_group[0], pp_group[-1], tokens * cfg.hidden_size * e) if s.pp > 1 else 0.0
-    params = max(stage_param_elements(cfg, s.tp, s.pp, s.ep))
+    params, experts = _worst_stage(cfg, s)
     gather_s = 0.0
     if role.zero_stage == 3:  # parameters gathered for the forward and again for the backward of every micro-batch
         gather_s = (3 if recompute else 2) * allgather_seconds(cluster, dp_group, params * e)
@@ -252,14 +280,11 @@ def _train(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Lay
     ep_s = (3 if recompute else 2) * expert_exchange_seconds(cluster, cfg, layout, tokens, e)
     per_micro = compute_s + tp_s + send_s + gather_s + ep_s
     pipeline = (m + s.pp - 1) * per_micro
-    grads = params * e
-    if role.zero_stage == 0:
-        dp_s = allreduce_seconds(cluster, dp_group, grads)
-    elif role.zero_stage in (1, 2):
-        dp_s = reduce_scatter_seconds(cluster, dp_group, grads) + allgather_seconds(cluster, dp_group, params * e)
-    else:
-        dp_s = reduce_scatter_seconds(cluster, dp_group, grads)
-    optim_s = compute.optimizer_step(params / (s.dp if role.zero_stage >= 1 else 1))
+    zero = trained_zero_stage(role.zero_stage, s.ep)
+    # Under ep the experts' gradients are reduced over their expert-dp group (dp / ep ranks), the rest over dp.
+    dp_s = sum(_gradient_reduction_seconds(cluster, group, elements * e, zero) for group, elements in
+               ((dp_group, params - experts), (_worst_group(layout, "edp") if s.ep > 1 else dp_group, experts)))
+    optim_s = compute.optimizer_step(_partitioned(params, experts, s) if zero >= 1 else params)
     if role.offload_optimizer:
         optim_s *= _HOST_OPTIMIZER_SLOWDOWN
     steps = mfc.epochs * mfc.minibatches
@@ -279,6 +304,15 @@ def _train(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Lay
     if role.zero_stage == 3:
         transient += 2 * params * e / max(layers, 1)  # one gathered block (and its prefetched neighbour)
     return seconds, transient, parts
+
+
+def _gradient_reduction_seconds(cluster: ClusterSpec, group: tuple[int, ...], grad_bytes: float, zero: int) -> float:
+    """One optimizer step's gradient reduction over ``group`` (and ZeRO-1/2's gather of the updated parameters)."""
+    if zero == 0:
+        return allreduce_seconds(cluster, group, grad_bytes)
+    if zero in (1, 2):
+        return reduce_scatter_seconds(cluster, group, grad_bytes) + allgather_seconds(cluster, group, grad_bytes)
+    return reduce_scatter_seconds(cluster, group, grad_bytes)
 
 
 def _inference(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Layout, m: int):

@@ -232,7 +232,7 @@ def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: Expe
     routing = RouterLog(module.cfg, cfg.models[mfc.model].router_aux_loss_coef) if module.cfg.is_moe else None
 
     for _, _, minibatch in estimators.minibatches(batch, mfc.minibatches, mfc.epochs, seed):
-        micro = _micro_batches(minibatch, ids_key, mfc.micro_batches)
+        micro = _micro_batches(minibatch, ids_key, mfc.micro_batches, module=module)
         if len(micro) != engine.gradient_accumulation_steps():
             # Fewer samples than micro-batches on this minibatch: accumulate over what there is.
             engine.set_train_batch_size(len(micro) * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
