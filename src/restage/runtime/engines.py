@@ -217,7 +217,7 @@ def build_engine(module: torch.nn.Module, spec: ModelSpec, layout: Layout, rank:
     mpu = LayoutMPU(layout, rank, groups)
     schedule = lr_lambda(spec, total_optimizer_steps)
     ep = layout.strategy.ep
-    moe = contextlib.nullcontext()
+    moe: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if ep > 1:  # expert parameters reduced, partitioned and checkpointed over expert-dp (expert_engine.py)
         mark_expert_params(module, register_groups(layout, rank, groups))
         moe = moe_layers_seen()
