@@ -3,6 +3,13 @@
 Rank order inside a mesh is pp-major, then dp, then tp: the rank at mesh index
 ``pp * (dp * tp) + d * tp + t`` holds pipeline stage ``pp``, data-parallel replica ``d`` and
 tensor-parallel shard ``t``. TP ranks are therefore adjacent (same node whenever possible).
+
+Expert parallelism (``ep``, mixture-of-experts models) is carved out of the data-parallel ranks,
+as Megatron-Core and DeepSpeed-MoE do: ``ep`` divides ``dp``, and the ``ep`` consecutive dp
+indices of one block (same pp stage and tp rank) form an *ep group* that splits the experts
+between them (ep-rank = dp index % ep; expert ``e`` of ``E`` lives on ep-rank ``e // (E / ep)``).
+The dp indices with the same ep-rank form an *expert-dp group*, which holds the same experts.
+A mesh still has dp*tp*pp ranks; everything but the experts is replicated over dp as without ep.
 """
 
 from __future__ import annotations
@@ -21,31 +28,41 @@ if TYPE_CHECKING:  # annotations only: layout is plain data for the planner, whi
 
 @dataclass(frozen=True, order=True)
 class Strategy:
-    """Degrees of data, tensor and pipeline parallelism."""
+    """Degrees of data, tensor and pipeline parallelism, and of expert parallelism inside dp."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # experts split over this many of the dp ranks (a divisor of dp)
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
+        for name in ("dp", "tp", "pp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"strategy {name}={value!r} must be a positive integer")
+        if self.dp % self.ep:
+            raise LayoutError(f"strategy ep={self.ep} does not divide dp={self.dp}; experts are split over dp "
+                              f"ranks, so use an ep that divides dp (or raise dp)")
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
+    def ep_rank(self, dp_index: int) -> int:
+        """Which share of the experts the replica at ``dp_index`` holds."""
+        return dp_index % self.ep
+
     def __str__(self) -> str:
-        return f"dp{self.dp}tp{self.tp}pp{self.pp}"
+        # ep only when it is used, so the names (and schedule files) of layouts without it are unchanged
+        ep = f"ep{self.ep}" if self.ep > 1 else ""
+        return f"dp{self.dp}{ep}tp{self.tp}pp{self.pp}"
 
     @classmethod
     def parse(cls, text: str) -> Strategy:
-        """Parse ``dp2tp2pp1`` (any order, missing degrees are 1)."""
-        parts = dict(re.findall(r"(dp|tp|pp)(\d+)", text))
-        if not parts or re.sub(r"(dp|tp|pp)\d+", "", text):
-            raise LayoutError(f"cannot read strategy {text!r}; write it like dp2tp2pp1")
+        """Parse ``dp2tp2pp1`` or ``dp4ep2`` (any order, missing degrees are 1)."""
+        parts = dict(re.findall(r"(dp|tp|pp|ep)(\d+)", text))
+        if not parts or re.sub(r"(dp|tp|pp|ep)\d+", "", text):
+            raise LayoutError(f"cannot read strategy {text!r}; write it like dp2tp2pp1 (or dp4ep2tp1pp1)")
         return cls(**{k: int(v) for k, v in parts.items()})
 
 
@@ -131,26 +148,43 @@ class Layout:
         s = self.strategy
         return [tuple(self.rank_at(p, d, t) for p in range(s.pp)) for d in range(s.dp) for t in range(s.tp)]
 
+    def ep_groups(self) -> list[tuple[int, ...]]:
+        """The ranks that split the experts between them: ``ep`` consecutive dp indices, same pp stage and tp rank."""
+        s = self.strategy
+        return [tuple(self.rank_at(p, b * s.ep + e, t) for e in range(s.ep))
+                for p in range(s.pp) for b in range(s.dp // s.ep) for t in range(s.tp)]
+
+    def edp_groups(self) -> list[tuple[int, ...]]:
+        """Expert-data-parallel groups: the dp indices with the same ep-rank, which hold the same experts."""
+        s = self.strategy
+        return [tuple(self.rank_at(p, d, t) for d in range(e, s.dp, s.ep))
+                for p in range(s.pp) for e in range(s.ep) for t in range(s.tp)]
+
     def group_of(self, rank: int, kind: str) -> tuple[int, ...]:
-        """The ``kind`` ("tp", "dp", "pp") group of ``rank``."""
-        groups = {"tp": self.tp_groups, "dp": self.dp_groups, "pp": self.pp_groups}[kind]()
+        """The ``kind`` ("tp", "dp", "pp", "ep" or "edp") group of ``rank``."""
+        groups = {"tp": self.tp_groups, "dp": self.dp_groups, "pp": self.pp_groups, "ep": self.ep_groups,
+                  "edp": self.edp_groups}[kind]()
         for group in groups:
             if rank in group:
                 return group
         raise LayoutError(f"rank {rank} is not in layout {self}")
 
     def all_groups(self) -> list[tuple[int, ...]]:
-        """Every group a model in this layout needs: tp, dp and pp groups and the whole mesh."""
+        """Every group a model in this layout needs: tp, dp and pp groups, with ep the ep and expert-dp groups,
+        and the whole mesh."""
         groups = self.tp_groups() + self.dp_groups() + self.pp_groups() + [tuple(self.mesh)]
+        if self.strategy.ep > 1:
+            groups += self.ep_groups() + self.edp_groups()
         return [g for g in groups if len(g) > 1]
 
     def to_json(self) -> dict:
         s = self.strategy
-        return {"mesh": list(self.mesh), "dp": s.dp, "tp": s.tp, "pp": s.pp}
+        # ep only when used: a schedule without expert parallelism reads as before (format version unchanged)
+        return {"mesh": list(self.mesh), "dp": s.dp, "tp": s.tp, "pp": s.pp, **({"ep": s.ep} if s.ep > 1 else {})}
 
     @classmethod
     def from_json(cls, data: dict) -> Layout:
-        return cls(tuple(data["mesh"]), Strategy(dp=data["dp"], tp=data["tp"], pp=data["pp"]))
+        return cls(tuple(data["mesh"]), Strategy(dp=data["dp"], tp=data["tp"], pp=data["pp"], ep=data.get("ep", 1)))
 
     def __str__(self) -> str:
         m = self.mesh

@@ -32,6 +32,7 @@ def test_70b_ppo_on_one_h100_node_is_refused_naming_memory_and_node_count():
 def test_manual_layouts_are_parsed_and_bad_ones_refused_in_one_line():
     assert parse_manual_layout("ranks:0-3 dp2tp2pp1") == (Layout((0, 1, 2, 3), Strategy(dp=2, tp=2)), None)
     assert parse_manual_layout("ranks:0,2 dp2 mb4") == (Layout((0, 2), Strategy(dp=2)), 4)
+    assert parse_manual_layout("ranks:0-3 dp4ep2") == (Layout((0, 1, 2, 3), Strategy(dp=4, ep=2)), None)
     with pytest.raises(ConfigError, match="write it like"):
         parse_manual_layout("0-3 dp2")
     with pytest.raises(ConfigError, match="cannot hold dp4"):

@@ -1,4 +1,4 @@
-"""``restage generate MODEL_DIR --prompt TEXT ... [--tp N] [--pp N] [-n NPROC] [--greedy] [--json]``.
+"""``restage generate MODEL_DIR --prompt TEXT ... [--tp N] [--pp N] [--ep N] [-n NPROC] [--greedy] [--json]``.
 
 Generates from a HF model directory on this machine. It lives in ``launch/`` because it starts
 ranks under ``mpirun`` and joins them through the runtime's control plane; ``models/`` stays below
@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel degree (mixture-of-experts models): experts split over this many of the "
+                             "data-parallel ranks; must divide the experts and -n / (tp*pp)")
     parser.add_argument("-n", "--nproc", type=int, default=None, help="processes (a multiple of tp*pp; default tp*pp)")
     parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     parser.add_argument("--json", action="store_true", help="print one JSON document with token ids, text and logprobs")
@@ -127,14 +130,19 @@ def _check(args) -> tuple[int, object]:
     """Validate everything a user can get wrong before any process starts; returns (nproc, ModelConfig)."""
     path = _model_dir(args)
     cfg = ModelConfig.from_pretrained(path)
-    strategy = Strategy(tp=args.tp, pp=args.pp)
-    validate_strategy(cfg, strategy, name=str(path))
     if args.max_prompt_tokens < 0:
         raise ConfigError(f"--max-prompt-tokens {args.max_prompt_tokens} must be >= 1 (0: no cut)")
-    nproc = args.nproc or args.tp * args.pp
+    ep = getattr(args, "ep", 1)
+    nproc = args.nproc or args.tp * args.pp * ep
     if nproc % (args.tp * args.pp):
         raise ConfigError(f"-n {nproc} is not a multiple of tp*pp = {args.tp * args.pp}; use -n {args.tp * args.pp}")
+    validate_strategy(cfg, _strategy(args, nproc), name=str(path))
     return nproc, cfg
+
+
+def _strategy(args, world: int) -> Strategy:
+    """The layout's strategy over ``world`` ranks: dp fills what tp and pp leave (ep is carved out of dp)."""
+    return Strategy(dp=world // (args.tp * args.pp), tp=args.tp, pp=args.pp, ep=getattr(args, "ep", 1))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -171,7 +179,7 @@ def _run(args, nproc: int, use_mpi: bool) -> int:
             raise ConfigError(f"running on {world} MPI ranks but -n {nproc}; make them agree")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         init_torch_distributed(control, timeout_seconds=300)
-    strategy = Strategy(dp=world // (args.tp * args.pp), tp=args.tp, pp=args.pp)
+    strategy = _strategy(args, world)
     layout = Layout(tuple(range(world)), strategy)
     groups = ProcessGroups(layout.all_groups()) if world > 1 else None
     module = load_stage(path, layout, groups, rank, dtype=torch_dtype(args.dtype))
@@ -184,7 +192,7 @@ def _run(args, nproc: int, use_mpi: bool) -> int:
     assert coord is not None  # the mesh is every rank
     mine = list(range(coord.dp, len(prompts), strategy.dp))
     rows: list[Completion] = []
-    if mine:
+    if mine or strategy.ep > 1:  # under ep a replica without prompts still serves its experts to its peers
         out = generate(module, [prompts[i] for i in mine], params)
         rows = [Completion(i, ids, logprobs) for i, ids, logprobs in zip(mine, out.sequences(), out.token_logprobs())]
     if control is not None:
@@ -218,7 +226,7 @@ def _print(args, rows: list[Completion], prompts, texts, tokenizer, strategy) ->
 if __name__ == "__main__":  # one rank of a multi-process run started by main()
     namespace = argparse.Namespace(**json.loads(os.environ[_ARGS_ENV]))
     try:
-        sys.exit(_run(namespace, namespace.nproc or namespace.tp * namespace.pp, use_mpi=True))
+        sys.exit(_run(namespace, namespace.nproc or namespace.tp * namespace.pp * namespace.ep, use_mpi=True))
     except RestageError as err:
         print(f"restage: error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -20,13 +20,21 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from restage.errors import CheckpointError
-from restage.layout import Layout, ProcessGroups, Strategy
+from restage.layout import Layout, ProcessGroups
 from restage.models.config import LoraConfig, ModelConfig
 from restage.models.decoder import StageModule
 from restage.models.hf_adapter import BASE_PREFIXES, hf_config_dict, hf_source, to_hf_tensors
 from restage.models.lora import init_adapter
 from restage.models.parallel import ParallelContext
-from restage.models.sharding import ShardSpec, is_adapter, shard_specs, split_range, stage_params, validate_strategy
+from restage.models.sharding import (
+    ShardSpec,
+    expert_owner,
+    is_adapter,
+    shard_specs,
+    split_range,
+    stage_params,
+    validate_strategy,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "generation_config.json", "chat_template.jinja")
@@ -134,7 +142,8 @@ def load_checkpoint(module: StageModule, path: str | Path, reader: WeightReader 
     cfg, ctx = module.cfg, module.ctx
     reader = reader or WeightReader(path)
     params = dict(module.named_parameters())
-    for shard in shard_specs(cfg, Strategy(tp=ctx.tp_size, pp=ctx.pp_size), ctx.pp_stage, ctx.tp_rank):
+    # With ep only this rank's experts are read: each rank reads its own slices, never the whole checkpoint.
+    for shard in shard_specs(cfg, ctx.shard_strategy, ctx.pp_stage, ctx.tp_rank, ctx.ep_rank):
         name, param = shard.param.name, params[shard.param.name]
         if is_adapter(cfg, name) and name != "score.weight":
             init_adapter(param, shard)  # a HF checkpoint holds the base; adapters start fresh (or from an engine's state)
@@ -214,45 +223,50 @@ def gather_full(tensor: torch.Tensor, shard: ShardSpec, ctx: ParallelContext) ->
     return torch.cat([p[:w] for p, w in zip(parts, widths)], dim=0).movedim(0, dim)
 
 
-def _stage_file(stage: int, pp: int) -> str:
-    return "model.safetensors" if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"
+def _stage_file(stage: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """One file per pipeline stage, and with ep per (stage, ep-rank): each rank writes only what it holds."""
+    files = pp * ep
+    return "model.safetensors" if files == 1 else f"model-{stage * ep + ep_rank + 1:05d}-of-{files:05d}.safetensors"
 
 
 def save_checkpoint(module: StageModule, path: str | Path, dtype: torch.dtype | None = None,
                     hf_config: dict | None = None, tokenizer_from: str | Path | None = None) -> None:
     """Write the model as a HF directory at ``path`` (collective over data-parallel replica 0).
 
-    Every rank of the model's layout may call it; ranks of other replicas return at once.
+    Every rank of the model's layout may call it; ranks of other replicas return at once (with ep,
+    the replicas of the first ep group write, each its own experts; ep-rank 0 also the rest).
     ``hf_config`` defaults to the config the module was loaded from; ``tokenizer_from`` copies
     tokenizer files from another model directory.
     """
     cfg, ctx = module.cfg, module.ctx
-    if ctx.dp_rank != 0:
+    if ctx.dp_rank >= ctx.ep_size:
         return
     path = Path(path)
     dtype = dtype or module.dtype
-    strategy = Strategy(tp=ctx.tp_size, pp=ctx.pp_size)
-    shards = {s.param.name: s for s in shard_specs(cfg, strategy, ctx.pp_stage, ctx.tp_rank)}
+    shards = {s.param.name: s for s in shard_specs(cfg, ctx.shard_strategy, ctx.pp_stage, ctx.tp_rank, ctx.ep_rank)}
     full = {}
     for name, param in module.named_parameters():
         if name == "embed.weight" and not ctx.is_first_stage:
             continue  # the last stage's copy of a tied embedding; stage 0 saves the original
+        if ctx.ep_rank > 0 and shards[name].param.expert is None:
+            continue  # replicated over the ep group; ep-rank 0 saves it
         full[name] = gather_full(param.detach(), shards[name], ctx).to(dtype=dtype, device="cpu")
     if ctx.tp_rank == 0:
         path.mkdir(parents=True, exist_ok=True)
-        save_file(to_hf_tensors(cfg, full), str(path / _stage_file(ctx.pp_stage, ctx.pp_size)), metadata={"format": "pt"})
-        if ctx.is_first_stage:
+        file = _stage_file(ctx.pp_stage, ctx.pp_size, ctx.ep_rank, ctx.ep_size)
+        save_file(to_hf_tensors(cfg, full), str(path / file), metadata={"format": "pt"})
+        if ctx.is_first_stage and ctx.ep_rank == 0:
             _write_metadata(module, path, dtype, hf_config, tokenizer_from)
-    for group, size in ((ctx.pp_group, ctx.pp_size), (ctx.tp_group, ctx.tp_size)):
+    for group, size in ((ctx.pp_group, ctx.pp_size), (ctx.tp_group, ctx.tp_size), (ctx.ep_group, ctx.ep_size)):
         if size > 1:  # nobody returns before every stage's file is on disk
             dist.barrier(group=group)
 
 
 def _write_metadata(module: StageModule, path: Path, dtype, hf_config, tokenizer_from) -> None:
-    cfg, pp = module.cfg, module.ctx.pp_size
+    cfg, pp, ep = module.cfg, module.ctx.pp_size, module.ctx.ep_size
     base = hf_config if hf_config is not None else module.hf_config
     (path / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype, base), indent=2, sort_keys=True))
-    if pp > 1:
+    if pp * ep > 1:
         weight_map: dict[str, str] = {}
         total = 0
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -260,7 +274,8 @@ def _write_metadata(module: StageModule, path: Path, dtype, hf_config, tokenizer
             for spec in stage_params(cfg, pp, stage):
                 if spec.name == "embed.weight" and stage > 0:
                     continue
-                weight_map.setdefault(hf_source(cfg, spec.name).key, _stage_file(stage, pp))
+                owner = 0 if spec.expert is None else expert_owner(cfg, ep, spec.expert)
+                weight_map.setdefault(hf_source(cfg, spec.name).key, _stage_file(stage, pp, owner, ep))
                 total += spec.numel * itemsize
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

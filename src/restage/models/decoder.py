@@ -173,7 +173,7 @@ class StageModule(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype = torch.float32, device=None):
         super().__init__()
-        strategy = Strategy(tp=ctx.tp_size, pp=ctx.pp_size)
+        strategy = ctx.shard_strategy
         validate_strategy(cfg, strategy)
         self.cfg, self.ctx, self.dtype = cfg, ctx, dtype
         self.hf_config: dict | None = None  # the config.json it was loaded from (load_stage); a save keeps its keys
@@ -199,7 +199,8 @@ class StageModule(nn.Module):
         self._check_contract(strategy)
 
     def _check_contract(self, strategy: Strategy) -> None:
-        expected = {s.param.name: s.shape for s in shard_specs(self.cfg, strategy, self.ctx.pp_stage, self.ctx.tp_rank)}
+        expected = {s.param.name: s.shape for s in shard_specs(self.cfg, strategy, self.ctx.pp_stage, self.ctx.tp_rank,
+                                                               self.ctx.ep_rank)}
         actual = {name: tuple(p.shape) for name, p in self.named_parameters()}
         if expected != actual:
             raise LayoutError(f"decoder parameters differ from sharding.shard_specs: {set(expected) ^ set(actual)}")

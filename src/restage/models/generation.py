@@ -17,6 +17,7 @@ import torch.distributed as dist
 from restage.config import GenerationConfig
 from restage.errors import ConfigError
 from restage.models.decoder import StageModule
+from restage.models.moe import MoEMLP
 from restage.models.packing import PackedBatch, pack
 from restage.models.parallel import gather_from_tp, vocab_sizes
 from restage.models.pipeline import recv_tensor, send_tensor
@@ -111,12 +112,47 @@ def _share(module: StageModule, tokens: torch.Tensor, logprobs: torch.Tensor, gr
             dist.broadcast(t, src=ctx.last_stage_rank, group=ctx.pp_group)
 
 
+def _join_sparse_layers(module: StageModule) -> None:
+    """Take part in one step of this stage's sparse layers with no tokens of our own (ep: peers may send us theirs)."""
+    empty = torch.empty(0, module.cfg.hidden_size, dtype=module.dtype, device=next(module.parameters()).device)
+    for block in module.layers.values():
+        if isinstance(block.mlp, MoEMLP):
+            block.mlp(empty)
+
+
+def _ep_peers_done(done: bool, module: StageModule) -> bool:
+    """Whether every replica of this rank's ep group is done (one small all-reduce); ``done`` without ep."""
+    ctx = module.ctx
+    if ctx.ep_size == 1:
+        return done
+    flag = torch.tensor([1 if done else 0], dtype=torch.int64, device=next(module.parameters()).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ctx.ep_group)
+    return bool(flag.item())
+
+
+def _idle_until_peers_done(module: StageModule, steps: int) -> None:
+    """Under ep, a replica with nothing (left) to generate joins its peers' steps until they are all done."""
+    for _ in range(steps):
+        _join_sparse_layers(module)
+        if _ep_peers_done(True, module):
+            return
+
+
 @torch.no_grad()
 def generate(module: StageModule, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams()) -> GenerationOutput:
-    """Continue every prompt; all ranks of the model's replica must call it with the same prompts."""
+    """Continue every prompt; all ranks of the model's replica must call it with the same prompts.
+
+    Under ep every replica of an ep group must call it, with its own prompts or none: the replicas
+    step in lockstep (their sparse layers exchange tokens) until all of them are done.
+    """
     cfg, ctx = module.cfg, module.ctx
     device = next(module.parameters()).device
     batch_size = len(prompts)
+    if batch_size == 0:
+        if ctx.ep_size > 1:
+            _idle_until_peers_done(module, params.max_new_tokens)
+        empty = torch.zeros(0, params.max_new_tokens, device=device)
+        return GenerationOutput(empty.long(), empty.float(), torch.zeros(0, dtype=torch.int64, device=device))
     longest = max(len(p) for p in prompts)
     if longest + params.max_new_tokens > cfg.max_positions:
         raise ConfigError(f"prompt of {longest} tokens + max_new_tokens={params.max_new_tokens} exceeds the model's "
@@ -148,7 +184,11 @@ def generate(module: StageModule, prompts: Sequence[Sequence[int]], params: Samp
         out_logprobs[live, step] = logprobs[live]
         lengths += live.long()
         done |= torch.isin(tokens, eos)
-        if bool(done.all()):
+        finished = bool(done.all())
+        if _ep_peers_done(finished, module):
+            break
+        if finished:  # ep peers still generate: join their remaining steps without computing our own
+            _idle_until_peers_done(module, params.max_new_tokens - step - 1)
             break
         inputs = tokens
         batch = PackedBatch.decode_step(cache.lengths.clone())

@@ -20,7 +20,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from restage.errors import CheckpointError
-from restage.layout import Strategy
 from restage.models.checkpoint import TOKENIZER_FILES, WeightReader, gather_full
 from restage.models.config import LoraConfig, ModelConfig
 from restage.models.decoder import StageModule
@@ -62,8 +61,8 @@ def save_adapters(module: StageModule, path: str | Path, base_model_name_or_path
     if ctx.dp_rank != 0:
         return
     path = Path(path)
-    shards = {s.param.name: s for s in shard_specs(cfg, Strategy(tp=ctx.tp_size, pp=ctx.pp_size), ctx.pp_stage,
-                                                   ctx.tp_rank)}
+    shards = {s.param.name: s for s in shard_specs(cfg, ctx.shard_strategy, ctx.pp_stage, ctx.tp_rank,
+                                                   ctx.ep_rank)}
     full = {peft_key(cfg, name): gather_full(param.detach(), shards[name], ctx).to("cpu").contiguous()
             for name, param in module.named_parameters() if is_adapter(cfg, name)}
     if ctx.tp_rank == 0:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from restage.models.config import ModelConfig
+from restage.models.expert_parallel import local_experts, run_experts_parallel
 from restage.models.parallel import (
     ColumnParallelLinear,
     ParallelContext,
@@ -146,7 +147,10 @@ class MoEMLP(nn.Module):
         # Qwen3-MoE casts the routing weights to the model dtype before weighting; Mixtral weights in fp32.
         self.weights_in_model_dtype = cfg.model_type == "qwen3_moe"
         self.router = Router(cfg, dtype, device)
-        self.experts = nn.ModuleDict({str(e): Expert(cfg, ctx, dtype, device) for e in range(cfg.num_experts)})
+        # Under ep only this rank's experts (expert_parallel.py); keyed by their global index either way.
+        self.experts = nn.ModuleDict({str(e): Expert(cfg, ctx, dtype, device)
+                                      for e in local_experts(cfg.num_experts, ctx)})
+        self.num_experts = cfg.num_experts
 
     def forward(self, x: torch.Tensor, routing: RouterLog | None = None) -> torch.Tensor:
         probs = self.router(x).float().softmax(dim=-1)  # [T, E]
@@ -163,10 +167,15 @@ class MoEMLP(nn.Module):
         flat = top_index.reshape(-1)
         order = flat.argsort(stable=True)
         token = order // self.top_k
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one host sync per layer
         routed = x.index_select(0, token)
-        # Every expert runs, on zero tokens if none chose it, so each has a (zero) gradient.
-        outputs = [expert(part) for expert, part in zip(self.experts.values(), routed.split(counts), strict=True)]
-        weighted = torch.cat(outputs) * weights.index_select(0, order).unsqueeze(-1)
+        if self.ctx.ep_size > 1:
+            counts = torch.bincount(flat, minlength=self.num_experts)
+            expert_out = run_experts_parallel(routed, counts, list(self.experts.values()), self.ctx)
+        else:
+            sizes = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one host sync per layer
+            # Every expert runs, on zero tokens if none chose it, so each has a (zero) gradient.
+            expert_out = torch.cat([expert(part) for expert, part in
+                                    zip(self.experts.values(), routed.split(sizes), strict=True)])
+        weighted = expert_out * weights.index_select(0, order).unsqueeze(-1)
         out = torch.zeros_like(x).index_add_(0, token, weighted.to(x.dtype))
         return reduce_from_tp(out, self.ctx)

@@ -25,7 +25,9 @@ class ParallelContext:
     """Where one rank sits in a model's layout, and the groups it talks over.
 
     Ranks are global ranks. ``tp_group``/``pp_group`` are None when that degree is 1 (or in a
-    single-process run, see ``single``).
+    single-process run, see ``single``). With ep > 1, ``ep_ranks`` are the dp peers that split the
+    experts with this rank (tokens are exchanged with them) and ``edp_ranks`` the dp peers that hold
+    the same experts (expert gradients are summed over them); both are ``()`` without ep.
     """
 
     strategy: Strategy
@@ -36,6 +38,10 @@ class ParallelContext:
     tp_group: dist.ProcessGroup | None = None
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
+    ep_ranks: tuple[int, ...] = ()
+    edp_ranks: tuple[int, ...] = ()
+    ep_group: dist.ProcessGroup | None = None
+    edp_group: dist.ProcessGroup | None = None
 
     @classmethod
     def from_layout(cls, layout: Layout, groups: ProcessGroups | None, rank: int) -> ParallelContext:
@@ -47,8 +53,13 @@ class ParallelContext:
         if groups is None and layout.size > 1:
             raise ValueError(f"layout {layout} spans several ranks and needs its ProcessGroups")
         tp, pp, dp = (layout.group_of(rank, kind) for kind in ("tp", "pp", "dp"))
-        found = [groups.get(g) if groups is not None else None for g in (tp, pp, dp)]
-        return cls(layout.strategy, coord, tp, pp, dp, *found)
+        def group(ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+            return groups.get(ranks) if groups is not None else None
+
+        if layout.strategy.ep == 1:
+            return cls(layout.strategy, coord, tp, pp, dp, group(tp), group(pp), group(dp))
+        ep, edp = layout.group_of(rank, "ep"), layout.group_of(rank, "edp")
+        return cls(layout.strategy, coord, tp, pp, dp, group(tp), group(pp), group(dp), ep, edp, group(ep), group(edp))
 
     @classmethod
     def single(cls) -> ParallelContext:
@@ -74,6 +85,21 @@ class ParallelContext:
     @property
     def dp_rank(self) -> int:
         return self.coord.dp
+
+    @property
+    def shard_strategy(self) -> Strategy:
+        """A strategy that shards parameters as this one does (dp shards nothing, so it is the least ep allows)."""
+        s = self.strategy
+        return Strategy(dp=s.ep, tp=s.tp, pp=s.pp, ep=s.ep)
+
+    @property
+    def ep_size(self) -> int:
+        return self.strategy.ep
+
+    @property
+    def ep_rank(self) -> int:
+        """Which share of the experts this rank holds (0 without ep)."""
+        return self.strategy.ep_rank(self.coord.dp)
 
     @property
     def is_first_stage(self) -> bool:

@@ -12,17 +12,24 @@ chunks (the first ``n % tp`` chunks one larger), so any tp works for them.
 PP: contiguous layer ranges balanced by parameter count, stage 0 also holding the embeddings
 and the last stage the final norm and head. With tied embeddings and pp > 1 the last stage
 holds its own copy of ``embed.weight`` (gradients are summed over the two copies).
+
+EP (mixture-of-experts models): each expert's weights (``layers.3.mlp.experts.5.up.weight``) are
+held only by the ep-rank that owns the expert, ``e // (E / ep)``, TP-split inside as a dense MLP;
+the router and everything else are held by every ep-rank (``layout.py`` says where ep sits).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
 from restage.errors import LayoutError
-from restage.layout import Strategy
+from restage.layout import Coord, Strategy
 from restage.models.config import ModelConfig
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,12 @@ class ParamSpec:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def expert(self) -> int | None:
+        """The expert this parameter belongs to (``layers.3.mlp.experts.5.up.weight`` -> 5), None if shared."""
+        found = _EXPERT.search(self.name)
+        return None if found is None else int(found.group(1))
 
 
 @dataclass(frozen=True)
@@ -162,8 +175,31 @@ def is_adapter(cfg: ModelConfig, name: str) -> bool:
     return cfg.lora is not None and (".lora_A." in name or ".lora_B." in name or name == "score.weight")
 
 
+def num_experts(cfg: ModelConfig) -> int:
+    """Experts per mixture-of-experts layer; 0 for a dense model."""
+    return cfg.num_experts if cfg.is_moe else 0
+
+
+def expert_owner(cfg: ModelConfig, ep: int, expert: int) -> int:
+    """The ep-rank that holds ``expert`` when the experts are split over ``ep`` ranks."""
+    return expert // (num_experts(cfg) // ep)
+
+
+def ep_problem(cfg: ModelConfig, strategy: Strategy, name: str = "model") -> str | None:
+    """Why the model cannot split its experts ep ways (what to change), or None if it can."""
+    ep, experts = strategy.ep, num_experts(cfg)
+    if ep == 1:
+        return None
+    if experts == 0:
+        return f"{name}: ep={ep} needs a mixture-of-experts model and this one is dense; use ep=1"
+    if experts % ep:
+        ok = [e for e in range(1, experts + 1) if experts % e == 0 and strategy.dp % e == 0]
+        return f"{name}: ep={ep} does not divide its {experts} experts; use ep in {ok}"
+    return None
+
+
 def strategy_problem(cfg: ModelConfig, strategy: Strategy, name: str = "model") -> str | None:
-    """Why the model cannot be sharded with this tp / pp (what to change), or None if it can."""
+    """Why the model cannot be sharded with this tp / pp / ep (what to change), or None if it can."""
     tp, pp = strategy.tp, strategy.pp
     if cfg.num_heads % tp or cfg.num_kv_heads % tp:
         ok = [t for t in range(1, cfg.num_heads + 1) if cfg.num_heads % t == 0 and cfg.num_kv_heads % t == 0]
@@ -175,7 +211,7 @@ def strategy_problem(cfg: ModelConfig, strategy: Strategy, name: str = "model") 
         return f"{name}: tp={tp} exceeds the vocabulary or MLP width"
     if cfg.is_moe and tp > cfg.moe_intermediate_size:
         return f"{name}: tp={tp} exceeds the experts' MLP width {cfg.moe_intermediate_size}; use tp <= {cfg.moe_intermediate_size}"
-    return None
+    return ep_problem(cfg, strategy, name)
 
 
 def validate_strategy(cfg: ModelConfig, strategy: Strategy, name: str = "model") -> None:
@@ -197,6 +233,10 @@ def training_layout_problem(name: str, cfg: ModelConfig, zero_stage: int, strate
         # The two copies' gradients would have to be summed inside DeepSpeed's reduction.
         return (f"models.{name}: training a model with tied embeddings under pp={strategy.pp} is not supported; "
                 "train it with pp=1 (tp and dp are fine)")
+    if strategy.ep > 1 and zero_stage == 3:
+        # The engine trains experts with DeepSpeed's MoE groups (runtime/expert_engine.py), which ZeRO-3 refuses.
+        return (f"models.{name}: training under ep={strategy.ep} needs zero_stage 0, 1 or 2 (DeepSpeed's ZeRO-3 "
+                "takes no expert groups); set zero_stage=2 or train with ep=1")
     return None
 
 
@@ -290,11 +330,20 @@ def stage_params(cfg: ModelConfig, pp: int, stage: int) -> list[ParamSpec]:
     return out
 
 
-def shard_specs(cfg: ModelConfig, strategy: Strategy, pp_stage: int, tp_rank: int) -> list[ShardSpec]:
-    """What the rank at (pp_stage, tp_rank) of a layout with this strategy holds, in canonical order."""
+def shard_specs(cfg: ModelConfig, strategy: Strategy, pp_stage: int, tp_rank: int,
+                ep_rank: int | None = None) -> list[ShardSpec]:
+    """What the rank at (pp_stage, tp_rank) of a layout with this strategy holds, in canonical order.
+
+    With ep > 1 ``ep_rank`` (``strategy.ep_rank(dp index)``) must be given: only its experts are held.
+    """
     validate_strategy(cfg, strategy)
+    if strategy.ep > 1 and ep_rank is None:
+        raise ValueError(f"{strategy} splits experts: name the ep_rank whose shards you want")
     out = []
     for spec in stage_params(cfg, strategy.pp, pp_stage):
+        expert = spec.expert
+        if expert is not None and strategy.ep > 1 and expert_owner(cfg, strategy.ep, expert) != ep_rank:
+            continue
         if spec.split_dim is None or strategy.tp == 1:
             out.append(ShardSpec(spec, 0, spec.shape[spec.split_dim or 0]))
         else:
@@ -303,6 +352,12 @@ def shard_specs(cfg: ModelConfig, strategy: Strategy, pp_stage: int, tp_rank: in
     return out
 
 
-def shard_bytes(cfg: ModelConfig, strategy: Strategy, pp_stage: int, tp_rank: int, bytes_per_element: int) -> int:
+def coord_shard_specs(cfg: ModelConfig, strategy: Strategy, coord: Coord) -> list[ShardSpec]:
+    """What the rank at ``coord`` of a layout with this strategy holds (its pp stage, tp rank and ep-rank)."""
+    return shard_specs(cfg, strategy, coord.pp, coord.tp, strategy.ep_rank(coord.dp))
+
+
+def shard_bytes(cfg: ModelConfig, strategy: Strategy, pp_stage: int, tp_rank: int, bytes_per_element: int,
+                ep_rank: int = 0) -> int:
     """Bytes of parameters one rank holds."""
-    return sum(s.numel for s in shard_specs(cfg, strategy, pp_stage, tp_rank)) * bytes_per_element
+    return sum(s.numel for s in shard_specs(cfg, strategy, pp_stage, tp_rank, ep_rank)) * bytes_per_element

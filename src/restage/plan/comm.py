@@ -39,6 +39,15 @@ def allgather_seconds(cluster: ClusterSpec, ranks: Sequence[int], nbytes: float)
 reduce_scatter_seconds = allgather_seconds  # the same traffic in the other direction
 
 
+def alltoall_seconds(cluster: ClusterSpec, ranks: Sequence[int], nbytes_per_rank: float) -> float:
+    """Every rank of ``ranks`` sends ``nbytes_per_rank`` split evenly over the group (its own share stays put)."""
+    n = len(ranks)
+    if n <= 1 or nbytes_per_rank <= 0:
+        return 0.0
+    bandwidth, latency = cluster.link(ranks)
+    return (n - 1) / n * nbytes_per_rank / bandwidth + _hops(n) * latency
+
+
 def broadcast_seconds(cluster: ClusterSpec, ranks: Sequence[int], nbytes: float) -> float:
     """One rank's buffer of ``nbytes`` to the others (pipelined, so the bytes cross each link once)."""
     n = len(ranks)

@@ -26,7 +26,14 @@ from restage.layout import Layout, Strategy
 from restage.models.config import ModelConfig
 from restage.models.flops import block_shape
 from restage.models.sharding import is_adapter, shard_bytes, shard_specs, stage_layers, validate_strategy
-from restage.plan.comm import allgather_seconds, allreduce_seconds, broadcast_seconds, p2p_seconds, reduce_scatter_seconds
+from restage.plan.comm import (
+    allgather_seconds,
+    allreduce_seconds,
+    alltoall_seconds,
+    broadcast_seconds,
+    p2p_seconds,
+    reduce_scatter_seconds,
+)
 from restage.plan.compute import DTYPE_BYTES, ProfiledCompute, RooflineCompute
 from restage.plan.profile import find_profile
 
@@ -80,19 +87,46 @@ class Estimate:
 
 
 @lru_cache(maxsize=4096)
-def stage_param_elements(cfg: ModelConfig, tp: int, pp: int) -> tuple[int, ...]:
-    """Parameter elements the first TP rank (the largest chunk) of each pipeline stage holds."""
-    strategy = Strategy(tp=tp, pp=pp)
-    return tuple(shard_bytes(cfg, strategy, s, 0, 1) for s in range(pp))
+def stage_param_elements(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> tuple[int, ...]:
+    """Parameter elements the first TP rank (the largest chunk) of each pipeline stage holds (with ep: its
+    ``1 / ep`` of the experts)."""
+    strategy = Strategy(dp=ep, tp=tp, pp=pp, ep=ep)
+    return tuple(shard_bytes(cfg, strategy, s, 0, 1, ep_rank=0) for s in range(pp))
 
 
 @lru_cache(maxsize=4096)
-def stage_trained_elements(cfg: ModelConfig, tp: int, pp: int) -> tuple[int, ...]:
+def stage_expert_elements(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> tuple[int, ...]:
+    """Of ``stage_param_elements``, those of experts (this rank's ``1 / ep`` of them): under ep they are
+    reduced and partitioned over the expert-dp group instead of dp."""
+    strategy = Strategy(dp=ep, tp=tp, pp=pp, ep=ep)
+    return tuple(sum(s.numel for s in shard_specs(cfg, strategy, stage, 0, 0) if s.param.expert is not None)
+                 for stage in range(pp))
+
+
+def trained_zero_stage(zero_stage: int, ep: int) -> int:
+    """The ZeRO stage a model trains with (``runtime.engines.effective_zero_stage``: ZeRO-0 runs as 1 under ep)."""
+    return 1 if ep > 1 and zero_stage == 0 else zero_stage
+
+
+def expert_exchange_seconds(cluster: ClusterSpec, cfg: ModelConfig, layout: Layout, tokens: float, e: int) -> float:
+    """One pass of the most loaded stage's sparse layers over ``tokens`` tokens under ep: two all-to-alls each
+    (to the experts and back), every rank sending ``tokens * hidden * top_k * bytes * (ep - 1) / ep``, over
+    the ep group's link (intra- or inter-node by where the group sits). 0 without ep."""
+    s = layout.strategy
+    if s.ep == 1 or not cfg.is_moe:
+        return 0.0
+    sparse = max(sum(1 for i in range(lo, hi) if cfg.is_sparse(i)) for lo, hi in stage_layers(cfg, s.pp))
+    rows = tokens * cfg.hidden_size * cfg.experts_per_token * e
+    return sparse * 2 * alltoall_seconds(cluster, _worst_group(layout, "ep"), rows)
+
+
+@lru_cache(maxsize=4096)
+def stage_trained_elements(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> tuple[int, ...]:
     """Elements the first TP rank of each stage trains: all its parameters, or a LoRA model's adapters."""
     if cfg.lora is None:
-        return stage_param_elements(cfg, tp, pp)
-    strategy = Strategy(tp=tp, pp=pp)
-    return tuple(sum(s.numel for s in shard_specs(cfg, strategy, stage, 0) if is_adapter(cfg, s.param.name))
+        return stage_param_elements(cfg, tp, pp, ep)
+    strategy = Strategy(dp=ep, tp=tp, pp=pp, ep=ep)
+    return tuple(sum(s.numel for s in shard_specs(cfg, strategy, stage, 0, 0) if is_adapter(cfg, s.param.name))
                  for stage in range(pp))
 
 
@@ -105,7 +139,8 @@ def activation_elements_per_token(cfg: ModelConfig, tp: int) -> float:
 
 
 def _worst_group(layout: Layout, kind: str) -> tuple[int, ...]:
-    groups = {"tp": layout.tp_groups, "dp": layout.dp_groups, "pp": layout.pp_groups}[kind]()
+    groups = {"tp": layout.tp_groups, "dp": layout.dp_groups, "pp": layout.pp_groups, "ep": layout.ep_groups,
+              "edp": layout.edp_groups}[kind]()
     return max(groups, key=lambda g: (len(g), g[-1] - g[0]))
 
 
@@ -147,7 +182,7 @@ class Estimator:
         which the runtime runs as one batch)."""
         s = layout.strategy
         m = 1 if mfc.kind == "generate" else (micro_batches or max(mfc.micro_batches, s.pp))
-        links = tuple(self.cluster.link(_worst_group(layout, k)) for k in ("tp", "dp", "pp"))
+        links = tuple(self.cluster.link(_worst_group(layout, k)) for k in ("tp", "dp", "pp", "ep"))
         key = (mfc, role, s, m, links)
         if key not in self._cache:
             self._cache[key] = self._estimate(mfc, role, layout, m)
@@ -165,9 +200,8 @@ class Estimator:
             seconds += overhead
             parts["overhead_seconds"] = overhead
         source = compute.describe() if hasattr(compute, "describe") else compute.source
-        params = max(stage_param_elements(role.arch, layout.strategy.tp, layout.strategy.pp))
-        trained = max(stage_trained_elements(role.arch, layout.strategy.tp, layout.strategy.pp))
-        return Estimate(seconds=seconds, state_bytes=_state_bytes(role, mfc, params, trained, layout.strategy.dp),
+        params, trained, experts = _worst_stage(role.arch, layout.strategy)
+        return Estimate(seconds=seconds, state_bytes=_state_bytes(role, mfc, params, trained, experts, layout.strategy),
                         param_bytes=params * role.bytes_per_element, transient_bytes=int(transient), micro_batches=m,
                         source=source, breakdown=tuple(sorted(parts.items())))
 
@@ -200,15 +234,30 @@ def overhead_seconds(cluster: ClusterSpec, mfc: MFC, layout: Layout, m: int) -> 
     return sum(n * getattr(cluster, f"{name}_overhead_seconds") for name, n in counts.items())
 
 
-def _state_bytes(role: ModelRole, mfc: MFC, params: int, trained: int, dp: int) -> int:
+def _worst_stage(cfg: ModelConfig, s: Strategy) -> tuple[int, int, int]:
+    """Of the largest stage's first TP rank: its parameter elements, those it trains (all, or a LoRA model's
+    adapters) and, of those trained, the experts' (LoRA adapts no expert: ``sharding`` refuses it)."""
+    params, trained = stage_param_elements(cfg, s.tp, s.pp, s.ep), stage_trained_elements(cfg, s.tp, s.pp, s.ep)
+    experts = stage_expert_elements(cfg, s.tp, s.pp, s.ep) if cfg.lora is None else (0,) * s.pp
+    stage = max(range(s.pp), key=lambda i: params[i])
+    return params[stage], trained[stage], experts[stage]
+
+
+def _partitioned(elements: int, experts: int, s: Strategy) -> float:
+    """Elements of a ZeRO partition: shared ones split over dp, the experts' over their expert-dp group."""
+    return (elements - experts) / s.dp + experts / (s.dp // s.ep)
+
+
+def _state_bytes(role: ModelRole, mfc: MFC, params: int, trained: int, experts: int, s: Strategy) -> int:
     """Parameters, and for a train step the gradients and optimizer state of the ``trained`` elements."""
     e = role.bytes_per_element
     if mfc.kind != "train_step":
         return params * e
-    z = role.zero_stage
-    param_bytes = 0 if (z == 3 and role.offload_params) else params * e / (dp if z == 3 else 1)
-    grad_bytes = trained * e / (dp if z >= 2 else 1)
-    optim_bytes = 0 if role.offload_optimizer else trained * _OPTIMIZER_BYTES[role.dtype] / (dp if z >= 1 else 1)
+    z = trained_zero_stage(role.zero_stage, s.ep)
+    param_bytes = 0 if (z == 3 and role.offload_params) else (_partitioned(params, experts, s) if z == 3 else params) * e
+    trained_part = _partitioned(trained, experts, s)
+    grad_bytes = (trained_part if z >= 2 else trained) * e
+    optim_bytes = 0 if role.offload_optimizer else (trained_part if z >= 1 else trained) * _OPTIMIZER_BYTES[role.dtype]
     return int(param_bytes + grad_bytes + optim_bytes)
 
 
@@ -237,21 +286,20 @@ def _train(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Lay
     layers = _max_stage_layers(cfg, s.pp)
     tp_s = layers * (6 if recompute else 4) * allreduce_seconds(cluster, tp_group, tokens * cfg.hidden_size * e)
     send_s = 2 * p2p_seconds(cluster, pp_group[0], pp_group[-1], tokens * cfg.hidden_size * e) if s.pp > 1 else 0.0
-    params = max(stage_param_elements(cfg, s.tp, s.pp))
+    params, trained, experts = _worst_stage(cfg, s)
     gather_s = 0.0
     if role.zero_stage == 3:  # parameters gathered for the forward and again for the backward of every micro-batch
         gather_s = (3 if recompute else 2) * allgather_seconds(cluster, dp_group, params * e)
-    per_micro = compute_s + tp_s + send_s + gather_s
+    # ep: the forward's exchanges, the backward's reverse ones, and the recomputed forward's
+    ep_s = (3 if recompute else 2) * expert_exchange_seconds(cluster, cfg, layout, tokens, e)
+    per_micro = compute_s + tp_s + send_s + gather_s + ep_s
     pipeline = (m + s.pp - 1) * per_micro
-    trained = max(stage_trained_elements(cfg, s.tp, s.pp))  # a LoRA model reduces and steps only its adapters
-    grads = trained * e
-    if role.zero_stage == 0:
-        dp_s = allreduce_seconds(cluster, dp_group, grads)
-    elif role.zero_stage in (1, 2):
-        dp_s = reduce_scatter_seconds(cluster, dp_group, grads) + allgather_seconds(cluster, dp_group, trained * e)
-    else:
-        dp_s = reduce_scatter_seconds(cluster, dp_group, grads)
-    optim_s = compute.optimizer_step(trained / (s.dp if role.zero_stage >= 1 else 1))
+    zero = trained_zero_stage(role.zero_stage, s.ep)
+    # A LoRA model reduces and steps only its adapters; under ep the experts' gradients are reduced over their
+    # expert-dp group (dp / ep ranks), the rest over dp.
+    dp_s = sum(_gradient_reduction_seconds(cluster, group, elements * e, zero) for group, elements in
+               ((dp_group, trained - experts), (_worst_group(layout, "edp") if s.ep > 1 else dp_group, experts)))
+    optim_s = compute.optimizer_step(_partitioned(trained, experts, s) if zero >= 1 else trained)
     if role.offload_optimizer:
         optim_s *= _HOST_OPTIMIZER_SLOWDOWN
     steps = mfc.epochs * mfc.minibatches
@@ -259,7 +307,7 @@ def _train(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Lay
     parts = {"compute_seconds": steps * (m + s.pp - 1) * compute_s, "tp_comm_seconds": steps * (m + s.pp - 1) * tp_s,
              "pp_send_seconds": steps * (m + s.pp - 1) * send_s, "zero3_gather_seconds": steps * (m + s.pp - 1) * gather_s,
              "pp_bubble_seconds": steps * (s.pp - 1) * per_micro, "dp_comm_seconds": steps * dp_s,
-             "optimizer_seconds": steps * optim_s}
+             "optimizer_seconds": steps * optim_s, "ep_comm_seconds": steps * (m + s.pp - 1) * ep_s}
     # Memory: 1F1B keeps min(m, pp) micro-batches of activations in flight on the first stage.
     in_flight = min(m, s.pp)
     per_layer = (cfg.hidden_size if recompute else activation_elements_per_token(cfg, s.tp)) * tokens * e
@@ -273,6 +321,15 @@ def _train(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Lay
     return seconds, transient, parts
 
 
+def _gradient_reduction_seconds(cluster: ClusterSpec, group: tuple[int, ...], grad_bytes: float, zero: int) -> float:
+    """One optimizer step's gradient reduction over ``group`` (and ZeRO-1/2's gather of the updated parameters)."""
+    if zero == 0:
+        return allreduce_seconds(cluster, group, grad_bytes)
+    if zero in (1, 2):
+        return reduce_scatter_seconds(cluster, group, grad_bytes) + allgather_seconds(cluster, group, grad_bytes)
+    return reduce_scatter_seconds(cluster, group, grad_bytes)
+
+
 def _inference(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Layout, m: int):
     cfg, s, e = role.arch, layout.strategy, role.bytes_per_element
     b = sequences_per_rank(mfc, s.dp) / m
@@ -284,10 +341,11 @@ def _inference(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout:
     layers = _max_stage_layers(cfg, s.pp)
     tp_s = layers * 2 * allreduce_seconds(cluster, tp_group, tokens * cfg.hidden_size * e)
     send_s = p2p_seconds(cluster, pp_group[0], pp_group[-1], tokens * cfg.hidden_size * e) if s.pp > 1 else 0.0
-    per_micro = compute_s + tp_s + send_s
+    ep_s = expert_exchange_seconds(cluster, cfg, layout, tokens, e)
+    per_micro = compute_s + tp_s + send_s + ep_s
     rounds = m + s.pp - 1
     parts = {"compute_seconds": rounds * compute_s, "tp_comm_seconds": rounds * tp_s, "pp_send_seconds": rounds * send_s,
-             "pp_bubble_seconds": (s.pp - 1) * per_micro}
+             "pp_bubble_seconds": (s.pp - 1) * per_micro, "ep_comm_seconds": rounds * ep_s}
     transient = _forward_workspace(cfg, s.tp, tokens, e) + 2 * tokens * block_shape(cfg, s.tp).head_out * LOGIT_BYTES
     return rounds * per_micro, transient, parts
 
@@ -311,7 +369,8 @@ def _generate(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: 
                                    compute.head_forward(b, s.tp))
     prefill_comm = layers * 2 * allreduce_seconds(cluster, tp_group, b * prompt * hidden_bytes)
     prefill_send = p2p_seconds(cluster, pp_group[0], pp_group[-1], b * prompt * hidden_bytes) if s.pp > 1 else 0.0
-    prefill = s.pp * (prefill_stage + prefill_comm) + (s.pp - 1) * prefill_send
+    prefill_ep = s.pp * expert_exchange_seconds(cluster, cfg, layout, b * prompt, e)
+    prefill = s.pp * (prefill_stage + prefill_comm) + (s.pp - 1) * prefill_send + prefill_ep
     # Decoding: every step feeds the batch through all pp stages one after the other (the next token
     # needs the last stage's output), against a KV cache of prompt + (gen + 1) / 2 tokens on average.
     ctx = prompt + (gen + 1) / 2
@@ -325,11 +384,12 @@ def _generate(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: 
         cluster, tp_group, b * cfg.vocab_size * LOGIT_BYTES) + (0 if mfc.greedy else 2 * broadcast_seconds(
             cluster, tp_group, chosen)) + 2 * broadcast_seconds(cluster, pp_group, chosen)
     decode_send = (s.pp - 1) * p2p_seconds(cluster, pp_group[0], pp_group[-1], b * hidden_bytes) if s.pp > 1 else 0.0
-    decode = gen * (s.pp * decode_stage + decode_comm + decode_send)
+    decode_ep = s.pp * expert_exchange_seconds(cluster, cfg, layout, b, e)
+    decode = gen * (s.pp * decode_stage + decode_comm + decode_send + decode_ep)
     parts = {"prefill_seconds": prefill, "decode_seconds": decode,
              "compute_seconds": s.pp * prefill_stage + gen * s.pp * decode_stage,
              "tp_comm_seconds": s.pp * prefill_comm + gen * decode_comm,
-             "pp_send_seconds": (s.pp - 1) * prefill_send + gen * decode_send}
+             "pp_send_seconds": (s.pp - 1) * prefill_send + gen * decode_send, "ep_comm_seconds": prefill_ep + gen * decode_ep}
     # Memory: the KV cache of every sequence of the batch.
     kv_out = block_shape(cfg, s.tp).kv_out
     window = min(prompt + gen, cfg.sliding_window) if cfg.sliding_window else prompt + gen

@@ -108,12 +108,13 @@ def check_fits(problem: PlanProblem) -> None:
                     f"{c.name}: the leanest plan {need}, {c.usable_memory_bytes / GIB:.1f} GiB usable; {where}")
 
 
-_MANUAL = re.compile(r"^\s*ranks:(?P<ranks>[\d,\-\s]+?)\s+(?P<strategy>(?:dp|tp|pp)\d+(?:(?:dp|tp|pp)\d+)*)"
+_MANUAL = re.compile(r"^\s*ranks:(?P<ranks>[\d,\-\s]+?)\s+(?P<strategy>(?:dp|tp|pp|ep)\d+(?:(?:dp|tp|pp|ep)\d+)*)"
                      r"(?:\s+mb(?P<mb>\d+))?\s*$")
 
 
 def parse_manual_layout(text: str, where: str = "plan.layouts") -> tuple[Layout, int | None]:
-    """``ranks:0-3 dp2tp2pp1 [mb4]`` (ranks as ranges and/or commas) -> (layout, micro-batches or None)."""
+    """``ranks:0-3 dp2tp2pp1 [mb4]`` (ranks as ranges and/or commas; ``dp4ep2`` splits experts) -> (layout,
+    micro-batches or None)."""
     match = _MANUAL.match(text)
     if not match:
         raise ConfigError(f"{where}: cannot read {text!r}; write it like 'ranks:0-3 dp2tp2pp1' (optionally ' mb4')")

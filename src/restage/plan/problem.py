@@ -120,15 +120,19 @@ def mesh_options(cluster: ClusterSpec) -> list[tuple[int, int]]:
 
 def strategies_for(size: int, role: ModelRole, mfc: MFC, cluster: ClusterSpec) -> list[Strategy]:
     """Every (dp, tp, pp) over ``size`` ranks the runtime takes for this MFC (``runtime_refuses``), TP at most one
-    node wide, and every DP rank given at least one sequence."""
+    node wide, and every DP rank given at least one sequence; for a mixture-of-experts model also every ep that
+    divides dp and the experts."""
     out = []
+    experts = role.arch.num_experts if role.arch.is_moe else 0
     for tp in _divisors(size):
         if tp > cluster.devices_per_node:
             continue
         for pp in _divisors(size // tp):
-            strategy = Strategy(dp=size // (tp * pp), tp=tp, pp=pp)
-            if dp_size_ok(mfc, strategy.dp) and not runtime_refuses(role, mfc, strategy, cluster):
-                out.append(strategy)
+            dp = size // (tp * pp)
+            for ep in [e for e in _divisors(dp) if experts % e == 0] if experts else [1]:
+                strategy = Strategy(dp=dp, tp=tp, pp=pp, ep=ep)
+                if dp_size_ok(mfc, strategy.dp) and not runtime_refuses(role, mfc, strategy, cluster):
+                    out.append(strategy)
     return out
 
 

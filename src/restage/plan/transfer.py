@@ -142,7 +142,7 @@ def zero3_gather_seconds(cfg: ModelConfig, layout: Layout, bytes_per_element: in
     s = layout.strategy
     if s.dp == 1:
         return 0.0
-    params = max(stage_param_elements(cfg, s.tp, s.pp))
+    params = max(stage_param_elements(cfg, s.tp, s.pp, s.ep))
     group = max(layout.dp_groups(), key=lambda g: g[-1] - g[0])
     return allgather_seconds(cluster, group, params * bytes_per_element)
 

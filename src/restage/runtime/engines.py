@@ -20,6 +20,7 @@ import torch
 from restage.config import ModelSpec
 from restage.layout import Layout, ProcessGroups
 from restage.runtime.control import local_rank
+from restage.runtime.expert_engine import checkpoint_per_ep_rank, mark_expert_params, moe_layers_seen, register_groups
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -159,23 +160,26 @@ def lr_lambda(spec: ModelSpec, total_steps: int) -> Callable[[int], float]:
     return multiplier
 
 
-def effective_zero_stage(spec: ModelSpec, dp: int) -> int:
-    """The ZeRO stage the engine really uses: 0 where ZeRO-1/2 would partition over one DP rank.
+def effective_zero_stage(spec: ModelSpec, dp: int, ep: int = 1) -> int:
+    """The ZeRO stage the engine really uses: 0 where ZeRO-1/2 would partition over one DP rank, 1 for a
+    ZeRO-0 model under ep (whose gradient norm DeepSpeed gets right only with ZeRO, ``expert_engine``).
 
     With dp == 1 stages 1 and 2 keep every optimizer state and gradient on the one rank anyway,
     but their partition bookkeeping costs time on every backward and step (~9% of a tiny GRPO
     step on CPU in an interleaved A/B of `restage run jobs/grpo_tiny.yaml -n 1`, 3 runs each).
     Optimizer offload needs ZeRO, and ZeRO-3 manages parameters itself: both keep their stage.
     """
+    if ep > 1 and spec.zero_stage == 0:
+        return 1
     if dp == 1 and spec.zero_stage in (1, 2) and not spec.offload_optimizer:
         return 0
     return spec.zero_stage
 
 
-def deepspeed_config(spec: ModelSpec, dp: int, micro_batches: int) -> dict[str, Any]:
+def deepspeed_config(spec: ModelSpec, dp: int, micro_batches: int, ep: int = 1) -> dict[str, Any]:
     """The DeepSpeed config dict for one trainable model."""
     optim = spec.optim
-    zero: dict[str, Any] = {"stage": effective_zero_stage(spec, dp)}
+    zero: dict[str, Any] = {"stage": effective_zero_stage(spec, dp, ep)}
     if spec.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if spec.offload_params and spec.zero_stage == 3:
@@ -212,15 +216,22 @@ def build_engine(module: torch.nn.Module, spec: ModelSpec, layout: Layout, rank:
 
     mpu = LayoutMPU(layout, rank, groups)
     schedule = lr_lambda(spec, total_optimizer_steps)
-    with barriers_on(groups.get(layout.mesh) if layout.size > 1 else groups.get((rank,))):
+    ep = layout.strategy.ep
+    moe: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if ep > 1:  # expert parameters reduced, partitioned and checkpointed over expert-dp (expert_engine.py)
+        mark_expert_params(module, register_groups(layout, rank, groups))
+        moe = moe_layers_seen()
+    with barriers_on(groups.get(layout.mesh) if layout.size > 1 else groups.get((rank,))), moe:
         engine, _, _, _ = deepspeed.initialize(
             model=module,
             model_parameters=[p for p in module.parameters() if p.requires_grad],
-            config=deepspeed_config(spec, layout.strategy.dp, micro_batches),
+            config=deepspeed_config(spec, layout.strategy.dp, micro_batches, ep),
             mpu=mpu,
             lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
             dist_init_required=False,
         )
-    if effective_zero_stage(spec, layout.strategy.dp) == 0 and layout.strategy.dp == 1:
+    if ep > 1:
+        checkpoint_per_ep_rank(engine, layout, rank)
+    if effective_zero_stage(spec, layout.strategy.dp, ep) == 0 and layout.strategy.dp == 1:
         engine.enable_backward_allreduce = False  # one DP rank: the all-reduce would only flatten and copy back
     return engine

@@ -40,8 +40,14 @@ class MFCResult:
     tokens: int
 
 
-def _micro_batches(batch: Batch, ids_key: str, n_micro: int, extra: Callable[[Batch], object] = lambda b: b
-                   ) -> list[MicroBatch]:
+def _micro_batches(batch: Batch, ids_key: str, n_micro: int, extra: Callable[[Batch], object] = lambda b: b,
+                   module: StageModule | None = None) -> list[MicroBatch]:
+    if module is not None and module.ctx.ep_size > 1:
+        # Under ep the replicas of an ep group exchange tokens in every sparse layer, so they must run the same
+        # number of micro-batches: the fewest samples any of them holds bounds it (each holds at least one).
+        fewest = torch.tensor([batch.n_samples], dtype=torch.int64, device=next(module.parameters()).device)
+        dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=module.ctx.ep_group)
+        n_micro = min(n_micro, int(fewest.item()))
     parts = batch.split(n_micro, balance="tokens") if batch.n_samples > 1 else [batch]
     device = rank_device()
     return [MicroBatch(part[ids_key].to(device), PackedBatch.from_seqlens(part.seqlens, device=device), extra(part))
@@ -91,7 +97,7 @@ def run_inference(module: StageModule, mfc: MFC, batch: Batch, algo: Algorithm, 
                   ) -> MFCResult:
     wanted = tuple(algo.forward_outputs(mfc.name, cfg))
     ids_key = mfc.inputs[0]
-    micro = _micro_batches(batch, ids_key, mfc.micro_batches)
+    micro = _micro_batches(batch, ids_key, mfc.micro_batches, module=module)
     temperature = _policy_temperature(cfg)
     results = pipeline_forward(module, micro, post_fn=lambda o, mb: forward_results(module, o, mb, wanted, temperature))
     merged = None
@@ -226,7 +232,7 @@ def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: Expe
     routing = RouterLog(module.cfg, cfg.models[mfc.model].router_aux_loss_coef) if module.cfg.is_moe else None
 
     for _, _, minibatch in estimators.minibatches(batch, mfc.minibatches, mfc.epochs, seed):
-        micro = _micro_batches(minibatch, ids_key, mfc.micro_batches)
+        micro = _micro_batches(minibatch, ids_key, mfc.micro_batches, module=module)
         if len(micro) != engine.gradient_accumulation_steps():
             # Fewer samples than micro-batches on this minibatch: accumulate over what there is.
             engine.set_train_batch_size(len(micro) * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)

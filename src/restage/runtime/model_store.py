@@ -19,7 +19,7 @@ import torch
 from restage.config import ExperimentConfig, ModelSpec
 from restage.device import DTYPES
 from restage.graph import DataflowGraph
-from restage.layout import Layout, ProcessGroups, Strategy
+from restage.layout import Layout, ProcessGroups
 from restage.models.checkpoint import load_stage
 from restage.models.config import ModelConfig
 from restage.models.decoder import StageModule
@@ -187,7 +187,7 @@ class ModelStore:
 
 def _mark_norm(module: StageModule) -> None:
     ctx = module.ctx
-    specs = shard_specs(module.cfg, Strategy(tp=ctx.tp_size, pp=ctx.pp_size), ctx.pp_stage, ctx.tp_rank)
+    specs = shard_specs(module.cfg, ctx.shard_strategy, ctx.pp_stage, ctx.tp_rank, ctx.ep_rank)
     replicated = {s.param.name for s in specs if s.param.split_dim is None}
     duplicate = {"embed.weight"} if (module.tied_head and ctx.pp_size > 1 and not ctx.is_first_stage) else set()
     mark_norm_ownership(module, ctx.tp_rank, replicated, duplicate)

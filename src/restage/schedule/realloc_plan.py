@@ -23,7 +23,15 @@ from functools import cached_property, lru_cache
 from restage.errors import PlanError
 from restage.layout import Layout
 from restage.models.config import ModelConfig
-from restage.models.sharding import ParamSpec, ShardSpec, is_adapter, param_specs, shard_specs, validate_strategy
+from restage.models.sharding import (
+    ParamSpec,
+    ShardSpec,
+    coord_shard_specs,
+    is_adapter,
+    param_specs,
+    shard_specs,
+    validate_strategy,
+)
 
 # A message is at most 1/SLOTS of the bucket, so a round (half a bucket) holds at least SLOTS // 2 of them.
 SLOTS = 4
@@ -122,7 +130,7 @@ class ReallocPlan:
         coord = self.dst.coord(rank)
         if coord is None:
             return []
-        return [s for s in shard_specs(self.cfg, self.dst.strategy, coord.pp, coord.tp) if self.moves(s.param.name)]
+        return [s for s in coord_shard_specs(self.cfg, self.dst.strategy, coord) if self.moves(s.param.name)]
 
     @property
     def total_bytes(self) -> int:
@@ -185,16 +193,20 @@ def _holdings(cfg: ModelConfig, layout: Layout) -> dict[str, list[_Holding]]:
     """For each parameter, its intervals along the cut axis and every rank holding each."""
     s = layout.strategy
     by_name: dict[str, dict[tuple[int, int], _Holding]] = defaultdict(dict)
-    for pp in range(s.pp):
-        for tp in range(s.tp):
-            ranks = [layout.rank_at(pp, d, tp) for d in range(s.dp)]
-            for shard in shard_specs(cfg, s, pp, tp):
-                interval = (shard.start, shard.stop) if shard.param.split_dim is not None else (0, shard.param.shape[0])
-                held = by_name[shard.param.name].get(interval)
-                if held is None:
-                    by_name[shard.param.name][interval] = _Holding(interval, list(ranks), shard.shape)
-                else:  # the tied embedding's copy on the last stage
-                    held.ranks.extend(ranks)
+    for pp, tp, ep_rank in ((p, t, e) for p in range(s.pp) for t in range(s.tp) for e in range(s.ep)):
+        everyone = [layout.rank_at(pp, d, tp) for d in range(s.dp)]
+        # an expert is held by the dp ranks of its ep-rank only; the rest by every dp rank (listed once)
+        experts = [layout.rank_at(pp, d, tp) for d in range(ep_rank, s.dp, s.ep)]
+        for shard in shard_specs(cfg, s, pp, tp, ep_rank if s.ep > 1 else None):
+            if shard.param.expert is None and ep_rank > 0:
+                continue
+            ranks = everyone if shard.param.expert is None else experts
+            interval = (shard.start, shard.stop) if shard.param.split_dim is not None else (0, shard.param.shape[0])
+            held = by_name[shard.param.name].get(interval)
+            if held is None:
+                by_name[shard.param.name][interval] = _Holding(interval, list(ranks), shard.shape)
+            else:  # the tied embedding's copy on the last stage
+                held.ranks.extend(ranks)
     return {name: sorted(h.values(), key=lambda x: x.interval) for name, h in by_name.items()}
 
 
