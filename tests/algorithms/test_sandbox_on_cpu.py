@@ -1,14 +1,12 @@
 """The code reward's sandbox: hostile answers score 0 and change nothing outside their throwaway directory."""
 
-import hashlib
 import os
-import socket
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from victim import snapshot
 
 from restage.algorithms import rewards
 from restage.algorithms.sandbox import Limits, run_test
@@ -16,24 +14,6 @@ from restage.config import RewardsConfig
 
 TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
 OPTIONS = RewardsConfig(code_timeout_seconds=3.0)
-
-
-@pytest.fixture()
-def outside():
-    """A world-writable directory outside the sandbox holding one file: what a hostile answer would reach for."""
-    root = Path(tempfile.mkdtemp(prefix="restage-victim-"))
-    os.chmod(root, 0o777)
-    (root / "keep.txt").write_text("precious")
-    os.chmod(root / "keep.txt", 0o666)
-    yield root
-    for path in sorted(root.rglob("*"), reverse=True):
-        path.unlink() if path.is_file() else path.rmdir()
-    root.rmdir()
-
-
-def snapshot(root: Path) -> dict:
-    return {str(p): (p.stat().st_mode, hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "")
-            for p in sorted(root.rglob("*"))}
 
 
 def sandboxes_left() -> list[str]:
@@ -101,25 +81,9 @@ def test_reading_the_environment_scores_0(outside, monkeypatch):
     assert snapshot(outside) == before
 
 
-def test_no_network():
-    got = []
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    server.settimeout(1)
-    port = server.getsockname()[1]
-
-    def accept():
-        try:
-            got.append(server.accept())
-        except OSError:
-            pass
-
-    waiter = threading.Thread(target=accept)
-    waiter.start()
+def test_no_network(listener):
+    port, got = listener
     code = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'hi')\n" \
            "def add(a, b):\n    return a + b"
     assert score(code) == 0.0
-    server.close()
-    waiter.join()
     assert got == []

@@ -7,18 +7,16 @@ namespaces gets), the documented weaker network fence, reported in one line. Att
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from victim import snapshot
 
 from restage.algorithms import sandbox
 
@@ -72,11 +70,6 @@ def back_to(baseline: int, within_seconds: float) -> bool:
     return True
 
 
-def snapshot(root: Path) -> dict:
-    return {str(p): (p.stat().st_mode, hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "")
-            for p in sorted(root.rglob("*"))}
-
-
 def as_nobody(cases: list[dict]) -> tuple[list[dict], list[str]]:
     """Run the cases in the helper as nobody, with SECRET in its environment: (results, its stderr lines)."""
     run = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", python_for_nobody(),
@@ -86,41 +79,6 @@ def as_nobody(cases: list[dict]) -> tuple[list[dict], list[str]]:
     out = json.loads(run.stdout)
     assert out["uid"] == NOBODY
     return out["results"], run.stderr.splitlines()
-
-
-@pytest.fixture()
-def outside():
-    root = Path(tempfile.mkdtemp(prefix="restage-victim-"))
-    os.chmod(root, 0o777)  # nobody's uid alone would not stop a write here: the sandbox's own fences must
-    (root / "keep.txt").write_text("precious")
-    os.chmod(root / "keep.txt", 0o666)
-    yield root
-    shutil.rmtree(root)
-
-
-@pytest.fixture()
-def listener():
-    """A TCP listener on loopback; yields (port, what it accepted)."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(4)
-    server.settimeout(0.5)
-    got: list = []
-    stop = threading.Event()
-
-    def accept():
-        while not stop.is_set():
-            try:
-                got.append(server.accept())
-            except OSError:
-                pass
-
-    waiter = threading.Thread(target=accept)
-    waiter.start()
-    yield server.getsockname()[1], got
-    stop.set()
-    waiter.join()
-    server.close()
 
 
 @pytest.mark.parametrize("namespaces", [True, False], ids=["user-namespace", "no-namespaces"])

@@ -39,13 +39,9 @@ def allgather_seconds(cluster: ClusterSpec, ranks: Sequence[int], nbytes: float)
 reduce_scatter_seconds = allgather_seconds  # the same traffic in the other direction
 
 
-def alltoall_seconds(cluster: ClusterSpec, ranks: Sequence[int], nbytes_per_rank: float) -> float:
-    """Every rank of ``ranks`` sends ``nbytes_per_rank`` split evenly over the group (its own share stays put)."""
-    n = len(ranks)
-    if n <= 1 or nbytes_per_rank <= 0:
-        return 0.0
-    bandwidth, latency = cluster.link(ranks)
-    return (n - 1) / n * nbytes_per_rank / bandwidth + _hops(n) * latency
+# An all-to-all in which every rank holds ``nbytes`` split evenly over the group: each rank sends and receives
+# (n - 1) / n of it, the same traffic per rank as an all-gather of an ``nbytes`` buffer.
+alltoall_seconds = allgather_seconds
 
 
 def broadcast_seconds(cluster: ClusterSpec, ranks: Sequence[int], nbytes: float) -> float:
