@@ -60,6 +60,26 @@ def validate_kl_policy(params_class: type[P], cfg: ExperimentConfig) -> P:
     return params
 
 
+def uses_ref(params: KLPolicyParams) -> bool:
+    """Whether the algorithm reads the reference model: a KL term (``kl_coef`` > 0) or a reference EMA to mix into.
+
+    With neither, its graph has no ``ref_inf`` MFC and the config needs no ``models.ref`` (TRL's GRPOTrainer
+    likewise loads no reference model at ``beta == 0``; docs/algorithms.md)."""
+    return params.kl_coef > 0 or params.ref_ema_eta > 0
+
+
+def config_uses_ref(params_class: type[KLPolicyParams], cfg: ExperimentConfig) -> bool:
+    """``uses_ref`` of the config's ``algo:`` (``mfcs`` builds the graph from it before ``validate`` runs)."""
+    return uses_ref(base.parse_params(params_class, cfg))
+
+
+def ref_kl(batch: Batch, params: KLPolicyParams, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(policy || ref) estimate on answer tokens; zeros when the algorithm runs without a reference."""
+    if not uses_ref(params):
+        return torch.zeros(batch.n_tokens)
+    return losses.kl_estimate(batch["logprobs"].float(), batch["ref_logprobs"].float(), params.kl_estimator) * mask
+
+
 def forward_outputs(params_class: type[PolicyParams], mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
     """The actor's train step asks for what the policy loss needs; other MFCs for the default outputs of their keys."""
     if mfc_name == ACTOR_TRAIN:

@@ -2,7 +2,8 @@
 
 Each prompt is answered ``group_size`` times; an answer's advantage is its reward minus the group
 mean, over the group's (unbiased) std, on every answer token. The loss is the clipped surrogate
-plus ``kl_coef`` times the k3 estimate of KL(policy || ref) per token.
+plus ``kl_coef`` times the k3 estimate of KL(policy || ref) per token. With ``kl_coef`` 0 (and no
+reference EMA) the graph has no ``ref_inf`` MFC and the config needs no ``models.ref``.
 """
 
 from __future__ import annotations
@@ -41,9 +42,12 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     out = [MFC(ACTOR_GEN, "generate", "actor", ("prompts",), gen_out, n, p, g, mb, options={"group_size": group})]
     if reward_source(cfg) == "model":
         out.append(MFC(REWARD_INF, "inference", "reward", seq, ("rewards",), n, p, g, mb))
-    out.append(MFC(REF_INF, "inference", "ref", seq, ("ref_logprobs",), n, p, g, mb))
-    out.append(MFC(ACTOR_TRAIN, "train_step", "actor", seq + ("logprobs", "ref_logprobs", "rewards"), (), n, p, g, mb,
-                   minibatches, epochs, options=_policy.train_options(cfg)))
+    ref = _policy.config_uses_ref(Params, cfg)
+    if ref:
+        out.append(MFC(REF_INF, "inference", "ref", seq, ("ref_logprobs",), n, p, g, mb))
+    train_in = seq + ("logprobs",) + (("ref_logprobs",) if ref else ()) + ("rewards",)
+    out.append(MFC(ACTOR_TRAIN, "train_step", "actor", train_in, (), n, p, g, mb, minibatches, epochs,
+                   options=_policy.train_options(cfg)))
     return out
 
 
@@ -85,5 +89,7 @@ def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig
     p: Params = state.params
     if mfc_name != ACTOR_TRAIN:
         raise ValueError(f"grpo has no train MFC {mfc_name!r}")
+    if p.kl_coef == 0:  # no KL term: the reference's log-probs are not read (and not computed, see mfcs)
+        return _policy.actor_loss(micro_batch, outputs, p)
     kl = losses.kl_estimate(outputs["logprobs"].float(), micro_batch["ref_logprobs"].float(), p.kl_estimator)
-    return _policy.actor_loss(micro_batch, outputs, p, kl if p.kl_coef > 0 else None, p.kl_coef)
+    return _policy.actor_loss(micro_batch, outputs, p, kl, p.kl_coef)

@@ -1,4 +1,5 @@
-"""The typed interface between an algorithm module and the runtime: ``Algorithm``, ``get_algorithm``, ``build_graph``.
+"""The typed interface between an algorithm module and the runtime: ``Algorithm``, ``get_algorithm``, ``build_graph``
+(and ``unused_models``: the configured models its graph does not run).
 
 An algorithm is a module of functions (docs/algorithms.md). ``get_algorithm`` imports it and
 returns an ``Algorithm``: a frozen bundle with one field per protocol function, the optional
@@ -8,6 +9,7 @@ runtime may call as a typed field; nothing is looked up by name after loading.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,8 +107,40 @@ def get_algorithm(name: str) -> Algorithm:
 
 def build_graph(cfg: ExperimentConfig) -> DataflowGraph:
     """The dataflow graph of the config's algorithm, sized by its batch and sequence lengths (the one place it is built)."""
-    graph = DataflowGraph(tuple(get_algorithm(cfg.algorithm).mfcs(cfg)))
-    missing = [m.model for m in graph if m.model not in cfg.models]
+    algorithm = get_algorithm(cfg.algorithm)
+    graph = DataflowGraph(tuple(algorithm.mfcs(cfg)))
+    missing = sorted({m.model for m in graph if m.model not in cfg.models})
+    if missing == ["ref"] and _kl_coef(algorithm, cfg) is not None:
+        params = algorithm.validate(cfg)
+        why, off = ((f"algo.kl_coef is {params.kl_coef}", "algo.kl_coef=0") if params.kl_coef > 0
+                    else (f"algo.ref_ema_eta is {params.ref_ema_eta}", "algo.ref_ema_eta=0"))
+        raise ConfigError(f"{cfg.algorithm} needs a reference model ({why}): add models.ref (e.g. models.ref.path: "
+                          f"the actor's starting checkpoint) or set {off} to train without one")
     if missing:
-        raise ConfigError(f"algorithm {cfg.algorithm} needs models {sorted(set(missing))}; add them under models:")
+        raise ConfigError(f"algorithm {cfg.algorithm} needs models {missing}; add them under models:")
     return graph
+
+
+def _kl_coef(algorithm: Algorithm, cfg: ExperimentConfig) -> float | None:
+    """The configured KL coefficient of an algorithm whose params have one (PPO, GRPO, ReMax), else None."""
+    params_class = getattr(algorithm.module, "Params", None)
+    if params_class is None or "kl_coef" not in {f.name for f in dataclasses.fields(params_class)}:
+        return None
+    return float(cfg.algo.get("kl_coef", params_class.kl_coef))
+
+
+def unused_models(cfg: ExperimentConfig, graph: DataflowGraph) -> dict[str, str]:
+    """The configured models no MFC of ``graph`` runs on, each with why; the planner and the runtime leave them out.
+
+    A ``models.ref`` beside a KL coefficient of 0 is one (docs/algorithms.md, "Running without a reference model")."""
+    algorithm = get_algorithm(cfg.algorithm)
+    used = set(graph.models())
+    out = {}
+    for name in cfg.models:
+        if name in used:
+            continue
+        if name == "ref" and _kl_coef(algorithm, cfg) == 0:
+            out[name] = f"algo.kl_coef is 0, so {cfg.algorithm} computes no KL to a reference model"
+        else:
+            out[name] = f"{cfg.algorithm} runs no MFC on it with this config"
+    return out

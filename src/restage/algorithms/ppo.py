@@ -1,5 +1,7 @@
 """PPO with a critic, a reference model and a reward model (or a rule-based reward).
 
+With ``kl_coef`` 0 (and no reference EMA) there is no reference model: no ``ref_inf`` MFC, no ``kl`` stat.
+
 Per iteration: sample answers; score them; the reference and critic score every token; then
 ``prepare_train`` folds a per-token KL penalty into the reward, runs GAE over the answer tokens
 (critic values de-normalised by the running value normaliser), updates the normaliser and the
@@ -47,11 +49,11 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     out = [MFC(ACTOR_GEN, "generate", "actor", ("prompts",), gen_out, n, p, g, mb)]
     if reward_source(cfg) == "model":
         out.append(MFC(REWARD_INF, "inference", "reward", seq, ("rewards",), n, p, g, mb))
-    out += [
-        MFC(REF_INF, "inference", "ref", seq, ("ref_logprobs",), n, p, g, mb),
-        MFC(CRITIC_INF, "inference", "critic", seq, ("values",), n, p, g, mb),
-    ]
-    train_in = seq + ("logprobs", "ref_logprobs", "rewards", "values")
+    ref = _policy.config_uses_ref(Params, cfg)
+    if ref:
+        out.append(MFC(REF_INF, "inference", "ref", seq, ("ref_logprobs",), n, p, g, mb))
+    out.append(MFC(CRITIC_INF, "inference", "critic", seq, ("values",), n, p, g, mb))
+    train_in = seq + ("logprobs",) + (("ref_logprobs",) if ref else ()) + ("rewards", "values")
     out += [
         MFC(ACTOR_TRAIN, "train_step", "actor", train_in, (), n, p, g, mb, minibatches, epochs,
             options=_policy.train_options(cfg)),
@@ -92,7 +94,7 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
     mask = base.answer_mask(batch)
     cu = batch.cu_seqlens
     rewards = _policy.shaped_rewards(batch, p)
-    kl = losses.kl_estimate(batch["logprobs"].float(), batch["ref_logprobs"].float(), p.kl_estimator) * mask
+    kl = _policy.ref_kl(batch, p, mask)
     kl_coef = kl_ctl.value
     token_rewards = estimators.kl_shaped_token_rewards(rewards, kl, mask, cu, kl_coef)
     # V(s_t) for action token t is the critic's output one token earlier.
@@ -114,12 +116,14 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
     stats = {
         "reward": float(ops.masked_mean(batch["rewards"].float(), all_seqs, reduce)),
         "shaped_reward": float(ops.masked_mean(rewards, all_seqs, reduce)),
-        "kl": mean_kl, "kl_coef": kl_coef,
+        "kl_coef": kl_coef,
         "advantage": float(ops.masked_mean(raw_advantages, mask, reduce)),
         "return": float(ops.masked_mean(returns, mask, reduce)),
         "value": float(ops.masked_mean(raw_values, mask, reduce)),
         "answer_tokens": float(ops.masked_sum(mask.float(), mask, reduce)[1]),
     }
+    if _policy.uses_ref(p):  # without a reference (kl_coef 0) there is no KL to log
+        stats["kl"] = mean_kl
     out = batch.with_keys(tokens={"advantages": advantages.float(), "returns": targets.float(),
                                   "old_values": old_values.float()})
     return out, stats

@@ -2,7 +2,8 @@
 
 Each prompt gets one sampled and one greedy answer. Per-token rewards are ``-kl_coef * kl_t``
 (k1 against the reference) with ``reward - greedy_reward`` added on the last answer token; an
-action's advantage is the (undiscounted) sum of the rewards from it to the end.
+action's advantage is the (undiscounted) sum of the rewards from it to the end. With ``kl_coef`` 0
+(and no reference EMA) the graph has no ``ref_inf`` MFC and the config needs no ``models.ref``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from restage.algorithms import _policy, base, estimators, losses, ops
+from restage.algorithms import _policy, base, estimators, ops
 from restage.algorithms._graphs import (
     ACTOR_GEN,
     ACTOR_GREEDY_GEN,
@@ -48,10 +49,11 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
             MFC(GREEDY_REWARD_INF, "inference", "reward", ("greedy_seqs", "greedy_prompt_mask"), ("baseline_rewards",),
                 n, p, g, mb),
         ]
-    out.append(MFC(REF_INF, "inference", "ref", ("seqs", "prompt_mask"), ("ref_logprobs",), n, p, g, mb))
-    out.append(MFC(ACTOR_TRAIN, "train_step", "actor",
-                   ("seqs", "prompt_mask", "logprobs", "ref_logprobs", "rewards", "baseline_rewards"), (), n, p, g, mb,
-                   options=_policy.train_options(cfg)))
+    ref = _policy.config_uses_ref(Params, cfg)
+    if ref:
+        out.append(MFC(REF_INF, "inference", "ref", ("seqs", "prompt_mask"), ("ref_logprobs",), n, p, g, mb))
+    train_in = ("seqs", "prompt_mask", "logprobs") + (("ref_logprobs",) if ref else ()) + ("rewards", "baseline_rewards")
+    out.append(MFC(ACTOR_TRAIN, "train_step", "actor", train_in, (), n, p, g, mb, options=_policy.train_options(cfg)))
     return out
 
 
@@ -71,7 +73,7 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
     cu = batch.cu_seqlens
     rewards = _policy.shaped_rewards(batch, p)
     baseline = _policy.shaped_rewards(batch, p, "baseline_rewards")
-    kl = losses.kl_estimate(batch["logprobs"].float(), batch["ref_logprobs"].float(), p.kl_estimator) * mask
+    kl = _policy.ref_kl(batch, p, mask)
     token_rewards = estimators.kl_shaped_token_rewards(rewards - baseline, kl, mask, cu, p.kl_coef)
     advantages = estimators.returns_to_go(token_rewards, mask, cu)
     if p.adv_norm:
@@ -81,9 +83,10 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
     stats = {
         "reward": float(ops.masked_mean(batch["rewards"].float(), all_seqs, reduce)),
         "baseline_reward": float(ops.masked_mean(batch["baseline_rewards"].float(), all_seqs, reduce)),
-        "kl": float(seq_kl / n_seqs.clamp(min=1)),
         "answer_tokens": float(ops.masked_sum(mask.float(), mask, reduce)[1]),
     }
+    if _policy.uses_ref(p):  # without a reference (kl_coef 0) there is no KL to log
+        stats["kl"] = float(seq_kl / n_seqs.clamp(min=1))
     return batch.with_keys(tokens={"advantages": advantages.float()}), stats
 
 

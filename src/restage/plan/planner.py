@@ -7,9 +7,10 @@ the memory the leanest plan needs per device and the smallest node count on whic
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 
-from restage.algorithms.interface import build_graph
+from restage.algorithms.interface import build_graph, unused_models
 from restage.cluster import ClusterSpec, cluster_from_config
 from restage.errors import ConfigError, LayoutError, PlanError
 from restage.layout import Layout, Strategy
@@ -43,6 +44,8 @@ class PlanOutcome:
 
 def build_problem(cfg, cluster: ClusterSpec | None = None) -> PlanProblem:
     graph = build_graph(cfg)
+    for name, why in unused_models(cfg, graph).items():
+        print(f"restage: models.{name} is unused, so not planned or loaded: {why}", file=sys.stderr, flush=True)
     cluster = cluster or cluster_from_config(cfg)
     return PlanProblem(graph, roles_from_config(cfg, graph), cluster, samples_per_iteration=cfg.run.batch_size)
 

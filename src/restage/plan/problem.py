@@ -65,12 +65,15 @@ Plan = tuple[Candidate, ...]
 
 
 def roles_from_config(cfg, graph: DataflowGraph | None = None) -> dict[str, ModelRole]:
-    """ModelRoles of a config's models: architecture from ``arch`` (a preset) or the checkpoint's config.json."""
+    """ModelRoles of a config's models (with ``graph``: those its MFCs run on): architecture from ``arch`` (a
+    preset) or the checkpoint's config.json."""
     from restage.models.presets import preset
 
     trained = set(graph.trained_models()) if graph is not None else set()
     roles = {}
     for name, spec in cfg.models.items():
+        if graph is not None and name not in graph.models():
+            continue  # e.g. models.ref beside algo.kl_coef=0: nothing to plan (interface.unused_models)
         if spec.arch:
             # A preset has no head of its own: critic and reward models get the scalar head.
             arch = preset(spec.arch, critic=name in ("critic", "reward") or spec.init_critic_from_lm)
