@@ -8,8 +8,10 @@ import pytest
 from restage.cluster import load_cluster
 from restage.graph import MFC
 from restage.layout import Layout, Strategy
+from restage.models.flops import block_shape
 from restage.models.presets import preset
 from restage.models.sharding import layout_problem
+from restage.plan.compute import RooflineCompute
 from restage.plan.estimator import Estimator, ModelRole, expert_exchange_seconds
 from restage.plan.problem import strategies_for
 
@@ -100,3 +102,18 @@ def test_training_under_ep_reduces_expert_gradients_over_the_expert_dp_group():
     # suggest after dividing the experts by ep, and ZeRO-0 trains as ZeRO-1 under ep
     zero0, zero1 = (estimate(TRAIN, Strategy(dp=16, ep=8), role(zero_stage=z)) for z in (0, 1))
     assert zero0.state_bytes == zero1.state_bytes
+
+
+def test_expert_gemms_read_only_the_experts_routed_to_and_ep_divides_them():
+    cfg = preset("mixtral-8x7b")  # 8 experts, top 2, every layer sparse
+    compute = RooflineCompute(load_cluster("h100-80gb", nodes=1), cfg, "bf16")
+    s = block_shape(cfg, 1)
+    dense = s.weight_params - s.expert_params
+    assert s.expert_params == 8 * 3 * 14336 * 4096
+    # one token reads its 2 experts of 8; a long prompt reads all 8; ep2 holds 4 and its group routes 2 tokens
+    assert compute._weight_elements(s, 1, 1) == pytest.approx(dense + s.expert_params * 2 / 8)
+    assert compute._weight_elements(s, 4096, 1) == pytest.approx(dense + s.expert_params)
+    assert compute._weight_elements(s, 1, 2) == pytest.approx(dense + s.expert_params / 2 * (1 - (6 / 8) ** 2))
+    # a decode step is memory-bound: ep2 reads fewer weights per rank; a long prefill is FLOP-bound: ep changes nothing
+    assert compute.decode_block(64, 512, 1, ep=2) < 0.8 * compute.decode_block(64, 512, 1, ep=1)
+    assert compute.block_forward(8, 4096, 1, ep=2) == pytest.approx(compute.block_forward(8, 4096, 1, ep=1))

@@ -31,6 +31,7 @@ class BlockShape:
     gated: bool  # SwiGLU (three MLP matrices) or plain MLP (two)
     stored_inter: int = 0  # MLP width held (a mixture: all experts'); 0: ``inter``
     router: int = 0  # router outputs (experts) per block, averaged over blocks
+    expert_params: int = 0  # of ``weight_params``, every expert's matrices (a mixture; averaged over blocks)
 
     @property
     def matmul_params(self) -> int:
@@ -51,17 +52,19 @@ def block_shape(cfg: ModelConfig, tp: int = 1) -> BlockShape:
     """Shapes of one TP shard (heads, MLP width and vocabulary divided by ``tp``)."""
     hd = cfg.head_dim
     inter = stored = math.ceil(cfg.intermediate_size / tp)
-    router = 0
+    router = experts = 0
     if cfg.is_moe:  # averaged over the blocks: dense ones have ``intermediate_size``, sparse ones experts
         sparse, dense = len(cfg.sparse_layers), cfg.num_layers - len(cfg.sparse_layers)
         expert = math.ceil(cfg.moe_intermediate_size / tp)
         inter = round((dense * inter + sparse * cfg.experts_per_token * expert) / cfg.num_layers)
         stored = round((dense * stored + sparse * cfg.num_experts * expert) / cfg.num_layers)
         router = round(sparse * cfg.num_experts / cfg.num_layers)
+        experts = round(sparse * cfg.num_experts * expert * (3 if cfg.family != "gpt2" else 2) * cfg.hidden_size
+                        / cfg.num_layers)
     return BlockShape(hidden=cfg.hidden_size, q_out=cfg.num_heads * hd // tp, kv_out=cfg.num_kv_heads * hd // tp,
                       inter=inter, vocab=math.ceil(cfg.vocab_size / tp),
                       head_out=1 if cfg.is_critic else math.ceil(cfg.vocab_size / tp), gated=cfg.family != "gpt2",
-                      stored_inter=stored, router=router)
+                      stored_inter=stored, router=router, expert_params=experts)
 
 
 def attended_tokens(seq: int, window: int | None) -> float:

@@ -8,13 +8,19 @@ Communication is not included; ``estimator.py`` adds it from the cluster's links
 
 The roofline takes, for each kernel, the larger of its FLOPs at the achievable FLOP/s and its
 bytes at the achievable memory bandwidth, plus a fixed per-block overhead (kernel launches).
+
+A mixture's expert GEMMs: a block's tokens are spread over its experts, each expert multiplying
+only the rows routed to it, so on a small batch the experts are memory-bound and only those some
+token is routed to are read. With ``ep`` (expert parallelism) a rank holds ``1 / ep`` of the experts
+and multiplies the rows its ep group routes to them: the same FLOPs per rank on balanced routing,
+``1 / ep`` of the expert weights (``_weight_elements``). Routing imbalance is not modelled.
 """
 
 from __future__ import annotations
 
 from restage.cluster import ClusterSpec
 from restage.models.config import ModelConfig
-from restage.models.flops import attended_tokens, block_shape
+from restage.models.flops import BlockShape, attended_tokens, block_shape
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Bytes an AdamW step moves per parameter: read param/master, grad, m, v; write master, m, v
@@ -39,36 +45,48 @@ class RooflineCompute:
     def _kernel(self, flops: float, nbytes: float) -> float:
         return max(flops / self.flops_per_second, nbytes / self.bytes_per_second)
 
-    def block_forward(self, batch: float, seq: int, tp: int) -> float:
+    def _weight_elements(self, s: BlockShape, tokens: float, ep: int) -> float:
+        """Weight elements one block reads for ``tokens`` tokens on a rank: every dense matrix, and of the experts
+        it holds (``1 / ep`` of them) those a token is routed to: with uniform top-k of E routing, an expert is
+        chosen by none of the ``tokens * ep`` tokens its ep group routes with probability ``(1 - k/E) ** (tokens * ep)``."""
+        if not s.expert_params:
+            return s.weight_params
+        cfg = self.cfg
+        touched = 1 - (1 - cfg.experts_per_token / cfg.num_experts) ** (tokens * ep)
+        return s.weight_params - s.expert_params + s.expert_params / ep * touched
+
+    def block_forward(self, batch: float, seq: int, tp: int, ep: int = 1) -> float:
         s = block_shape(self.cfg, tp)
         tokens = batch * seq
-        matmul = self._kernel(2 * tokens * s.matmul_params, (s.weight_params + tokens * (s.hidden + s.inter)) * self.bytes)
+        weights = self._weight_elements(s, tokens, ep)
+        matmul = self._kernel(2 * tokens * s.matmul_params, (weights + tokens * (s.hidden + s.inter)) * self.bytes)
         ctx = attended_tokens(seq, self.cfg.sliding_window)
         attention = self._kernel(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes)
         elementwise = tokens * _ELEMENTWISE_HIDDEN_PER_TOKEN * s.hidden * self.bytes / self.bytes_per_second
         return matmul + attention + elementwise + self.cluster.block_overhead_seconds
 
-    def block_backward(self, batch: float, seq: int, tp: int) -> float:
+    def block_backward(self, batch: float, seq: int, tp: int, ep: int = 1) -> float:
         # Two matmuls per forward matmul (input and weight gradients), flash attention's backward
         # about 2.5x its forward; elementwise traffic doubles.
         s = block_shape(self.cfg, tp)
         tokens = batch * seq
-        matmul = 2 * self._kernel(2 * tokens * s.matmul_params, (s.weight_params + tokens * (s.hidden + s.inter)) * self.bytes)
+        weights = self._weight_elements(s, tokens, ep)
+        matmul = 2 * self._kernel(2 * tokens * s.matmul_params, (weights + tokens * (s.hidden + s.inter)) * self.bytes)
         ctx = attended_tokens(seq, self.cfg.sliding_window)
         attention = 2.5 * self._kernel(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes)
         elementwise = 2 * tokens * _ELEMENTWISE_HIDDEN_PER_TOKEN * s.hidden * self.bytes / self.bytes_per_second
         return matmul + attention + elementwise + 2 * self.cluster.block_overhead_seconds
 
-    def block_prefill(self, batch: float, seq: int, tp: int) -> float:
+    def block_prefill(self, batch: float, seq: int, tp: int, ep: int = 1) -> float:
         """A forward over the prompts that also writes the KV cache."""
         s = block_shape(self.cfg, tp)
-        return self.block_forward(batch, seq, tp) + batch * seq * 2 * s.kv_out * self.bytes / self.bytes_per_second
+        return self.block_forward(batch, seq, tp, ep) + batch * seq * 2 * s.kv_out * self.bytes / self.bytes_per_second
 
-    def decode_block(self, batch: float, ctx: float, tp: int) -> float:
+    def decode_block(self, batch: float, ctx: float, tp: int, ep: int = 1) -> float:
         """One new token for each of ``batch`` sequences, attending to ``ctx`` cached tokens each."""
         s = block_shape(self.cfg, tp)
         ctx = min(ctx, self.cfg.sliding_window) if self.cfg.sliding_window else ctx
-        matmul = self._kernel(2 * batch * s.matmul_params, s.weight_params * self.bytes)
+        matmul = self._kernel(2 * batch * s.matmul_params, self._weight_elements(s, batch, ep) * self.bytes)
         attention = self._kernel(4 * batch * ctx * s.q_out, batch * ctx * 2 * s.kv_out * self.bytes)
         return matmul + attention + self.cluster.block_overhead_seconds
 
@@ -107,17 +125,26 @@ class ProfiledCompute:
         self.used.add("profile")
         return seconds
 
-    def block_forward(self, batch: float, seq: int, tp: int) -> float:
-        return self._ask("block_forward", batch, seq, tp, lambda: self.roofline.block_forward(batch, seq, tp))
+    def _block(self, op: str, batch: float, seq: float, tp: int, ep: int, roofline) -> float:
+        """A block op from the profile (measured without ep); under ep scaled by the roofline's ratio of the two."""
+        measured = self.profile.lookup(op, batch, seq, tp)
+        if measured is None:
+            self.used.add("roofline")
+            return roofline(batch, seq, tp, ep)
+        self.used.add("profile")
+        return measured * (roofline(batch, seq, tp, ep) / roofline(batch, seq, tp, 1) if ep > 1 else 1.0)
 
-    def block_backward(self, batch: float, seq: int, tp: int) -> float:
-        return self._ask("block_backward", batch, seq, tp, lambda: self.roofline.block_backward(batch, seq, tp))
+    def block_forward(self, batch: float, seq: int, tp: int, ep: int = 1) -> float:
+        return self._block("block_forward", batch, seq, tp, ep, self.roofline.block_forward)
 
-    def block_prefill(self, batch: float, seq: int, tp: int) -> float:
-        return self._ask("prefill", batch, seq, tp, lambda: self.roofline.block_prefill(batch, seq, tp))
+    def block_backward(self, batch: float, seq: int, tp: int, ep: int = 1) -> float:
+        return self._block("block_backward", batch, seq, tp, ep, self.roofline.block_backward)
 
-    def decode_block(self, batch: float, ctx: float, tp: int) -> float:
-        return self._ask("decode_step", batch, ctx, tp, lambda: self.roofline.decode_block(batch, ctx, tp))
+    def block_prefill(self, batch: float, seq: int, tp: int, ep: int = 1) -> float:
+        return self._block("prefill", batch, seq, tp, ep, self.roofline.block_prefill)
+
+    def decode_block(self, batch: float, ctx: float, tp: int, ep: int = 1) -> float:
+        return self._block("decode_step", batch, ctx, tp, ep, self.roofline.decode_block)
 
     def embed_forward(self, tokens: float) -> float:
         return self._ask("embed_forward", tokens, 1, 1, lambda: self.roofline.embed_forward(tokens))

@@ -280,7 +280,7 @@ def _train(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Lay
     tokens = b * seq
     tp_group, dp_group, pp_group = (_worst_group(layout, k) for k in ("tp", "dp", "pp"))
     recompute = role.gradient_checkpointing
-    block = compute.block_forward(b, seq, s.tp) * (2 if recompute else 1) + compute.block_backward(b, seq, s.tp)
+    block = compute.block_forward(b, seq, s.tp, s.ep) * (2 if recompute else 1) + compute.block_backward(b, seq, s.tp, s.ep)
     head = compute.head_forward(tokens, s.tp) + compute.head_backward(tokens, s.tp)
     compute_s = _stage_seconds(layout, cfg, block, compute.embed_forward(tokens) * 3, head)
     layers = _max_stage_layers(cfg, s.pp)
@@ -336,7 +336,7 @@ def _inference(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout:
     seq = mfc.seq_tokens
     tokens = b * seq
     tp_group, pp_group = _worst_group(layout, "tp"), _worst_group(layout, "pp")
-    compute_s = _stage_seconds(layout, cfg, compute.block_forward(b, seq, s.tp), compute.embed_forward(tokens),
+    compute_s = _stage_seconds(layout, cfg, compute.block_forward(b, seq, s.tp, s.ep), compute.embed_forward(tokens),
                                compute.head_forward(tokens, s.tp))
     layers = _max_stage_layers(cfg, s.pp)
     tp_s = layers * 2 * allreduce_seconds(cluster, tp_group, tokens * cfg.hidden_size * e)
@@ -365,7 +365,7 @@ def _generate(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: 
     layers = _max_stage_layers(cfg, s.pp)
     hidden_bytes = cfg.hidden_size * e
     # Prefill: a forward over the prompts, stage after stage; the head runs on the last prompt token only.
-    prefill_stage = _stage_seconds(layout, cfg, compute.block_prefill(b, prompt, s.tp), compute.embed_forward(b * prompt),
+    prefill_stage = _stage_seconds(layout, cfg, compute.block_prefill(b, prompt, s.tp, s.ep), compute.embed_forward(b * prompt),
                                    compute.head_forward(b, s.tp))
     prefill_comm = layers * 2 * allreduce_seconds(cluster, tp_group, b * prompt * hidden_bytes)
     prefill_send = p2p_seconds(cluster, pp_group[0], pp_group[-1], b * prompt * hidden_bytes) if s.pp > 1 else 0.0
@@ -374,7 +374,7 @@ def _generate(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: 
     # Decoding: every step feeds the batch through all pp stages one after the other (the next token
     # needs the last stage's output), against a KV cache of prompt + (gen + 1) / 2 tokens on average.
     ctx = prompt + (gen + 1) / 2
-    decode_stage = _stage_seconds(layout, cfg, compute.decode_block(b, ctx, s.tp), compute.embed_forward(b),
+    decode_stage = _stage_seconds(layout, cfg, compute.decode_block(b, ctx, s.tp, s.ep), compute.embed_forward(b),
                                   compute.head_forward(b, s.tp))
     # Per stage, two all-reduces per block; once per step, the sampler gathers the full-vocabulary logits over
     # TP, the hidden states pass pp - 1 stage boundaries, and the chosen tokens and their log-probabilities are
