@@ -1,5 +1,6 @@
-"""``restage generate --ep 2`` on two ranks (a Mixtral's experts split over two data-parallel replicas) gives
-transformers' greedy tokens in its ``--json`` output; an ep that does not divide the experts is one line."""
+"""``restage generate --ep 2`` on two ranks (a Mixtral's or a Qwen3-MoE's experts split over two data-parallel
+replicas) gives transformers' greedy tokens in its ``--json`` output; an ep that does not divide the experts is one
+line."""
 
 from __future__ import annotations
 
@@ -23,21 +24,27 @@ def _run(path, *extra):
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-@pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
+def _tiny(tmp_path_factory, family: str) -> str:
     from restage.models.tiny import build_tiny
 
-    return str(build_tiny(tmp_path_factory.mktemp("moe") / "mixtral", family="mixtral", seed=11))
+    return str(build_tiny(tmp_path_factory.mktemp("moe") / family, family=family, seed=11))
 
 
-def test_ep2_on_two_ranks_gives_transformers_greedy_tokens(mixtral):
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return _tiny(tmp_path_factory, "mixtral")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_ep2_on_two_ranks_gives_transformers_greedy_tokens(tmp_path_factory, family):
     from model_cases import hf_greedy
 
-    done = _run(mixtral, "--ep", "2", "-n", "2")
+    path = _tiny(tmp_path_factory, family)
+    done = _run(path, "--ep", "2", "-n", "2")
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["strategy"] == "dp2ep2tp1pp1"
-    reference = hf_greedy(mixtral, PROMPTS[:3], NEW_TOKENS)
+    reference = hf_greedy(path, PROMPTS[:3], NEW_TOKENS)
     eos = 2  # the tiny models' EOS: the CLI stops there, transformers (asked for no EOS) runs on
     expected = [r[: r.index(eos) + 1] if eos in r else r for r in reference]
     assert [c["token_ids"] for c in out["completions"]] == expected
