@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         # Before any torch work: each rank uses the cores it may run on, not one thread per core of the node.
         threads = choose_threads(int(read_schedule(args.schedule).config.get("run", {}).get("threads_per_rank", 0)))
         apply_threads(threads)
-        print(f"restage: rank {control.rank}: {threads.count} torch thread(s) ({threads.reason})", flush=True)
+        print(f"restage: rank {control.rank}: {torch.get_num_threads()} torch thread(s) ({threads.reason})", flush=True)
         heartbeat.doing("start-up: importing the runtime (torch, DeepSpeed)")
         # lazy: the heartbeat runs before the runtime's imports (DeepSpeed: seconds), so a stuck import is seen
         from restage.runtime.worker import Worker
