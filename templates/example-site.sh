@@ -9,9 +9,9 @@
 module purge
 module load {{ cuda_module }} {{ nccl_module }}
 
-# Environment: the project's venv, NCCL over InfiniBand, one OpenMP thread per rank.
+# Environment: the project's venv, NCCL over InfiniBand. No OMP_NUM_THREADS: each rank runs as many torch
+# threads as it has cores (the driver binds each rank to its own; run.threads_per_rank sets another count).
 source {{ venv }}/bin/activate
-export OMP_NUM_THREADS=1
 export NCCL_SOCKET_IFNAME={{ ib_interface }}
 export NCCL_IB_DISABLE=0
 export NCCL_DEBUG=WARN

@@ -170,6 +170,8 @@ class RunConfig:
     # this many consecutive skipped steps of one MFC stop it too.
     nonfinite: str = "skip"
     max_skipped_steps: int = 3
+    # torch CPU threads per rank; 0: automatic, from the rank's cores (OMP_NUM_THREADS if set; runtime/threads.py)
+    threads_per_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,8 @@ class ExperimentConfig:
             raise ConfigError("generation.top_k must be >= 0 and generation.top_p in (0, 1]")
         if run.save_every < 0 or run.stop_at_step < 0 or run.log_every < 1:
             raise ConfigError("run.save_every and run.stop_at_step must be >= 0 (0: off), run.log_every >= 1")
+        if run.threads_per_rank < 0:
+            raise ConfigError(f"run.threads_per_rank: {run.threads_per_rank} must be >= 0 (0: from the rank's cores)")
         if run.eval_every < 0:
             raise ConfigError(f"run.eval_every: {run.eval_every} must be >= 0 (0: no evaluation)")
         held_out = self.dataset.eval_fraction > 0 or self.dataset.eval_split or self.dataset.eval_path

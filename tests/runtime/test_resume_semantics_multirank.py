@@ -2,6 +2,7 @@
 first step can be started again without --overwrite (no loop between "pass --resume" and "run without it"); an
 edited YAML is compared with the trial's config: more steps apply, a new learning rate is refused."""
 
+import os
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import yaml
 from runs import ROOT, restage_run
 
 from restage.report.log import read_log
+from restage.runtime.threads import cgroup_cpus, threads_for
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e]
 
@@ -26,8 +28,12 @@ def test_a_trial_that_failed_before_its_first_step_starts_again(tmp_path):
     assert resumed.stderr.strip().splitlines() == [
         f"restage: error: {trial} has no checkpoint to resume from (no step of it was saved); run it without "
         "--resume to start it afresh"]
-    again = restage_run(tmp_path, *JOB, "trial=t", timeout=300)
+    # Without OMP_NUM_THREADS each rank takes its share of the cores it may use (mpirun binds none locally).
+    again = restage_run(tmp_path, *JOB, "trial=t", timeout=300, env={"OMP_NUM_THREADS": ""})
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    for rank in range(2):
+        expected = threads_for(os.sched_getaffinity(0), 2, rank, {}, 0, cgroup_cpus())
+        assert f"restage: rank {rank}: {expected.count} torch thread(s) ({expected.reason})" in again.stdout
     assert f"restage: {trial}: the earlier run ended before its first step; starting it afresh" in again.stdout
     assert read_log(trial).last_complete_step == 2
 

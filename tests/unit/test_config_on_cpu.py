@@ -35,6 +35,7 @@ def test_load_with_overrides(config_file):
     ("run.micro_batches=10", "run.micro_batches: 10 is more than run.batch_size (8)"),
     ("run.nonfinite=ignore", "run.nonfinite: 'ignore' must be skip or stop"),
     ("run.eval_every=-1", "run.eval_every: -1 must be >= 0 (0: no evaluation)"),
+    ("run.threads_per_rank=-1", "run.threads_per_rank: -1 must be >= 0 (0: from the rank's cores)"),
     ("run.eval_every=5", "run.eval_every: 5 evaluates held-out prompts, but dataset.eval_fraction is 0; hold some out"),
 ])
 def test_bad_config_gets_one_line_naming_the_key(config_file, override, message):

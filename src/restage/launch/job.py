@@ -164,14 +164,17 @@ def rank_program(module: str, schedule: Path | str) -> list[str]:
 
 def rank_environment(paths: TrialPaths, geometry: JobGeometry, module: str, resume: bool,
                      host: str, port: int, cpus: int | None = None) -> dict[str, str]:
-    """The variables every rank gets on top of the driver's environment (OpenMP threads = the rank's cores)."""
+    """The variables every rank gets on top of the driver's environment. Ranks bound to ``cpus`` cores each get
+    ``OMP_NUM_THREADS=cpus`` (the driver's environment's, e.g. a template's, is replaced); unbound ranks keep the
+    driver's, or when it has none each takes its share of its CPU mask (``restage.runtime.threads``)."""
+    threads = {"OMP_NUM_THREADS": str(cpus)} if cpus else {}
     return {
         "RESTAGE_TRIAL_DIR": str(paths.root), "RESTAGE_CONFIG": str(paths.config), "RESTAGE_SCHEDULE": str(paths.schedule),
         "RESTAGE_PROGRAM": module, "RESTAGE_RESUME": "1" if resume else "0", "RESTAGE_PREEMPT_FILE": str(paths.preempt_file),
         "RESTAGE_NODES": str(geometry.nodes), "RESTAGE_RANKS_PER_NODE": str(geometry.ranks_per_node),
         "RESTAGE_GPUS_PER_NODE": str(geometry.gpus_per_node), "RESTAGE_WORLD_SIZE": str(geometry.world_size),
         "RESTAGE_RENDEZVOUS_HOST": host, "MASTER_ADDR": host, "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": str(cpus) if cpus else os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
+        "PYTHONUNBUFFERED": "1", **threads,
     }
 
 

@@ -155,7 +155,9 @@ def launch(schedule: Path, trial_dir: Path, nprocs: int, resume: bool = False) -
     program = [sys.executable, "-m", "restage.runtime.spmd", str(schedule), "--trial-dir", str(trial_dir)]
     if resume:
         program.append("--resume")
-    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+    env = {"PYTHONUNBUFFERED": "1"}
+    if os.environ.get("OMP_NUM_THREADS"):  # the user's wins; else each rank takes its share of the cores (runtime/threads.py)
+        env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
     if "DS_ACCELERATOR" in os.environ:
         env["DS_ACCELERATOR"] = os.environ["DS_ACCELERATOR"]
     command = mpirun_command(nprocs, program, env=env)

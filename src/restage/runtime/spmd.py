@@ -20,6 +20,8 @@ from restage.runtime.control import Control
 from restage.runtime.failure import abort_on_error
 from restage.runtime.heartbeat import Heartbeat, heartbeat_dir
 from restage.runtime.ops import use_extensions_dir
+from restage.runtime.threads import apply_threads, choose_threads
+from restage.schedule.file import read_schedule
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     resume = "required" if args.resume else ("if-any" if os.environ.get("RESTAGE_RESUME") == "1" else "")
     heartbeat = Heartbeat(heartbeat_dir(trial_dir), control.rank).start()
     with abort_on_error(control.rank, trial_dir):
+        # Before any torch work: each rank uses the cores it may run on, not one thread per core of the node.
+        threads = choose_threads(int(read_schedule(args.schedule).config.get("run", {}).get("threads_per_rank", 0)))
+        apply_threads(threads)
+        print(f"restage: rank {control.rank}: {torch.get_num_threads()} torch thread(s) ({threads.reason})", flush=True)
         heartbeat.doing("start-up: importing the runtime (torch, DeepSpeed)")
         # lazy: the heartbeat runs before the runtime's imports (DeepSpeed: seconds), so a stuck import is seen
         from restage.runtime.worker import Worker
