@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable
 
 from restage.layout import Layout, Strategy
 from restage.plan.estimator import ModelRole, dp_size_ok, stage_param_elements
 from restage.plan.evaluate import PlanEvaluation, fit_plan
+from restage.plan.peer_engines import PeerProblem
 from restage.plan.problem import Plan, PlanProblem
 
 Found = tuple[Plan, PlanEvaluation]
@@ -51,16 +53,20 @@ VERL_GPU_MEMORY_UTILIZATION = 0.5
 
 
 def derived(problem: PlanProblem, change: RoleChange) -> PlanProblem:
-    """The same problem with every model's role changed (a peer's memory strategy); caches are shared."""
+    """The same problem with every model's role changed (a peer's memory strategy), scored as the peers' engines
+    run it (``peer_engines.PeerProblem``); the estimator's caches are shared."""
     roles = {name: change(role) for name, role in problem.roles.items()}
-    return PlanProblem(problem.graph, roles, problem.cluster, estimator=problem.estimator,
+    return PeerProblem(problem.graph, roles, problem.cluster, estimator=problem.estimator,
                        samples_per_iteration=problem.samples_per_iteration, overlap_iterations=problem.overlap_iterations,
                        exact_realloc=problem.exact_realloc, keep_per_size=problem.keep_per_size)
 
 
-def _with_stage(stage: int) -> RoleChange:
+def _with_stage(stage: int, shard_frozen: bool = False) -> RoleChange:
+    """Trained models at ZeRO ``stage``; with ``shard_frozen`` the frozen ones partitioned ZeRO-3 / FSDP style."""
     def change(role: ModelRole) -> ModelRole:
-        return dataclasses.replace(role, zero_stage=stage) if role.trainable else role
+        if role.trainable:
+            return dataclasses.replace(role, zero_stage=stage)
+        return dataclasses.replace(role, shard_frozen=shard_frozen)
     return change
 
 
@@ -117,7 +123,7 @@ def _colocated_rule(problem: PlanProblem, first_tp: Callable[[ModelRole], int]) 
             yield {m.name: Layout.contiguous(0, Strategy(dp=world // tp, tp=tp) if m.kind == "generate"
                                              else Strategy(dp=world)) for m in p.mfcs}
 
-    return _first_fit(problem, _ladder(_with_stage(3)), options)
+    return _first_fit(problem, _ladder(_with_stage(3, shard_frozen=True)), options)
 
 
 def deepspeed_chat(problem: PlanProblem) -> Found | None:
@@ -141,40 +147,70 @@ def _stage_params(role: ModelRole) -> tuple[int, ...]:
     return stage_param_elements(role.arch, 1, 1)
 
 
-def openrlhf(problem: PlanProblem) -> Found | None:
+GENERATE = "<generate>"  # the generation engines' group in a peer's GPU groups
+Groups = list[tuple[tuple[str, ...], int]]  # (models sharing the GPUs, or GENERATE; weight), in rank order
+
+
+def openrlhf_groups(problem: PlanProblem, colocate_pairs: bool) -> Groups:
+    """OpenRLHF's GPU groups: the 70B script's actor 4 : critic 4 : vLLM 4 : reference 2 : reward 2, or with
+    ``--colocate_actor_ref --colocate_critic_reward`` each trained model sharing its group with the frozen model
+    of the same head (LM or scalar), in the 1 : 1 : 1 (actor : critic : vLLM) its hybrid-engine docs advise."""
+    trained = [n for n in problem.graph.models() if problem.roles[n].trainable]
+    frozen = [n for n in problem.graph.models() if not problem.roles[n].trainable]
+    generates = any(m.kind == "generate" for m in problem.mfcs)
+    if not colocate_pairs:
+        return ([((n,), OPENRLHF_WEIGHTS["trained"]) for n in trained]
+                + ([((GENERATE,), OPENRLHF_WEIGHTS["generate"])] if generates else [])
+                + [((n,), OPENRLHF_WEIGHTS["frozen"]) for n in frozen])
+    groups: Groups = []
+    for n in trained:
+        partners = [f for f in frozen if problem.roles[f].arch.is_critic == problem.roles[n].arch.is_critic]
+        pick = partners[:1]
+        frozen = [f for f in frozen if f not in pick]
+        groups.append(((n, *pick), 1))
+    return groups + ([((GENERATE,), 1)] if generates else []) + [((f,), 1) for f in frozen]
+
+
+def _grouped_rule(problem: PlanProblem, groups: Groups) -> Found | None:
+    """Each group data-parallel on its own GPUs (ZeRO-3, frozen models sharded); generation on vLLM engines of
+    ``--vllm_tensor_parallel_size`` from 1 upward, inside a node."""
     world, per_node = problem.cluster.world_size, problem.cluster.devices_per_node
-    groups: list[tuple[str, int]] = []  # (group, weight) in rank order: trained models, vLLM engines, frozen models
-    trained = [name for name in problem.graph.models() if problem.roles[name].trainable]
-    frozen = [name for name in problem.graph.models() if not problem.roles[name].trainable]
-    groups += [(name, OPENRLHF_WEIGHTS["trained"]) for name in trained]
-    if any(m.kind == "generate" for m in problem.mfcs):
-        groups.append(("<generate>", OPENRLHF_WEIGHTS["generate"]))
-    groups += [(name, OPENRLHF_WEIGHTS["frozen"]) for name in frozen]
     sizes = _proportional(world, [w for _, w in groups])
     if sizes is None:
         return None
-    start, where = 0, {}
-    for (group, _), size in zip(groups, sizes):
-        where[group] = (start, size)
-        start += size
+    where, first = {}, 0
+    for (members, _), size in zip(groups, sizes):
+        where.update({member: (first, size) for member in members})
+        first += size
 
     def options(p: PlanProblem):
         gen = next((m for m in p.mfcs if m.kind == "generate"), None)
-        g0, gsize = where.get("<generate>", (0, 1))
-        tps = _tp_degrees(1, gsize, p.role(gen), per_node) if gen is not None else [1]
-        for tp in tps:
+        g0, gsize = where.get(GENERATE, (0, 1))
+        for tp in _tp_degrees(1, gsize, p.role(gen), per_node) if gen is not None else [1]:
             if gen is not None and g0 // per_node != (g0 + tp - 1) // per_node:
                 continue  # an engine's TP group must stay inside a node
-            layouts = {}
-            for m in p.mfcs:
-                if m.kind == "generate":
-                    layouts[m.name] = Layout.contiguous(g0, Strategy(dp=gsize // tp, tp=tp))
-                else:
-                    s0, size = where[m.model]
-                    layouts[m.name] = Layout.contiguous(s0, Strategy(dp=size))
-            yield layouts
+            yield {m.name: Layout.contiguous(g0, Strategy(dp=gsize // tp, tp=tp)) if m.kind == "generate"
+                   else Layout.contiguous(where[m.model][0], Strategy(dp=where[m.model][1])) for m in p.mfcs}
 
-    return _first_fit(problem, _ladder(_with_stage(3)), options)
+    return _first_fit(problem, _ladder(_with_stage(3, shard_frozen=True)), options)
+
+
+def openrlhf_arrangements(problem: PlanProblem) -> dict[str, Found | None]:
+    """OpenRLHF's three documented arrangements: ``--colocate_all_models`` (the hybrid engine: every model and
+    the vLLM engines on all GPUs, vLLM asleep while training), the paired groups, the 70B script's groups."""
+    return {"colocate_all_models": _colocated_rule(problem, lambda role: 1),
+            "colocate_actor_ref+critic_reward": _grouped_rule(problem, openrlhf_groups(problem, True)),
+            "separate": _grouped_rule(problem, openrlhf_groups(problem, False))}
+
+
+def openrlhf(problem: PlanProblem) -> Found | None:
+    """The fastest of OpenRLHF's arrangements that fits (a user picks one by flags; we grant the best)."""
+    return _fastest(openrlhf_arrangements(problem).values())
+
+
+def _fastest(found) -> Found | None:
+    fitting = [f for f in found if f is not None]
+    return min(fitting, key=lambda f: f[1].iteration_seconds) if fitting else None
 
 
 def _proportional(world: int, weights: list[int]) -> list[int] | None:
@@ -195,18 +231,39 @@ def _proportional(world: int, weights: list[int]) -> list[int] | None:
     return sizes
 
 
+def nemo_critic_sizes(problem: PlanProblem) -> list[int]:
+    """GPUs for NeMo-Aligner's critic job, most likely first: the power of two nearest (in ratio) to the critic's
+    share of the trained parameters, then the larger ones up to half the cluster (the actor job gets the rest)."""
+    world = problem.cluster.world_size
+    params = {n: sum(_stage_params(r)) for n, r in problem.roles.items() if r.trainable}
+    critic = sum(v for n, v in params.items() if problem.roles[n].arch.is_critic)
+    share = critic / max(sum(params.values()), 1)
+    sizes, size = [], 1
+    while size <= world // 2:
+        sizes.append(size)
+        size *= 2
+    nearest = min(sizes, key=lambda c: abs(math.log2(c) - math.log2(max(world * share, 1))))
+    return [c for c in sizes if c >= nearest]
+
+
 def nemo_aligner(problem: PlanProblem) -> Found | None:
     world, per_node = problem.cluster.world_size, problem.cluster.devices_per_node
     scalar = {name for name, role in problem.roles.items() if role.arch.is_critic}
     critic_job = [m for m in problem.mfcs if m.model in scalar]
     actor_job = [m for m in problem.mfcs if m.model not in scalar]
-    jobs = [j for j in (actor_job, critic_job) if j]
-    if world < len(jobs):
-        return None
-    size = world // len(jobs)
+    if not critic_job or not actor_job:
+        return _nemo_split(problem, [j for j in (actor_job, critic_job) if j], [world], per_node)
+    for critic_size in nemo_critic_sizes(problem):
+        got = _nemo_split(problem, [actor_job, critic_job], [world - critic_size, critic_size], per_node)
+        if got is not None:
+            return got
+    return None
 
-    def megatron(job) -> list[Strategy]:
-        """(TP, PP) from the smallest up, TP to a node first, that every model of the job admits."""
+
+def _nemo_split(problem: PlanProblem, jobs: list, sizes: list[int], per_node: int) -> Found | None:
+    """Each job one Megatron (TP, PP), the smallest that fits, TP to a node first; generation resharded from PP
+    to TP (``trainer.ppo.trt_llm.reshard``) where TP x PP fits in a node."""
+    def megatron(job, size: int) -> list[Strategy]:
         roles = list({m.model: problem.role(m) for m in job}.values())
         tps = [tp for tp in _tp_degrees(1, size, roles[0], per_node)
                if all(r.arch.num_heads % tp == 0 and r.arch.num_kv_heads % tp == 0 for r in roles)]
@@ -217,12 +274,18 @@ def nemo_aligner(problem: PlanProblem) -> Found | None:
             pp *= 2
         return [Strategy(dp=size // (tp * pp), tp=tp, pp=pp) for tp, pp in pairs]
 
-    choices = [megatron(job) for job in jobs]
+    def resharded(s: Strategy, role: ModelRole) -> Strategy:
+        tp = s.tp * s.pp
+        ok = tp <= per_node and role.arch.num_heads % tp == 0 and role.arch.num_kv_heads % tp == 0
+        return Strategy(dp=s.dp, tp=tp) if s.pp > 1 and ok else s
+
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    choices = [megatron(job, size) for job, size in zip(jobs, sizes)]
 
     def options(p: PlanProblem):
         for picked in itertools.product(*choices):
-            yield {m.name: Layout.contiguous(k * size, strategy) for k, (job, strategy) in enumerate(zip(jobs, picked))
-                   for m in job}
+            yield {m.name: Layout.contiguous(start, resharded(s, p.role(m)) if m.kind == "generate" else s)
+                   for start, job, s in zip(starts, jobs, picked) for m in job}
 
     return _first_fit(problem, _ladder(_with_stage(1), SAVERS[:2]), options)
 
