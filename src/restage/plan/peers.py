@@ -6,28 +6,30 @@ model fits (a TP degree, a memory saver). Sources (docs/plan.md cites them in fu
 
 * ``deepspeed_chat`` (DeepSpeedExamples, applications/DeepSpeed-Chat, step3 ``rlhf_engine.py`` and
   ``training_scripts/llama2/run_llama2_7b.sh``): all four models on every GPU; actor and critic
-  trained data-parallel with ZeRO-3 (the LLaMA-2 scripts' stage); generation in the Hybrid Engine
-  with ``--inference_tp_size`` (default 1) on a gathered copy of the actor; the reference model
-  offloaded to the host (``--offload_reference_model``).
-* ``openrlhf`` (OpenRLHF ``examples/scripts/train_ppo_llama_ray_70b.sh``): every model on its own GPU
-  group, in the proportion actor 4 : critic 4 : vLLM engines 4 : reference 2 : reward 2; training
-  with DeepSpeed ZeRO-3 (``--zero_stage 3``), generation on vLLM engines of
-  ``--vllm_tensor_parallel_size`` (default 1) GPUs each, fed the actor's weights.
-* ``nemo_aligner`` (NeMo-Aligner ``docs/user-guide/rlhf.rst``): two jobs of equal size, the actor with
-  the initial policy and the critic with the reward model; each job has one Megatron (TP, PP) for
-  all its work (generation included), chosen as the smallest that fits, TP inside a node first;
-  Megatron's distributed optimizer (ZeRO-1); the frozen model of a job offloaded to the host and
-  loaded back when needed.
+  trained data-parallel with ZeRO-3 (the LLaMA-2 scripts' stage), reference and reward ZeRO-3 too
+  (``_init_ref`` / ``_init_reward`` follow the actor's / critic's stage 3); generation in the Hybrid
+  Engine with ``--inference_tp_size`` (default 1) on a gathered copy of the actor; the reference
+  model offloaded to the host (``--offload_reference_model``).
+* ``openrlhf`` (OpenRLHF ``openrlhf/cli/train_ppo_ray.py``): the fastest of ``--colocate_all_models``
+  (the hybrid engine: everything on all GPUs), ``--colocate_actor_ref --colocate_critic_reward`` groups
+  1 : 1 : 1 with the vLLM engines, and ``examples/scripts/train_ppo_llama_ray_70b.sh``'s groups actor 4 :
+  critic 4 : vLLM 4 : reference 2 : reward 2; DeepSpeed ZeRO-3 (``--zero_stage 3``) for every model;
+  vLLM engines of ``--vllm_tensor_parallel_size`` (from 1) GPUs each, fed the actor's weights.
+* ``nemo_aligner`` (NeMo-Aligner ``docs/user-guide/rlhf.rst``, ``Accelerated-RLHF.md``): two jobs, the
+  actor with the initial policy and the critic with the reward model, the critic job sized by its share
+  of the trained parameters; each job one Megatron (TP, PP), the smallest that fits, TP inside a node
+  first; generation by TensorRT-LLM resharded from PP to TP (``trainer.ppo.trt_llm.reshard``);
+  Megatron's distributed optimizer (ZeRO-1); the frozen model of a job offloaded to the host.
 * ``verl`` (verl ``ppo_trainer.yaml`` and its performance-tuning guide): every model colocated on all
-  GPUs, FSDP (ZeRO-3) for the actor and critic, rollout on a resharded copy with
+  GPUs, FSDP (ZeRO-3) for every model, rollout on a resharded copy with
   ``rollout.tensor_model_parallel_size`` (default 2), raised until
   ``memory_per_gpu x gpu_memory_utilization (0.5) x TP > 2 x parameters`` and the plan fits.
 
-The models' memory settings are the peer's where restage's runtime can run them (ZeRO stage, host
-offload of frozen models, gradient checkpointing, optimizer offload); the savers are turned on one
-after the other only when the plan does not fit without them, which can only make a baseline
-faster. Frozen models stay whole per data-parallel rank, as restage's runtime keeps them (the
-peers' ZeRO-3 / FSDP inference engines shard them; a rule that needs that to fit has no plan).
+The models' memory settings are the peer's (ZeRO stage, host offload of frozen models, gradient
+checkpointing, optimizer offload); the savers are turned on one after the other only when the plan
+does not fit without them, which can only make a baseline faster. What the peers' engines do and
+restage's runtime does not (frozen models sharded ZeRO-3 / FSDP style, batched generation, the
+old-log-prob pass) is modelled in ``peer_engines.py`` for the peers only.
 """
 
 from __future__ import annotations
@@ -158,11 +160,11 @@ def openrlhf_groups(problem: PlanProblem, colocate_pairs: bool) -> Groups:
     trained = [n for n in problem.graph.models() if problem.roles[n].trainable]
     frozen = [n for n in problem.graph.models() if not problem.roles[n].trainable]
     generates = any(m.kind == "generate" for m in problem.mfcs)
-    if not colocate_pairs:
-        return ([((n,), OPENRLHF_WEIGHTS["trained"]) for n in trained]
-                + ([((GENERATE,), OPENRLHF_WEIGHTS["generate"])] if generates else [])
-                + [((n,), OPENRLHF_WEIGHTS["frozen"]) for n in frozen])
     groups: Groups = []
+    if not colocate_pairs:
+        groups += [((n,), OPENRLHF_WEIGHTS["trained"]) for n in trained]
+        groups += [((GENERATE,), OPENRLHF_WEIGHTS["generate"])] if generates else []
+        return groups + [((n,), OPENRLHF_WEIGHTS["frozen"]) for n in frozen]
     for n in trained:
         partners = [f for f in frozen if problem.roles[f].arch.is_critic == problem.roles[n].arch.is_critic]
         pick = partners[:1]
