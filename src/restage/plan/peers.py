@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Callable
 
 from restage.layout import Layout, Strategy
@@ -234,18 +233,14 @@ def _proportional(world: int, weights: list[int]) -> list[int] | None:
 
 
 def nemo_critic_sizes(problem: PlanProblem) -> list[int]:
-    """GPUs for NeMo-Aligner's critic job, most likely first: the power of two nearest (in ratio) to the critic's
-    share of the trained parameters, then the larger ones up to half the cluster (the actor job gets the rest)."""
-    world = problem.cluster.world_size
-    params = {n: sum(_stage_params(r)) for n, r in problem.roles.items() if r.trainable}
-    critic = sum(v for n, v in params.items() if problem.roles[n].arch.is_critic)
-    share = critic / max(sum(params.values()), 1)
+    """GPUs NeMo-Aligner's critic job may get: every power of two up to half the cluster (the actor job gets the
+    rest). The job sizes are set by hand per job (``trainer.num_nodes`` / ``trainer.devices``), so the rule grants
+    the peer the fastest split that fits, whatever the model sizes."""
     sizes, size = [], 1
-    while size <= world // 2:
+    while size <= problem.cluster.world_size // 2:
         sizes.append(size)
         size *= 2
-    nearest = min(sizes, key=lambda c: abs(math.log2(c) - math.log2(max(world * share, 1))))
-    return [c for c in sizes if c >= nearest]
+    return sizes
 
 
 def nemo_aligner(problem: PlanProblem) -> Found | None:
@@ -255,16 +250,13 @@ def nemo_aligner(problem: PlanProblem) -> Found | None:
     actor_job = [m for m in problem.mfcs if m.model not in scalar]
     if not critic_job or not actor_job:
         return _nemo_split(problem, [j for j in (actor_job, critic_job) if j], [world], per_node)
-    for critic_size in nemo_critic_sizes(problem):
-        got = _nemo_split(problem, [actor_job, critic_job], [world - critic_size, critic_size], per_node)
-        if got is not None:
-            return got
-    return None
+    return _fastest(_nemo_split(problem, [actor_job, critic_job], [world - size, size], per_node)
+                    for size in nemo_critic_sizes(problem))
 
 
 def _nemo_split(problem: PlanProblem, jobs: list, sizes: list[int], per_node: int) -> Found | None:
     """Each job one Megatron (TP, PP), the smallest that fits, TP to a node first; generation resharded from PP
-    to TP (``trainer.ppo.trt_llm.reshard``) where TP x PP fits in a node."""
+    to TP (``trainer.ppo.trt_llm.reshard``: TP x PP, PP 1) where the heads divide."""
     def megatron(job, size: int) -> list[Strategy]:
         roles = list({m.model: problem.role(m) for m in job}.values())
         tps = [tp for tp in _tp_degrees(1, size, roles[0], per_node)
@@ -277,8 +269,8 @@ def _nemo_split(problem: PlanProblem, jobs: list, sizes: list[int], per_node: in
         return [Strategy(dp=size // (tp * pp), tp=tp, pp=pp) for tp, pp in pairs]
 
     def resharded(s: Strategy, role: ModelRole) -> Strategy:
-        tp = s.tp * s.pp
-        ok = tp <= per_node and role.arch.num_heads % tp == 0 and role.arch.num_kv_heads % tp == 0
+        tp = s.tp * s.pp  # TensorRT-LLM's TP group spans the PP stages' nodes too
+        ok = role.arch.num_heads % tp == 0 and role.arch.num_kv_heads % tp == 0
         return Strategy(dp=s.dp, tp=tp) if s.pp > 1 and ok else s
 
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
