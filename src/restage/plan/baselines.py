@@ -31,10 +31,10 @@ from restage.plan.problem import Plan, PlanProblem, strategies_for, untrainable
 BASELINES = PEERS
 REFERENCES = ("colocated", "separated", "per_model", "gen_optimised")
 LABELS = {
-    "deepspeed_chat": "DeepSpeed-Chat default (colocated, ZeRO-3 DP, hybrid-engine generation)",
-    "openrlhf": "OpenRLHF default (a GPU group per model, 4:4:4:2:2, ZeRO-3, vLLM engines)",
-    "nemo_aligner": "NeMo-Aligner default (actor and critic jobs on halves, smallest Megatron TPxPP that fits)",
-    "verl": "verl default (colocated, FSDP, rollout TP by its memory rule)",
+    "deepspeed_chat": "DeepSpeed-Chat default (colocated, ZeRO-3 for all four models, hybrid-engine generation)",
+    "openrlhf": "OpenRLHF (fastest of colocate_all_models, paired groups, 4:4:4:2:2 groups; ZeRO-3, vLLM engines)",
+    "nemo_aligner": "NeMo-Aligner (actor and critic jobs, fastest split, smallest Megatron TPxPP, PP->TP for generation)",
+    "verl": "verl default (colocated, FSDP for all four models, rollout TP by its memory rule)",
     "colocated": "restricted search: colocated, best single strategy",
     "separated": "restricted search: actor / rest on halves, best strategy per half",
     "per_model": "restricted search: colocated, best strategy per model",

@@ -58,6 +58,10 @@ class ModelRole:
     offload_optimizer: bool = False
     offload_params: bool = False
     offload_when_idle: bool = False
+    # A frozen model's parameters partitioned over the DP ranks and all-gathered layer by layer in each forward
+    # (DeepSpeed ZeRO-3 / FSDP inference, as the peers run reference and reward models). Restage's runtime
+    # keeps frozen models whole, so only ``plan/peers.py`` sets it: the search never chooses it.
+    shard_frozen: bool = False
     path: str = ""
     preset: str = ""
 
@@ -201,8 +205,9 @@ class Estimator:
             parts["overhead_seconds"] = overhead
         source = compute.describe() if hasattr(compute, "describe") else compute.source
         params, trained, experts = _worst_stage(role.arch, layout.strategy)
+        held = params / layout.strategy.dp if sharded_frozen(role, mfc) else params
         return Estimate(seconds=seconds, state_bytes=_state_bytes(role, mfc, params, trained, experts, layout.strategy),
-                        param_bytes=params * role.bytes_per_element, transient_bytes=int(transient), micro_batches=m,
+                        param_bytes=int(held * role.bytes_per_element), transient_bytes=int(transient), micro_batches=m,
                         source=source, breakdown=tuple(sorted(parts.items())))
 
 
@@ -248,11 +253,16 @@ def _partitioned(elements: int, experts: int, s: Strategy) -> float:
     return (elements - experts) / s.dp + experts / (s.dp // s.ep)
 
 
+def sharded_frozen(role: ModelRole, mfc: MFC) -> bool:
+    """Whether ``mfc`` runs on a frozen model partitioned ZeRO-3 / FSDP style over its DP ranks."""
+    return role.shard_frozen and not role.trainable and mfc.kind == "inference"
+
+
 def _state_bytes(role: ModelRole, mfc: MFC, params: int, trained: int, experts: int, s: Strategy) -> int:
     """Parameters, and for a train step the gradients and optimizer state of the ``trained`` elements."""
     e = role.bytes_per_element
     if mfc.kind != "train_step":
-        return params * e
+        return int(params * e / s.dp) if sharded_frozen(role, mfc) else params * e
     z = trained_zero_stage(role.zero_stage, s.ep)
     param_bytes = 0 if (z == 3 and role.offload_params) else (_partitioned(params, experts, s) if z == 3 else params) * e
     trained_part = _partitioned(trained, experts, s)
@@ -342,11 +352,22 @@ def _inference(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout:
     tp_s = layers * 2 * allreduce_seconds(cluster, tp_group, tokens * cfg.hidden_size * e)
     send_s = p2p_seconds(cluster, pp_group[0], pp_group[-1], tokens * cfg.hidden_size * e) if s.pp > 1 else 0.0
     ep_s = expert_exchange_seconds(cluster, cfg, layout, tokens, e)
-    per_micro = compute_s + tp_s + send_s + ep_s
+    exposed_gather_s = 0.0
+    transient = _forward_workspace(cfg, s.tp, tokens, e) + 2 * tokens * block_shape(cfg, s.tp).head_out * LOGIT_BYTES
+    if sharded_frozen(role, mfc):
+        # Every forward all-gathers the stage's parameters layer by layer over dp. ZeRO-3 prefetches the next
+        # layer's gather while the current layer computes (stage3_prefetch_bucket_size; FSDP's forward_prefetch
+        # likewise), so per micro-batch the gathers cost only what exceeds the compute, plus the first layer's.
+        params = _worst_stage(cfg, s)[0]
+        gather_s = allgather_seconds(cluster, _worst_group(layout, "dp"), params * e)
+        exposed_gather_s = max(gather_s - compute_s - tp_s, 0.0) + gather_s / max(layers, 1)
+        transient += 2 * params * e / max(layers, 1)  # the gathered layer and the prefetched next one
+    per_micro = compute_s + tp_s + send_s + ep_s + exposed_gather_s
     rounds = m + s.pp - 1
     parts = {"compute_seconds": rounds * compute_s, "tp_comm_seconds": rounds * tp_s, "pp_send_seconds": rounds * send_s,
              "pp_bubble_seconds": (s.pp - 1) * per_micro, "ep_comm_seconds": rounds * ep_s}
-    transient = _forward_workspace(cfg, s.tp, tokens, e) + 2 * tokens * block_shape(cfg, s.tp).head_out * LOGIT_BYTES
+    if exposed_gather_s:
+        parts["zero3_gather_seconds"] = rounds * exposed_gather_s
     return rounds * per_micro, transient, parts
 
 

@@ -6,28 +6,30 @@ model fits (a TP degree, a memory saver). Sources (docs/plan.md cites them in fu
 
 * ``deepspeed_chat`` (DeepSpeedExamples, applications/DeepSpeed-Chat, step3 ``rlhf_engine.py`` and
   ``training_scripts/llama2/run_llama2_7b.sh``): all four models on every GPU; actor and critic
-  trained data-parallel with ZeRO-3 (the LLaMA-2 scripts' stage); generation in the Hybrid Engine
-  with ``--inference_tp_size`` (default 1) on a gathered copy of the actor; the reference model
-  offloaded to the host (``--offload_reference_model``).
-* ``openrlhf`` (OpenRLHF ``examples/scripts/train_ppo_llama_ray_70b.sh``): every model on its own GPU
-  group, in the proportion actor 4 : critic 4 : vLLM engines 4 : reference 2 : reward 2; training
-  with DeepSpeed ZeRO-3 (``--zero_stage 3``), generation on vLLM engines of
-  ``--vllm_tensor_parallel_size`` (default 1) GPUs each, fed the actor's weights.
-* ``nemo_aligner`` (NeMo-Aligner ``docs/user-guide/rlhf.rst``): two jobs of equal size, the actor with
-  the initial policy and the critic with the reward model; each job has one Megatron (TP, PP) for
-  all its work (generation included), chosen as the smallest that fits, TP inside a node first;
-  Megatron's distributed optimizer (ZeRO-1); the frozen model of a job offloaded to the host and
-  loaded back when needed.
+  trained data-parallel with ZeRO-3 (the LLaMA-2 scripts' stage), reference and reward ZeRO-3 too
+  (``_init_ref`` / ``_init_reward`` follow the actor's / critic's stage 3); generation in the Hybrid
+  Engine with ``--inference_tp_size`` (default 1) on a gathered copy of the actor; the reference
+  model offloaded to the host (``--offload_reference_model``).
+* ``openrlhf`` (OpenRLHF ``openrlhf/cli/train_ppo_ray.py``): the fastest of ``--colocate_all_models``
+  (the hybrid engine: everything on all GPUs), ``--colocate_actor_ref --colocate_critic_reward`` groups
+  1 : 1 : 1 with the vLLM engines, and ``examples/scripts/train_ppo_llama_ray_70b.sh``'s groups actor 4 :
+  critic 4 : vLLM 4 : reference 2 : reward 2; DeepSpeed ZeRO-3 (``--zero_stage 3``) for every model;
+  vLLM engines of ``--vllm_tensor_parallel_size`` (from 1) GPUs each, fed the actor's weights.
+* ``nemo_aligner`` (NeMo-Aligner ``docs/user-guide/rlhf.rst``, ``Accelerated-RLHF.md``): two jobs, the
+  actor with the initial policy and the critic with the reward model, the critic job sized by its share
+  of the trained parameters; each job one Megatron (TP, PP), the smallest that fits, TP inside a node
+  first; generation by TensorRT-LLM resharded from PP to TP (``trainer.ppo.trt_llm.reshard``);
+  Megatron's distributed optimizer (ZeRO-1); the frozen model of a job offloaded to the host.
 * ``verl`` (verl ``ppo_trainer.yaml`` and its performance-tuning guide): every model colocated on all
-  GPUs, FSDP (ZeRO-3) for the actor and critic, rollout on a resharded copy with
+  GPUs, FSDP (ZeRO-3) for every model, rollout on a resharded copy with
   ``rollout.tensor_model_parallel_size`` (default 2), raised until
   ``memory_per_gpu x gpu_memory_utilization (0.5) x TP > 2 x parameters`` and the plan fits.
 
-The models' memory settings are the peer's where restage's runtime can run them (ZeRO stage, host
-offload of frozen models, gradient checkpointing, optimizer offload); the savers are turned on one
-after the other only when the plan does not fit without them, which can only make a baseline
-faster. Frozen models stay whole per data-parallel rank, as restage's runtime keeps them (the
-peers' ZeRO-3 / FSDP inference engines shard them; a rule that needs that to fit has no plan).
+The models' memory settings are the peer's (ZeRO stage, host offload of frozen models, gradient
+checkpointing, optimizer offload); the savers are turned on one after the other only when the plan
+does not fit without them, which can only make a baseline faster. What the peers' engines do and
+restage's runtime does not (frozen models sharded ZeRO-3 / FSDP style, batched generation, the
+old-log-prob pass) is modelled in ``peer_engines.py`` for the peers only.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from collections.abc import Callable
 from restage.layout import Layout, Strategy
 from restage.plan.estimator import ModelRole, dp_size_ok, stage_param_elements
 from restage.plan.evaluate import PlanEvaluation, fit_plan
+from restage.plan.peer_engines import PeerProblem
 from restage.plan.problem import Plan, PlanProblem
 
 Found = tuple[Plan, PlanEvaluation]
@@ -51,16 +54,20 @@ VERL_GPU_MEMORY_UTILIZATION = 0.5
 
 
 def derived(problem: PlanProblem, change: RoleChange) -> PlanProblem:
-    """The same problem with every model's role changed (a peer's memory strategy); caches are shared."""
+    """The same problem with every model's role changed (a peer's memory strategy), scored as the peers' engines
+    run it (``peer_engines.PeerProblem``); the estimator's caches are shared."""
     roles = {name: change(role) for name, role in problem.roles.items()}
-    return PlanProblem(problem.graph, roles, problem.cluster, estimator=problem.estimator,
+    return PeerProblem(problem.graph, roles, problem.cluster, estimator=problem.estimator,
                        samples_per_iteration=problem.samples_per_iteration, overlap_iterations=problem.overlap_iterations,
                        exact_realloc=problem.exact_realloc, keep_per_size=problem.keep_per_size)
 
 
-def _with_stage(stage: int) -> RoleChange:
+def _with_stage(stage: int, shard_frozen: bool = False) -> RoleChange:
+    """Trained models at ZeRO ``stage``; with ``shard_frozen`` the frozen ones partitioned ZeRO-3 / FSDP style."""
     def change(role: ModelRole) -> ModelRole:
-        return dataclasses.replace(role, zero_stage=stage) if role.trainable else role
+        if role.trainable:
+            return dataclasses.replace(role, zero_stage=stage)
+        return dataclasses.replace(role, shard_frozen=shard_frozen)
     return change
 
 
@@ -117,7 +124,7 @@ def _colocated_rule(problem: PlanProblem, first_tp: Callable[[ModelRole], int]) 
             yield {m.name: Layout.contiguous(0, Strategy(dp=world // tp, tp=tp) if m.kind == "generate"
                                              else Strategy(dp=world)) for m in p.mfcs}
 
-    return _first_fit(problem, _ladder(_with_stage(3)), options)
+    return _first_fit(problem, _ladder(_with_stage(3, shard_frozen=True)), options)
 
 
 def deepspeed_chat(problem: PlanProblem) -> Found | None:
@@ -141,40 +148,70 @@ def _stage_params(role: ModelRole) -> tuple[int, ...]:
     return stage_param_elements(role.arch, 1, 1)
 
 
-def openrlhf(problem: PlanProblem) -> Found | None:
+GENERATE = "<generate>"  # the generation engines' group in a peer's GPU groups
+Groups = list[tuple[tuple[str, ...], int]]  # (models sharing the GPUs, or GENERATE; weight), in rank order
+
+
+def openrlhf_groups(problem: PlanProblem, colocate_pairs: bool) -> Groups:
+    """OpenRLHF's GPU groups: the 70B script's actor 4 : critic 4 : vLLM 4 : reference 2 : reward 2, or with
+    ``--colocate_actor_ref --colocate_critic_reward`` each trained model sharing its group with the frozen model
+    of the same head (LM or scalar), in the 1 : 1 : 1 (actor : critic : vLLM) its hybrid-engine docs advise."""
+    trained = [n for n in problem.graph.models() if problem.roles[n].trainable]
+    frozen = [n for n in problem.graph.models() if not problem.roles[n].trainable]
+    generates = any(m.kind == "generate" for m in problem.mfcs)
+    groups: Groups = []
+    if not colocate_pairs:
+        groups += [((n,), OPENRLHF_WEIGHTS["trained"]) for n in trained]
+        groups += [((GENERATE,), OPENRLHF_WEIGHTS["generate"])] if generates else []
+        return groups + [((n,), OPENRLHF_WEIGHTS["frozen"]) for n in frozen]
+    for n in trained:
+        partners = [f for f in frozen if problem.roles[f].arch.is_critic == problem.roles[n].arch.is_critic]
+        pick = partners[:1]
+        frozen = [f for f in frozen if f not in pick]
+        groups.append(((n, *pick), 1))
+    return groups + ([((GENERATE,), 1)] if generates else []) + [((f,), 1) for f in frozen]
+
+
+def _grouped_rule(problem: PlanProblem, groups: Groups) -> Found | None:
+    """Each group data-parallel on its own GPUs (ZeRO-3, frozen models sharded); generation on vLLM engines of
+    ``--vllm_tensor_parallel_size`` from 1 upward, inside a node."""
     world, per_node = problem.cluster.world_size, problem.cluster.devices_per_node
-    groups: list[tuple[str, int]] = []  # (group, weight) in rank order: trained models, vLLM engines, frozen models
-    trained = [name for name in problem.graph.models() if problem.roles[name].trainable]
-    frozen = [name for name in problem.graph.models() if not problem.roles[name].trainable]
-    groups += [(name, OPENRLHF_WEIGHTS["trained"]) for name in trained]
-    if any(m.kind == "generate" for m in problem.mfcs):
-        groups.append(("<generate>", OPENRLHF_WEIGHTS["generate"]))
-    groups += [(name, OPENRLHF_WEIGHTS["frozen"]) for name in frozen]
     sizes = _proportional(world, [w for _, w in groups])
     if sizes is None:
         return None
-    start, where = 0, {}
-    for (group, _), size in zip(groups, sizes):
-        where[group] = (start, size)
-        start += size
+    where, first = {}, 0
+    for (members, _), size in zip(groups, sizes):
+        where.update({member: (first, size) for member in members})
+        first += size
 
     def options(p: PlanProblem):
         gen = next((m for m in p.mfcs if m.kind == "generate"), None)
-        g0, gsize = where.get("<generate>", (0, 1))
-        tps = _tp_degrees(1, gsize, p.role(gen), per_node) if gen is not None else [1]
-        for tp in tps:
+        g0, gsize = where.get(GENERATE, (0, 1))
+        for tp in _tp_degrees(1, gsize, p.role(gen), per_node) if gen is not None else [1]:
             if gen is not None and g0 // per_node != (g0 + tp - 1) // per_node:
                 continue  # an engine's TP group must stay inside a node
-            layouts = {}
-            for m in p.mfcs:
-                if m.kind == "generate":
-                    layouts[m.name] = Layout.contiguous(g0, Strategy(dp=gsize // tp, tp=tp))
-                else:
-                    s0, size = where[m.model]
-                    layouts[m.name] = Layout.contiguous(s0, Strategy(dp=size))
-            yield layouts
+            yield {m.name: Layout.contiguous(g0, Strategy(dp=gsize // tp, tp=tp)) if m.kind == "generate"
+                   else Layout.contiguous(where[m.model][0], Strategy(dp=where[m.model][1])) for m in p.mfcs}
 
-    return _first_fit(problem, _ladder(_with_stage(3)), options)
+    return _first_fit(problem, _ladder(_with_stage(3, shard_frozen=True)), options)
+
+
+def openrlhf_arrangements(problem: PlanProblem) -> dict[str, Found | None]:
+    """OpenRLHF's three documented arrangements: ``--colocate_all_models`` (the hybrid engine: every model and
+    the vLLM engines on all GPUs, vLLM asleep while training), the paired groups, the 70B script's groups."""
+    return {"colocate_all_models": _colocated_rule(problem, lambda role: 1),
+            "colocate_actor_ref+critic_reward": _grouped_rule(problem, openrlhf_groups(problem, True)),
+            "separate": _grouped_rule(problem, openrlhf_groups(problem, False))}
+
+
+def openrlhf(problem: PlanProblem) -> Found | None:
+    """The fastest of OpenRLHF's arrangements that fits (a user picks one by flags; we grant the best)."""
+    return _fastest(openrlhf_arrangements(problem).values())
+
+
+def _fastest(found) -> Found | None:
+    fitting = [f for f in found if f is not None]
+    return min(fitting, key=lambda f: f[1].iteration_seconds) if fitting else None
 
 
 def _proportional(world: int, weights: list[int]) -> list[int] | None:
@@ -195,18 +232,32 @@ def _proportional(world: int, weights: list[int]) -> list[int] | None:
     return sizes
 
 
+def nemo_critic_sizes(problem: PlanProblem) -> list[int]:
+    """GPUs NeMo-Aligner's critic job may get: every power of two up to half the cluster (the actor job gets the
+    rest). The job sizes are set by hand per job (``trainer.num_nodes`` / ``trainer.devices``), so the rule grants
+    the peer the fastest split that fits, whatever the model sizes."""
+    sizes, size = [], 1
+    while size <= problem.cluster.world_size // 2:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
 def nemo_aligner(problem: PlanProblem) -> Found | None:
     world, per_node = problem.cluster.world_size, problem.cluster.devices_per_node
     scalar = {name for name, role in problem.roles.items() if role.arch.is_critic}
     critic_job = [m for m in problem.mfcs if m.model in scalar]
     actor_job = [m for m in problem.mfcs if m.model not in scalar]
-    jobs = [j for j in (actor_job, critic_job) if j]
-    if world < len(jobs):
-        return None
-    size = world // len(jobs)
+    if not critic_job or not actor_job:
+        return _nemo_split(problem, [j for j in (actor_job, critic_job) if j], [world], per_node)
+    return _fastest(_nemo_split(problem, [actor_job, critic_job], [world - size, size], per_node)
+                    for size in nemo_critic_sizes(problem))
 
-    def megatron(job) -> list[Strategy]:
-        """(TP, PP) from the smallest up, TP to a node first, that every model of the job admits."""
+
+def _nemo_split(problem: PlanProblem, jobs: list, sizes: list[int], per_node: int) -> Found | None:
+    """Each job one Megatron (TP, PP), the smallest that fits, TP to a node first; generation resharded from PP
+    to TP (``trainer.ppo.trt_llm.reshard``: TP x PP, PP 1) where the heads divide."""
+    def megatron(job, size: int) -> list[Strategy]:
         roles = list({m.model: problem.role(m) for m in job}.values())
         tps = [tp for tp in _tp_degrees(1, size, roles[0], per_node)
                if all(r.arch.num_heads % tp == 0 and r.arch.num_kv_heads % tp == 0 for r in roles)]
@@ -217,12 +268,18 @@ def nemo_aligner(problem: PlanProblem) -> Found | None:
             pp *= 2
         return [Strategy(dp=size // (tp * pp), tp=tp, pp=pp) for tp, pp in pairs]
 
-    choices = [megatron(job) for job in jobs]
+    def resharded(s: Strategy, role: ModelRole) -> Strategy:
+        tp = s.tp * s.pp  # TensorRT-LLM's TP group spans the PP stages' nodes too
+        ok = role.arch.num_heads % tp == 0 and role.arch.num_kv_heads % tp == 0
+        return Strategy(dp=s.dp, tp=tp) if s.pp > 1 and ok else s
+
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    choices = [megatron(job, size) for job, size in zip(jobs, sizes)]
 
     def options(p: PlanProblem):
         for picked in itertools.product(*choices):
-            yield {m.name: Layout.contiguous(k * size, strategy) for k, (job, strategy) in enumerate(zip(jobs, picked))
-                   for m in job}
+            yield {m.name: Layout.contiguous(start, resharded(s, p.role(m)) if m.kind == "generate" else s)
+                   for start, job, s in zip(starts, jobs, picked) for m in job}
 
     return _first_fit(problem, _ladder(_with_stage(1), SAVERS[:2]), options)
 
