@@ -1,0 +1,45 @@
+"""Achieved fraction of peak FLOP/s of a GEMM, by its per-rank shape.
+
+A large well-shaped bf16 GEMM reaches the device's maximum achievable matmul FLOP/s (MAMF; the cluster
+file's ``compute_efficiency``, measured: stas00/ml-engineering, compute/accelerator/README.md,
+"Maximum Achievable Matmul FLOPS comparison table": A100-SXM 267.9 of 312 TFLOP/s = 0.859 at
+6912x16384x2048, H100-SXM 792.1 of 989 = 0.801 at 6144x17920x2816). A smaller dimension fills fewer
+output tiles per wave of SMs and gives each tile a shorter K loop, so efficiency falls: each of M, N, K
+contributes a factor ``d / (d + HALF_EFFICIENCY_DIM)``, normalised to 1 at the measured best shape.
+This is what makes the narrow per-rank GEMMs of high TP slow. ``HALF_EFFICIENCY_DIM`` (one 128-wide
+tile: the dimension at which a tile is half filled / a K loop half amortised) is this project's
+assumption, not a measurement; a profile (``restage profile``) replaces the whole curve.
+"""
+
+from __future__ import annotations
+
+from restage.cluster import ClusterSpec
+
+HALF_EFFICIENCY_DIM = 128  # elements; assumption (one tensor-core output tile), see the module docstring
+# The shapes at which the MAMF figures were measured (M, N, K), per cluster device family.
+MAMF_SHAPES = {"A100": (6912, 16384, 2048), "H100": (6144, 17920, 2816)}
+_DEFAULT_SHAPE = (8192, 8192, 8192)
+
+
+def _dim_factor(dim: float) -> float:
+    return dim / (dim + HALF_EFFICIENCY_DIM)
+
+
+def mamf_shape(cluster: ClusterSpec) -> tuple[int, int, int]:
+    """The GEMM shape at which the cluster's ``compute_efficiency`` was measured."""
+    for family, shape in MAMF_SHAPES.items():
+        if family in cluster.device:
+            return shape
+    return _DEFAULT_SHAPE
+
+
+def gemm_efficiency(cluster: ClusterSpec, rows: float, cols: float, depth: float) -> float:
+    """Fraction of peak FLOP/s a (rows x depth) @ (depth x cols) GEMM reaches: ``compute_efficiency`` at the
+    measured shape, lower for smaller dimensions, never above it."""
+    if not cluster.has_gpus:  # a CPU's BLAS is not tile-quantised; the profile carries its shape effects
+        return cluster.compute_efficiency
+    reference = 1.0
+    for dim in mamf_shape(cluster):
+        reference *= _dim_factor(dim)
+    shape = _dim_factor(max(rows, 1.0)) * _dim_factor(max(cols, 1.0)) * _dim_factor(max(depth, 1.0))
+    return cluster.compute_efficiency * min(1.0, shape / reference)
