@@ -33,9 +33,18 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Bytes an AdamW step moves per parameter: read param/master, grad, m, v; write master, m, v
 # (mixed precision also writes the 16-bit copy).
 ADAM_BYTES_PER_PARAM = {"fp32": 28, "bf16": 34, "fp16": 34}
-# Elementwise traffic of one block per token, in hidden-size elements (norms, residuals, rotary,
-# activation function), read and written.
-_ELEMENTWISE_HIDDEN_PER_TOKEN = 12
+# Elementwise traffic of one eager block per token, in elements of the model's dtype read and written,
+# counted from models/decoder.py and models/rope.py: an RMSNorm upcasts to fp32, squares, averages, scales,
+# casts back and multiplies by its weight (18 per hidden element; two norms); two residual adds (3 each);
+# RoPE negates, concatenates, multiplies by cos and sin and adds (10 per q and k element); SiLU and the
+# gate product (5 per MLP element). The backward moves about twice the forward's traffic.
+_NORM_ELEMENTS, _RESIDUAL_ELEMENTS, _ROPE_ELEMENTS, _MLP_ACT_ELEMENTS = 18, 3, 10, 5
+
+
+def elementwise_elements_per_token(s: BlockShape) -> float:
+    """Elements the forward's elementwise kernels of one block read and write per token (one TP rank)."""
+    return (2 * _NORM_ELEMENTS + 2 * _RESIDUAL_ELEMENTS) * s.hidden + _ROPE_ELEMENTS * (s.q_out + s.kv_out) \
+        + _MLP_ACT_ELEMENTS * s.inter
 # Kernels one eager LLaMA block launches (counted in models/decoder.py: two RMSNorms of 8 ops, q/k/v/o and
 # gate/up/down GEMMs (7), RoPE on q and k (12), KV-cache writes and attention (4), SiLU and product (2),
 # two residual adds): 43, of which 7 GEMMs and 1 attention; the rest are elementwise.
@@ -102,7 +111,7 @@ class RooflineCompute:
         matmul = self._matmuls(s, tokens, weights)
         ctx = attended_tokens(seq, self.cfg.sliding_window)
         attention = self._attention(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes)
-        elementwise = tokens * _ELEMENTWISE_HIDDEN_PER_TOKEN * s.hidden * self.bytes / self.bytes_per_second
+        elementwise = tokens * elementwise_elements_per_token(s) * self.bytes / self.bytes_per_second
         return self._with_launches(matmul, attention, elementwise)
 
     def block_backward(self, batch: float, seq: int, tp: int, ep: int = 1) -> float:
@@ -114,7 +123,7 @@ class RooflineCompute:
         matmul = 2 * self._matmuls(s, tokens, weights)
         ctx = attended_tokens(seq, self.cfg.sliding_window)
         attention = 2.5 * self._attention(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes)
-        elementwise = 2 * tokens * _ELEMENTWISE_HIDDEN_PER_TOKEN * s.hidden * self.bytes / self.bytes_per_second
+        elementwise = 2 * tokens * elementwise_elements_per_token(s) * self.bytes / self.bytes_per_second
         return self._with_launches(matmul, attention, elementwise, calls=2)
 
     def block_prefill(self, batch: float, seq: int, tp: int, ep: int = 1) -> float:

@@ -1,9 +1,11 @@
 """Achieved fraction of peak FLOP/s of a GEMM, by its per-rank shape.
 
-A large well-shaped bf16 GEMM reaches the device's maximum achievable matmul FLOP/s (MAMF; the cluster
-file's ``compute_efficiency``, measured: stas00/ml-engineering, compute/accelerator/README.md,
-"Maximum Achievable Matmul FLOPS comparison table": A100-SXM 267.9 of 312 TFLOP/s = 0.859 at
-6912x16384x2048, H100-SXM 792.1 of 989 = 0.801 at 6144x17920x2816). A smaller dimension fills fewer
+A large well-shaped bf16 GEMM reaches at most the device's maximum achievable matmul FLOP/s (MAMF,
+``MAMF_EFFICIENCY``, measured: stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable
+Matmul FLOPS comparison table": A100-SXM 267.9 of 312 TFLOP/s = 0.859 at 6912x16384x2048, H100-SXM
+792.1 of 989 = 0.801 at 6144x17920x2816), a short burst. The cluster file's ``compute_efficiency`` is what
+sustained training passes reach at that shape: MAMF times a factor fitted on published training
+measurements (``bench/calibration.py --fit``; clocks under sustained power draw, kernel gaps). A smaller dimension fills fewer
 output tiles per wave of SMs and gives each tile a shorter K loop, so efficiency falls: each of M, N, K
 contributes a factor ``d / (d + HALF_EFFICIENCY_DIM)``, normalised to 1 at the measured best shape.
 This is what makes the narrow per-rank GEMMs of high TP slow. ``HALF_EFFICIENCY_DIM`` (one 128-wide
@@ -17,12 +19,21 @@ from restage.cluster import ClusterSpec
 
 HALF_EFFICIENCY_DIM = 128  # elements; assumption (one tensor-core output tile), see the module docstring
 # The shapes at which the MAMF figures were measured (M, N, K), per cluster device family.
-MAMF_SHAPES = {"A100": (6912, 16384, 2048), "H100": (6144, 17920, 2816)}
+MAMF_EFFICIENCY = {"A100": 267.9 / 312, "A800": 267.9 / 312, "H100": 792.1 / 989}
+MAMF_SHAPES = {"A100": (6912, 16384, 2048), "A800": (6912, 16384, 2048), "H100": (6144, 17920, 2816)}
 _DEFAULT_SHAPE = (8192, 8192, 8192)
 
 
 def _dim_factor(dim: float) -> float:
     return dim / (dim + HALF_EFFICIENCY_DIM)
+
+
+def mamf_efficiency(cluster: ClusterSpec) -> float | None:
+    """The measured MAMF fraction of peak of the cluster's device, if known."""
+    for family, efficiency in MAMF_EFFICIENCY.items():
+        if family in cluster.device:
+            return efficiency
+    return None
 
 
 def mamf_shape(cluster: ClusterSpec) -> tuple[int, int, int]:
