@@ -38,6 +38,7 @@ ADAM_BYTES_PER_PARAM = {"fp32": 28, "bf16": 34, "fp16": 34}
 # casts back and multiplies by its weight (18 per hidden element; two norms); two residual adds (3 each);
 # RoPE negates, concatenates, multiplies by cos and sin and adds (10 per q and k element); SiLU and the
 # gate product (5 per MLP element). The backward moves about twice the forward's traffic.
+# Counted for the LLaMA family; GPT-2 (fused LayerNorm, GELU) and mixtures are costed with the same count.
 _NORM_ELEMENTS, _RESIDUAL_ELEMENTS, _ROPE_ELEMENTS, _MLP_ACT_ELEMENTS = 18, 3, 10, 5
 
 
