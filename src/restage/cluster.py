@@ -21,7 +21,7 @@ _FLOAT_FIELDS = (
     "peak_fp32_flops_per_second", "peak_bf16_flops_per_second", "peak_fp16_flops_per_second",
     "memory_bandwidth_bytes_per_second", "intra_node_bandwidth_bytes_per_second", "intra_node_latency_seconds",
     "inter_node_bandwidth_bytes_per_second", "inter_node_latency_seconds", "compute_efficiency",
-    "memory_efficiency", "network_efficiency", "usable_memory_fraction", "block_overhead_seconds",
+    "memory_efficiency", "network_efficiency", "usable_memory_fraction", "block_overhead_seconds", "attention_efficiency",
     "host_bandwidth_bytes_per_second", *(f"{name}_overhead_seconds" for name in (
         "mfc", "sequence", "forward", "backward", "decode_step", "optimizer_step", "transfer", "realloc")),
 )
@@ -53,7 +53,8 @@ class ClusterSpec:
     intra_node_latency_seconds: float
     inter_node_bandwidth_bytes_per_second: float
     inter_node_latency_seconds: float
-    compute_efficiency: float = 0.5
+    compute_efficiency: float = 0.5  # of peak, a large well-shaped GEMM (plan/gemm.py scales it by shape)
+    attention_efficiency: float = 0.5  # of peak, flash attention's forward (backward: 2.5x its time)
     memory_efficiency: float = 0.8
     network_efficiency: float = 0.8
     usable_memory_fraction: float = 0.9
@@ -75,7 +76,8 @@ class ClusterSpec:
         for name in _FLOAT_FIELDS:
             if getattr(self, name) < 0:
                 raise ConfigError(f"cluster {self.name}: {name} must not be negative")
-        for name in ("compute_efficiency", "memory_efficiency", "network_efficiency", "usable_memory_fraction"):
+        for name in ("compute_efficiency", "attention_efficiency", "memory_efficiency", "network_efficiency",
+                     "usable_memory_fraction"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"cluster {self.name}: {name} must be in (0, 1]")
 

@@ -1,7 +1,7 @@
 """Seconds of collectives and point-to-point traffic over a cluster's links (ring algorithms).
 
-Bandwidths are per device and per direction; a group that spans nodes runs at the inter-node
-figure (each device has its own NIC), one that stays inside a node at the intra-node figure.
+Bandwidths are NCCL bus bandwidths (``nccl.py``): a group inside a node runs at the NVLink figure,
+one that spans nodes at one NIC's figure times the group's ranks per node (one ring channel per NIC).
 Sizes are the full buffer in bytes, as the caller sees it. Latency grows with log2 of the group
 size (NCCL's tree and low-latency protocols), bandwidth terms are those of a ring.
 """
@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 from restage.cluster import ClusterSpec
+from restage.plan.nccl import bus_bandwidth
 
 
 def _hops(n: int) -> int:
@@ -23,7 +24,7 @@ def allreduce_seconds(cluster: ClusterSpec, ranks: Sequence[int], nbytes: float)
     n = len(ranks)
     if n <= 1 or nbytes <= 0:
         return 0.0
-    bandwidth, latency = cluster.link(ranks)
+    bandwidth, latency = bus_bandwidth(cluster, ranks)
     return 2 * (n - 1) / n * nbytes / bandwidth + 2 * _hops(n) * latency
 
 
@@ -32,7 +33,7 @@ def allgather_seconds(cluster: ClusterSpec, ranks: Sequence[int], nbytes: float)
     n = len(ranks)
     if n <= 1 or nbytes <= 0:
         return 0.0
-    bandwidth, latency = cluster.link(ranks)
+    bandwidth, latency = bus_bandwidth(cluster, ranks)
     return (n - 1) / n * nbytes / bandwidth + _hops(n) * latency
 
 
@@ -49,7 +50,7 @@ def broadcast_seconds(cluster: ClusterSpec, ranks: Sequence[int], nbytes: float)
     n = len(ranks)
     if n <= 1 or nbytes <= 0:
         return 0.0
-    bandwidth, latency = cluster.link(ranks)
+    bandwidth, latency = bus_bandwidth(cluster, ranks)
     return nbytes / bandwidth + _hops(n) * latency
 
 

@@ -7,7 +7,13 @@ embedding and head over ``tokens`` tokens, and one optimizer step over a number 
 Communication is not included; ``estimator.py`` adds it from the cluster's links.
 
 The roofline takes, for each kernel, the larger of its FLOPs at the achievable FLOP/s and its
-bytes at the achievable memory bandwidth, plus a fixed per-block overhead (kernel launches).
+bytes at the achievable memory bandwidth. GEMMs run at the efficiency their per-rank shape reaches
+(``gemm.py``), attention at the cluster's ``attention_efficiency`` (flash attention). The host's time to
+issue one block's kernels (``block_overhead_seconds``: Python, dispatcher, launches of an eager block)
+runs ahead of the GPU asynchronously on a GPU cluster, spread over the block's ``KERNELS_PER_BLOCK``
+kernels: each kernel takes the larger of its device time and its share of the host time, so small
+decoding steps are launch-bound while a long attention still adds its time. On a CPU, where ops run
+synchronously, the overhead adds.
 
 A mixture's expert GEMMs: a block's tokens are spread over its experts, each expert multiplying
 only the rows routed to it, so on a small batch the experts are memory-bound and only those some
@@ -21,14 +27,30 @@ from __future__ import annotations
 from restage.cluster import ClusterSpec
 from restage.models.config import ModelConfig
 from restage.models.flops import BlockShape, attended_tokens, block_shape
+from restage.plan.gemm import gemm_efficiency
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Bytes an AdamW step moves per parameter: read param/master, grad, m, v; write master, m, v
 # (mixed precision also writes the 16-bit copy).
 ADAM_BYTES_PER_PARAM = {"fp32": 28, "bf16": 34, "fp16": 34}
-# Elementwise traffic of one block per token, in hidden-size elements (norms, residuals, rotary,
-# activation function), read and written.
-_ELEMENTWISE_HIDDEN_PER_TOKEN = 12
+# Elementwise traffic of one eager block per token, in elements of the model's dtype read and written,
+# counted from models/decoder.py and models/rope.py: an RMSNorm upcasts to fp32, squares, averages, scales,
+# casts back and multiplies by its weight (18 per hidden element; two norms); two residual adds (3 each);
+# RoPE negates, concatenates, multiplies by cos and sin and adds (10 per q and k element); SiLU and the
+# gate product (5 per MLP element). The backward moves about twice the forward's traffic.
+# Counted for the LLaMA family; GPT-2 (fused LayerNorm, GELU) and mixtures are costed with the same count.
+_NORM_ELEMENTS, _RESIDUAL_ELEMENTS, _ROPE_ELEMENTS, _MLP_ACT_ELEMENTS = 18, 3, 10, 5
+
+
+def elementwise_elements_per_token(s: BlockShape) -> float:
+    """Elements the forward's elementwise kernels of one block read and write per token (one TP rank)."""
+    return (2 * _NORM_ELEMENTS + 2 * _RESIDUAL_ELEMENTS) * s.hidden + _ROPE_ELEMENTS * (s.q_out + s.kv_out) \
+        + _MLP_ACT_ELEMENTS * s.inter
+# Kernels one eager LLaMA block launches (counted in models/decoder.py: two RMSNorms of 8 ops, q/k/v/o and
+# gate/up/down GEMMs (7), RoPE on q and k (12), KV-cache writes and attention (4), SiLU and product (2),
+# two residual adds): 43, of which 7 GEMMs and 1 attention; the rest are elementwise.
+KERNELS_PER_BLOCK = 43
+GEMMS_PER_BLOCK = 7
 
 
 class RooflineCompute:
@@ -36,14 +58,42 @@ class RooflineCompute:
 
     source = "roofline"
 
-    def __init__(self, cluster: ClusterSpec, cfg: ModelConfig, dtype: str):
+    def __init__(self, cluster: ClusterSpec, cfg: ModelConfig, dtype: str, launch_overhead_seconds: float | None = None):
+        """``launch_overhead_seconds``: host time per block call; default the cluster's ``block_overhead_seconds``
+        (an engine with CUDA graphs passes about 0: ``engines.py``)."""
         self.cluster, self.cfg, self.dtype = cluster, cfg, dtype
         self.bytes = DTYPE_BYTES[dtype]
+        self.peak_flops_per_second = cluster.peak_flops_per_second(dtype)
         self.flops_per_second = cluster.achievable_flops_per_second(dtype)
+        self.attention_flops_per_second = self.peak_flops_per_second * cluster.attention_efficiency
         self.bytes_per_second = cluster.achievable_memory_bandwidth()
+        self.launch_overhead_seconds = (cluster.block_overhead_seconds if launch_overhead_seconds is None
+                                        else launch_overhead_seconds)
 
     def _kernel(self, flops: float, nbytes: float) -> float:
         return max(flops / self.flops_per_second, nbytes / self.bytes_per_second)
+
+    def _attention(self, flops: float, nbytes: float) -> float:
+        return max(flops / self.attention_flops_per_second, nbytes / self.bytes_per_second)
+
+    def _matmuls(self, s: BlockShape, tokens: float, weights: float) -> float:
+        """The block's GEMMs over ``tokens`` rows, each at the efficiency of its per-rank shape, or the bytes of
+        the weights and activations they read, whichever takes longer."""
+        gemms = ((s.q_out + 2 * s.kv_out, s.hidden), (s.hidden, s.q_out), ((2 if s.gated else 1) * s.inter, s.hidden),
+                 (s.hidden, s.inter), (s.router, s.hidden))
+        flops_seconds = sum(2 * tokens * cols * depth / (self.peak_flops_per_second
+                                                         * gemm_efficiency(self.cluster, tokens, cols, depth))
+                            for cols, depth in gemms if cols)
+        return max(flops_seconds, (weights + tokens * (s.hidden + s.inter)) * self.bytes / self.bytes_per_second)
+
+    def _with_launches(self, matmul: float, attention: float, elementwise: float, calls: int = 1) -> float:
+        """A block's time from its kernels' device seconds: on a GPU each group of kernels takes the larger of its
+        device time and its launches' host time (launches run ahead asynchronously); on a CPU the overhead adds."""
+        if not self.cluster.has_gpus:
+            return matmul + attention + elementwise + calls * self.launch_overhead_seconds
+        per_kernel = calls * self.launch_overhead_seconds / KERNELS_PER_BLOCK
+        return (max(matmul, GEMMS_PER_BLOCK * per_kernel) + max(attention, per_kernel)
+                + max(elementwise, (KERNELS_PER_BLOCK - GEMMS_PER_BLOCK - 1) * per_kernel))
 
     def _weight_elements(self, s: BlockShape, tokens: float, ep: int) -> float:
         """Weight elements one block reads for ``tokens`` tokens on a rank: every dense matrix, and of the experts
@@ -59,11 +109,11 @@ class RooflineCompute:
         s = block_shape(self.cfg, tp)
         tokens = batch * seq
         weights = self._weight_elements(s, tokens, ep)
-        matmul = self._kernel(2 * tokens * s.matmul_params, (weights + tokens * (s.hidden + s.inter)) * self.bytes)
+        matmul = self._matmuls(s, tokens, weights)
         ctx = attended_tokens(seq, self.cfg.sliding_window)
-        attention = self._kernel(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes)
-        elementwise = tokens * _ELEMENTWISE_HIDDEN_PER_TOKEN * s.hidden * self.bytes / self.bytes_per_second
-        return matmul + attention + elementwise + self.cluster.block_overhead_seconds
+        attention = self._attention(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes)
+        elementwise = tokens * elementwise_elements_per_token(s) * self.bytes / self.bytes_per_second
+        return self._with_launches(matmul, attention, elementwise)
 
     def block_backward(self, batch: float, seq: int, tp: int, ep: int = 1) -> float:
         # Two matmuls per forward matmul (input and weight gradients), flash attention's backward
@@ -71,11 +121,11 @@ class RooflineCompute:
         s = block_shape(self.cfg, tp)
         tokens = batch * seq
         weights = self._weight_elements(s, tokens, ep)
-        matmul = 2 * self._kernel(2 * tokens * s.matmul_params, (weights + tokens * (s.hidden + s.inter)) * self.bytes)
+        matmul = 2 * self._matmuls(s, tokens, weights)
         ctx = attended_tokens(seq, self.cfg.sliding_window)
-        attention = 2.5 * self._kernel(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes)
-        elementwise = 2 * tokens * _ELEMENTWISE_HIDDEN_PER_TOKEN * s.hidden * self.bytes / self.bytes_per_second
-        return matmul + attention + elementwise + 2 * self.cluster.block_overhead_seconds
+        attention = 2.5 * self._attention(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes)
+        elementwise = 2 * tokens * elementwise_elements_per_token(s) * self.bytes / self.bytes_per_second
+        return self._with_launches(matmul, attention, elementwise, calls=2)
 
     def block_prefill(self, batch: float, seq: int, tp: int, ep: int = 1) -> float:
         """A forward over the prompts that also writes the KV cache."""
@@ -86,9 +136,9 @@ class RooflineCompute:
         """One new token for each of ``batch`` sequences, attending to ``ctx`` cached tokens each."""
         s = block_shape(self.cfg, tp)
         ctx = min(ctx, self.cfg.sliding_window) if self.cfg.sliding_window else ctx
-        matmul = self._kernel(2 * batch * s.matmul_params, self._weight_elements(s, batch, ep) * self.bytes)
-        attention = self._kernel(4 * batch * ctx * s.q_out, batch * ctx * 2 * s.kv_out * self.bytes)
-        return matmul + attention + self.cluster.block_overhead_seconds
+        matmul = self._matmuls(s, batch, self._weight_elements(s, batch, ep))
+        attention = self._attention(4 * batch * ctx * s.q_out, batch * ctx * 2 * s.kv_out * self.bytes)
+        return self._with_launches(matmul, attention, 0.0)
 
     def embed_forward(self, tokens: float) -> float:
         return tokens * self.cfg.hidden_size * self.bytes * 2 / self.bytes_per_second
@@ -96,7 +146,9 @@ class RooflineCompute:
     def head_forward(self, tokens: float, tp: int) -> float:
         # Logits are kept in fp32 for the log-probabilities: written once, read by the softmax.
         s = block_shape(self.cfg, tp)
-        return self._kernel(2 * tokens * s.hidden * s.head_out, s.head_out * s.hidden * self.bytes + tokens * s.head_out * 8)
+        flops_seconds = 2 * tokens * s.hidden * s.head_out / (
+            self.peak_flops_per_second * gemm_efficiency(self.cluster, tokens, s.head_out, s.hidden))
+        return max(flops_seconds, (s.head_out * s.hidden * self.bytes + tokens * s.head_out * 8) / self.bytes_per_second)
 
     def head_backward(self, tokens: float, tp: int) -> float:
         return 2 * self.head_forward(tokens, tp)

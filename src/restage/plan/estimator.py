@@ -35,6 +35,7 @@ from restage.plan.comm import (
     reduce_scatter_seconds,
 )
 from restage.plan.compute import DTYPE_BYTES, ProfiledCompute, RooflineCompute
+from restage.plan.nccl import bus_bandwidth
 from restage.plan.profile import find_profile
 
 # Bytes per parameter of mixed-precision AdamW state: fp32 master copy, m and v. Plain fp32
@@ -186,7 +187,7 @@ class Estimator:
         which the runtime runs as one batch)."""
         s = layout.strategy
         m = 1 if mfc.kind == "generate" else (micro_batches or max(mfc.micro_batches, s.pp))
-        links = tuple(self.cluster.link(_worst_group(layout, k)) for k in ("tp", "dp", "pp", "ep"))
+        links = tuple(bus_bandwidth(self.cluster, _worst_group(layout, k)) for k in ("tp", "dp", "pp", "ep"))
         key = (mfc, role, s, m, links)
         if key not in self._cache:
             self._cache[key] = self._estimate(mfc, role, layout, m)
