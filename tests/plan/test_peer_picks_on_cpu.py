@@ -21,9 +21,9 @@ def colocated(world, gen_tp):
 
 # Per config and peer: the layouts of ORDER's MFCs. DeepSpeed-Chat and verl colocate everything data-parallel
 # and raise only the generation's TP (DeepSpeed-Chat from 1, verl from its rule's 2); OpenRLHF's fastest
-# arrangement: the hybrid engine on one node, the paired groups at 13B and 70B, the 70B script's groups at 34B;
-# NeMo-Aligner's fastest power-of-two critic job: a node for the 7B critic beside a 13B-70B actor (a quarter of
-# the GPUs at 34B, a sixteenth at 70B), half of one node beside a 7B actor.
+# arrangement (generation costed as its vLLM engines run): the hybrid engine on one node and at 34B, the paired
+# groups at 13B and 70B; NeMo-Aligner's fastest power-of-two critic job: a node for the 7B critic beside a 13B
+# or 70B actor (a sixteenth of the GPUs at 70B), half a node at 34B and beside a 7B actor.
 PICKS = {
     "7b-h100x8-gen128": {
         "deepspeed_chat": colocated(8, 1), "openrlhf": colocated(8, 1), "verl": colocated(8, 2),
@@ -37,10 +37,9 @@ PICKS = {
                          "[0-7]dp4tp2pp1", "[8-15]dp8tp1pp1"]},
     "34b-h100x32-gen128": {
         "deepspeed_chat": colocated(32, 2), "verl": colocated(32, 2),
-        "openrlhf": ["[16-23]dp8tp1pp1", "[24-27]dp4tp1pp1", "[28-31]dp4tp1pp1", "[8-15]dp8tp1pp1", "[0-7]dp8tp1pp1",
-                     "[8-15]dp8tp1pp1"],
-        "nemo_aligner": ["[0-23]dp6tp4pp1", "[24-31]dp8tp1pp1", "[0-23]dp6tp4pp1", "[24-31]dp8tp1pp1",
-                         "[0-23]dp6tp4pp1", "[24-31]dp8tp1pp1"]},
+        "openrlhf": colocated(32, 2),
+        "nemo_aligner": ["[0-27]dp7tp4pp1", "[28-31]dp4tp1pp1", "[0-27]dp7tp4pp1", "[28-31]dp4tp1pp1",
+                         "[0-27]dp7tp4pp1", "[28-31]dp4tp1pp1"]},
     "70b-h100x128-gen128": {
         "deepspeed_chat": colocated(128, 4), "verl": colocated(128, 4),
         "openrlhf": ["[86-127]dp21tp2pp1", "[43-85]dp43tp1pp1", "[0-42]dp43tp1pp1", "[43-85]dp43tp1pp1",
@@ -49,7 +48,7 @@ PICKS = {
                          "[0-119]dp15tp8pp1", "[120-127]dp8tp1pp1"]},
 }
 OPENRLHF_ARRANGEMENT = {"7b-h100x8-gen128": "colocate_all_models", "13b-h100x16-gen128": "colocate_actor_ref+critic_reward",
-                        "34b-h100x32-gen128": "separate", "70b-h100x128-gen128": "colocate_actor_ref+critic_reward"}
+                        "34b-h100x32-gen128": "colocate_all_models", "70b-h100x128-gen128": "colocate_actor_ref+critic_reward"}
 NEMO_CRITIC_SIZES = {"7b-h100x8-gen128": [1, 2, 4], "13b-h100x16-gen128": [1, 2, 4, 8],
                      "34b-h100x32-gen128": [1, 2, 4, 8, 16], "70b-h100x128-gen128": [1, 2, 4, 8, 16, 32, 64]}
 

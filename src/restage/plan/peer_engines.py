@@ -15,9 +15,12 @@
   the actor on its training layout; it is added to the actor's train step (same ranks, and the train
   step waits for it anyway). Under ZeRO-3 / FSDP that forward gathers the parameters layer by layer.
 
-Where this meets a generation cost model of restage's own for an ``engine: vllm`` style (no per-layer
-Python overhead, KV for live sequences only): ``waves_estimate`` is the one place the peers' batched KV
-rule lives, and should call that model for one wave once it exists.
+* **The generation engine's speed**: a peer that generates with vLLM (OpenRLHF, verl) or TensorRT-LLM
+  (NeMo-Aligner: CUDA graphs and in-flight batching too, modelled the same way) has its generation time
+  from ``engines.vllm_generate_seconds`` (CUDA graphs, continuous batching over the KV cache its memory
+  setting leaves), one engine per data-parallel rank of the layout's TP; DeepSpeed-Chat's Hybrid Engine
+  runs eager kernels, so it keeps restage's own decoding cost. Whether a layout fits is still one
+  wave's memory (above); a layout with pp > 1 (NeMo-Aligner without its reshard) keeps the waves' time.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import math
 
 from restage.graph import MFC
 from restage.layout import Layout
+from restage.plan.engines import VllmEngine, vllm_generate_seconds
 from restage.plan.estimator import Estimate, sequences_per_rank
 from restage.plan.problem import Candidate, PlanProblem
 
@@ -60,13 +64,31 @@ def old_logprob_seconds(problem: PlanProblem, train: MFC, layout: Layout, micro_
     return problem.estimator.estimate(forward, frozen, layout, micro_batches).seconds
 
 
+def engine_estimate(problem: PlanProblem, mfc: MFC, layout: Layout, waves: int, engine: VllmEngine) -> Estimate:
+    """A generation on one vLLM-style engine per data-parallel rank: ``waves``' memory, the engine's seconds."""
+    est = waves_estimate(problem, mfc, layout, waves)
+    s, role = layout.strategy, problem.role(mfc)
+    if s.pp > 1:
+        return est
+    seconds = vllm_generate_seconds(problem.cluster, role.arch, role.dtype,
+                                    dataclasses.replace(engine, tp=s.tp, first_rank=layout.mesh[0]),
+                                    math.ceil(sequences_per_rank(mfc, s.dp)), mfc.prompt_tokens, mfc.gen_tokens)
+    return dataclasses.replace(est, seconds=seconds, breakdown=(("engine_generate_seconds", seconds),))
+
+
 class PeerProblem(PlanProblem):
-    """A problem scored the way the peers' engines run it: batched generation and the old-log-prob pass."""
+    """A problem scored the way the peers' engines run it: batched generation (on ``engine``, a vLLM-style
+    engine's settings, or restage's eager decoding when None) and the old-log-prob pass."""
+
+    engine: VllmEngine | None = None
 
     def candidate(self, mfc: MFC | str, layout: Layout, micro_batches: int | None = None) -> Candidate:
         mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
         if mfc.kind == "generate":
-            return Candidate(mfc.name, layout, waves_estimate(self, mfc, layout, micro_batches or 1))
+            waves = micro_batches or 1
+            est = (waves_estimate(self, mfc, layout, waves) if self.engine is None
+                   else engine_estimate(self, mfc, layout, waves, self.engine))
+            return Candidate(mfc.name, layout, est)
         cand = super().candidate(mfc, layout, micro_batches)
         if mfc.kind == "train_step" and any(m.kind == "generate" and m.model == mfc.model for m in self.mfcs):
             extra = old_logprob_seconds(self, mfc, layout, cand.micro_batches)

@@ -39,6 +39,7 @@ import itertools
 from collections.abc import Callable
 
 from restage.layout import Layout, Strategy
+from restage.plan.engines import VllmEngine
 from restage.plan.estimator import ModelRole, dp_size_ok, stage_param_elements
 from restage.plan.evaluate import PlanEvaluation, fit_plan
 from restage.plan.peer_engines import PeerProblem
@@ -51,15 +52,21 @@ SAVERS = ("offload_frozen", "gradient_checkpointing", "offload_optimizer")
 # OpenRLHF's 70B example: GPUs per group for the actor, critic, vLLM engines, reference, reward.
 OPENRLHF_WEIGHTS = {"trained": 4, "generate": 4, "frozen": 2}
 VERL_GPU_MEMORY_UTILIZATION = 0.5
+# OpenRLHF's hybrid-engine example (``--colocate_all_models --vllm_enable_sleep --vllm_gpu_memory_utilization 0.6``);
+# its separate vLLM engines keep vLLM's own default (0.9, ``VllmEngine``).
+OPENRLHF_COLOCATED_ENGINE = VllmEngine(gpu_memory_utilization=0.6)
 
 
-def derived(problem: PlanProblem, change: RoleChange) -> PlanProblem:
+def derived(problem: PlanProblem, change: RoleChange, engine: VllmEngine | None = None) -> PlanProblem:
     """The same problem with every model's role changed (a peer's memory strategy), scored as the peers' engines
-    run it (``peer_engines.PeerProblem``); the estimator's caches are shared."""
+    run it (``peer_engines.PeerProblem``, generating on ``engine``); the estimator's caches are shared."""
     roles = {name: change(role) for name, role in problem.roles.items()}
-    return PeerProblem(problem.graph, roles, problem.cluster, estimator=problem.estimator,
-                       samples_per_iteration=problem.samples_per_iteration, overlap_iterations=problem.overlap_iterations,
-                       exact_realloc=problem.exact_realloc, keep_per_size=problem.keep_per_size)
+    derived_problem = PeerProblem(problem.graph, roles, problem.cluster, estimator=problem.estimator,
+                                  samples_per_iteration=problem.samples_per_iteration,
+                                  overlap_iterations=problem.overlap_iterations, exact_realloc=problem.exact_realloc,
+                                  keep_per_size=problem.keep_per_size)
+    derived_problem.engine = engine
+    return derived_problem
 
 
 def _with_stage(stage: int, shard_frozen: bool = False) -> RoleChange:
@@ -100,10 +107,11 @@ def _dp_ok(problem: PlanProblem, layouts: dict[str, Layout]) -> bool:
     return all(dp_size_ok(m, layouts[m.name].strategy.dp) for m in problem.mfcs)
 
 
-def _first_fit(problem: PlanProblem, levels: list[RoleChange], options) -> Found | None:
+def _first_fit(problem: PlanProblem, levels: list[RoleChange], options,
+               engine: VllmEngine | None) -> Found | None:
     """The first (memory level, layouts) in order that fits; ``options(p)`` yields layouts per level."""
     for change in levels:
-        p = derived(problem, change)
+        p = derived(problem, change, engine)
         for layouts in options(p):
             if layouts is None or not _dp_ok(p, layouts):
                 continue
@@ -113,7 +121,8 @@ def _first_fit(problem: PlanProblem, levels: list[RoleChange], options) -> Found
     return None
 
 
-def _colocated_rule(problem: PlanProblem, first_tp: Callable[[ModelRole], int]) -> Found | None:
+def _colocated_rule(problem: PlanProblem, first_tp: Callable[[ModelRole], int],
+                    engine: VllmEngine | None) -> Found | None:
     """Every MFC on all devices data-parallel; generation on a copy with TP from ``first_tp`` upward."""
     world, per_node = problem.cluster.world_size, problem.cluster.devices_per_node
 
@@ -124,11 +133,11 @@ def _colocated_rule(problem: PlanProblem, first_tp: Callable[[ModelRole], int]) 
             yield {m.name: Layout.contiguous(0, Strategy(dp=world // tp, tp=tp) if m.kind == "generate"
                                              else Strategy(dp=world)) for m in p.mfcs}
 
-    return _first_fit(problem, _ladder(_with_stage(3, shard_frozen=True)), options)
+    return _first_fit(problem, _ladder(_with_stage(3, shard_frozen=True)), options, engine)
 
 
 def deepspeed_chat(problem: PlanProblem) -> Found | None:
-    return _colocated_rule(problem, lambda role: 1)
+    return _colocated_rule(problem, lambda role: 1, None)  # its Hybrid Engine decodes eagerly, as restage does
 
 
 def verl(problem: PlanProblem) -> Found | None:
@@ -141,7 +150,7 @@ def verl(problem: PlanProblem) -> Found | None:
             tp *= 2
         return tp
 
-    return _colocated_rule(problem, first_tp)
+    return _colocated_rule(problem, first_tp, VllmEngine(gpu_memory_utilization=VERL_GPU_MEMORY_UTILIZATION))
 
 
 def _stage_params(role: ModelRole) -> tuple[int, ...]:
@@ -172,7 +181,7 @@ def openrlhf_groups(problem: PlanProblem, colocate_pairs: bool) -> Groups:
     return groups + ([((GENERATE,), 1)] if generates else []) + [((f,), 1) for f in frozen]
 
 
-def _grouped_rule(problem: PlanProblem, groups: Groups) -> Found | None:
+def _grouped_rule(problem: PlanProblem, groups: Groups, engine: VllmEngine) -> Found | None:
     """Each group data-parallel on its own GPUs (ZeRO-3, frozen models sharded); generation on vLLM engines of
     ``--vllm_tensor_parallel_size`` from 1 upward, inside a node."""
     world, per_node = problem.cluster.world_size, problem.cluster.devices_per_node
@@ -193,15 +202,15 @@ def _grouped_rule(problem: PlanProblem, groups: Groups) -> Found | None:
             yield {m.name: Layout.contiguous(g0, Strategy(dp=gsize // tp, tp=tp)) if m.kind == "generate"
                    else Layout.contiguous(where[m.model][0], Strategy(dp=where[m.model][1])) for m in p.mfcs}
 
-    return _first_fit(problem, _ladder(_with_stage(3, shard_frozen=True)), options)
+    return _first_fit(problem, _ladder(_with_stage(3, shard_frozen=True)), options, engine)
 
 
 def openrlhf_arrangements(problem: PlanProblem) -> dict[str, Found | None]:
     """OpenRLHF's three documented arrangements: ``--colocate_all_models`` (the hybrid engine: every model and
     the vLLM engines on all GPUs, vLLM asleep while training), the paired groups, the 70B script's groups."""
-    return {"colocate_all_models": _colocated_rule(problem, lambda role: 1),
-            "colocate_actor_ref+critic_reward": _grouped_rule(problem, openrlhf_groups(problem, True)),
-            "separate": _grouped_rule(problem, openrlhf_groups(problem, False))}
+    return {"colocate_all_models": _colocated_rule(problem, lambda role: 1, OPENRLHF_COLOCATED_ENGINE),
+            "colocate_actor_ref+critic_reward": _grouped_rule(problem, openrlhf_groups(problem, True), VllmEngine()),
+            "separate": _grouped_rule(problem, openrlhf_groups(problem, False), VllmEngine())}
 
 
 def openrlhf(problem: PlanProblem) -> Found | None:
@@ -281,7 +290,7 @@ def _nemo_split(problem: PlanProblem, jobs: list, sizes: list[int], per_node: in
             yield {m.name: Layout.contiguous(start, resharded(s, p.role(m)) if m.kind == "generate" else s)
                    for start, job, s in zip(starts, jobs, picked) for m in job}
 
-    return _first_fit(problem, _ladder(_with_stage(1), SAVERS[:2]), options)
+    return _first_fit(problem, _ladder(_with_stage(1), SAVERS[:2]), options, VllmEngine())  # TensorRT-LLM
 
 
 BUILDERS: dict[str, Callable[[PlanProblem], Found | None]] = {
