@@ -125,6 +125,7 @@ class GenerationConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (0: off)
 
 
 @dataclass(frozen=True)
@@ -258,8 +259,8 @@ class ExperimentConfig:
         if not gen.temperature > 0:
             raise ConfigError(f"generation.temperature: {gen.temperature} must be > 0 (for greedy decoding set "
                               "generation.greedy=true)")
-        if gen.top_k < 0 or not 0 < gen.top_p <= 1:
-            raise ConfigError("generation.top_k must be >= 0 and generation.top_p in (0, 1]")
+        if gen.top_k < 0 or not 0 < gen.top_p <= 1 or not 0 <= gen.min_p < 1:
+            raise ConfigError("generation.top_k must be >= 0, generation.top_p in (0, 1] and generation.min_p in [0, 1)")
         if run.save_every < 0 or run.stop_at_step < 0 or run.log_every < 1:
             raise ConfigError("run.save_every and run.stop_at_step must be >= 0 (0: off), run.log_every >= 1")
         if run.eval_every < 0:
