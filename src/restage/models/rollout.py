@@ -54,7 +54,7 @@ class RolloutLimits:
 
     kv_cache_bytes: int | None = None  # None: 2 GiB on CPU, 40% of the free memory on a GPU
     max_slots: int = 64
-    check_every_steps: int = 8  # k: one host sync per k decode steps; a finished request idles < k steps
+    check_every_steps: int = 4  # k: one host sync per k decode steps; a finished request idles < k steps
 
 
 def kv_bytes_per_slot(module: StageModule, max_len: int) -> int:
@@ -137,6 +137,8 @@ class RolloutEngine:
         self.slot_keys = torch.zeros(slots, dtype=torch.int64, device=device)
         self.keys = keys.to(device)
         self.eos = torch.tensor(list(eos_ids), dtype=torch.int64, device=device)
+        self.is_eos = torch.zeros(module.cfg.vocab_size, dtype=torch.bool, device=device)  # a gather, not isin's sort
+        self.is_eos[self.eos] = True
         self.tokens = torch.full((requests + 1, width), params.pad_token_id, dtype=torch.int64, device=device)
         self.logprobs = torch.zeros(requests + 1, width, dtype=torch.float32, device=device)
         self.lengths = torch.zeros(requests + 1, dtype=torch.int64, device=device)
@@ -178,6 +180,30 @@ class RolloutEngine:
         if bound:
             alive = self.alive[:bound].tolist()  # the one host sync per check_every_steps steps
             self._retire([i for i in range(bound) if self.request[i] >= 0 and not alive[i]])
+        if not self.queue:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Move the requests left in high slots down into free low ones when that shrinks the decode bound.
+
+        Nothing waits, so no admission will fill the holes; one copy of a request's cache rows is
+        cheaper than decoding the empty slots below it for the rest of its answer.
+        """
+        busy = [i for i, r in enumerate(self.request) if r >= 0]
+        if _bucket(len(busy), self.num_slots) >= self._bound():
+            return
+        assert self.cache is not None  # slots exist when requests do
+        high = [i for i in busy if i >= len(busy)]
+        low = [i for i in range(len(busy)) if self.request[i] < 0]
+        for source, target in zip(high, low):
+            self.cache.copy_prefix(source, [target], self.length[source])
+            self.request[target], self.length[target], self.step[target] = (self.request[source], self.length[source],
+                                                                           self.step[source])
+            self.request[source], self.length[source], self.step[source] = -1, 0, 0
+        sources, targets = (torch.tensor(x).to(self.device, non_blocking=True) for x in (high, low))
+        for state in (self.next_tokens, self.alive, self.slot_keys):
+            state.index_copy_(0, targets, state.index_select(0, sources))
+        self.alive.index_fill_(0, sources, False)
 
     def _admit(self, join_if_empty: bool) -> None:
         """Waiting requests take the free slots; each new prompt is prefilled once, its siblings copy it."""
@@ -238,16 +264,18 @@ class RolloutEngine:
         if ctx.is_last_stage:
             assert logits is not None  # the last stage's _stage_step returns its logits
             full = gather_from_tp(logits.float(), ctx, self.vocab_sizes)
+            held_back = self.eos if params.min_new_tokens else self.eos[:0]  # EOS ids banned before min_new_tokens
             tokens, logprobs = choose_tokens(full, greedy=params.greedy, temperature=params.temperature,
                                              top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-                                             eos=self.eos, allow_eos=steps >= params.min_new_tokens,
+                                             eos=held_back,
+                                             allow_eos=steps >= params.min_new_tokens,
                                              keys=self.slot_keys[:bound], steps=steps)
         self._share(tokens, logprobs)
         alive = self.alive[:bound]
         self.tokens[rows, steps] = torch.where(alive, tokens, params.pad_token_id)
         self.logprobs[rows, steps] = torch.where(alive, logprobs, 0.0)
         self.lengths.index_add_(0, rows, alive.long())
-        alive &= ~torch.isin(tokens, self.eos)
+        alive &= ~self.is_eos[tokens]
         self.next_tokens[:bound] = tokens
         done = []
         for i in range(bound):

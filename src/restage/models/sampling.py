@@ -19,19 +19,17 @@ import torch
 _MASK32 = 0xFFFFFFFF
 
 
-def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """``x * constant mod 2**32`` for ``0 <= x < 2**32`` in int64 without overflow (split in 16-bit halves)."""
-    lo, hi = constant & 0xFFFF, constant >> 16
-    return ((x * lo) + (((x * hi) & 0xFFFF) << 16)) & _MASK32
-
-
 def hash32(x: torch.Tensor) -> torch.Tensor:
-    """Chris Wellons' lowbias32 integer hash of each 32-bit value of an int64 tensor."""
+    """A 32-bit integer hash of each value of an int64 tensor (lowbias32's shape).
+
+    Both multipliers are below 2**31, so every product of a 32-bit value stays inside int64 (no
+    overflow on any device) and the hash is the same wherever it runs.
+    """
     x = x & _MASK32
     x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
+    x = (x * 0x7FEB352D) & _MASK32
     x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
+    x = (x * 0x5BD1E995) & _MASK32
     return x ^ (x >> 16)
 
 
@@ -83,8 +81,8 @@ def choose_tokens(logits: torch.Tensor, *, greedy: bool, temperature: float, top
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token and its log-probability (under ``softmax(logits / temperature)``) from ``[B, V]`` logits.
 
-    ``allow_eos`` ``[B]`` bool: rows that may stop now (min_new_tokens reached); ``keys``/``steps`` ``[B]``
-    seed each row's noise (unused when greedy).
+    ``eos``: the ids held back on rows where ``allow_eos`` (``[B]`` bool: min_new_tokens reached) is False;
+    ``keys``/``steps`` ``[B]`` seed each row's noise (unused when greedy).
     """
     logits = logits.float()
     if not greedy and temperature != 1.0:
