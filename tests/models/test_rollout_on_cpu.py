@@ -42,19 +42,32 @@ def _eos(module, prompts, params) -> int:
 def test_sampled_tokens_of_a_request_do_not_depend_on_its_batch(llama):
     group = 3
     seeds = [1000 + r for r in range(len(MANY) * group)]
-    full = generate(llama, MANY, SAMPLED, group_size=group, seeds=seeds, limits=RolloutLimits(max_slots=8))
-    for r in (0, 4, 5, 17, 29):
-        alone = generate(llama, [MANY[r // group]], SAMPLED, seeds=[seeds[r]])
+    caps = [(r * 5) % 12 + 1 for r in range(len(seeds))]  # slots free at different steps
+    full = generate(llama, MANY, SAMPLED, group_size=group, seeds=seeds, max_new_tokens=caps,
+                    limits=RolloutLimits(max_slots=8))
+    for r in (0, 4, 5, 8, 17, 29):  # 8: admitted later, its prompt copied from a sibling still decoding
+        alone = generate(llama, [MANY[r // group]], SAMPLED, seeds=[seeds[r]], max_new_tokens=[caps[r]])
         assert alone.sequences()[0] == full.sequences()[r]
         torch.testing.assert_close(alone.logprobs[0], full.logprobs[r], rtol=0, atol=1e-5)
-    assert len({tuple(s) for s in full.sequences()[:group]}) == group  # a group's samples differ
+    same_caps = generate(llama, MANY[:1], SAMPLED, group_size=group)
+    assert len({tuple(s) for s in same_caps.sequences()}) == group  # a group's samples differ
 
 
-def test_a_group_prefilled_once_equals_its_prompt_prefilled_per_sample(llama):
+def test_a_group_prefilled_once_equals_its_prompt_prefilled_per_sample(llama, monkeypatch):
     group = 4
     seeds = list(range(len(PROMPTS) * group))
+    prefilled: list[int] = []
+    original = RolloutEngine._prefill
+
+    def counted(self, slots, prefixes):
+        prefilled.extend(len(p) for p in prefixes)
+        original(self, slots, prefixes)
+
+    monkeypatch.setattr(RolloutEngine, "_prefill", counted)
     shared = generate(llama, PROMPTS, SAMPLED, group_size=group, seeds=seeds)
+    assert sorted(prefilled) == sorted(len(p) - 1 for p in PROMPTS)  # each prompt once, not once per sample
     separate = generate(llama, [p for p in PROMPTS for _ in range(group)], SAMPLED, seeds=seeds)
+    assert len(prefilled) == len(PROMPTS) * (1 + group)
     assert shared.sequences() == separate.sequences()
     torch.testing.assert_close(shared.logprobs, separate.logprobs, rtol=0, atol=1e-5)  # batch shapes differ
     # The copied prefix holds the very keys/values a prefill of that row computes.
