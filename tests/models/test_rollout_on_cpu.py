@@ -189,3 +189,8 @@ def test_a_long_answer_left_alone_moves_to_the_first_slot(llama, monkeypatch):
     monkeypatch.setattr(RolloutEngine, "_decode", original)
     for i, prompt in enumerate(PROMPTS):
         assert out.sequences()[i] == generate(llama, [prompt], params, max_new_tokens=[[2, 2, 2, 12][i]]).sequences()[0]
+
+
+def test_a_stop_id_past_the_vocabulary_never_stops_an_answer(llama):
+    out = generate(llama, PROMPTS, SamplingParams(max_new_tokens=5, greedy=True, eos_token_ids=(llama.cfg.vocab_size + 3,)))
+    assert out.lengths.tolist() == [5] * len(PROMPTS)

@@ -136,8 +136,9 @@ class RolloutEngine:
         self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
         self.slot_keys = torch.zeros(slots, dtype=torch.int64, device=device)
         self.keys = keys.to(device)
-        self.eos = torch.tensor(list(eos_ids), dtype=torch.int64, device=device)
-        self.is_eos = torch.zeros(module.cfg.vocab_size, dtype=torch.bool, device=device)  # a gather, not isin's sort
+        vocab = module.cfg.vocab_size  # an id past the vocabulary (some configs list one) is never sampled
+        self.eos = torch.tensor([i for i in eos_ids if 0 <= i < vocab], dtype=torch.int64, device=device)
+        self.is_eos = torch.zeros(vocab, dtype=torch.bool, device=device)  # a gather, not isin's sort
         self.is_eos[self.eos] = True
         self.tokens = torch.full((requests + 1, width), params.pad_token_id, dtype=torch.int64, device=device)
         self.logprobs = torch.zeros(requests + 1, width, dtype=torch.float32, device=device)
