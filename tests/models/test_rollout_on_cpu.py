@@ -125,7 +125,7 @@ def test_gumbel_sampling_follows_the_filtered_softmax():
     torch.testing.assert_close(frequencies[:3], logits[0, :3].softmax(-1), rtol=0, atol=0.01)
 
 
-def test_slots_come_from_the_memory_budget(llama):
+def test_slots_come_from_the_memory_budget(llama, monkeypatch):
     per_slot = kv_bytes_per_slot(llama, 40)
     cfg = llama.cfg
     assert per_slot == 2 * cfg.num_layers * 40 * cfg.num_kv_heads * cfg.head_dim * 4
@@ -133,6 +133,14 @@ def test_slots_come_from_the_memory_budget(llama):
     assert plan_slots(llama, 2, 40, RolloutLimits(kv_cache_bytes=30 * per_slot)) == 2
     with pytest.raises(ConfigError, match="kv_cache_bytes"):
         plan_slots(llama, 1, 40, RolloutLimits(kv_cache_bytes=per_slot - 1))
+    # generate takes the budget from the generation config: a tiny one is refused, max_slots bounds the engine.
+    with pytest.raises(ConfigError, match="kv_cache_bytes"):
+        generate(llama, PROMPTS, SamplingParams(max_new_tokens=4, greedy=True, kv_cache_gib=1e-9))
+    seen: list[int] = []
+    original = RolloutEngine.run
+    monkeypatch.setattr(RolloutEngine, "run", lambda self: seen.append(self.num_slots) or original(self))
+    generate(llama, PROMPTS, SamplingParams(max_new_tokens=4, greedy=True, max_slots=2))
+    assert seen == [2]
 
 
 _SYNCS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy")

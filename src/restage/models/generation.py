@@ -59,13 +59,14 @@ class GenerationOutput:
 @torch.no_grad()
 def generate(module: StageModule, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(), *,
              group_size: int = 1, seeds: Sequence[int] | None = None, max_new_tokens: Sequence[int] | None = None,
-             limits: RolloutLimits = RolloutLimits()) -> GenerationOutput:
+             limits: RolloutLimits | None = None) -> GenerationOutput:
     """Continue every prompt ``group_size`` times; all ranks of the model's replica call it with the same arguments.
 
     Request ``r = i * group_size + j`` is sample ``j`` of prompt ``i`` (row ``r`` of the output); a
     group's prompt is prefilled once. ``seeds[r]`` (default ``request_seed(params.seed, r)``) alone
     decides request r's random choices, whatever else is in the batch; ``max_new_tokens[r]``
-    (at most ``params.max_new_tokens``, the output's width) caps its answer.
+    (at most ``params.max_new_tokens``, the output's width) caps its answer. ``limits`` default to
+    the params' ``kv_cache_gib`` and ``max_slots``.
 
     Under ep every replica of an ep group must call it, with its own prompts or none: the replicas
     step in lockstep (their sparse layers exchange tokens) until all of them are done.
@@ -84,6 +85,9 @@ def generate(module: StageModule, prompts: Sequence[Sequence[int]], params: Samp
         raise ConfigError(f"prompt of {longest} tokens + max_new_tokens={params.max_new_tokens} exceeds the model's "
                           f"{cfg.max_positions} positions; shorten the prompts or max_new_tokens")
     eos_ids = list(params.eos_token_ids if params.eos_token_ids is not None else cfg.stop_token_ids)
+    if limits is None:
+        budget = int(params.kv_cache_gib * (1 << 30)) if params.kv_cache_gib > 0 else None
+        limits = RolloutLimits(kv_cache_bytes=budget, max_slots=params.max_slots)
     prompt_of = [r // group_size for r in range(requests)]
     engine = RolloutEngine(module, prompts, prompt_of, caps, request_keys(seeds), params, eos_ids, limits)
     tokens, logprobs, lengths = engine.run()

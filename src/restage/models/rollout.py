@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # the API module imports this one
 
 @dataclass(frozen=True)
 class RolloutLimits:
-    """How big the engine may grow."""
+    """How big the engine may grow (``generate`` takes the first two from ``generation.kv_cache_gib`` and ``max_slots``)."""
 
     kv_cache_bytes: int | None = None  # None: 2 GiB on CPU, 40% of the free memory on a GPU
     max_slots: int = 64
