@@ -125,6 +125,10 @@ class GenerationConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (0: off)
+    # The rollout engine's KV cache: as many slots (sequences decoding at once) as this budget holds, at most max_slots.
+    kv_cache_gib: float = 0.0  # 0: 40% of the free memory on a GPU, 2 GiB on CPU
+    max_slots: int = 64
 
 
 @dataclass(frozen=True)
@@ -260,8 +264,11 @@ class ExperimentConfig:
         if not gen.temperature > 0:
             raise ConfigError(f"generation.temperature: {gen.temperature} must be > 0 (for greedy decoding set "
                               "generation.greedy=true)")
-        if gen.top_k < 0 or not 0 < gen.top_p <= 1:
-            raise ConfigError("generation.top_k must be >= 0 and generation.top_p in (0, 1]")
+        if gen.max_slots < 1 or gen.kv_cache_gib < 0:
+            raise ConfigError(f"generation.max_slots ({gen.max_slots}) must be >= 1 and generation.kv_cache_gib "
+                              f"({gen.kv_cache_gib}) >= 0 (0: sized from free memory)")
+        if gen.top_k < 0 or not 0 < gen.top_p <= 1 or not 0 <= gen.min_p < 1:
+            raise ConfigError("generation.top_k must be >= 0, generation.top_p in (0, 1] and generation.min_p in [0, 1)")
         if run.save_every < 0 or run.stop_at_step < 0 or run.log_every < 1:
             raise ConfigError("run.save_every and run.stop_at_step must be >= 0 (0: off), run.log_every >= 1")
         if run.threads_per_rank < 0:

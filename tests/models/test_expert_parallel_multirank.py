@@ -59,6 +59,7 @@ def _run(rank, world_size, paths, early_eos):
     from restage.models.generation import SamplingParams, generate
     from restage.models.parallel import gather_from_tp, vocab_sizes
     from restage.models.pipeline import pipeline_forward, train_1f1b
+    from restage.models.rollout import RolloutLimits
     from restage.runtime.realloc import execute_reallocation, groups_for
     from restage.schedule.realloc_plan import plan_reallocation
 
@@ -68,7 +69,7 @@ def _run(rank, world_size, paths, early_eos):
     layouts = {key: Layout(tuple(range(world_size)), s) for key, s in LAYOUTS.items()}
     groups = ProcessGroups([g for layout in layouts.values() for g in layout.all_groups()]
                            + groups_for(*(p for pair in plans for p in pair)))
-    out = {"logits": {}, "generated": {}, "grads": {}, "losses": {}, "realloc": {}}
+    out = {"logits": {}, "generated": {}, "queued": {}, "grads": {}, "losses": {}, "realloc": {}}
     for (key, layout), name in ((kv, name) for kv in layouts.items() for name in MOE):
         module = load_stage(paths[name], layout, groups, rank)
         ctx = module.ctx
@@ -80,6 +81,10 @@ def _run(rank, world_size, paths, early_eos):
         prompts, eos = replica_prompts(ctx.dp_rank, early_eos[name])
         gen = generate(module, prompts, SamplingParams(max_new_tokens=NEW_TOKENS, greedy=True, eos_token_ids=eos))
         out["generated"][(name, key, rank)] = (ctx.dp_rank, gen.sequences())
+        if name == "mixtral" and key in ("dp4ep2", "dp2ep2pp2"):  # a queue longer than the slots, in lockstep
+            queued = generate(module, prompts, SamplingParams(max_new_tokens=NEW_TOKENS, greedy=True, eos_token_ids=eos),
+                              group_size=2, limits=RolloutLimits(max_slots=1, check_every_steps=3))
+            out["queued"][(key, rank)] = (gen.sequences(), queued.sequences())
         if key == "dp2ep2pp2" and name == "mixtral":
             mbs = _micro_batches(TRAIN[ctx.dp_rank])
             losses = train_1f1b(module, mbs, _loss(module, len(mbs)), aux_scale=1 / len(mbs))
@@ -177,6 +182,13 @@ def test_greedy_generation_is_token_identical_with_replicas_that_finish_early_or
     assert {key for key, _ in runs} == set(LAYOUTS)
     for (key, rank), (dp_index, sequences) in runs.items():
         assert sequences == expected[dp_index], f"{name} {key} rank {rank} (replica {dp_index})"
+
+
+def test_a_queue_longer_than_the_slots_decodes_in_lockstep_under_ep(results):
+    """One slot per replica, two greedy samples per prompt: each sample is the replica's single-slot answer."""
+    assert len(results["queued"]) == 8
+    for alone, queued in results["queued"].values():
+        assert queued == [answer for answer in alone for _ in range(2)]
 
 
 def test_1f1b_gradients_under_dp2_ep2_pp2_equal_one_rank(results, moe_path):

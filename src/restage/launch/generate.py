@@ -32,6 +32,7 @@ from restage.layout import Layout, ProcessGroups, Strategy
 from restage.models.checkpoint import load_stage
 from restage.models.config import ModelConfig
 from restage.models.generation import SamplingParams, generate
+from restage.models.sampling import request_seed
 from restage.models.sharding import validate_strategy
 from restage.models.tiny import quiet_transformers
 from restage.runtime.control import Control, init_torch_distributed
@@ -56,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0: off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    parser.add_argument("--min-p", type=float, default=0.0, help="0: off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
@@ -186,14 +188,16 @@ def _run(args, nproc: int, use_mpi: bool) -> int:
     cfg = module.cfg
     eos = cfg.stop_token_ids
     params = SamplingParams(max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens, greedy=args.greedy,
-                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            seed=args.seed,
                             eos_token_ids=eos, pad_token_id=cfg.pad_token_id or 0)
     coord = layout.coord(rank)
     assert coord is not None  # the mesh is every rank
     mine = list(range(coord.dp, len(prompts), strategy.dp))
     rows: list[Completion] = []
     if mine or strategy.ep > 1:  # under ep a replica without prompts still serves its experts to its peers
-        out = generate(module, [prompts[i] for i in mine], params)
+        # Each prompt's noise is seeded by its index in the file, so the answers do not depend on dp.
+        out = generate(module, [prompts[i] for i in mine], params, seeds=[request_seed(args.seed, i) for i in mine])
         rows = [Completion(i, ids, logprobs) for i, ids, logprobs in zip(mine, out.sequences(), out.token_logprobs())]
     if control is not None:
         gathered = control.gather(rows if coord.pp == 0 and coord.tp == 0 else [])

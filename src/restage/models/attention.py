@@ -126,6 +126,9 @@ class KVCache:
         self.longest = 0
         self.max_len = max_len
         self.decoding = False
+        # Cache row of each sequence of a prefill batch (``[B]`` on the device); None: rows 0 .. B-1.
+        # A decode step over B sequences always uses rows 0 .. B-1 (the rollout engine's slots).
+        self.rows: torch.Tensor | None = None
 
     def set_lengths(self, length: int) -> None:
         """Pretend every row holds ``length`` tokens (the profiler times a decode step against a full cache)."""
@@ -140,14 +143,21 @@ class KVCache:
     def prefill(self, layer: int, batch: PackedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a packed batch's keys/values (one sequence per cache row, at their positions)."""
         seq, pos = batch.seq_index(), batch.positions
+        if self.rows is not None:
+            seq = self.rows[seq]
         self.k[layer][seq, pos] = k
         self.v[layer][seq, pos] = v
+
+    def copy_prefix(self, source: int, targets: list[int], num_tokens: int) -> None:
+        """Give rows ``targets`` the first ``num_tokens`` keys/values of row ``source`` (a prompt prefilled once)."""
+        for cache in (*self.k.values(), *self.v.values()):
+            cache[targets, :num_tokens] = cache[source, :num_tokens]
 
     def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          window: int | None = None) -> torch.Tensor:
         """Append one token per sequence (``q`` ``[B, H, D]``) and attend to the cache; ``[B, H, D]``."""
         scale = 1.0 / math.sqrt(q.shape[-1])
-        k_cache, v_cache = self.k[layer], self.v[layer]
+        k_cache, v_cache = self.k[layer][: q.shape[0]], self.v[layer][: q.shape[0]]  # views: rows 0 .. B-1
         if use_flash(q):
             out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, k=k.unsqueeze(1), v=v.unsqueeze(1),
                                           cache_seqlens=self.lengths.to(torch.int32), softmax_scale=scale,

@@ -127,7 +127,7 @@ def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm,
     eos = module.cfg.eos_token_id
     pad = module.cfg.pad_token_id if module.cfg.pad_token_id is not None else (eos or 0)
     params = SamplingParams(**{**dataclasses.asdict(gen), "greedy": gen.greedy or mfc.greedy}, pad_token_id=pad, seed=seed)
-    result = generate(module, repeated, params)
+    result = generate(module, prompt_ids, params, group_size=group)  # each prompt prefilled once for its group
     answers, answer_logprobs = result.sequences(), result.token_logprobs()
     # An empty answer (EOS first with min_new_tokens=0 still yields that EOS) keeps at least one token.
     seqs = [p + a for p, a in zip(repeated, answers, strict=True)]

@@ -1,0 +1,298 @@
+"""The rollout engine: continuous batching over a KV cache of fixed slots, one prefill per prompt group.
+
+The cache is allocated once, ``[slots, max_len, H_kv, D]`` per layer, its slot count set by a
+memory budget (``RolloutLimits``). Slots rather than pages: an answer's length is bounded by
+``max_new_tokens``, so a slot wastes at most the gap between a prompt and the longest prompt; in
+exchange the SDPA decode reads each row as a plain strided view (pages would need a gather per
+layer per step on CPU, or a paged kernel) and every buffer keeps one shape for the whole rollout.
+
+Requests wait in a queue that may be longer than the slots. A request takes a free slot with its
+prompt minus the last token already in the cache: the prompt is prefilled once per group (GRPO,
+RLOO, best-of-n) and its keys/values copied into the siblings' slots (the compute is shared; the
+memory is not, which pages would also share). The last prompt token is each sample's first decode
+input, so every sample draws its first answer token from its own noise.
+
+No host sync inside the decode loop: the host knows every slot's length and answer position
+(both grow by one per step) and retires a request at its max length by itself; only EOS is seen
+on the device alone. Every ``check_every_steps`` steps one ``tolist`` reads the slots' alive
+flags, finished requests leave and waiting ones take their slots.
+
+Under expert parallelism the dp replicas of an ep group exchange tokens in their sparse layers,
+so they step in lockstep: each round is one check, one prefill forward (or an empty join) and
+``check_every_steps`` decode forwards (or joins), until no replica has work left.
+
+For CUDA graphs later: a decode step reads only static buffers (``next_tokens``, the cache, the
+slot keys) over the first ``hi`` slots, with ``hi`` rounded up to a power of two, so one graph per
+bucket can be captured with the host-built index tensors copied into fixed staging buffers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from restage.errors import ConfigError
+from restage.models.decoder import StageModule
+from restage.models.moe import MoEMLP
+from restage.models.packing import PackedBatch, pack
+from restage.models.parallel import gather_from_tp, vocab_sizes
+from restage.models.pipeline import recv_tensor, send_tensor
+from restage.models.sampling import choose_tokens
+
+if TYPE_CHECKING:  # the API module imports this one
+    from restage.models.generation import SamplingParams
+
+
+@dataclass(frozen=True)
+class RolloutLimits:
+    """How big the engine may grow (``generate`` takes the first two from ``generation.kv_cache_gib`` and ``max_slots``)."""
+
+    kv_cache_bytes: int | None = None  # None: 2 GiB on CPU, 40% of the free memory on a GPU
+    max_slots: int = 64
+    check_every_steps: int = 4  # k: one host sync per k decode steps; a finished request idles < k steps
+
+
+def kv_bytes_per_slot(module: StageModule, max_len: int) -> int:
+    """Bytes one slot of this stage's cache takes (keys and values of its layers)."""
+    layers = module.layer_range[1] - module.layer_range[0]
+    kv_heads = module.cfg.num_kv_heads // module.ctx.tp_size
+    return 2 * layers * max_len * kv_heads * module.cfg.head_dim * module.dtype.itemsize
+
+
+def plan_slots(module: StageModule, num_requests: int, max_len: int, limits: RolloutLimits) -> int:
+    """Number of cache slots: as many as the budget holds, at most ``max_slots`` and the request count."""
+    budget = limits.kv_cache_bytes
+    device = next(module.parameters()).device
+    if budget is None:
+        budget = int(0.4 * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 2 << 30
+    fits = budget // max(1, kv_bytes_per_slot(module, max_len))
+    if num_requests and fits < 1:
+        raise ConfigError(f"a KV cache slot of {max_len} tokens needs {kv_bytes_per_slot(module, max_len)} bytes, over "
+                          f"the budget of {budget}; raise kv_cache_bytes or shorten prompts / max_new_tokens")
+    return min(limits.max_slots, num_requests, fits)
+
+
+def _bucket(n: int, slots: int) -> int:
+    return 0 if n == 0 else min(slots, 1 << (n - 1).bit_length())
+
+
+def _stage_step(module: StageModule, inputs: torch.Tensor, batch: PackedBatch, cache, select) -> torch.Tensor | None:
+    """One forward of this stage inside the pipeline; the last stage returns its logits slice."""
+    ctx = module.ctx
+    if not ctx.is_first_stage:
+        buffer = torch.empty(batch.num_tokens, module.cfg.hidden_size, dtype=module.dtype, device=inputs.device)
+        inputs = recv_tensor(buffer, ctx.prev_rank)
+    out = module(inputs, batch, cache=cache, select=select)
+    if not ctx.is_last_stage:
+        send_tensor(out, ctx.next_rank)
+        return None
+    return out
+
+
+def _join_sparse_layers(module: StageModule) -> None:
+    """Take part in one step of this stage's sparse layers with no tokens of our own (ep: peers may send us theirs)."""
+    empty = torch.empty(0, module.cfg.hidden_size, dtype=module.dtype, device=next(module.parameters()).device)
+    for block in module.layers.values():
+        if isinstance(block.mlp, MoEMLP):
+            block.mlp(empty)
+
+
+def _ep_peers_done(done: bool, module: StageModule) -> bool:
+    """Whether every replica of this rank's ep group is done (one small all-reduce); ``done`` without ep."""
+    ctx = module.ctx
+    if ctx.ep_size == 1:
+        return done
+    flag = torch.tensor([1 if done else 0], dtype=torch.int64, device=next(module.parameters()).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ctx.ep_group)
+    return bool(flag.item())
+
+
+class RolloutEngine:
+    """Runs ``requests`` (prompt index, max new tokens, noise key) over ``num_slots`` cache slots."""
+
+    def __init__(self, module: StageModule, prompts: Sequence[Sequence[int]], prompt_of: Sequence[int],
+                 max_new: Sequence[int], keys: torch.Tensor, params: SamplingParams, eos_ids: Sequence[int],
+                 limits: RolloutLimits):
+        self.module, self.prompts, self.prompt_of, self.max_new = module, prompts, list(prompt_of), list(max_new)
+        self.params, self.limits = params, limits
+        self.device = device = next(module.parameters()).device
+        requests = len(self.prompt_of)
+        width = max(self.max_new, default=1)
+        max_len = max((len(prompts[p]) + m for p, m in zip(self.prompt_of, self.max_new)), default=1)
+        self.num_slots = slots = plan_slots(module, requests, max_len, limits)
+        self.cache = module.new_cache(slots, max_len) if slots else None
+        self.queue = deque(range(requests))
+        # Host bookkeeping per slot (exact, never read back from the device).
+        self.request = [-1] * slots  # -1: free
+        self.length = [0] * slots  # tokens in the cache before this step's input
+        self.step = [0] * slots  # answer tokens chosen so far
+        # Device state per slot, and the outputs (one spare row takes the free slots' writes).
+        self.next_tokens = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.slot_keys = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.keys = keys.to(device)
+        vocab = module.cfg.vocab_size  # an id past the vocabulary (some configs list one) is never sampled
+        self.eos = torch.tensor([i for i in eos_ids if 0 <= i < vocab], dtype=torch.int64, device=device)
+        self.is_eos = torch.zeros(vocab, dtype=torch.bool, device=device)  # a gather, not isin's sort
+        self.is_eos[self.eos] = True
+        self.tokens = torch.full((requests + 1, width), params.pad_token_id, dtype=torch.int64, device=device)
+        self.logprobs = torch.zeros(requests + 1, width, dtype=torch.float32, device=device)
+        self.lengths = torch.zeros(requests + 1, dtype=torch.int64, device=device)
+        self.vocab_sizes = vocab_sizes(module.cfg.vocab_size, module.ctx)
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Generate every request: ``(tokens [R, W], logprobs [R, W], lengths [R])``."""
+        lockstep = self.module.ctx.ep_size > 1
+        while True:
+            self._reap()
+            if _ep_peers_done(not self.queue and self._bound() == 0, self.module):
+                break
+            self._admit(join_if_empty=lockstep)
+            for _ in range(self.limits.check_every_steps):
+                if not lockstep and self.queue and -1 in self.request:
+                    self._admit(join_if_empty=False)  # a request left at its max length: no sync needed
+                if self._bound():
+                    self._decode()
+                elif lockstep:
+                    _join_sparse_layers(self.module)
+                else:
+                    break
+        return self.tokens[:-1], self.logprobs[:-1], self.lengths[:-1]
+
+    def _bound(self) -> int:
+        """Slots a decode step runs over: past the last busy slot, rounded up to a power of two."""
+        last = max((i for i, r in enumerate(self.request) if r >= 0), default=-1)
+        return _bucket(last + 1, self.num_slots)
+
+    def _retire(self, slots: list[int]) -> None:
+        for i in slots:
+            self.request[i], self.length[i], self.step[i] = -1, 0, 0
+        if slots:
+            self.alive.index_fill_(0, torch.tensor(slots).to(self.device, non_blocking=True), False)
+
+    def _reap(self) -> None:
+        """The check: one read of the alive flags; requests that stopped at EOS leave their slots."""
+        bound = self._bound()
+        if bound:
+            alive = self.alive[:bound].tolist()  # the one host sync per check_every_steps steps
+            self._retire([i for i in range(bound) if self.request[i] >= 0 and not alive[i]])
+        if not self.queue:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Move the requests left in high slots down into free low ones when that shrinks the decode bound.
+
+        Nothing waits, so no admission will fill the holes; one copy of a request's cache rows is
+        cheaper than decoding the empty slots below it for the rest of its answer.
+        """
+        busy = [i for i, r in enumerate(self.request) if r >= 0]
+        if _bucket(len(busy), self.num_slots) >= self._bound():
+            return
+        assert self.cache is not None  # slots exist when requests do
+        high = [i for i in busy if i >= len(busy)]
+        low = [i for i in range(len(busy)) if self.request[i] < 0]
+        for source, target in zip(high, low):
+            self.cache.copy_prefix(source, [target], self.length[source])
+            self.request[target], self.length[target], self.step[target] = (self.request[source], self.length[source],
+                                                                           self.step[source])
+            self.request[source], self.length[source], self.step[source] = -1, 0, 0
+        sources, targets = (torch.tensor(x).to(self.device, non_blocking=True) for x in (high, low))
+        for state in (self.next_tokens, self.alive, self.slot_keys):
+            state.index_copy_(0, targets, state.index_select(0, sources))
+        self.alive.index_fill_(0, sources, False)
+
+    def _admit(self, join_if_empty: bool) -> None:
+        """Waiting requests take the free slots; each new prompt is prefilled once, its siblings copy it."""
+        free = [i for i, r in enumerate(self.request) if r < 0][: len(self.queue)]
+        holder = {self.prompt_of[r]: i for i, r in enumerate(self.request) if r >= 0}
+        fresh: dict[int, int] = {}  # prompt -> the slot it is prefilled into now
+        copies: list[tuple[int, int, int]] = []  # (source slot, target slot, tokens)
+        for slot in free:
+            request = self.queue.popleft()
+            prompt = self.prompt_of[request]
+            prefix = len(self.prompts[prompt]) - 1
+            self.request[slot], self.length[slot], self.step[slot] = request, prefix, 0
+            if prefix == 0:
+                continue
+            if prompt in fresh or prompt in holder:
+                copies.append((fresh.get(prompt, holder.get(prompt, -1)), slot, prefix))
+            else:
+                fresh[prompt] = slot
+            holder.setdefault(prompt, slot)
+        if free:
+            index = torch.tensor(free).to(self.device, non_blocking=True)
+            requests = [self.request[i] for i in free]
+            last = torch.tensor([self.prompts[self.prompt_of[r]][-1] for r in requests])
+            self.next_tokens.index_copy_(0, index, last.to(self.device, non_blocking=True))
+            self.alive.index_fill_(0, index, True)
+            self.slot_keys.index_copy_(0, index, self.keys.index_select(
+                0, torch.tensor(requests).to(self.device, non_blocking=True)))
+        if fresh:
+            self._prefill(list(fresh.values()), [self.prompts[p][:-1] for p in fresh])
+        elif join_if_empty:
+            _join_sparse_layers(self.module)
+        if copies:
+            assert self.cache is not None  # slots exist when requests do
+            for source, target, tokens in copies:
+                self.cache.copy_prefix(source, [target], tokens)
+
+    def _prefill(self, slots: list[int], prefixes: list[Sequence[int]]) -> None:
+        assert self.cache is not None  # slots exist when requests do
+        inputs, batch = pack(prefixes, device=self.device)
+        self.cache.rows = torch.tensor(slots).to(self.device, non_blocking=True)
+        self.cache.decoding = False
+        _stage_step(self.module, inputs, batch, self.cache, torch.empty(0, dtype=torch.int64, device=self.device))
+        self.cache.rows = None
+
+    def _decode(self) -> None:
+        """One token for every slot below the bound (free slots compute into their own unused rows)."""
+        assert self.cache is not None  # slots exist when requests do
+        module, params, ctx, bound = self.module, self.params, self.module.ctx, self._bound()
+        busy = [r >= 0 for r in self.request[:bound]]
+        spare = len(self.tokens) - 1
+        host = torch.tensor([self.length[:bound], [s if b else 0 for s, b in zip(self.step[:bound], busy)],
+                             [r if b else spare for r, b in zip(self.request[:bound], busy)]])
+        positions, steps, rows = host.to(self.device, non_blocking=True).unbind(0)
+        self.cache.lengths, self.cache.longest, self.cache.decoding = positions, max(self.length[:bound]), True
+        logits = _stage_step(module, self.next_tokens[:bound], PackedBatch.decode_step(positions), self.cache, None)
+        tokens = torch.zeros(bound, dtype=torch.int64, device=self.device)
+        logprobs = torch.zeros(bound, dtype=torch.float32, device=self.device)
+        if ctx.is_last_stage:
+            assert logits is not None  # the last stage's _stage_step returns its logits
+            full = gather_from_tp(logits.float(), ctx, self.vocab_sizes)
+            held_back = self.eos if params.min_new_tokens else self.eos[:0]  # EOS ids banned before min_new_tokens
+            tokens, logprobs = choose_tokens(full, greedy=params.greedy, temperature=params.temperature,
+                                             top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                                             eos=held_back,
+                                             allow_eos=steps >= params.min_new_tokens,
+                                             keys=self.slot_keys[:bound], steps=steps)
+        self._share(tokens, logprobs)
+        alive = self.alive[:bound]
+        self.tokens[rows, steps] = torch.where(alive, tokens, params.pad_token_id)
+        self.logprobs[rows, steps] = torch.where(alive, logprobs, 0.0)
+        self.lengths.index_add_(0, rows, alive.long())
+        alive &= ~self.is_eos[tokens]
+        self.next_tokens[:bound] = tokens
+        done = []
+        for i in range(bound):
+            if busy[i]:
+                self.length[i] += 1
+                self.step[i] += 1
+                if self.step[i] == self.max_new[self.request[i]]:
+                    done.append(i)
+        self._retire(done)
+
+    def _share(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Make every rank of the replica hold the last stage's choice (in place)."""
+        ctx = self.module.ctx
+        if ctx.is_last_stage and ctx.tp_size > 1 and not self.params.greedy:  # one sampler decides for the TP group
+            for t in (tokens, logprobs):
+                dist.broadcast(t, src=ctx.tp_ranks[0], group=ctx.tp_group)
+        if ctx.pp_size > 1:
+            for t in (tokens, logprobs):
+                dist.broadcast(t, src=ctx.last_stage_rank, group=ctx.pp_group)
