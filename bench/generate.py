@@ -36,8 +36,9 @@ import torch
 from restage.device import DTYPES
 from restage.layout import Layout, Strategy
 from restage.models.checkpoint import load_stage
-from restage.models.generation import SamplingParams, generate
+from restage.models.generation import generate
 from restage.models.rollout import RolloutLimits
+from restage.models.sampling import SamplingParams
 from restage.models.tiny import BENCH_SIZES, FAMILIES, build_tiny, load_hf
 
 SIZES = {"40m": BENCH_SIZES,

@@ -56,10 +56,11 @@ def _run(rank, world_size, paths, early_eos):
     from restage.models.checkpoint import load_stage
     from restage.models.config import ModelConfig
     from restage.models.expert_parallel import average_gradients
-    from restage.models.generation import SamplingParams, generate
+    from restage.models.generation import generate
     from restage.models.parallel import gather_from_tp, vocab_sizes
     from restage.models.pipeline import pipeline_forward, train_1f1b
     from restage.models.rollout import RolloutLimits
+    from restage.models.sampling import SamplingParams
     from restage.runtime.realloc import execute_reallocation, groups_for
     from restage.schedule.realloc_plan import plan_reallocation
 

@@ -14,7 +14,8 @@ from restage.data.tokenizer import load_tokenizer
 from restage.demo import ensure_tiny_model
 from restage.layout import Layout, Strategy
 from restage.models.checkpoint import load_stage
-from restage.models.generation import SamplingParams, generate
+from restage.models.generation import generate
+from restage.models.sampling import SamplingParams
 
 
 def test_json_completions_equal_library_generation(tiny_models, capsys):

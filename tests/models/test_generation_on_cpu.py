@@ -8,9 +8,10 @@ from model_cases import PROMPTS, sample_sequences
 
 from restage.layout import Layout, Strategy
 from restage.models.checkpoint import load_stage
-from restage.models.generation import SamplingParams, generate
+from restage.models.generation import generate
 from restage.models.packing import pack
 from restage.models.parallel import vocab_parallel_logprobs
+from restage.models.sampling import SamplingParams
 
 ONE_RANK = Layout((0,), Strategy())
 

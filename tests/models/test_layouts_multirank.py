@@ -30,10 +30,11 @@ def _run_layouts(rank, world_size, paths, save_root):
     from restage.models.checkpoint import load_checkpoint, load_stage, save_checkpoint
     from restage.models.config import ModelConfig
     from restage.models.decoder import StageModule
-    from restage.models.generation import SamplingParams, generate
+    from restage.models.generation import generate
     from restage.models.packing import pack
     from restage.models.parallel import ParallelContext, gather_from_tp, vocab_sizes
     from restage.models.pipeline import MicroBatch, pipeline_forward
+    from restage.models.sampling import SamplingParams
     from restage.models.sharding import shard_bytes
 
     layouts = {key: Layout(tuple(range(world_size)), s) for key, s in STRATEGIES.items()}

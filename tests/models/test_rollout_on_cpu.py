@@ -11,11 +11,11 @@ from model_cases import PROMPTS, sample_sequences
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
 from restage.models.checkpoint import load_stage
-from restage.models.generation import SamplingParams, generate
+from restage.models.generation import generate
 from restage.models.packing import pack
 from restage.models.parallel import vocab_parallel_logprobs
 from restage.models.rollout import RolloutEngine, RolloutLimits, kv_bytes_per_slot, plan_slots
-from restage.models.sampling import choose_tokens, request_keys
+from restage.models.sampling import SamplingParams, choose_tokens, request_keys
 
 ONE_RANK = Layout((0,), Strategy())
 SAMPLED = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, seed=7)

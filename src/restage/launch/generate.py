@@ -31,8 +31,8 @@ from restage.launch.mpirun import mpirun_command
 from restage.layout import Layout, ProcessGroups, Strategy
 from restage.models.checkpoint import load_stage
 from restage.models.config import ModelConfig
-from restage.models.generation import SamplingParams, generate
-from restage.models.sampling import request_seed
+from restage.models.generation import generate
+from restage.models.sampling import SamplingParams, request_seed
 from restage.models.sharding import validate_strategy
 from restage.models.tiny import quiet_transformers
 from restage.runtime.control import Control, init_torch_distributed

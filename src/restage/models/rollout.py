@@ -31,7 +31,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -42,10 +41,7 @@ from restage.models.moe import MoEMLP
 from restage.models.packing import PackedBatch, pack
 from restage.models.parallel import gather_from_tp, vocab_sizes
 from restage.models.pipeline import recv_tensor, send_tensor
-from restage.models.sampling import choose_tokens
-
-if TYPE_CHECKING:  # the API module imports this one
-    from restage.models.generation import SamplingParams
+from restage.models.sampling import SamplingParams, choose_tokens
 
 
 @dataclass(frozen=True)

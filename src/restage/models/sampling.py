@@ -1,4 +1,5 @@
-"""Picking the next token: temperature, top-k, top-p, min-p, EOS held back, and counter-based noise.
+"""How tokens are picked (``SamplingParams``) and picking them: temperature, top-k, top-p, min-p, EOS held back,
+and counter-based noise.
 
 Why counter-based noise: a sampled token must depend on its own request only, never on which
 batch-mates or cache slot it decoded beside, so that a batch of one and a full batch give the same
@@ -13,8 +14,34 @@ ops, with no generator state, no host sync and fixed shapes (so it fits a CUDA g
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+from restage.config import GenerationConfig
+from restage.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams(GenerationConfig):
+    """How to pick tokens: the config's ``generation:`` section, plus what the model and the run decide.
+
+    ``top_k=0``, ``top_p=1`` and ``min_p=0`` switch those filters off.
+    """
+
+    eos_token_ids: tuple[int, ...] | None = None  # None: the model config's stop_token_ids (every EOS id)
+    pad_token_id: int = 0  # fills tokens after a sequence ended
+    seed: int = 0  # request r's noise is seeded by request_seed(seed, r) unless generate is given seeds
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
+            raise ConfigError(f"need 0 <= min_new_tokens <= max_new_tokens and max_new_tokens >= 1, got "
+                              f"min={self.min_new_tokens} max={self.max_new_tokens}")
+        if not self.greedy and (self.temperature <= 0 or not 0 < self.top_p <= 1 or self.top_k < 0
+                                or not 0 <= self.min_p < 1):
+            raise ConfigError("sampling needs temperature > 0, 0 < top_p <= 1, top_k >= 0 and 0 <= min_p < 1")
+
+
 
 _MASK32 = 0xFFFFFFFF
 

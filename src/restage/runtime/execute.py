@@ -23,11 +23,12 @@ from restage.data.batch import Batch, pack_sequences
 from restage.device import rank_device
 from restage.graph import MFC
 from restage.models.decoder import StageModule
-from restage.models.generation import SamplingParams, generate
+from restage.models.generation import generate
 from restage.models.moe import RouterLog, router_stats
 from restage.models.packing import PackedBatch
 from restage.models.parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from restage.models.pipeline import MicroBatch, pipeline_forward, train_1f1b
+from restage.models.sampling import SamplingParams
 from restage.runtime.engines import Engine
 
 
