@@ -179,12 +179,8 @@ class ProfiledCompute:
 
     def _block(self, op: str, batch: float, seq: float, tp: int, ep: int, roofline) -> float:
         """A block op from the profile (measured without ep); under ep scaled by the roofline's ratio of the two."""
-        measured = self.profile.lookup(op, batch, seq, tp)
-        if measured is None:
-            self.used.add("roofline")
-            return roofline(batch, seq, tp, ep)
-        self.used.add("profile")
-        return measured * (roofline(batch, seq, tp, ep) / roofline(batch, seq, tp, 1) if ep > 1 else 1.0)
+        seconds = self._ask(op, batch, seq, tp, lambda: roofline(batch, seq, tp, 1))
+        return seconds if ep == 1 else seconds * roofline(batch, seq, tp, ep) / roofline(batch, seq, tp, 1)
 
     def block_forward(self, batch: float, seq: int, tp: int, ep: int = 1) -> float:
         return self._block("block_forward", batch, seq, tp, ep, self.roofline.block_forward)

@@ -80,7 +80,9 @@ class PeerProblem(PlanProblem):
     """A problem scored the way the peers' engines run it: batched generation (on ``engine``, a vLLM-style
     engine's settings, or restage's eager decoding when None) and the old-log-prob pass."""
 
-    engine: VllmEngine | None = None
+    def __init__(self, *args, engine: VllmEngine | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.engine = engine
 
     def candidate(self, mfc: MFC | str, layout: Layout, micro_batches: int | None = None) -> Candidate:
         mfc = self.graph[mfc] if isinstance(mfc, str) else mfc

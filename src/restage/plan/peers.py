@@ -61,12 +61,9 @@ def derived(problem: PlanProblem, change: RoleChange, engine: VllmEngine | None 
     """The same problem with every model's role changed (a peer's memory strategy), scored as the peers' engines
     run it (``peer_engines.PeerProblem``, generating on ``engine``); the estimator's caches are shared."""
     roles = {name: change(role) for name, role in problem.roles.items()}
-    derived_problem = PeerProblem(problem.graph, roles, problem.cluster, estimator=problem.estimator,
-                                  samples_per_iteration=problem.samples_per_iteration,
-                                  overlap_iterations=problem.overlap_iterations, exact_realloc=problem.exact_realloc,
-                                  keep_per_size=problem.keep_per_size)
-    derived_problem.engine = engine
-    return derived_problem
+    return PeerProblem(problem.graph, roles, problem.cluster, estimator=problem.estimator,
+                       samples_per_iteration=problem.samples_per_iteration, overlap_iterations=problem.overlap_iterations,
+                       exact_realloc=problem.exact_realloc, keep_per_size=problem.keep_per_size, engine=engine)
 
 
 def _with_stage(stage: int, shard_frozen: bool = False) -> RoleChange:
