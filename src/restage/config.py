@@ -129,6 +129,9 @@ class GenerationConfig:
     # The rollout engine's KV cache: as many slots (sequences decoding at once) as this budget holds, at most max_slots.
     kv_cache_gib: float = 0.0  # 0: 40% of the free memory on a GPU, 2 GiB on CPU
     max_slots: int = 64
+    # On CUDA, decode steps are captured as one CUDA graph per batch bucket and replayed (models/decode_graphs.py);
+    # CPU and the layouts graphs do not cover (pp > 1, tp > 1, mixtures of experts) decode eagerly whatever this says.
+    cuda_graphs: bool = True
 
 
 @dataclass(frozen=True)

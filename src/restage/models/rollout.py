@@ -21,9 +21,10 @@ Under expert parallelism the dp replicas of an ep group exchange tokens in their
 so they step in lockstep: each round is one check, one prefill forward (or an empty join) and
 ``check_every_steps`` decode forwards (or joins), until no replica has work left.
 
-For CUDA graphs later: a decode step reads only static buffers (``next_tokens``, the cache, the
-slot keys) over the first ``hi`` slots, with ``hi`` rounded up to a power of two, so one graph per
-bucket can be captured with the host-built index tensors copied into fixed staging buffers.
+A decode step reads only static buffers (``next_tokens``, the cache, the slot keys, and a staging
+buffer the host copies each slot's position, step and output row into) over the first ``hi`` slots,
+``hi`` rounded up to a power of two; on CUDA it is captured once per bucket as a CUDA graph and
+replayed (``decode_graphs.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from restage.errors import ConfigError
+from restage.models.decode_graphs import DecodeGraphs, DecodeMode, choose_decode_mode, stage_inputs
 from restage.models.decoder import StageModule
 from restage.models.moe import MoEMLP
 from restage.models.packing import PackedBatch, pack
@@ -113,7 +115,7 @@ class RolloutEngine:
 
     def __init__(self, module: StageModule, prompts: Sequence[Sequence[int]], prompt_of: Sequence[int],
                  max_new: Sequence[int], keys: torch.Tensor, params: SamplingParams, eos_ids: Sequence[int],
-                 limits: RolloutLimits):
+                 limits: RolloutLimits, decode_mode: DecodeMode | None = None):
         self.module, self.prompts, self.prompt_of, self.max_new = module, prompts, list(prompt_of), list(max_new)
         self.params, self.limits = params, limits
         self.device = device = next(module.parameters()).device
@@ -140,6 +142,12 @@ class RolloutEngine:
         self.logprobs = torch.zeros(requests + 1, width, dtype=torch.float32, device=device)
         self.lengths = torch.zeros(requests + 1, dtype=torch.int64, device=device)
         self.vocab_sizes = vocab_sizes(module.cfg.vocab_size, module.ctx)
+        ctx, cfg = module.ctx, module.cfg
+        # decode_mode None: CUDA graphs where they serve (decode_graphs.choose_decode_mode), else eager.
+        self.decode_mode, self.decode_reason = (decode_mode, "asked for") if decode_mode else choose_decode_mode(
+            device, enabled=params.cuda_graphs, tp_size=ctx.tp_size, pp_size=ctx.pp_size, ep_size=ctx.ep_size,
+            sparse=any(cfg.is_sparse(i) for i in range(*module.layer_range)))
+        self.graphs = DecodeGraphs(self._decode_step, slots, device, self.decode_mode)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Generate every request: ``(tokens [R, W], logprobs [R, W], lengths [R])``."""
@@ -248,13 +256,25 @@ class RolloutEngine:
     def _decode(self) -> None:
         """One token for every slot below the bound (free slots compute into their own unused rows)."""
         assert self.cache is not None  # slots exist when requests do
-        module, params, ctx, bound = self.module, self.params, self.module.ctx, self._bound()
-        busy = [r >= 0 for r in self.request[:bound]]
-        spare = len(self.tokens) - 1
-        host = torch.tensor([self.length[:bound], [s if b else 0 for s, b in zip(self.step[:bound], busy)],
-                             [r if b else spare for r, b in zip(self.request[:bound], busy)]])
-        positions, steps, rows = host.to(self.device, non_blocking=True).unbind(0)
-        self.cache.lengths, self.cache.longest, self.cache.decoding = positions, max(self.length[:bound]), True
+        bound = self._bound()
+        # A graph replays one shape per bucket: attention then covers every cache position, masked.
+        self.cache.longest = self.cache.max_len - 1 if self.graphs.fixed_span else max(self.length[:bound])
+        self.graphs.run(bound, stage_inputs(self.length, self.step, self.request, bound, len(self.tokens) - 1))
+        done = []
+        for i in range(bound):
+            if self.request[i] >= 0:
+                self.length[i] += 1
+                self.step[i] += 1
+                if self.step[i] == self.max_new[self.request[i]]:
+                    done.append(i)
+        self._retire(done)
+
+    def _decode_step(self, bound: int, staged: torch.Tensor) -> None:
+        """The device half of a decode step; it reads and writes only static buffers (a CUDA graph replays it)."""
+        assert self.cache is not None  # slots exist when requests do
+        module, params, ctx = self.module, self.params, self.module.ctx
+        positions, steps, rows = staged.unbind(0)  # views of the staging buffer: position, answer step, output row
+        self.cache.lengths, self.cache.decoding = positions, True
         logits = _stage_step(module, self.next_tokens[:bound], PackedBatch.decode_step(positions), self.cache, None)
         tokens = torch.zeros(bound, dtype=torch.int64, device=self.device)
         logprobs = torch.zeros(bound, dtype=torch.float32, device=self.device)
@@ -274,14 +294,6 @@ class RolloutEngine:
         self.lengths.index_add_(0, rows, alive.long())
         alive &= ~self.is_eos[tokens]
         self.next_tokens[:bound] = tokens
-        done = []
-        for i in range(bound):
-            if busy[i]:
-                self.length[i] += 1
-                self.step[i] += 1
-                if self.step[i] == self.max_new[self.request[i]]:
-                    done.append(i)
-        self._retire(done)
 
     def _share(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Make every rank of the replica hold the last stage's choice (in place)."""

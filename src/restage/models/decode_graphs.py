@@ -1,0 +1,118 @@
+"""Decode steps over static buffers: eager, or captured as one CUDA graph per batch-size bucket and replayed.
+
+A decode step of the rollout engine (``rollout.py``) runs over the first ``bound`` cache slots,
+``bound`` a bucket: a power of two, or the slot count (``buckets``). Everything the step reads
+lives in buffers allocated once per engine (the KV cache, the slots' next tokens, alive flags and
+noise keys, the output rows) plus one staging buffer, ``[3, slots]`` int64: each slot's cache
+length (its position), its answer step and its output row. The host builds those three rows for
+the bucket (``stage_inputs``: free slots of the bucket get position 0, step 0 and the spare output
+row) and copies them into the staging buffer before the step, so the step itself makes no host to
+device copy, reads no value back and has the same shapes every time its bucket runs.
+
+Three modes (``choose_decode_mode``):
+
+* ``eager``: the step runs as plain PyTorch; SDPA attends over the longest filled prefix. CPU, and
+  every layout graphs do not cover.
+* ``static``: eager too, but with the shapes a graph needs (SDPA attends over all ``max_len`` cache
+  positions, masked). The CPU tests run it to check the buffers, padding and buckets a graph
+  replays give the eager tokens.
+* ``graphs`` (CUDA, ``generation.cuda_graphs``): a bucket's first step is the warm-up, run eagerly
+  on a side stream (lazy initialisation, cuBLAS workspaces and flash-attn's kernel selection happen
+  outside capture), then the same step is captured with ``torch.cuda.graph`` into a
+  ``torch.cuda.CUDAGraph``; later steps of that bucket copy their staging rows in and ``replay()``.
+  The graphs of all buckets share one memory pool (``torch.cuda.graph_pool_handle``): a step's
+  intermediates die inside its graph and its results go to the engine's buffers (allocated before
+  any capture), so buckets may replay in any order over the same pool memory.
+
+Graphs are kept to one pipeline stage, one TP rank and dense MLPs: pp hands activations between
+stages with send/recv driven by the host, mixtures of experts read the tokens-per-expert counts on
+the host, and TP collectives, while NCCL >= 2.9.6 can capture them, would make every TP rank
+capture in lockstep through ProcessGroupNCCL's capture handling, which this repository has never
+run on a GPU; those layouts stay eager (same results, same buffers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+
+DecodeMode = Literal["eager", "static", "graphs"]
+StepFn = Callable[[int, torch.Tensor], None]  # (bound, staged [3, bound] view of the static buffer) -> None
+
+
+def buckets(slots: int) -> list[int]:
+    """The decode bounds an engine of ``slots`` slots can use: powers of two below it, then ``slots``."""
+    sizes = [1 << i for i in range(max(slots, 1).bit_length()) if 1 << i < slots]
+    return sizes + [slots] if slots else []
+
+
+def stage_inputs(lengths: Sequence[int], steps: Sequence[int], requests: Sequence[int], bound: int,
+                 spare_row: int) -> torch.Tensor:
+    """``[3, bound]`` int64 host rows (position, answer step, output row) of slots ``0 .. bound-1``.
+
+    A free slot (``requests[i] < 0``) decodes into its own unused cache row at its recorded length
+    (0 once retired), with step 0 and the output's spare row, so it writes nothing anyone reads.
+    """
+    busy = [r >= 0 for r in requests[:bound]]
+    return torch.tensor([list(lengths[:bound]),
+                         [s if b else 0 for s, b in zip(steps[:bound], busy)],
+                         [r if b else spare_row for r, b in zip(requests[:bound], busy)]], dtype=torch.int64)
+
+
+def choose_decode_mode(device: torch.device, *, enabled: bool, tp_size: int, pp_size: int, ep_size: int,
+                       sparse: bool) -> tuple[DecodeMode, str]:
+    """``graphs`` where CUDA graphs serve this decode, else ``eager``; and why, in a few words."""
+    if device.type != "cuda":
+        return "eager", f"{device.type} device"
+    if not enabled:
+        return "eager", "generation.cuda_graphs is off"
+    if pp_size > 1:
+        return "eager", "pp > 1 (stages exchange activations with host-driven send/recv)"
+    if tp_size > 1:
+        return "eager", "tp > 1 (TP collectives are not captured)"
+    if ep_size > 1 or sparse:
+        return "eager", "mixture of experts (tokens per expert are read on the host)"
+    return "graphs", "one CUDA graph per batch bucket"
+
+
+class DecodeGraphs:
+    """The staging buffer and, in ``graphs`` mode, the captured graph of each bucket; ``run`` does one step."""
+
+    def __init__(self, step: StepFn, slots: int, device: torch.device, mode: DecodeMode):
+        self.step, self.mode, self.device = step, mode, device
+        self.staged = torch.zeros(3, slots, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
+
+    @property
+    def fixed_span(self) -> bool:
+        """Whether attention covers every cache position (one shape per bucket, as a graph needs)."""
+        return self.mode != "eager"
+
+    def run(self, bound: int, host: torch.Tensor) -> None:
+        """Copy ``host`` (``stage_inputs``) into the staging buffer and run the step over ``bound`` slots."""
+        staged = self.staged[:, :bound]
+        staged.copy_(host, non_blocking=True)  # before the step, on the stream it runs on
+        if self.mode != "graphs":
+            self.step(bound, staged)
+        elif bound in self.graphs:
+            self.graphs[bound].replay()
+        else:
+            self.graphs[bound] = self._warm_up_and_capture(bound, staged)
+
+    def _warm_up_and_capture(self, bound: int, staged: torch.Tensor) -> torch.cuda.CUDAGraph:
+        """Run this step eagerly on a side stream (the warm-up), then capture it for the next ones."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)  # the staging copy
+        with torch.cuda.stream(side):
+            self.step(bound, staged)  # this step's real work: capture below records without running
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads of the process (NCCL's watchdog, reward workers) may touch CUDA
+        # meanwhile; only this thread's calls must be capture-safe.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self.step(bound, staged)
+        return graph

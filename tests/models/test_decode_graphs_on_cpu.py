@@ -1,0 +1,151 @@
+"""Decode steps over static buffers (decode_graphs.py): the buckets, padding and staging a CUDA graph replays.
+
+The ``static`` mode runs on CPU exactly what ``graphs`` mode captures on CUDA (same step function, same
+buffers, one shape per bucket); its tokens must equal the eager engine's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_cases import PROMPTS, sample_sequences
+
+from restage.layout import Layout, Strategy
+from restage.models import attention
+from restage.models.checkpoint import load_stage
+from restage.models.decode_graphs import DecodeGraphs, buckets, choose_decode_mode, stage_inputs
+from restage.models.decoder import StageModule
+from restage.models.rollout import RolloutEngine, RolloutLimits, _bucket
+from restage.models.sampling import SamplingParams, request_keys, request_seed
+
+ONE_RANK = Layout((0,), Strategy())
+MANY = sample_sequences([6, 1, 14, 9, 3, 11, 7, 2, 12, 5], seed=11)
+CAPS = [10, 3, 10, 7, 10, 1, 10, 10, 5, 10]  # per-request max lengths: slots free at different steps
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_models):
+    return load_stage(tiny_models["llama"], ONE_RANK, None, 0)
+
+
+def test_buckets_are_the_bounds_the_engine_uses():
+    assert buckets(1) == [1]
+    assert buckets(6) == [1, 2, 4, 6]
+    assert buckets(8) == [1, 2, 4, 8]
+    assert buckets(0) == []
+    for slots in range(1, 20):
+        assert {_bucket(n, slots) for n in range(1, slots + 1)} == set(buckets(slots))
+
+
+def test_stage_inputs_pad_free_slots_into_the_spare_row():
+    lengths, steps, requests = [5, 0, 7, 3, 9], [2, 0, 4, 1, 6], [0, -1, 3, 2, 4]
+    host = stage_inputs(lengths, steps, requests, bound=4, spare_row=10)
+    assert host.dtype == torch.int64
+    assert host.tolist() == [[5, 0, 7, 3], [2, 0, 4, 1], [0, 10, 3, 2]]
+    # A free slot keeps its recorded length (0 once retired) but never its stale step.
+    assert stage_inputs([4, 8], [3, 5], [-1, 1], bound=2, spare_row=7).tolist() == [[4, 8], [0, 5], [7, 1]]
+
+
+def test_run_copies_into_one_static_buffer_and_steps_over_its_view():
+    seen: list[tuple[int, int, list[list[int]]]] = []
+    graphs = DecodeGraphs(lambda bound, staged: seen.append((bound, staged.data_ptr(), staged.tolist())), 8,
+                          torch.device("cpu"), "static")
+    graphs.staged.fill_(-1)
+    graphs.run(2, torch.tensor([[3, 4], [0, 1], [5, 6]]))
+    graphs.run(4, torch.tensor([[1, 2, 3, 4], [0, 0, 0, 0], [9, 9, 9, 9]]))
+    assert [s[0] for s in seen] == [2, 4]
+    assert seen[0][2] == [[3, 4], [0, 1], [5, 6]]
+    assert {s[1] for s in seen} == {graphs.staged.data_ptr()}  # the same addresses a graph replays
+    assert graphs.staged[:, 4:].eq(-1).all()  # slots past the bucket untouched
+    assert graphs.fixed_span and not DecodeGraphs(lambda b, s: None, 2, torch.device("cpu"), "eager").fixed_span
+
+
+def test_graphs_are_chosen_for_a_single_cuda_rank_only():
+    single = dict(tp_size=1, pp_size=1, ep_size=1, sparse=False)
+    assert choose_decode_mode(torch.device("cuda", 0), enabled=True, **single)[0] == "graphs"
+    assert choose_decode_mode(torch.device("cpu"), enabled=True, **single) == ("eager", "cpu device")
+    assert choose_decode_mode(torch.device("cuda"), enabled=False, **single)[0] == "eager"
+    for change in (dict(tp_size=2), dict(pp_size=2), dict(ep_size=2), dict(sparse=True)):
+        mode, reason = choose_decode_mode(torch.device("cuda"), enabled=True, **{**single, **change})
+        assert mode == "eager" and reason
+
+
+def test_the_engine_picks_eager_on_cpu_and_its_config_switch_exists(llama):
+    params = SamplingParams(max_new_tokens=4, greedy=True)
+    assert params.cuda_graphs is True  # generation.cuda_graphs: on by default, used on CUDA only
+    engine = RolloutEngine(llama, PROMPTS, [0, 1], [4, 4], request_keys([0, 1]), params, [], RolloutLimits())
+    assert (engine.decode_mode, engine.decode_reason) == ("eager", "cpu device")
+
+
+def _run(module: StageModule, params: SamplingParams, mode, slots: int, k: int):
+    requests = len(MANY) * 2
+    engine = RolloutEngine(module, MANY, [r // 2 for r in range(requests)], [CAPS[r // 2] for r in range(requests)],
+                           request_keys([request_seed(params.seed, r) for r in range(requests)]), params,
+                           [] if params.eos_token_ids is None else list(params.eos_token_ids),
+                           RolloutLimits(max_slots=slots, check_every_steps=k), decode_mode=mode)
+    bounds: list[int] = []
+    original = engine.graphs.run
+    engine.graphs.run = lambda bound, host: bounds.append(bound) or original(bound, host)  # type: ignore[method-assign]
+    tokens, logprobs, lengths = engine.run()
+    return tokens, logprobs, lengths, bounds
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_static_steps_give_the_eager_tokens_across_bucket_changes(llama, greedy):
+    eos = (int(MANY[0][0]),) if greedy else (5, 17, 40)  # a stop set so answers end early and slots refill
+    params = SamplingParams(max_new_tokens=10, greedy=greedy, temperature=0.8, top_k=40, top_p=0.95, seed=3,
+                            eos_token_ids=eos)
+    eager = _run(llama, params, "eager", slots=5, k=3)
+    static = _run(llama, params, "static", slots=5, k=3)
+    assert eager[3] == static[3]  # the same bucket sequence
+    assert {5, 4, 2} <= set(static[3])  # 20 requests through 5 slots: refills, then the tail shrinks the bucket
+    assert torch.equal(eager[0], static[0]) and torch.equal(eager[2], static[2])
+    torch.testing.assert_close(eager[1], static[1], rtol=0, atol=1e-5)  # attention over more masked keys
+    assert len(set(static[2].tolist())) >= 3  # answers of several lengths (caps and stops)
+
+
+def test_static_steps_keep_their_shapes_and_addresses_per_bucket(llama, monkeypatch):
+    """Per bucket: every decode forward reads the same addresses with the same shapes, and builds no host tensor."""
+    per_bucket: dict[int, set] = {}
+    key_lengths: set[int] = set()
+    original_forward = StageModule.forward
+    original_sdpa = attention.F.scaled_dot_product_attention
+
+    def forward(self, inputs, batch, cache=None, select=None, routing=None):
+        if cache is not None and cache.decoding:
+            bound = inputs.shape[0]
+            per_bucket.setdefault(bound, set()).add((inputs.data_ptr(), batch.positions.data_ptr(),
+                                                     cache.lengths.data_ptr(), cache.longest))
+        return original_forward(self, inputs, batch, cache, select, routing)
+
+    in_step = [False]
+
+    def sdpa(q, k, v, **kwargs):
+        if in_step[0]:
+            key_lengths.add(k.shape[2])
+        return original_sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(StageModule, "forward", forward)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa)
+    built: list[int] = []
+    step = RolloutEngine._decode_step
+
+    def counted_step(self, bound, staged):
+        tensor = torch.tensor
+        monkeypatch.setattr(torch, "tensor", lambda *a, **k: built.append(1) or tensor(*a, **k))
+        in_step[0] = True
+        try:
+            step(self, bound, staged)
+        finally:
+            monkeypatch.setattr(torch, "tensor", tensor)
+            in_step[0] = False
+
+    monkeypatch.setattr(RolloutEngine, "_decode_step", counted_step)
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, seed=3, eos_token_ids=(5, 17, 40))
+    *_, bounds = _run(llama, params, "static", slots=5, k=3)
+    max_len = max(len(MANY[r // 2]) + CAPS[r // 2] for r in range(len(MANY) * 2))
+    assert set(per_bucket) == set(bounds) and len(per_bucket) >= 2
+    assert all(len(uses) == 1 for uses in per_bucket.values())  # one address set per bucket
+    assert {use[3] for uses in per_bucket.values() for use in uses} == {max_len - 1}
+    assert key_lengths == {max_len}  # attention over the whole cache: no shape follows the lengths
+    assert built == []  # no tensor built on the host inside the step
