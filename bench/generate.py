@@ -17,7 +17,13 @@ after one warm-up, restage and transformers alternating so both see the same mac
 Throughput is generated tokens (up to and including the stop token) per second;
 ``speedup_vs_transformers`` is restage's over transformers'.
 
-Usage: ``python bench/generate.py [--json] [--size 40m|100m] [--case fixed|rollout|all] [--device cpu]``.
+On CUDA, ``--cuda-graphs off`` decodes eagerly instead of replaying one CUDA graph per batch bucket
+(``generation.cuda_graphs``, ``restage.models.decode_graphs``): run it both ways for tokens/s with and
+without graphs; the result then says ``cuda_graphs`` and the ``decode_mode`` the engine took. On CPU
+the flag changes nothing (the engine decodes eagerly there).
+
+Usage: ``python bench/generate.py [--json] [--size 40m|100m] [--case fixed|rollout|all] [--device cpu]
+[--cuda-graphs on|off]``.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import torch
 from restage.device import DTYPES
 from restage.layout import Layout, Strategy
 from restage.models.checkpoint import load_stage
+from restage.models.decode_graphs import choose_decode_mode
 from restage.models.generation import generate
 from restage.models.rollout import RolloutLimits
 from restage.models.sampling import SamplingParams
@@ -90,7 +97,8 @@ def until_stop(row: list[int], stop: set[int]) -> list[int]:
 
 def fixed_case(ours, hf, args, device) -> dict:
     prompts = prompts_of(args.batch, ours.cfg.vocab_size)
-    sampling = SamplingParams(max_new_tokens=args.new_tokens, greedy=True, eos_token_ids=())
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, greedy=True, eos_token_ids=(),
+                              cuda_graphs=args.cuda_graphs == "on")
     input_ids, mask = left_padded(prompts, device)
 
     @torch.no_grad()
@@ -116,7 +124,8 @@ def rollout_case(ours, hf, args, device) -> dict:
     prompts = prompts_of(args.prompts, vocab, seed=1)
     stop_ids = tuple(range(3, 3 + max(1, int(args.stop_fraction * vocab))))
     stop = set(stop_ids)
-    sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p, eos_token_ids=stop_ids)
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, top_p=args.top_p, eos_token_ids=stop_ids,
+                              cuda_graphs=args.cuda_graphs == "on")
     limits = RolloutLimits(max_slots=args.slots)
     input_ids, mask = left_padded(prompts, device)
 
@@ -156,10 +165,14 @@ def run(args) -> dict:
         hf = load_hf(path, dtype=dtype).to(device)
     cases = {"fixed": fixed_case, "rollout": rollout_case}
     chosen = list(cases) if args.case == "all" else [args.case]
-    return {"family": args.family, "size": args.size, "parameters": sum(p.numel() for p in ours.parameters()),
-            "dtype": args.dtype, "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{args.threads} threads",
-            "cases": [cases[name](ours, hf, args, device) for name in chosen]}
+    result = {"family": args.family, "size": args.size, "parameters": sum(p.numel() for p in ours.parameters()),
+              "dtype": args.dtype, "device": str(device),
+              "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{args.threads} threads"}
+    if device.type == "cuda":  # the fields a CPU run has stay as they were
+        result["cuda_graphs"] = args.cuda_graphs
+        result["decode_mode"] = choose_decode_mode(device, enabled=args.cuda_graphs == "on", tp_size=1, pp_size=1,
+                                                   ep_size=1, sparse=bool(ours.cfg.sparse_layers))[0]
+    return {**result, "cases": [cases[name](ours, hf, args, device) for name in chosen]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--cuda-graphs", choices=["on", "off"], default="on",
+                        help="CUDA: replay decode steps as CUDA graphs (on) or decode eagerly (off)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result = run(args)
@@ -185,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(f"{result['family']} model, {result['parameters'] / 1e6:.1f}M parameters, {result['dtype']} on "
-          f"{result['device_name']}")
+          f"{result['device_name']}" + (f", decode {result['decode_mode']}" if "decode_mode" in result else ""))
     for case in result["cases"]:
         print(f"{case['case']}: restage {case['restage_tokens_per_second']:.1f} tokens/s ({case['restage_seconds']:.2f} s), "
               f"transformers {case['transformers_tokens_per_second']:.1f} tokens/s ({case['transformers_seconds']:.2f} s), "

@@ -23,6 +23,7 @@ STRATEGIES = {(1, 1): Strategy(dp=4), (2, 1): Strategy(dp=2, tp=2), (1, 2): Stra
 GENERATE = ["llama", "mistral", "qwen2_tied", "gpt2", "qwen3", "qwen3_tied", "llama31", "mixtral", "qwen3_moe"]
 SAVE = ["qwen2_tied", "gpt2", "llama_critic", "qwen3", "qwen3_critic", "llama31", "mixtral", "qwen3_moe"]
 NEW_TOKENS = 32
+STATIC_DECODE = [(1, 1), (2, 1)]  # dp=4 and dp=2 x tp=2
 
 
 def _run_layouts(rank, world_size, paths, save_root):
@@ -34,13 +35,14 @@ def _run_layouts(rank, world_size, paths, save_root):
     from restage.models.packing import pack
     from restage.models.parallel import ParallelContext, gather_from_tp, vocab_sizes
     from restage.models.pipeline import MicroBatch, pipeline_forward
-    from restage.models.sampling import SamplingParams
+    from restage.models.rollout import RolloutEngine, RolloutLimits
+    from restage.models.sampling import SamplingParams, request_keys
     from restage.models.sharding import shard_bytes
 
     layouts = {key: Layout(tuple(range(world_size)), s) for key, s in STRATEGIES.items()}
     groups = ProcessGroups([g for layout in layouts.values() for g in layout.all_groups()])
     micro_batches = [MicroBatch(*pack(seqs)) for seqs in MICRO_BATCHES]
-    out = {"outputs": {}, "generated": {}, "bytes": {}, "qwen3_bytes": {}}
+    out = {"outputs": {}, "generated": {}, "bytes": {}, "qwen3_bytes": {}, "static": {}}
     for key, layout in layouts.items():
         coord = layout.coord(rank)
         for name, path in paths.items():
@@ -63,6 +65,14 @@ def _run_layouts(rank, world_size, paths, save_root):
                 gen = generate(module, PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, greedy=True, eos_token_ids=()))
                 if coord.dp == 0:  # every stage and TP rank of the replica returns the same tokens
                     out["generated"][(name, key, rank)] = gen.sequences()
+            if name == "llama" and key in STATIC_DECODE:  # what a CUDA graph replays, against the eager steps
+                params = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.95, seed=5,
+                                        eos_token_ids=(5, 17, 40, 99))
+                prompt_of, caps = [r // 3 for r in range(12)], [(r * 5) % 8 + 1 for r in range(12)]
+                runs = [RolloutEngine(module, PROMPTS, prompt_of, caps, request_keys(range(12)), params, [],
+                                      RolloutLimits(max_slots=4, check_every_steps=2), decode_mode=mode).run()
+                        for mode in ("eager", "static")]
+                out["static"][(key, rank)] = runs
             if key == (2, 2) and name in SAVE:
                 save_checkpoint(module, Path(save_root) / name)
     # Bytes a tp=2, pp=2 rank reads, counted slice by slice.
@@ -81,7 +91,7 @@ def _run_layouts(rank, world_size, paths, save_root):
 @pytest.fixture(scope="module")
 def layout_results(tiny_models, tmp_path_factory):
     save_root = tmp_path_factory.mktemp("saved")
-    merged = {"outputs": {}, "generated": {}, "bytes": {}, "qwen3_bytes": {}}
+    merged = {"outputs": {}, "generated": {}, "bytes": {}, "qwen3_bytes": {}, "static": {}}
     for result in spawn(_run_layouts, 4, tiny_models, str(save_root), timeout_seconds=600):
         for kind, values in result.items():
             merged[kind].update(values)
@@ -126,6 +136,18 @@ def test_greedy_generation_is_token_identical_to_transformers(layout_results, ti
     for (_, key, rank), sequences in runs.items():
         assert all(len(s) == NEW_TOKENS for s in sequences)
         assert sequences == reference, f"{name} tp,pp={key} rank {rank}"
+
+
+def test_static_decode_steps_give_the_eager_tokens_under_dp_and_tp(layout_results):
+    """The static-buffer step (what decode_graphs captures on CUDA) equals the eager step on every rank."""
+    runs = layout_results["static"]
+    assert {key for key, _ in runs} == set(STATIC_DECODE) and len(runs) == 8
+    for (key, rank), (eager, static) in runs.items():
+        assert torch.equal(eager[0], static[0]) and torch.equal(eager[2], static[2]), f"tp,pp={key} rank {rank}"
+        torch.testing.assert_close(eager[1], static[1], rtol=0, atol=1e-5)
+        assert len(set(static[2].tolist())) >= 3  # answers of several lengths: slots refilled and buckets shrank
+    for layout in STATIC_DECODE:  # every rank of a tp group, and every replica (same prompts, seeds), agrees
+        assert len({tuple(static[0].flatten().tolist()) for (key, _), (_, static) in runs.items() if key == layout}) == 1
 
 
 def test_a_tp2_pp2_rank_reads_about_a_quarter_of_the_weights(layout_results):

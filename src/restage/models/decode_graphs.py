@@ -91,6 +91,7 @@ class DecodeGraphs:
         """Whether attention covers every cache position (one shape per bucket, as a graph needs)."""
         return self.mode != "eager"
 
+    @torch.no_grad()  # inference only: a capture must record no autograd state
     def run(self, bound: int, host: torch.Tensor) -> None:
         """Copy ``host`` (``stage_inputs``) into the staging buffer and run the step over ``bound`` slots."""
         staged = self.staged[:, :bound]
