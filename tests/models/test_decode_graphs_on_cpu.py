@@ -10,6 +10,8 @@ import pytest
 import torch
 from model_cases import PROMPTS, sample_sequences
 
+from restage.config import GenerationConfig, build
+from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
 from restage.models import attention
 from restage.models.checkpoint import load_stage
@@ -73,6 +75,9 @@ def test_graphs_are_chosen_for_a_single_cuda_rank_only():
 def test_the_engine_picks_eager_on_cpu_and_its_config_switch_exists(llama):
     params = SamplingParams(max_new_tokens=4, greedy=True)
     assert params.cuda_graphs is True  # generation.cuda_graphs: on by default, used on CUDA only
+    assert build(GenerationConfig, {"cuda_graphs": False}).cuda_graphs is False
+    with pytest.raises(ConfigError, match="generation.cuda_graphs"):
+        build(GenerationConfig, {"cuda_graphs": "maybe"}, "generation")
     engine = RolloutEngine(llama, PROMPTS, [0, 1], [4, 4], request_keys([0, 1]), params, [], RolloutLimits())
     assert (engine.decode_mode, engine.decode_reason) == ("eager", "cpu device")
 
@@ -149,3 +154,75 @@ def test_static_steps_keep_their_shapes_and_addresses_per_bucket(llama, monkeypa
     assert {use[3] for uses in per_bucket.values() for use in uses} == {max_len - 1}
     assert key_lengths == {max_len}  # attention over the whole cache: no shape follows the lengths
     assert built == []  # no tensor built on the host inside the step
+
+
+def test_graphs_mode_warms_up_captures_once_per_bucket_then_replays(monkeypatch):
+    """The CUDA control flow with torch.cuda's graph API replaced by recorders (no GPU here)."""
+    log: list[tuple] = []
+    state = {"stream": "main", "capturing": None}
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait", self.name, other.name))
+
+    class Graph:
+        def __init__(self):
+            self.captured = None
+
+        def replay(self):
+            bound, staged = self.captured
+            log.append(("replay", bound, staged.tolist()))
+
+    class StreamContext:
+        def __init__(self, stream):
+            self.stream, self.before = stream, None
+
+        def __enter__(self):
+            self.before, state["stream"] = state["stream"], self.stream.name
+
+        def __exit__(self, *exc):
+            state["stream"] = self.before
+
+    class Capture:
+        def __init__(self, graph, pool=None, stream=None, capture_error_mode="global"):
+            self.graph = graph
+            log.append(("capture", pool, capture_error_mode))
+
+        def __enter__(self):
+            state["capturing"] = self.graph
+
+        def __exit__(self, *exc):
+            state["capturing"] = None
+
+    def step(bound, staged):
+        graph = state["capturing"]
+        if graph is not None:  # recorded, not run
+            graph.captured = (bound, staged)
+        else:
+            log.append(("run", bound, state["stream"], staged.tolist()))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("main"))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool-1")
+    graphs = DecodeGraphs(step, 4, torch.device("cpu"), "graphs")
+    assert graphs.fixed_span
+    host = {4: [[7, 8, 0, 3], [1, 2, 0, 0], [0, 1, 9, 2]], 2: [[9, 10], [3, 4], [0, 1]]}
+    for bound, shift in ((4, 0), (4, 1), (2, 0), (4, 2), (2, 5)):
+        graphs.run(bound, torch.tensor(host[bound]) + shift)
+    shifted = {(bound, shift): (torch.tensor(host[bound]) + shift).tolist() for bound in host for shift in range(6)}
+    assert log == [
+        ("wait", "side", "main"), ("run", 4, "side", shifted[4, 0]), ("wait", "main", "side"),  # warm-up
+        ("capture", "pool-1", "thread_local"),
+        ("replay", 4, shifted[4, 1]),
+        ("wait", "side", "main"), ("run", 2, "side", shifted[2, 0]), ("wait", "main", "side"),
+        ("capture", "pool-1", "thread_local"),  # the same pool for every bucket
+        ("replay", 4, shifted[4, 2]),
+        ("replay", 2, shifted[2, 5]),
+    ]
+    assert sorted(graphs.graphs) == [2, 4]
