@@ -50,16 +50,19 @@ def test_stage_inputs_pad_free_slots_into_the_spare_row():
 
 def test_run_copies_into_one_static_buffer_and_steps_over_its_view():
     seen: list[tuple[int, int, list[list[int]]]] = []
-    graphs = DecodeGraphs(lambda bound, staged: seen.append((bound, staged.data_ptr(), staged.tolist())), 8,
-                          torch.device("cpu"), "static")
+    graphs = DecodeGraphs(8, torch.device("cpu"), "static")
     graphs.staged.fill_(-1)
-    graphs.run(2, torch.tensor([[3, 4], [0, 1], [5, 6]]))
-    graphs.run(4, torch.tensor([[1, 2, 3, 4], [0, 0, 0, 0], [9, 9, 9, 9]]))
+
+    def step(bound, staged):
+        seen.append((bound, staged.data_ptr(), staged.tolist()))
+
+    graphs.run(2, torch.tensor([[3, 4], [0, 1], [5, 6]]), step)
+    graphs.run(4, torch.tensor([[1, 2, 3, 4], [0, 0, 0, 0], [9, 9, 9, 9]]), step)
     assert [s[0] for s in seen] == [2, 4]
     assert seen[0][2] == [[3, 4], [0, 1], [5, 6]]
     assert {s[1] for s in seen} == {graphs.staged.data_ptr()}  # the same addresses a graph replays
     assert graphs.staged[:, 4:].eq(-1).all()  # slots past the bucket untouched
-    assert graphs.fixed_span and not DecodeGraphs(lambda b, s: None, 2, torch.device("cpu"), "eager").fixed_span
+    assert graphs.fixed_span and not DecodeGraphs(2, torch.device("cpu"), "eager").fixed_span
 
 
 def test_graphs_are_chosen_for_a_single_cuda_rank_only():
@@ -90,7 +93,7 @@ def _run(module: StageModule, params: SamplingParams, mode, slots: int, k: int):
                            RolloutLimits(max_slots=slots, check_every_steps=k), decode_mode=mode)
     bounds: list[int] = []
     original = engine.graphs.run
-    engine.graphs.run = lambda bound, host: bounds.append(bound) or original(bound, host)  # type: ignore[method-assign]
+    engine.graphs.run = lambda bound, host, step: bounds.append(bound) or original(bound, host, step)  # type: ignore[method-assign]
     tokens, logprobs, lengths = engine.run()
     return tokens, logprobs, lengths, bounds
 
@@ -210,11 +213,11 @@ def test_graphs_mode_warms_up_captures_once_per_bucket_then_replays(monkeypatch)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", Capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool-1")
-    graphs = DecodeGraphs(step, 4, torch.device("cpu"), "graphs")
+    graphs = DecodeGraphs(4, torch.device("cpu"), "graphs")
     assert graphs.fixed_span
     host = {4: [[7, 8, 0, 3], [1, 2, 0, 0], [0, 1, 9, 2]], 2: [[9, 10], [3, 4], [0, 1]]}
     for bound, shift in ((4, 0), (4, 1), (2, 0), (4, 2), (2, 5)):
-        graphs.run(bound, torch.tensor(host[bound]) + shift)
+        graphs.run(bound, torch.tensor(host[bound]) + shift, step)
     shifted = {(bound, shift): (torch.tensor(host[bound]) + shift).tolist() for bound in host for shift in range(6)}
     assert log == [
         ("wait", "side", "main"), ("run", 4, "side", shifted[4, 0]), ("wait", "main", "side"),  # warm-up
@@ -226,3 +229,20 @@ def test_graphs_mode_warms_up_captures_once_per_bucket_then_replays(monkeypatch)
         ("replay", 2, shifted[2, 5]),
     ]
     assert sorted(graphs.graphs) == [2, 4]
+
+
+def test_an_engine_is_freed_without_a_garbage_collection(llama):
+    """Nothing the engine owns points back at it: its KV cache goes when generate drops it."""
+    import gc
+    import weakref
+
+    engine = RolloutEngine(llama, PROMPTS, [0, 1], [3, 3], request_keys([0, 1]), SamplingParams(max_new_tokens=3),
+                           [], RolloutLimits(), decode_mode="static")
+    engine.run()
+    gc.disable()
+    try:
+        ref = weakref.ref(engine)
+        del engine
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -80,8 +80,8 @@ def choose_decode_mode(device: torch.device, *, enabled: bool, tp_size: int, pp_
 class DecodeGraphs:
     """The staging buffer and, in ``graphs`` mode, the captured graph of each bucket; ``run`` does one step."""
 
-    def __init__(self, step: StepFn, slots: int, device: torch.device, mode: DecodeMode):
-        self.step, self.mode, self.device = step, mode, device
+    def __init__(self, slots: int, device: torch.device, mode: DecodeMode):
+        self.mode, self.device = mode, device
         self.staged = torch.zeros(3, slots, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
@@ -92,28 +92,32 @@ class DecodeGraphs:
         return self.mode != "eager"
 
     @torch.no_grad()  # inference only: a capture must record no autograd state
-    def run(self, bound: int, host: torch.Tensor) -> None:
-        """Copy ``host`` (``stage_inputs``) into the staging buffer and run the step over ``bound`` slots."""
+    def run(self, bound: int, host: torch.Tensor, step: StepFn) -> None:
+        """Copy ``host`` (``stage_inputs``) into the staging buffer and run ``step`` over ``bound`` slots.
+
+        ``step`` is passed per call, not kept: the engine owning this object owns the step, and a
+        reference back would keep the engine (and its KV cache) alive until a garbage collection.
+        """
         staged = self.staged[:, :bound]
         staged.copy_(host, non_blocking=True)  # before the step, on the stream it runs on
         if self.mode != "graphs":
-            self.step(bound, staged)
+            step(bound, staged)
         elif bound in self.graphs:
             self.graphs[bound].replay()
         else:
-            self.graphs[bound] = self._warm_up_and_capture(bound, staged)
+            self.graphs[bound] = self._warm_up_and_capture(bound, staged, step)
 
-    def _warm_up_and_capture(self, bound: int, staged: torch.Tensor) -> torch.cuda.CUDAGraph:
+    def _warm_up_and_capture(self, bound: int, staged: torch.Tensor, step: StepFn) -> torch.cuda.CUDAGraph:
         """Run this step eagerly on a side stream (the warm-up), then capture it for the next ones."""
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)  # the staging copy
         with torch.cuda.stream(side):
-            self.step(bound, staged)  # this step's real work: capture below records without running
+            step(bound, staged)  # this step's real work: capture below records without running
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads of the process (NCCL's watchdog, reward workers) may touch CUDA
         # meanwhile; only this thread's calls must be capture-safe.
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.step(bound, staged)
+            step(bound, staged)
         return graph

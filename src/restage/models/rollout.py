@@ -147,7 +147,7 @@ class RolloutEngine:
         self.decode_mode, self.decode_reason = (decode_mode, "asked for") if decode_mode else choose_decode_mode(
             device, enabled=params.cuda_graphs, tp_size=ctx.tp_size, pp_size=ctx.pp_size, ep_size=ctx.ep_size,
             sparse=any(cfg.is_sparse(i) for i in range(*module.layer_range)))
-        self.graphs = DecodeGraphs(self._decode_step, slots, device, self.decode_mode)
+        self.graphs = DecodeGraphs(slots, device, self.decode_mode)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Generate every request: ``(tokens [R, W], logprobs [R, W], lengths [R])``."""
@@ -259,7 +259,8 @@ class RolloutEngine:
         bound = self._bound()
         # A graph replays one shape per bucket: attention then covers every cache position, masked.
         self.cache.longest = self.cache.max_len - 1 if self.graphs.fixed_span else max(self.length[:bound])
-        self.graphs.run(bound, stage_inputs(self.length, self.step, self.request, bound, len(self.tokens) - 1))
+        host = stage_inputs(self.length, self.step, self.request, bound, len(self.tokens) - 1)
+        self.graphs.run(bound, host, self._decode_step)
         done = []
         for i in range(bound):
             if self.request[i] >= 0:
