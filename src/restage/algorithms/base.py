@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from restage.algorithms import ops
-from restage.algorithms._graphs import is_async, reward_source, sizes, with_proximal  # noqa: F401  (re-exported for algorithm modules)
+from restage.algorithms._graphs import is_async, reward_source, sizes, with_proximal  # noqa: F401  (re-exported)
 from restage.algorithms.rewards import as_tensor, function_rewards, resolve_reward, start_function_rewards
 from restage.algorithms.scoring import PendingScores, RewardPool
 from restage.config import ExperimentConfig, build
