@@ -12,6 +12,7 @@ import pytest
 import torch
 from tiny_loop import logprobs, sample, tiny_model
 
+from restage.algorithms import offpolicy
 from restage.algorithms.interface import get_algorithm
 from restage.config import config_from_dict
 from restage.data import datasets, sources
@@ -42,7 +43,7 @@ def stale_grpo_rewards(steps, seed=0):
         with torch.no_grad():
             batch = batch.with_keys(tokens={
                 "logprobs": logprobs(behaviour, batch, "seqs"),
-                "versions": torch.where(batch["prompt_mask"], -1, max(0, step - 1)),
+                "versions": offpolicy.answer_versions(batch["prompt_mask"], max(0, step - 1)),
                 "ref_logprobs": logprobs(ref, batch, "seqs"),
                 "prox_logprobs": logprobs(model, batch, "seqs"),  # actor_prox: the weights about to be trained
             })

@@ -135,6 +135,11 @@ def test_version_gap_histogram_on_a_known_example():
                      "version_gap_mean": 2.0, "version_gap_max": 3.0}
 
 
+def test_answer_versions_mark_prompts_minus_one():
+    versions = offpolicy.answer_versions(torch.tensor([True, True, False, False, True, False]), 4)
+    assert versions.dtype == torch.int64 and versions.tolist() == [-1, -1, 4, 4, -1, 4]
+
+
 def test_a_token_older_than_the_staleness_bound_is_refused():
     versions = torch.tensor([-1, 5, 4, 2, 2])
     mask = versions >= 0

@@ -38,6 +38,13 @@ def train_version(cfg: ExperimentConfig, state) -> TrainVersion | None:
     return TrainVersion(int(state.policy_version), cfg.plan.staleness)
 
 
+def answer_versions(prompt_mask: torch.Tensor, version: int) -> torch.Tensor:
+    """The ``versions`` key of answers one policy version generated whole: ``version`` on answer tokens, -1 on prompts.
+
+    (With partial rollouts the generator writes each token's own version instead.)"""
+    return torch.where(prompt_mask.bool(), -1, version).to(torch.int64)
+
+
 def version_gaps(versions: torch.Tensor, mask: torch.Tensor, at: TrainVersion) -> torch.Tensor:
     """``[n]`` version gaps (``policy_version - versions``) of the masked tokens; raises past the bound.
 
