@@ -6,7 +6,11 @@ so renaming an MFC is one edit here.
 
 from __future__ import annotations
 
+import dataclasses
+
 from restage.config import ExperimentConfig
+from restage.errors import ConfigError
+from restage.graph import MFC
 
 ACTOR_GEN = "actor_gen"
 ACTOR_GREEDY_GEN = "actor_greedy_gen"
@@ -14,6 +18,7 @@ REWARD_INF = "reward_inf"
 GREEDY_REWARD_INF = "greedy_reward_inf"
 REF_INF = "ref_inf"
 CRITIC_INF = "critic_inf"
+ACTOR_PROX = "actor_prox"  # async mode: the proximal policy's log-probs, recomputed before actor_train
 ACTOR_TRAIN = "actor_train"
 CRITIC_TRAIN = "critic_train"
 REWARD_TRAIN = "reward_train"
@@ -33,3 +38,39 @@ def sizes(cfg: ExperimentConfig) -> dict:
 def reward_source(cfg: ExperimentConfig) -> str:
     """``function`` when a rule-based reward is configured, else ``model`` (a reward model MFC)."""
     return "function" if cfg.reward_fn else "model"
+
+
+def is_async(cfg: ExperimentConfig) -> bool:
+    """Whether the job trains asynchronously (``plan.execution: async``): on tokens of older policy versions."""
+    return cfg.plan.execution == "async"
+
+
+def with_proximal(cfg: ExperimentConfig, mfcs: list[MFC]) -> list[MFC]:
+    """A policy-gradient graph made ready for ``plan.execution: async``; in sync mode ``mfcs`` unchanged.
+
+    In async mode ``actor_gen`` also outputs ``versions`` (per token: the policy version that produced it,
+    -1 on prompt tokens); an ``actor_prox`` inference MFC on the actor recomputes ``prox_logprobs`` with the
+    weights about to be trained; ``actor_train`` reads both after ``logprobs`` (the behaviour policy's).
+    ``losses.decoupled_policy_loss`` is the objective they feed (docs/algorithms.md, "Asynchronous training").
+    """
+    if not is_async(cfg):
+        return mfcs
+    names = [m.name for m in mfcs]
+    if ACTOR_GEN not in names or ACTOR_TRAIN not in names:
+        raise ConfigError(f"plan.execution async needs MFCs {ACTOR_GEN} and {ACTOR_TRAIN}; {cfg.algorithm} has "
+                          f"{', '.join(names)}: set plan.execution=sync")
+    train = mfcs[names.index(ACTOR_TRAIN)]
+    if "logprobs" not in train.inputs:
+        raise ConfigError(f"plan.execution async: {cfg.algorithm}'s {ACTOR_TRAIN} must read the behaviour policy's "
+                          "logprobs to correct for their age; set plan.execution=sync")
+    out = []
+    for mfc in mfcs:
+        if mfc.name == ACTOR_GEN:
+            mfc = dataclasses.replace(mfc, outputs=mfc.outputs + ("versions",))
+        elif mfc.name == ACTOR_TRAIN:
+            out.append(MFC(ACTOR_PROX, "inference", mfc.model, mfc.inputs[:2], ("prox_logprobs",), mfc.n_seqs,
+                           mfc.prompt_tokens, mfc.gen_tokens, mfc.micro_batches))
+            at = mfc.inputs.index("logprobs") + 1
+            mfc = dataclasses.replace(mfc, inputs=mfc.inputs[:at] + ("prox_logprobs", "versions") + mfc.inputs[at:])
+        out.append(mfc)
+    return out

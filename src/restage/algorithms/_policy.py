@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import torch
 
-from restage.algorithms import base, estimators, losses
+from restage.algorithms import base, estimators, losses, offpolicy
 from restage.algorithms._graphs import ACTOR_TRAIN
 from restage.algorithms.interface import build_graph
 from restage.config import ExperimentConfig
@@ -26,6 +26,8 @@ class PolicyParams:
     reward_bias: float = 0.0
     reward_clip: float = 0.0  # ... clipped to [-reward_clip, reward_clip] when > 0
     loss_agg: str = "token_mean"  # token_mean, or seq_mean (mean over sequences of each one's token mean)
+    # plan.execution async: drop tokens whose importance weight exp(prox - behaviour) exceeds this (0: keep all)
+    behav_imp_weight_cap: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,9 @@ def validate_policy(params: PolicyParams) -> None:
         raise ConfigError(f"algo.ref_ema_eta: {params.ref_ema_eta} must be in [0, 1]")
     if 0 < params.early_stop_ratio <= 1.0:
         raise ConfigError(f"algo.early_stop_ratio: {params.early_stop_ratio} must be > 1 (or 0 to turn it off)")
+    if params.behav_imp_weight_cap != 0 and not params.behav_imp_weight_cap > 1.0:
+        raise ConfigError(f"algo.behav_imp_weight_cap: {params.behav_imp_weight_cap} must be > 1 (or 0 to keep every "
+                          "token)")
 
 
 def validate_kl_policy(params_class: type[P], cfg: ExperimentConfig) -> P:
@@ -105,15 +110,27 @@ def shaped_rewards(batch: Batch, params: PolicyParams, key: str = "rewards") -> 
 
 
 def actor_loss(micro_batch: Batch, outputs: dict, params: PolicyParams,
-               kl_per_token: torch.Tensor | None = None, kl_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
+               kl_per_token: torch.Tensor | None = None, kl_coef: float = 0.0,
+               at: offpolicy.TrainVersion | None = None) -> tuple[torch.Tensor, dict]:
     """Clipped surrogate on ``advantages`` against the generation's ``logprobs``, minus the entropy bonus,
     plus ``kl_coef`` times a per-token KL term (GRPO). A tripped early stop zeroes the loss and sets
-    ``early_stop`` to 1: the runtime skips this optimizer step and the rest of the batch."""
+    ``early_stop`` to 1: the runtime skips this optimizer step and the rest of the batch.
+
+    Async mode (``at``: ``offpolicy.train_version``): the decoupled surrogate instead, clipped against
+    ``prox_logprobs`` and weighted by the capped importance weights against ``logprobs`` (the behaviour
+    policy's), after checking every token's age; the version-gap and weight statistics join the stats."""
     mask = base.answer_mask(micro_batch)
     cu = micro_batch.cu_seqlens
     new_logprobs = outputs["logprobs"].float()
-    value, stats = losses.policy_loss(new_logprobs, micro_batch["logprobs"].float(), micro_batch["advantages"], mask, cu,
-                                      params.clip_eps, params.loss_agg)
+    if at is None:
+        value, stats = losses.policy_loss(new_logprobs, micro_batch["logprobs"].float(), micro_batch["advantages"],
+                                          mask, cu, params.clip_eps, params.loss_agg)
+    else:
+        gap_stats = offpolicy.version_gap_stats(micro_batch["versions"], mask, at)
+        value, stats = losses.decoupled_policy_loss(
+            new_logprobs, micro_batch["prox_logprobs"].float(), micro_batch["logprobs"].float(),
+            micro_batch["advantages"], mask, cu, params.clip_eps, params.behav_imp_weight_cap, params.loss_agg)
+        stats |= gap_stats
     stats["policy_loss"] = float(value.detach())
     if params.entropy_coef > 0:
         entropy = losses.aggregate(outputs["entropy"].float(), mask, cu, params.loss_agg)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from restage.algorithms import ops
-from restage.algorithms._graphs import reward_source, sizes  # noqa: F401  (re-exported for algorithm modules)
+from restage.algorithms._graphs import is_async, reward_source, sizes, with_proximal  # noqa: F401  (re-exported)
 from restage.algorithms.rewards import as_tensor, function_rewards, resolve_reward, start_function_rewards
 from restage.algorithms.scoring import PendingScores, RewardPool
 from restage.config import ExperimentConfig, build
@@ -75,6 +75,10 @@ class AlgoState:
         self.reward_pool: RewardPool | None = None
         self.pending_rewards: dict[str, PendingRewards] = {}
         self.persistent = persistent
+        # Async mode (plan.execution: async): the version of the actor weights the next train step starts from
+        # (0 before the first update, +1 per actor train step). The runtime sets it before each actor train step;
+        # the loss measures every token's age against it (``offpolicy.version_gap_stats``).
+        self.policy_version: int | None = None
         self._step: int | None = None
         self._snapshot: dict | None = None
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from restage.algorithms import _policy, base, estimators, losses, ops
-from restage.algorithms._graphs import ACTOR_GEN, ACTOR_TRAIN, REF_INF, REWARD_INF, reward_source, sizes
+from restage.algorithms import _policy, base, estimators, losses, offpolicy, ops
+from restage.algorithms._graphs import ACTOR_GEN, ACTOR_TRAIN, REF_INF, REWARD_INF, reward_source, sizes, with_proximal
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
 from restage.graph import MFC
@@ -48,7 +48,7 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     train_in = seq + ("logprobs",) + (("ref_logprobs",) if ref else ()) + ("rewards",)
     out.append(MFC(ACTOR_TRAIN, "train_step", "actor", train_in, (), n, p, g, mb, minibatches, epochs,
                    options=_policy.train_options(cfg)))
-    return out
+    return with_proximal(cfg, out)
 
 
 def validate(cfg: ExperimentConfig) -> Params:
@@ -89,7 +89,8 @@ def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig
     p: Params = state.params
     if mfc_name != ACTOR_TRAIN:
         raise ValueError(f"grpo has no train MFC {mfc_name!r}")
+    at = offpolicy.train_version(cfg, state)
     if p.kl_coef == 0:  # no KL term: the reference's log-probs are not read (and not computed, see mfcs)
-        return _policy.actor_loss(micro_batch, outputs, p)
+        return _policy.actor_loss(micro_batch, outputs, p, at=at)
     kl = losses.kl_estimate(outputs["logprobs"].float(), micro_batch["ref_logprobs"].float(), p.kl_estimator)
-    return _policy.actor_loss(micro_batch, outputs, p, kl, p.kl_coef)
+    return _policy.actor_loss(micro_batch, outputs, p, kl, p.kl_coef, at=at)

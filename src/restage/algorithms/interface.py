@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from restage.algorithms import algorithm_module, algorithm_names, base
+from restage.algorithms._graphs import ACTOR_PROX, is_async
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
@@ -109,6 +110,9 @@ def build_graph(cfg: ExperimentConfig) -> DataflowGraph:
     """The dataflow graph of the config's algorithm, sized by its batch and sequence lengths (the one place it is built)."""
     algorithm = get_algorithm(cfg.algorithm)
     graph = DataflowGraph(tuple(algorithm.mfcs(cfg)))
+    if is_async(cfg) and ACTOR_PROX not in {m.name for m in graph}:
+        raise ConfigError(f"{cfg.algorithm} has no asynchronous mode (its graph has no {ACTOR_PROX}; policy-gradient "
+                          "algorithms add it with base.with_proximal): set plan.execution=sync")
     missing = sorted({m.model for m in graph if m.model not in cfg.models})
     if missing == ["ref"] and _kl_coef(algorithm, cfg) is not None:
         params = algorithm.validate(cfg)

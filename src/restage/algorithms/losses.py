@@ -85,11 +85,17 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     ``approx_kl`` (k3 of old vs new), ``ratio_mean``, ``ratio_max`` and ``ratio_dev`` (mean of
     ``max(r, 1/r)``, the early-stop signal).
     """
-    log_ratio = (logprobs - old_logprobs).masked_fill(~mask, 0.0)
+    per_token, stats = _clipped_surrogate(logprobs, old_logprobs, advantages, mask, clip_eps)
+    return aggregate(per_token, mask, cu_seqlens, agg), stats
+
+
+def _clipped_surrogate(logprobs: torch.Tensor, anchor_logprobs: torch.Tensor, advantages: torch.Tensor,
+                       mask: torch.Tensor, clip_eps: float) -> tuple[torch.Tensor, dict]:
+    """Per-token ``max(-A r, -A clip(r, 1-eps, 1+eps))``, ``r = exp(logp - anchor_logp)``, and its ratio statistics."""
+    log_ratio = (logprobs - anchor_logprobs).masked_fill(~mask, 0.0)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
-    loss = aggregate(torch.maximum(unclipped, clipped), mask, cu_seqlens, agg)
     with torch.no_grad():
         m = mask.float()
         count = m.sum().clamp(min=1)
@@ -101,7 +107,46 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             "ratio_max": float(ratio.detach()[mask].max()) if bool(mask.any()) else 1.0,
             "ratio_dev": float((torch.exp(lr.abs()) * m).sum() / count),
         }
-    return loss, stats
+    return torch.maximum(unclipped, clipped), stats
+
+
+def behaviour_weights(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, mask: torch.Tensor,
+                      cap: float) -> tuple[torch.Tensor, dict]:
+    """``[T]`` importance weights ``w = exp(prox_logp - behav_logp)`` of the masked tokens, and their statistics.
+
+    A constant (no gradient flows through it). A masked token whose weight exceeds ``cap`` is dropped
+    (weight 0), as AReaL's ``behav_imp_weight_cap`` does; ``cap`` 0 keeps every token. Off ``mask``: 0.
+    Statistics over the masked tokens: ``behav_imp_weight_mean`` and ``behav_imp_weight_max`` (before the
+    cap) and ``behav_imp_weight_dropped`` (the fraction the cap dropped).
+    """
+    with torch.no_grad():
+        raw = torch.exp((prox_logprobs.detach() - behav_logprobs.detach()).masked_fill(~mask, 0.0))
+        kept = mask & (raw <= cap) if cap > 0 else mask
+        m = mask.float()
+        count = m.sum().clamp(min=1)
+        stats = {
+            "behav_imp_weight_mean": float((raw * m).sum() / count),
+            "behav_imp_weight_max": float(raw[mask].max()) if bool(mask.any()) else 1.0,
+            "behav_imp_weight_dropped": float((mask & ~kept).float().sum() / count),
+        }
+        return torch.where(kept, raw, torch.zeros_like(raw)), stats
+
+
+def decoupled_policy_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
+                          advantages: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, clip_eps: float,
+                          weight_cap: float, agg: str = "token_mean") -> tuple[torch.Tensor, dict]:
+    """Decoupled PPO (Hilton et al. 2021; AReaL, Fu et al. 2025): ``w * max(-A r, -A clip(r, 1-eps, 1+eps))``.
+
+    ``r = exp(logp - prox_logp)`` is clipped against the proximal policy (the weights before this
+    train step) and ``w = exp(prox_logp - behav_logp)`` (``behaviour_weights``: a constant, capped by
+    dropping) corrects for the older policy that sampled the tokens. A dropped token keeps its place in
+    the aggregation's denominator (as in AReaL). With ``prox == behav`` every weight is exactly 1 and
+    the loss is ``policy_loss(logprobs, behav_logprobs, ...)``. Statistics: ``policy_loss``'s (of ``r``)
+    and ``behaviour_weights``'.
+    """
+    per_token, stats = _clipped_surrogate(logprobs, prox_logprobs, advantages, mask, clip_eps)
+    weights, weight_stats = behaviour_weights(prox_logprobs, behav_logprobs, mask, weight_cap)
+    return aggregate(weights * per_token, mask, cu_seqlens, agg), stats | weight_stats
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

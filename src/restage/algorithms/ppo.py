@@ -15,8 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
-from restage.algorithms import _policy, base, estimators, losses, ops
-from restage.algorithms._graphs import ACTOR_GEN, ACTOR_TRAIN, CRITIC_INF, CRITIC_TRAIN, REF_INF, REWARD_INF, reward_source, sizes
+from restage.algorithms import _policy, base, estimators, losses, offpolicy, ops
+from restage.algorithms._graphs import (
+    ACTOR_GEN,
+    ACTOR_TRAIN,
+    CRITIC_INF,
+    CRITIC_TRAIN,
+    REF_INF,
+    REWARD_INF,
+    reward_source,
+    sizes,
+    with_proximal,
+)
 from restage.algorithms.interface import build_graph
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
@@ -59,7 +69,7 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
             options=_policy.train_options(cfg)),
         MFC(CRITIC_TRAIN, "train_step", "critic", train_in, (), n, p, g, mb, minibatches, epochs),
     ]
-    return out
+    return with_proximal(cfg, out)
 
 
 def validate(cfg: ExperimentConfig) -> Params:
@@ -133,7 +143,7 @@ def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig
          state: base.AlgoState) -> tuple[torch.Tensor, dict]:
     p: Params = state.params
     if mfc_name == ACTOR_TRAIN:
-        return _policy.actor_loss(micro_batch, outputs, p)
+        return _policy.actor_loss(micro_batch, outputs, p, at=offpolicy.train_version(cfg, state))
     if mfc_name == CRITIC_TRAIN:
         mask = base.answer_mask(micro_batch)
         predicted = ops.shift_right(outputs["values"].float(), micro_batch.cu_seqlens)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from restage.algorithms import _policy, base, estimators, ops
+from restage.algorithms import _policy, base, estimators, offpolicy, ops
 from restage.algorithms._graphs import (
     ACTOR_GEN,
     ACTOR_GREEDY_GEN,
@@ -22,6 +22,7 @@ from restage.algorithms._graphs import (
     REWARD_INF,
     reward_source,
     sizes,
+    with_proximal,
 )
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
@@ -54,7 +55,7 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
         out.append(MFC(REF_INF, "inference", "ref", ("seqs", "prompt_mask"), ("ref_logprobs",), n, p, g, mb))
     train_in = ("seqs", "prompt_mask", "logprobs") + (("ref_logprobs",) if ref else ()) + ("rewards", "baseline_rewards")
     out.append(MFC(ACTOR_TRAIN, "train_step", "actor", train_in, (), n, p, g, mb, options=_policy.train_options(cfg)))
-    return out
+    return with_proximal(cfg, out)
 
 
 def validate(cfg: ExperimentConfig) -> Params:
@@ -94,4 +95,4 @@ def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig
          state: base.AlgoState) -> tuple[torch.Tensor, dict]:
     if mfc_name != ACTOR_TRAIN:
         raise ValueError(f"remax has no train MFC {mfc_name!r}")
-    return _policy.actor_loss(micro_batch, outputs, state.params)
+    return _policy.actor_loss(micro_batch, outputs, state.params, at=offpolicy.train_version(cfg, state))
