@@ -79,7 +79,7 @@ def test_nemo_aligner_runs_two_jobs_with_one_megatron_strategy_each(found_7b):
 
 def test_search_is_never_worse_than_a_plan_it_starts_from_nor_any_reference(problem_7b, found_7b):
     """Seeded with the peers' and references' layouts (re-estimated as restage's runtime would run them), the search
-    ends no slower than any of them. The peers' own figures are not a bound: they are scored with engines restage's
+    ends no slower than any of them that fits in memory. The peers' own figures are not a bound: they are scored with engines restage's
     runtime does not have (vLLM generation, ``peer_engines``), so a peer may be predicted faster than any plan
     restage can run; ``bench/plan_paper.py`` reports that comparison."""
     references = all_references(problem_7b)
@@ -88,8 +88,10 @@ def test_search_is_never_worse_than_a_plan_it_starts_from_nor_any_reference(prob
     starts = starting_plans(problem_7b, found_7b | references)
     result = search(problem_7b, seed=1, time_budget_seconds=10, max_steps=1500, initial=starts)
     assert len(starts) >= len([got for got in references.values() if got is not None])
-    for plan in starts:
-        assert result.evaluation.iteration_seconds <= evaluate(problem_7b, plan).iteration_seconds * (1 + 1e-9)
+    fitting = [ev for ev in (evaluate(problem_7b, plan) for plan in starts) if ev.feasible]
+    assert fitting  # a start over the memory limit bounds nothing: the search's objective inflates it
+    for ev in fitting:
+        assert result.evaluation.iteration_seconds <= ev.iteration_seconds * (1 + 1e-9)
     for got in references.values():
         if got is not None:
             assert result.evaluation.iteration_seconds <= got[1].iteration_seconds * (1 + 1e-9)

@@ -65,8 +65,7 @@ def generate(module: StageModule, prompts: Sequence[Sequence[int]], params: Samp
                           f"{cfg.max_positions} positions; shorten the prompts or max_new_tokens")
     eos_ids = list(params.eos_token_ids if params.eos_token_ids is not None else cfg.stop_token_ids)
     if limits is None:
-        budget = int(params.kv_cache_gib * (1 << 30)) if params.kv_cache_gib > 0 else None
-        limits = RolloutLimits(kv_cache_bytes=budget, max_slots=params.max_slots)
+        limits = RolloutLimits.of(params.kv_cache_gib, params.max_slots)
     prompt_of = [r // group_size for r in range(requests)]
     engine = RolloutEngine(module, prompts, prompt_of, caps, request_keys(seeds), params, eos_ids, limits)
     tokens, logprobs, lengths = engine.run()

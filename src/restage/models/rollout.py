@@ -54,6 +54,11 @@ class RolloutLimits:
     max_slots: int = 64
     check_every_steps: int = 4  # k: one host sync per k decode steps; a finished request idles < k steps
 
+    @classmethod
+    def of(cls, kv_cache_gib: float, max_slots: int) -> RolloutLimits:
+        """The limits ``generation.kv_cache_gib`` (0: sized from free memory) and ``generation.max_slots`` set."""
+        return cls(kv_cache_bytes=int(kv_cache_gib * (1 << 30)) if kv_cache_gib > 0 else None, max_slots=max_slots)
+
 
 def kv_bytes_per_slot(module: StageModule, max_len: int) -> int:
     """Bytes one slot of this stage's cache takes (keys and values of its layers)."""
@@ -62,17 +67,29 @@ def kv_bytes_per_slot(module: StageModule, max_len: int) -> int:
     return 2 * layers * max_len * kv_heads * module.cfg.head_dim * module.dtype.itemsize
 
 
+# The KV cache budget when ``RolloutLimits.kv_cache_bytes`` is None (the planner's estimate uses the same figures).
+GPU_FREE_MEMORY_FRACTION = 0.4  # of the device memory free when the engine is built
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
+def slot_count(budget_bytes: int, slot_bytes: int, num_requests: int, max_slots: int) -> int:
+    """Cache slots of ``slot_bytes`` each: as many as ``budget_bytes`` holds, at most ``max_slots`` and the requests
+    (0 when the budget holds no slot; ``plan_slots`` refuses that)."""
+    return min(max_slots, num_requests, budget_bytes // max(1, slot_bytes))
+
+
 def plan_slots(module: StageModule, num_requests: int, max_len: int, limits: RolloutLimits) -> int:
     """Number of cache slots: as many as the budget holds, at most ``max_slots`` and the request count."""
     budget = limits.kv_cache_bytes
     device = next(module.parameters()).device
     if budget is None:
-        budget = int(0.4 * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 2 << 30
-    fits = budget // max(1, kv_bytes_per_slot(module, max_len))
-    if num_requests and fits < 1:
-        raise ConfigError(f"a KV cache slot of {max_len} tokens needs {kv_bytes_per_slot(module, max_len)} bytes, over "
+        budget = (int(GPU_FREE_MEMORY_FRACTION * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda"
+                  else CPU_KV_CACHE_BYTES)
+    slot_bytes = kv_bytes_per_slot(module, max_len)
+    if num_requests and budget < slot_bytes:
+        raise ConfigError(f"a KV cache slot of {max_len} tokens needs {slot_bytes} bytes, over "
                           f"the budget of {budget}; raise kv_cache_bytes or shorten prompts / max_new_tokens")
-    return min(limits.max_slots, num_requests, fits)
+    return slot_count(budget, slot_bytes, num_requests, limits.max_slots)
 
 
 def _bucket(n: int, slots: int) -> int:

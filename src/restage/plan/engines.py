@@ -1,19 +1,34 @@
-"""Generation as other engines run it: vLLM (CUDA graphs, continuous batching, paged KV cache).
+"""Generation engines as the estimator costs them: restage's rollout engine, vLLM, and one batch decoded to the end.
 
-restage's runtime generates with eager PyTorch (``estimator._generate``: per-block launch overhead, the
-whole batch's KV cache held at once). Peers generate with vLLM, so their baselines, and the calibration
-against their published measurements (``bench/calibration.py``), cost generation as vLLM runs it:
+Three engines share one mechanism, continuous batching over a KV cache (``decode_rounds``,
+``batched_generate_seconds``): with ``live`` sequences in flight and a finished sequence's place
+refilled at once, ``n_seqs`` answers of ``gen`` tokens take ``ceil(n_seqs / live)`` rounds of
+``gen`` decoding steps of ``live`` sequences. Every answer is costed at its full ``gen`` tokens
+(the MFC carries one length), the same for every engine. They differ in what sets ``live``, what
+a step costs and what a prefill covers:
 
-* CUDA graphs: no per-block host overhead (``RooflineCompute(launch_overhead_seconds=0)``);
-* continuous batching over a paged KV cache: the sequences in flight are as many as the KV cache
-  holds at their average length (``prompt + gen / 2``), not the whole batch; a finished sequence's
-  slot is refilled at once, so ``n_seqs`` sequences take ``n_seqs / live`` rounds of ``gen`` steps;
-* the KV cache gets ``gpu_memory_utilization`` of the device memory less the weights (vLLM's
-  ``gpu_memory_utilization``, default 0.9 in vLLM's ``EngineArgs``);
-* tensor parallelism inside one engine: two all-reduces of the live batch's hidden states per block.
-
-Not modelled: vLLM's scheduler and sampler time per step (host work between CUDA-graph replays) and
-prefix caching; both are zero here.
+* **restage's rollout engine** (``RestageEngine``; ``models/rollout.py``, ``models/decode_graphs.py``),
+  costed by ``estimator._generate``: ``live`` = its slots, ``models.rollout.slot_count`` of the
+  budget ``generation.kv_cache_gib`` (0: ``GPU_FREE_MEMORY_FRACTION`` of the memory the rank's
+  weights leave; ``CPU_KV_CACHE_BYTES`` on a CPU) over a slot of ``prompt + gen`` tokens, at most
+  ``generation.max_slots`` and the rank's requests; a group's prompt (``group_size``) prefilled once
+  (all but its last token) and its KV copied to the siblings; decode steps replayed as CUDA graphs
+  where the runtime replays them (``models.decode_graphs.choose_decode_mode``: a GPU, tp = pp = 1,
+  a dense model): a block's kernels take at least ``GRAPH_BLOCK_SECONDS`` instead of the eager
+  ``block_overhead_seconds``, SDPA attends over the whole slot, and each call captures its graph
+  once (a warm-up step and a capture, each costed as one eager step); eager elsewhere
+  (per-block launch time, attention over the filled prefix); one host sync every
+  ``check_every_steps`` steps (``HOST_CHECK_SECONDS`` each on a GPU).
+* **vLLM** (``VllmEngine``, ``vllm_generate_seconds``), for the peers' baselines and the calibration:
+  CUDA graphs (``RooflineCompute(launch_overhead_seconds=0)``); a paged KV cache, so ``live`` is as
+  many sequences as ``gpu_memory_utilization`` (vLLM's ``EngineArgs`` default 0.9) of the device
+  memory less the weights holds at their average length ``prompt + gen / 2``; every prompt
+  prefilled; two TP all-reduces per block. Not modelled: vLLM's scheduler and sampler time per
+  step (host work between CUDA-graph replays) and prefix caching; both are zero here.
+* **one batch to the end, eagerly** (``OneBatchEngine``): every prompt of a rank prefilled and
+  decoded together until the last answer ends, the whole batch's KV cache held, eager launches.
+  DeepSpeed-Chat's Hybrid Engine generates so (``plan/peer_engines.py``), as restage's runtime did
+  before its rollout engine.
 """
 
 from __future__ import annotations
@@ -21,12 +36,63 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from restage.cluster import ClusterSpec
+from restage.layout import Strategy
 from restage.models.config import ModelConfig
+from restage.models.decode_graphs import choose_decode_mode
 from restage.models.flops import block_shape
+from restage.models.rollout import CPU_KV_CACHE_BYTES, GPU_FREE_MEMORY_FRACTION, RolloutLimits, slot_count
 from restage.models.sharding import stage_layers
 from restage.plan.comm import allreduce_seconds
 from restage.plan.compute import DTYPE_BYTES, RooflineCompute
+
+# Measured on one H100 with restage's own engine (docs/plan.md, "GPU cost constants"):
+# * the time one block's kernels take when replayed from a CUDA graph and their device work is negligible: the
+#   launch and fixed cost of each of its ``compute.KERNELS_PER_BLOCK`` kernels inside the graph (about 3.1 us each);
+# * the time one check of the engine adds (``RolloutEngine._reap``: ``tolist`` waits for the queued steps, then the
+#   host's bookkeeping before the next step is launched), during which the GPU idles.
+GRAPH_BLOCK_SECONDS = 1.35e-4
+HOST_CHECK_SECONDS = 8.5e-5
+
+
+@dataclass(frozen=True)
+class RestageEngine:
+    """restage's rollout engine as configured: ``generation.kv_cache_gib`` / ``max_slots`` (``limits``) and
+    ``generation.cuda_graphs``."""
+
+    limits: RolloutLimits = RolloutLimits()
+    cuda_graphs: bool = True
+
+
+@dataclass(frozen=True)
+class OneBatchEngine:
+    """A rank's prompts prefilled and decoded as one batch to the end, eagerly (DeepSpeed-Chat's Hybrid Engine)."""
+
+
+GenerationEngine = RestageEngine | OneBatchEngine
+
+
+def restage_slots(cluster: ClusterSpec, engine: RestageEngine, slot_bytes: float, weight_bytes: float,
+                  requests: int) -> int:
+    """The rollout engine's slots on one rank, by ``models.rollout.plan_slots``' rule: the configured budget, else
+    ``GPU_FREE_MEMORY_FRACTION`` of the usable memory the rank's weights leave (the runtime takes it of the memory
+    free when the engine is built; the other models a plan keeps on the rank are not subtracted here), or
+    ``CPU_KV_CACHE_BYTES`` on a CPU. At least one: a budget under one slot, which the runtime refuses, is costed
+    as one slot (its memory then shows the overdraft)."""
+    budget = engine.limits.kv_cache_bytes
+    if budget is None:
+        budget = (int(GPU_FREE_MEMORY_FRACTION * (cluster.usable_memory_bytes - weight_bytes)) if cluster.has_gpus
+                  else CPU_KV_CACHE_BYTES)
+    return max(1, slot_count(budget, math.ceil(slot_bytes), requests, engine.limits.max_slots))
+
+
+def replays_graphs(cluster: ClusterSpec, engine: RestageEngine, cfg: ModelConfig, s: Strategy) -> bool:
+    """Whether the runtime replays this layout's decode steps as CUDA graphs (``choose_decode_mode``'s rule)."""
+    device = torch.device("cuda" if cluster.has_gpus else "cpu")
+    return choose_decode_mode(device, enabled=engine.cuda_graphs, tp_size=s.tp, pp_size=s.pp, ep_size=s.ep,
+                              sparse=cfg.is_moe)[0] == "graphs"
 
 
 @dataclass(frozen=True)
@@ -59,6 +125,17 @@ def live_sequences(cluster: ClusterSpec, cfg: ModelConfig, dtype: str, engine: V
     return max(1.0, min(float(n_seqs), capacity))
 
 
+def decode_rounds(n_seqs: int, live: float) -> int:
+    """Rounds of decoding steps ``n_seqs`` answers of one length take with ``live`` in flight, refilled at once."""
+    return math.ceil(n_seqs / live - 1e-9) if live < n_seqs else 1
+
+
+def batched_generate_seconds(prefill_seconds: float, step_seconds: float, n_seqs: int, live: float,
+                             gen_tokens: int) -> float:
+    """Continuous batching: the prefills, then ``decode_rounds`` rounds of ``gen_tokens`` steps of ``live`` sequences."""
+    return prefill_seconds + decode_rounds(n_seqs, live) * gen_tokens * step_seconds
+
+
 def vllm_generate_seconds(cluster: ClusterSpec, cfg: ModelConfig, dtype: str, engine: VllmEngine, n_seqs: int,
                           prompt_tokens: int, gen_tokens: int) -> float:
     """Seconds one vLLM engine takes to generate ``gen_tokens`` tokens for each of ``n_seqs`` prompts."""
@@ -75,5 +152,4 @@ def vllm_generate_seconds(cluster: ClusterSpec, cfg: ModelConfig, dtype: str, en
                + compute.head_forward(n_seqs, engine.tp))
     step = (layers * (compute.decode_block(live, ctx, engine.tp) + 2 * allreduce_seconds(cluster, group, live * hidden_bytes))
             + compute.embed_forward(live) + compute.head_forward(live, engine.tp) + engine.step_overhead_seconds)
-    rounds = math.ceil(n_seqs / live - 1e-9) if live < n_seqs else 1
-    return prefill + rounds * gen_tokens * step
+    return batched_generate_seconds(prefill, step, n_seqs, live, gen_tokens)

@@ -3,7 +3,8 @@
 Time: compute of the bottleneck pipeline stage (``compute.py``: roofline or profile), TP
 all-reduces (two per block per pass), the 1F1B pipeline's fill and drain plus stage-to-stage
 sends, ZeRO's gradient reduction / parameter gathering over the DP group, the optimizer step,
-and generation as a prefill followed by memory-bound decoding steps. Collectives are not
+and generation on restage's rollout engine (``engines.py``: slots, refill, one prefill per prompt group,
+CUDA graphs where the runtime replays them) or, for a peer that generates so, one batch decoded to the end. Collectives are not
 assumed to overlap with compute. Memory per rank: parameters, gradients and optimizer states
 per ZeRO stage (``state_bytes``, held while the layout is the model's home; for a LoRA model gradients and
 optimizer state only of the adapters), and what exists only
@@ -19,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import assert_never
 
 from restage.cluster import ClusterSpec
 from restage.graph import MFC
@@ -35,6 +37,17 @@ from restage.plan.comm import (
     reduce_scatter_seconds,
 )
 from restage.plan.compute import DTYPE_BYTES, ProfiledCompute, RooflineCompute
+from restage.plan.engines import (
+    GRAPH_BLOCK_SECONDS,
+    HOST_CHECK_SECONDS,
+    GenerationEngine,
+    OneBatchEngine,
+    RestageEngine,
+    batched_generate_seconds,
+    decode_rounds,
+    replays_graphs,
+    restage_slots,
+)
 from restage.plan.nccl import bus_bandwidth
 from restage.plan.profile import find_profile
 
@@ -164,9 +177,11 @@ def sequences_per_rank(mfc: MFC, dp: int) -> float:
 class Estimator:
     """Estimates MFCs for one cluster; ``compute_for(role)`` picks the profile or the roofline per model."""
 
-    def __init__(self, cluster: ClusterSpec, use_profiles: bool = True):
+    def __init__(self, cluster: ClusterSpec, use_profiles: bool = True, engine: GenerationEngine = RestageEngine()):
+        """``engine``: what generate MFCs run on (restage's rollout engine with the config's settings)."""
         self.cluster = cluster
         self.use_profiles = use_profiles
+        self.engine = engine
         self._compute: dict[tuple, RooflineCompute | ProfiledCompute] = {}
         self._cache: dict[tuple, Estimate] = {}
 
@@ -182,24 +197,32 @@ class Estimator:
             self._compute[key] = model
         return self._compute[key]
 
-    def estimate(self, mfc: MFC, role: ModelRole, layout: Layout, micro_batches: int | None = None) -> Estimate:
+    def estimate(self, mfc: MFC, role: ModelRole, layout: Layout, micro_batches: int | None = None,
+                 engine: GenerationEngine | None = None) -> Estimate:
         """Cost of ``mfc`` on ``layout``; ``micro_batches`` defaults to max(the MFC's, pp) (1 for a generation,
-        which the runtime runs as one batch)."""
+        whose engine batches by itself); a generation runs on ``engine``, default the estimator's."""
         s = layout.strategy
         m = 1 if mfc.kind == "generate" else (micro_batches or max(mfc.micro_batches, s.pp))
+        engine = engine or self.engine
         links = tuple(bus_bandwidth(self.cluster, _worst_group(layout, k)) for k in ("tp", "dp", "pp", "ep"))
-        key = (mfc, role, s, m, links)
+        # An MFC's options are not part of its hash; a generation's group size is part of its cost.
+        gen_key = (engine, int(mfc.options.get("group_size", 1))) if mfc.kind == "generate" else None
+        key = (mfc, role, s, m, links, gen_key)
         if key not in self._cache:
-            self._cache[key] = self._estimate(mfc, role, layout, m)
+            self._cache[key] = self._estimate(mfc, role, layout, m, engine)
         return self._cache[key]
 
-    def _estimate(self, mfc: MFC, role: ModelRole, layout: Layout, m: int) -> Estimate:
+    def _estimate(self, mfc: MFC, role: ModelRole, layout: Layout, m: int, engine: GenerationEngine) -> Estimate:
         validate_strategy(role.arch, layout.strategy, role.name)
         compute = self.compute_for(role)
         if hasattr(compute, "used"):
             compute.used.clear()
-        kind = {"train_step": _train, "inference": _inference, "generate": _generate}[mfc.kind]
-        seconds, transient, parts = kind(self.cluster, compute, mfc, role, layout, m)
+        if mfc.kind == "generate":
+            graphs = RooflineCompute(self.cluster, role.arch, role.dtype, launch_overhead_seconds=GRAPH_BLOCK_SECONDS)
+            seconds, transient, parts = _generate(self.cluster, compute, graphs, mfc, role, layout, engine)
+        else:
+            kind = {"train_step": _train, "inference": _inference}[mfc.kind]
+            seconds, transient, parts = kind(self.cluster, compute, mfc, role, layout, m)
         overhead = overhead_seconds(self.cluster, mfc, layout, m)
         if overhead:
             seconds += overhead
@@ -377,44 +400,72 @@ def _forward_workspace(cfg: ModelConfig, tp: int, tokens: float, e: int) -> floa
     return activation_elements_per_token(cfg, tp) * tokens * e
 
 
-def _generate(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Layout, m: int):
-    """The runtime's generation: each DP rank's prompts go through the stages as one batch (micro-batches
-    do not apply), so a decoding step runs the whole batch through every stage in turn."""
+def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc: MFC, role: ModelRole,
+              layout: Layout, engine: GenerationEngine):
+    """A DP rank's requests on ``engine`` (``engines.py``): ``live`` of them decoding at once in
+    ``decode_rounds`` rounds, each step running the live batch through every pipeline stage in turn;
+    ``graph_compute`` (``GRAPH_BLOCK_SECONDS`` a block instead of the eager launch time) costs the steps the
+    runtime replays as CUDA graphs."""
     cfg, s, e = role.arch, layout.strategy, role.bytes_per_element
-    b = sequences_per_rank(mfc, s.dp)
+    b = int(sequences_per_rank(mfc, s.dp))
     prompt, gen = mfc.prompt_tokens, mfc.gen_tokens
     tp_group, pp_group = _worst_group(layout, "tp"), _worst_group(layout, "pp")
     layers = _max_stage_layers(cfg, s.pp)
     hidden_bytes = cfg.hidden_size * e
-    # Prefill: a forward over the prompts, stage after stage; the head runs on the last prompt token only.
-    prefill_stage = _stage_seconds(layout, cfg, compute.block_prefill(b, prompt, s.tp, s.ep), compute.embed_forward(b * prompt),
-                                   compute.head_forward(b, s.tp))
-    prefill_comm = layers * 2 * allreduce_seconds(cluster, tp_group, b * prompt * hidden_bytes)
-    prefill_send = p2p_seconds(cluster, pp_group[0], pp_group[-1], b * prompt * hidden_bytes) if s.pp > 1 else 0.0
-    prefill_ep = s.pp * expert_exchange_seconds(cluster, cfg, layout, b * prompt, e)
-    prefill = s.pp * (prefill_stage + prefill_comm) + (s.pp - 1) * prefill_send + prefill_ep
-    # Decoding: every step feeds the batch through all pp stages one after the other (the next token
-    # needs the last stage's output), against a KV cache of prompt + (gen + 1) / 2 tokens on average.
-    ctx = prompt + (gen + 1) / 2
-    decode_stage = _stage_seconds(layout, cfg, compute.decode_block(b, ctx, s.tp, s.ep), compute.embed_forward(b),
-                                  compute.head_forward(b, s.tp))
+    window = min(prompt + gen, cfg.sliding_window) if cfg.sliding_window else prompt + gen
+    kv_token_bytes = 2 * layers * block_shape(cfg, s.tp).kv_out * e  # one token's keys and values on the stage
+    filled = prompt + (gen + 1) / 2  # the average cache length while decoding
+    match engine:
+        case OneBatchEngine():  # every prompt prefilled whole (the head gives the first token), the batch held to the end
+            live, prompts, prefix, head, graphs, checks = b, b, prompt, b, False, 0
+            attended, cached = filled, window
+        case RestageEngine():  # slots; a group's prompt less its last token prefilled once, the siblings copy it
+            live = restage_slots(cluster, engine, kv_token_bytes * (prompt + gen), _worst_stage(cfg, s)[0] * e, b)
+            prompts, prefix, head = math.ceil(b / int(mfc.options.get("group_size", 1))), prompt - 1, 0
+            graphs = replays_graphs(cluster, engine, cfg, s)
+            attended = prompt + gen if graphs else filled  # a graph's SDPA attends over the whole slot, masked
+            cached = prompt + gen  # a slot holds max_len tokens whatever the window
+            checks = math.ceil(decode_rounds(b, live) * gen / engine.limits.check_every_steps) if cluster.has_gpus else 0
+        case _:
+            assert_never(engine)
+    tokens = prompts * prefix
+    # Prefill: a forward over the prompts, stage after stage (the one-batch engine's head on each last prompt token).
+    prefill_stage = _stage_seconds(layout, cfg, compute.block_prefill(prompts, prefix, s.tp, s.ep) if prefix else 0.0,
+                                   compute.embed_forward(tokens), compute.head_forward(head, s.tp) if head else 0.0)
+    prefill_comm = layers * 2 * allreduce_seconds(cluster, tp_group, tokens * hidden_bytes) if tokens else 0.0
+    prefill_send = p2p_seconds(cluster, pp_group[0], pp_group[-1], tokens * hidden_bytes) if s.pp > 1 and tokens else 0.0
+    prefill_ep = s.pp * expert_exchange_seconds(cluster, cfg, layout, tokens, e)
+    # A group's siblings copy the prompt's keys and values (read and written once each).
+    copy = 2 * (b - prompts) * prefix * kv_token_bytes / cluster.achievable_memory_bandwidth()
+    prefill = s.pp * (prefill_stage + prefill_comm) + (s.pp - 1) * prefill_send + prefill_ep + copy
+    # A step: the live batch through all pp stages one after the other (the next token needs the last stage's output).
+    def decode_stage_seconds(step_compute) -> float:
+        return _stage_seconds(layout, cfg, step_compute.decode_block(live, attended, s.tp, s.ep),
+                              step_compute.embed_forward(live), step_compute.head_forward(live, s.tp))
+    decode_stage = decode_stage_seconds(graph_compute if graphs else compute)
+    # A call captures its bucket's graph once: a warm-up step and the capture, each as long as an eager step.
+    capture = 2 * s.pp * decode_stage_seconds(compute) if graphs else 0.0
     # Per stage, two all-reduces per block; once per step, the sampler gathers the full-vocabulary logits over
     # TP, the hidden states pass pp - 1 stage boundaries, and the chosen tokens and their log-probabilities are
     # broadcast over TP (unless greedy) and over the pipeline.
-    chosen = 2 * b * 8
-    decode_comm = s.pp * layers * 2 * allreduce_seconds(cluster, tp_group, b * hidden_bytes) + allgather_seconds(
-        cluster, tp_group, b * cfg.vocab_size * LOGIT_BYTES) + (0 if mfc.greedy else 2 * broadcast_seconds(
+    chosen = 2 * live * 8
+    decode_comm = s.pp * layers * 2 * allreduce_seconds(cluster, tp_group, live * hidden_bytes) + allgather_seconds(
+        cluster, tp_group, live * cfg.vocab_size * LOGIT_BYTES) + (0 if mfc.greedy else 2 * broadcast_seconds(
             cluster, tp_group, chosen)) + 2 * broadcast_seconds(cluster, pp_group, chosen)
-    decode_send = (s.pp - 1) * p2p_seconds(cluster, pp_group[0], pp_group[-1], b * hidden_bytes) if s.pp > 1 else 0.0
-    decode_ep = s.pp * expert_exchange_seconds(cluster, cfg, layout, b, e)
-    decode = gen * (s.pp * decode_stage + decode_comm + decode_send + decode_ep)
-    parts = {"prefill_seconds": prefill, "decode_seconds": decode,
-             "compute_seconds": s.pp * prefill_stage + gen * s.pp * decode_stage,
-             "tp_comm_seconds": s.pp * prefill_comm + gen * decode_comm,
-             "pp_send_seconds": (s.pp - 1) * prefill_send + gen * decode_send, "ep_comm_seconds": prefill_ep + gen * decode_ep}
-    # Memory: the KV cache of every sequence of the batch.
-    kv_out = block_shape(cfg, s.tp).kv_out
-    window = min(prompt + gen, cfg.sliding_window) if cfg.sliding_window else prompt + gen
-    kv_cache = 2 * layers * kv_out * e * window * b
-    transient = kv_cache + _forward_workspace(cfg, s.tp, b * prompt, e) + b * block_shape(cfg, s.tp).head_out * LOGIT_BYTES
-    return prefill + decode, transient, parts
+    decode_send = (s.pp - 1) * p2p_seconds(cluster, pp_group[0], pp_group[-1], live * hidden_bytes) if s.pp > 1 else 0.0
+    decode_ep = s.pp * expert_exchange_seconds(cluster, cfg, layout, live, e)
+    step = s.pp * decode_stage + decode_comm + decode_send + decode_ep
+    host_checks = checks * HOST_CHECK_SECONDS
+    seconds = batched_generate_seconds(prefill, step, b, live, gen) + host_checks + capture
+    steps = decode_rounds(b, live) * gen
+    parts = {"prefill_seconds": prefill, "decode_seconds": steps * step,
+             "compute_seconds": s.pp * prefill_stage + steps * s.pp * decode_stage,
+             "tp_comm_seconds": s.pp * prefill_comm + steps * decode_comm,
+             "pp_send_seconds": (s.pp - 1) * prefill_send + steps * decode_send, "ep_comm_seconds": prefill_ep + steps * decode_ep}
+    parts.update({k: v for k, v in (("kv_copy_seconds", copy), ("host_check_seconds", host_checks),
+                                    ("graph_capture_seconds", capture)) if v})
+    # Memory: the KV cache (allocated for the live sequences' whole length), one admission's prefill workspace, the step's logits.
+    kv_cache = kv_token_bytes * cached * live
+    transient = (kv_cache + _forward_workspace(cfg, s.tp, min(prompts, live) * prefix, e)
+                 + live * block_shape(cfg, s.tp).head_out * LOGIT_BYTES)
+    return seconds, transient, parts

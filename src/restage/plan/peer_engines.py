@@ -19,8 +19,9 @@
   (NeMo-Aligner: CUDA graphs and in-flight batching too, modelled the same way) has its generation time
   from ``engines.vllm_generate_seconds`` (CUDA graphs, continuous batching over the KV cache its memory
   setting leaves), one engine per data-parallel rank of the layout's TP; DeepSpeed-Chat's Hybrid Engine
-  runs eager kernels, so it keeps restage's own decoding cost. Whether a layout fits is still one
-  wave's memory (above); a layout with pp > 1 (NeMo-Aligner without its reshard) keeps the waves' time.
+  runs eager kernels over one wave at a time (``engines.OneBatchEngine``: each wave prefilled and decoded
+  to its end, eagerly, as restage's runtime generated before its rollout engine). Whether a layout fits is
+  still one wave's memory (above); a layout with pp > 1 (NeMo-Aligner without its reshard) keeps the waves' time.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import math
 
 from restage.graph import MFC
 from restage.layout import Layout
-from restage.plan.engines import VllmEngine, vllm_generate_seconds
+from restage.plan.engines import OneBatchEngine, VllmEngine, vllm_generate_seconds
 from restage.plan.estimator import Estimate, sequences_per_rank
 from restage.plan.problem import Candidate, PlanProblem
 
@@ -46,10 +47,11 @@ def wave_counts(mfc: MFC, dp: int) -> list[int]:
 
 
 def waves_estimate(problem: PlanProblem, mfc: MFC, layout: Layout, waves: int) -> Estimate:
-    """A generation decoded in ``waves`` waves: one wave's memory, ``waves`` times its seconds."""
+    """A generation decoded in ``waves`` waves, each one batch to its end: one wave's memory, ``waves`` times its seconds."""
     dp = layout.strategy.dp
     live = math.ceil(sequences_per_rank(mfc, dp) / waves)
-    one = problem.estimator.estimate(dataclasses.replace(mfc, n_seqs=live * dp), problem.role(mfc), layout)
+    one = problem.estimator.estimate(dataclasses.replace(mfc, n_seqs=live * dp), problem.role(mfc), layout,
+                                     engine=OneBatchEngine())
     return dataclasses.replace(one, seconds=one.seconds * waves, micro_batches=waves,
                                breakdown=tuple((k, v * waves) for k, v in one.breakdown))
 
@@ -78,7 +80,7 @@ def engine_estimate(problem: PlanProblem, mfc: MFC, layout: Layout, waves: int, 
 
 class PeerProblem(PlanProblem):
     """A problem scored the way the peers' engines run it: batched generation (on ``engine``, a vLLM-style
-    engine's settings, or restage's eager decoding when None) and the old-log-prob pass."""
+    engine's settings, or waves of one eager batch each when None) and the old-log-prob pass."""
 
     def __init__(self, *args, engine: VllmEngine | None = None, **kwargs):
         super().__init__(*args, **kwargs)

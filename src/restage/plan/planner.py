@@ -14,7 +14,10 @@ from restage.algorithms.interface import build_graph, unused_models
 from restage.cluster import ClusterSpec, cluster_from_config
 from restage.errors import ConfigError, LayoutError, PlanError
 from restage.layout import Layout, Strategy
+from restage.models.rollout import RolloutLimits
 from restage.plan.baselines import all_baselines, all_references, baseline, rebased, starting_plans
+from restage.plan.engines import RestageEngine
+from restage.plan.estimator import Estimator
 from restage.plan.evaluate import PlanEvaluation, evaluate
 from restage.plan.problem import (
     Plan,
@@ -47,7 +50,14 @@ def build_problem(cfg, cluster: ClusterSpec | None = None) -> PlanProblem:
     for name, why in unused_models(cfg, graph).items():
         print(f"restage: models.{name} is unused, so not planned or loaded: {why}", file=sys.stderr, flush=True)
     cluster = cluster or cluster_from_config(cfg)
-    return PlanProblem(graph, roles_from_config(cfg, graph), cluster, samples_per_iteration=cfg.run.batch_size)
+    return PlanProblem(graph, roles_from_config(cfg, graph), cluster, estimator=Estimator(cluster, engine=engine_of(cfg)),
+                       samples_per_iteration=cfg.run.batch_size)
+
+
+def engine_of(cfg) -> RestageEngine:
+    """The rollout engine the config's ``generation`` settings build (``models.generation.generate``'s limits)."""
+    gen = cfg.generation
+    return RestageEngine(RolloutLimits.of(gen.kv_cache_gib, gen.max_slots), cuda_graphs=gen.cuda_graphs)
 
 
 def lean_plan(problem: PlanProblem) -> Plan | None:
@@ -99,7 +109,8 @@ def check_fits(problem: PlanProblem) -> None:
     need = f"needs {ev.peak_memory_bytes / GIB:.1f} GiB on its fullest device" if ev else "has no layout"
     fits = None
     for nodes in range(c.nodes + 1, MAX_NODES_TRIED + 1):
-        bigger = PlanProblem(problem.graph, problem.roles, c.with_size(nodes), estimator=None,
+        bigger = PlanProblem(problem.graph, problem.roles, c.with_size(nodes),
+                             estimator=Estimator(c.with_size(nodes), engine=problem.estimator.engine),
                              samples_per_iteration=problem.samples_per_iteration)
         lean = lean_plan(bigger)
         if lean is not None and evaluate(bigger, lean).feasible:

@@ -1,0 +1,154 @@
+"""restage's rollout engine as the estimator costs it (``plan/engines.py``, ``estimator._generate``): slots from the
+memory budget, rounds of refill, one prefill per prompt group, CUDA graphs where the runtime replays them, one host
+check every k steps. Each expected figure is built here from the formula's parts."""
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from restage.cluster import load_cluster
+from restage.graph import MFC
+from restage.layout import Layout, Strategy
+from restage.models.flops import block_shape
+from restage.models.presets import preset
+from restage.models.rollout import GPU_FREE_MEMORY_FRACTION, RolloutLimits
+from restage.plan.engines import (
+    GRAPH_BLOCK_SECONDS,
+    HOST_CHECK_SECONDS,
+    OneBatchEngine,
+    RestageEngine,
+    restage_slots,
+)
+from restage.plan.estimator import Estimator, ModelRole, activation_elements_per_token, stage_param_elements
+from restage.plan.planner import build_problem
+
+sys.path.insert(0, str(Path(__file__).parent))
+from plan_helpers import ppo_config  # noqa: E402
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def h100():
+    return load_cluster("h100-80gb")
+
+
+def gen_mfc(n_seqs, prompt, gen, group=1):
+    return MFC("actor_gen", "generate", "actor", ("prompts",), ("seqs",), n_seqs, prompt, gen,
+               options={"group_size": group})
+
+
+def parts(est):
+    return dict(est.breakdown)
+
+
+def one_rank(strategy=Strategy()):
+    return Layout.contiguous(0, strategy)
+
+
+def test_default_slots_are_the_free_fraction_of_what_the_weights_leave(h100):
+    cfg = preset("llama-7b")
+    slot_bytes = 2 * 32 * 4096 * 2 * (1024 + 1024)  # K and V, 32 layers, 4096 wide, bf16, 2048 tokens: 1 GiB
+    assert slot_bytes == GIB
+    weights = stage_param_elements(cfg, 1, 1)[0] * 2
+    budget = int(GPU_FREE_MEMORY_FRACTION * (h100.usable_memory_bytes - weights))
+    # 0.4 x (72 GiB - 12.6 GiB of weights) = 23.8 GiB: 23 slots of 1 GiB
+    assert budget // slot_bytes == 23
+    assert restage_slots(h100, RestageEngine(), slot_bytes, weights, 512) == 23
+    assert restage_slots(h100, RestageEngine(), slot_bytes, weights, 10) == 10  # never more than the requests
+    assert restage_slots(h100, RestageEngine(RolloutLimits(max_slots=16)), slot_bytes, weights, 512) == 16
+    assert restage_slots(h100, RestageEngine(RolloutLimits(kv_cache_bytes=5 * GIB + GIB // 2)), slot_bytes,
+                         weights, 512) == 5
+    # The estimate holds the cache of exactly those slots, each of the whole prompt + answer.
+    est = Estimator(h100).estimate(gen_mfc(512, 1024, 1024), ModelRole("actor", cfg), one_rank())
+    logits = 23 * block_shape(cfg, 1).head_out * 4
+    workspace = activation_elements_per_token(cfg, 1) * 23 * 1023 * 2  # one admission: 23 prompts less their last token
+    assert est.transient_bytes == int(23 * slot_bytes + workspace + logits)
+
+
+def test_requests_beyond_the_slots_take_rounds_of_refill(h100):
+    cfg = preset("llama-7b")
+    role, est = ModelRole("actor", cfg), Estimator(h100, engine=RestageEngine(RolloutLimits(max_slots=5)))
+    five, twenty, twenty_one = (parts(est.estimate(gen_mfc(n, 128, 256), role, one_rank())) for n in (5, 20, 21))
+    assert twenty["decode_seconds"] == pytest.approx(4 * five["decode_seconds"], rel=1e-12)  # ceil(20 / 5) rounds
+    assert twenty_one["decode_seconds"] == pytest.approx(5 * five["decode_seconds"], rel=1e-12)  # ceil(21 / 5)
+    # one host check per k = 4 steps: 5 rounds x 256 steps / 4 = 320 checks
+    assert twenty_one["host_check_seconds"] == pytest.approx(320 * HOST_CHECK_SECONDS, rel=1e-12)
+
+
+def test_a_group_prompt_is_prefilled_once_and_copied_to_its_siblings(h100):
+    cfg = preset("llama-7b")
+    role, est = ModelRole("actor", cfg), Estimator(h100)
+    compute = est.compute_for(role)
+    prompt = 512
+    grouped = parts(est.estimate(gen_mfc(64, prompt, 128, group=8), role, one_rank()))
+    single = parts(est.estimate(gen_mfc(64, prompt, 128, group=1), role, one_rank()))
+    kv_token = 2 * 32 * 4096 * 2
+    copy = 2 * 56 * (prompt - 1) * kv_token / h100.achievable_memory_bandwidth()  # 56 siblings, read + write
+    assert grouped["kv_copy_seconds"] == pytest.approx(copy, rel=1e-12)
+    # 8 prompts less their last token (each sample decodes that one itself); the prefill forward has no head
+    assert grouped["prefill_seconds"] == pytest.approx(
+        32 * compute.block_prefill(8, prompt - 1, 1) + compute.embed_forward(8 * (prompt - 1)) + copy, rel=1e-12)
+    assert single["prefill_seconds"] == pytest.approx(
+        32 * compute.block_prefill(64, prompt - 1, 1) + compute.embed_forward(64 * (prompt - 1)), rel=1e-12)
+    assert "kv_copy_seconds" not in single
+
+
+def test_cuda_graphs_replace_exactly_the_eager_launch_time_at_tp1_pp1(h100):
+    """llama-tiny at one sequence is launch-bound in both modes: each block costs its whole launch term."""
+    cfg = preset("llama-tiny")
+    role, gen = ModelRole("actor", cfg), 64
+    mfc = gen_mfc(1, 32, gen)
+    graphs = parts(Estimator(h100).estimate(mfc, role, one_rank()))
+    eager = parts(Estimator(h100, engine=RestageEngine(cuda_graphs=False)).estimate(mfc, role, one_rank()))
+    launch_term = cfg.num_layers * (h100.block_overhead_seconds - GRAPH_BLOCK_SECONDS)
+    assert eager["decode_seconds"] - graphs["decode_seconds"] == pytest.approx(gen * launch_term, rel=1e-9)
+    # a call captures its one bucket: a warm-up step and the capture, each an eager step
+    assert graphs["graph_capture_seconds"] == pytest.approx(2 * eager["decode_seconds"] / gen, rel=1e-12)
+    assert "graph_capture_seconds" not in eager
+
+
+def test_graphs_only_where_the_runtime_replays_them(h100):
+    cfg = preset("llama-7b")
+    role, mfc = ModelRole("actor", cfg), gen_mfc(16, 128, 128)
+    on, off = Estimator(h100), Estimator(h100, engine=RestageEngine(cuda_graphs=False))
+    for strategy in (Strategy(tp=2), Strategy(pp=2)):  # eager there, whatever generation.cuda_graphs says
+        a, b = (parts(e.estimate(mfc, role, Layout.contiguous(0, strategy))) for e in (on, off))
+        assert a == b and "graph_capture_seconds" not in a
+    cpu = load_cluster("local-cpu")
+    a, b = (parts(Estimator(cpu, engine=e, use_profiles=False).estimate(mfc, role, one_rank()))
+            for e in (RestageEngine(), RestageEngine(cuda_graphs=False)))
+    assert a == b and "host_check_seconds" not in a  # a CPU runs every op synchronously: no graph, no drain
+
+
+def test_one_batch_engine_decodes_every_request_at_once_with_its_whole_kv(h100):
+    """DeepSpeed-Chat's Hybrid Engine (peer_engines): the whole batch's KV cache, one round, every prompt whole."""
+    cfg = preset("llama-7b")
+    role, est = ModelRole("actor", cfg), Estimator(h100)
+    compute = est.compute_for(role)
+    mfc = gen_mfc(64, 128, 256)
+    got = est.estimate(mfc, role, one_rank(), engine=OneBatchEngine())
+    kv_token = 2 * 32 * 4096 * 2
+    step = 32 * compute.decode_block(64, 128 + 257 / 2, 1) + compute.embed_forward(64) + compute.head_forward(64, 1)
+    assert parts(got)["decode_seconds"] == pytest.approx(256 * step, rel=1e-12)
+    assert got.transient_bytes >= 64 * (128 + 256) * kv_token
+    assert parts(got)["prefill_seconds"] == pytest.approx(
+        32 * compute.block_prefill(64, 128, 1) + compute.embed_forward(64 * 128) + compute.head_forward(64, 1), rel=1e-12)
+
+
+def test_the_planner_costs_the_engine_the_config_builds():
+    problem = build_problem(ppo_config("llama-7b", "llama-7b", batch=64, gen=128,
+                                       generation={"max_new_tokens": 128, "kv_cache_gib": 3, "max_slots": 8,
+                                                   "cuda_graphs": False}))
+    assert problem.estimator.engine == RestageEngine(RolloutLimits(kv_cache_bytes=3 * GIB, max_slots=8),
+                                                     cuda_graphs=False)
+    est = problem.candidate("actor_gen", one_rank()).estimate
+    kv_token = 2 * 32 * 4096 * 2
+    slots = min(8, 3 * GIB // (kv_token * (128 + 128)))
+    assert slots == 8 and math.ceil(64 / slots) == 8
+    mfc = problem.graph["actor_gen"]
+    eight = problem.estimator.estimate(dataclasses.replace(mfc, n_seqs=8), problem.role(mfc), one_rank())
+    assert parts(est)["decode_seconds"] == pytest.approx(8 * parts(eight)["decode_seconds"], rel=1e-12)
