@@ -79,9 +79,9 @@ def test_nemo_aligner_runs_two_jobs_with_one_megatron_strategy_each(found_7b):
 
 def test_search_is_never_worse_than_a_plan_it_starts_from_nor_any_reference(problem_7b, found_7b):
     """Seeded with the peers' and references' layouts (re-estimated as restage's runtime would run them), the search
-    ends no slower than any of them that fits in memory. The peers' own figures are not a bound: they are scored with engines restage's
-    runtime does not have (vLLM generation, ``peer_engines``), so a peer may be predicted faster than any plan
-    restage can run; ``bench/plan_paper.py`` reports that comparison."""
+    ends no slower than any of them that fits in memory. The peers' own figures are not a bound: they are scored
+    with engines restage's runtime does not have (vLLM generation, ``peer_engines``), so a peer may be predicted
+    faster than any plan restage can run; ``bench/plan_paper.py`` reports that comparison."""
     references = all_references(problem_7b)
     assert set(found_7b) == set(PEERS) and set(references) == set(REFERENCES)
     assert all(name in LABELS for name in (*PEERS, *REFERENCES))
