@@ -13,14 +13,13 @@ import gc
 
 import pytest
 import torch
-from model_cases import PROMPTS, sample_sequences
+from model_cases import PROMPTS, logprob_gap_to_teacher_forcing, sample_sequences
 
 from restage.layout import Layout, Strategy
 from restage.models.checkpoint import load_stage
 from restage.models.decode_graphs import buckets
 from restage.models.generation import generate
 from restage.models.packing import pack
-from restage.models.parallel import vocab_parallel_logprobs
 from restage.models.rollout import RolloutEngine, RolloutLimits
 from restage.models.sampling import SamplingParams, request_keys, request_seed
 from restage.models.tiny import load_hf
@@ -98,15 +97,7 @@ def test_graph_logprobs_equal_a_teacher_forced_forward_on_cuda(tiny_models):
     module = _stage(tiny_models["llama"])
     out = generate(module, MANY, SAMPLED, group_size=2, limits=RolloutLimits(max_slots=5, check_every_steps=3))
     prompts = [p for p in MANY for _ in range(2)]
-    tokens, batch = pack([p + a for p, a in zip(prompts, out.sequences())], device=torch.device("cuda"))
-    with torch.no_grad():
-        logits = module(tokens, batch)
-    expected = vocab_parallel_logprobs(logits, torch.roll(tokens, -1), module.ctx, 0, temperature=SAMPLED.temperature)
-    worst = 0.0
-    for r, (prompt, start) in enumerate(zip(prompts, batch.cu_seqlens[:-1].tolist())):
-        n, first = int(out.lengths[r]), start + len(prompt) - 1
-        worst = max(worst, (out.logprobs[r, :n] - expected[first: first + n]).abs().max().item())
-    assert worst <= 1e-4
+    assert logprob_gap_to_teacher_forcing(module, prompts, out, SAMPLED.temperature) <= 1e-4
 
 
 def test_an_engine_and_its_graphs_free_their_memory(tiny_models):
