@@ -68,3 +68,23 @@ def test_prompt_plus_answer_past_the_positions_is_refused():
                               "has 64 positions (max_position_embeddings); lower dataset.max_prompt_tokens and "
                               "dataset.max_answer_tokens to sum to <= 64")
     check_positions(cfg, [data], {"actor": 70})
+
+
+def test_a_plan_for_gpus_is_refused_on_a_machine_without_cuda(run, tmp_path):
+    code, err, seconds = run("cluster.name=h100-80gb")
+    assert code == 2 and err == ["restage: error: cluster.name=h100-80gb plans for NVIDIA H100-SXM5-80GB GPUs but this "
+                                 "machine has no CUDA device; set cluster.name=local-cpu to run here, or submit to GPU "
+                                 "nodes (restage submit)"]
+    assert seconds < 20 and not (tmp_path / "ppo-tiny" / "default" / "log.h5").exists()
+
+
+def test_a_plan_for_cpus_on_a_machine_with_gpus_is_run_with_a_warning():
+    from restage.launch.local import check_local_devices
+
+    cfg = load_config(ROOT / "jobs/ppo_tiny.yaml")
+    assert check_local_devices(cfg, 0) == ""
+    assert check_local_devices(cfg, 8) == (
+        "warning: the ranks will run on this machine's 8 CUDA device(s) with a plan costed for cluster.name=local-cpu "
+        "(AMD EPYC (Zen 3) core, CPU); set cluster.name to a GPU cluster file (cluster/*.yaml) to plan for them")
+    gpu = load_config(ROOT / "jobs/ppo_tiny.yaml", ["cluster.name=h100-80gb"])
+    assert check_local_devices(gpu, 1) == ""

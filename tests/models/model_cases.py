@@ -63,3 +63,21 @@ def hf_greedy(path: str, prompts: list[list[int]], new_tokens: int) -> list[list
                              eos_token_id=None, pad_token_id=0)
         out.append(ids[0, len(p):].tolist())
     return out
+
+
+def logprob_gap_to_teacher_forcing(module, prompts: list[list[int]], out, temperature: float) -> float:
+    """Largest |generated log-prob - the same token's log-prob in one forward over prompt + answer| (``out``: a
+    GenerationOutput of ``prompts``, one request per prompt, on ``module``'s device)."""
+    from restage.models.packing import pack
+    from restage.models.parallel import vocab_parallel_logprobs
+
+    device = next(module.parameters()).device
+    tokens, batch = pack([p + a for p, a in zip(prompts, out.sequences())], device=device)
+    with torch.no_grad():
+        logits = module(tokens, batch)
+    expected = vocab_parallel_logprobs(logits, torch.roll(tokens, -1), module.ctx, 0, temperature=temperature)
+    worst = 0.0
+    for r, (prompt, start) in enumerate(zip(prompts, batch.cu_seqlens[:-1].tolist())):
+        n, first = int(out.lengths[r]), start + len(prompt) - 1
+        worst = max(worst, (out.logprobs[r, :n] - expected[first: first + n]).abs().max().item())
+    return worst

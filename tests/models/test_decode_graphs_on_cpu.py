@@ -70,7 +70,7 @@ def test_graphs_are_chosen_for_a_single_cuda_rank_only():
     assert choose_decode_mode(torch.device("cuda", 0), enabled=True, **single)[0] == "graphs"
     assert choose_decode_mode(torch.device("cpu"), enabled=True, **single) == ("eager", "cpu device")
     assert choose_decode_mode(torch.device("cuda"), enabled=False, **single)[0] == "eager"
-    for change in (dict(tp_size=2), dict(pp_size=2), dict(ep_size=2), dict(sparse=True)):
+    for change in (dict(tp_size=2), dict(pp_size=2), dict(ep_size=2), dict(sparse=True), dict(partitioned=True)):
         mode, reason = choose_decode_mode(torch.device("cuda"), enabled=True, **{**single, **change})
         assert mode == "eager" and reason
 

@@ -6,14 +6,12 @@ import math
 
 import pytest
 import torch
-from model_cases import PROMPTS, sample_sequences
+from model_cases import PROMPTS, logprob_gap_to_teacher_forcing, sample_sequences
 
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
 from restage.models.checkpoint import load_stage
 from restage.models.generation import generate
-from restage.models.packing import pack
-from restage.models.parallel import vocab_parallel_logprobs
 from restage.models.rollout import RolloutEngine, RolloutLimits, kv_bytes_per_slot, plan_slots
 from restage.models.sampling import SamplingParams, choose_tokens, request_keys
 
@@ -96,15 +94,7 @@ def test_more_prompts_than_slots_each_answer_equals_its_run_alone(llama):
 def test_logprobs_equal_a_teacher_forced_forward(llama):
     out = generate(llama, MANY, SAMPLED, group_size=2, limits=RolloutLimits(max_slots=5, check_every_steps=3))
     prompts = [p for p in MANY for _ in range(2)]
-    tokens, batch = pack([p + a for p, a in zip(prompts, out.sequences())])
-    with torch.no_grad():
-        logits = llama(tokens, batch)
-    expected = vocab_parallel_logprobs(logits, torch.roll(tokens, -1), llama.ctx, 0, temperature=SAMPLED.temperature)
-    worst = 0.0
-    for r, (prompt, start) in enumerate(zip(prompts, batch.cu_seqlens[:-1].tolist())):
-        n, first = int(out.lengths[r]), start + len(prompt) - 1
-        worst = max(worst, (out.logprobs[r, :n] - expected[first: first + n]).abs().max().item())
-    assert worst <= 1e-5
+    assert logprob_gap_to_teacher_forcing(llama, prompts, out, SAMPLED.temperature) <= 1e-5
 
 
 def test_gumbel_sampling_follows_the_filtered_softmax():

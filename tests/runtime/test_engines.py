@@ -96,3 +96,28 @@ def test_an_engine_reduces_over_its_own_layout_when_another_engine_was_built_las
     for rank, params in enumerate(results):
         for got, want in zip(params, _reference(1, ranks=[rank])):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _forward_syncs_after_three_steps(rank, world_size):
+    from deepspeed.accelerator import get_accelerator
+
+    from restage.runtime.engines import build_engine
+
+    spec = ModelSpec(path="-", trainable=True, optim=OptimConfig(lr=0.1))
+    engine = build_engine(_model(), spec, Layout((0,), Strategy()), rank, ProcessGroups([], singletons=True), micro_batches=1,
+                          total_optimizer_steps=4)
+    for _ in range(3):
+        x, y = _data(rank)
+        engine.backward(((engine(x) - y) ** 2).mean())
+        engine.step()
+    accelerator, calls = get_accelerator(), []
+    original = accelerator.synchronize
+    accelerator.synchronize = lambda *args: calls.append(args) or original(*args)
+    with torch.no_grad():
+        engine.module(_data(rank)[0])  # how generation and inference call a model in its training layout
+    return len(calls)
+
+
+def test_a_forward_through_an_engines_module_does_not_synchronize_the_device():
+    # DeepSpeed's throughput timer would (once per forward from the third step on); it is off in our config.
+    assert spawn(_forward_syncs_after_three_steps, 1, env={"DS_ACCELERATOR": "cpu"}) == [0]

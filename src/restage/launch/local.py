@@ -19,7 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from restage.algorithms.interface import get_algorithm
+from restage.cluster import load_cluster
 from restage.config import ExperimentConfig, config_from_dict, load_config
 from restage.data.datasets import check_positions, load_splits
 from restage.errors import ConfigError, LaunchError, LogError
@@ -47,8 +50,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing trial's log and checkpoints")
 
 
+def check_local_devices(cfg: ExperimentConfig, cuda_devices: int) -> str:
+    """Refuse a GPU plan on a machine without CUDA; return a warning (or "") for a CPU plan on one with GPUs.
+
+    The ranks ``restage run`` starts use this machine's CUDA devices whenever it has them
+    (``restage.device.rank_device``), whatever cluster file the plan was costed for.
+    """
+    cluster = load_cluster(cfg.cluster.name, cfg.cluster.nodes, cfg.cluster.devices_per_node or None)
+    if cluster.has_gpus and not cuda_devices:
+        raise ConfigError(f"cluster.name={cluster.name} plans for {cluster.device} GPUs but this machine has no CUDA "
+                          "device; set cluster.name=local-cpu to run here, or submit to GPU nodes (restage submit)")
+    if cuda_devices and not cluster.has_gpus:
+        return (f"warning: the ranks will run on this machine's {cuda_devices} CUDA device(s) with a plan costed for "
+                f"cluster.name={cluster.name} ({cluster.device}); set cluster.name to a GPU cluster file (cluster/*.yaml) "
+                "to plan for them")
+    return ""
+
+
 def prepare(cfg: ExperimentConfig) -> None:
     """One-line refusals for inputs that would otherwise fail inside the ranks."""
+    warning = check_local_devices(cfg, torch.cuda.device_count())
+    if warning:
+        print(f"restage: {warning}", file=sys.stderr, flush=True)
     positions = {}
     for name, spec in cfg.models.items():
         if not spec.path:

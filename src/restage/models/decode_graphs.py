@@ -62,12 +62,18 @@ def stage_inputs(lengths: Sequence[int], steps: Sequence[int], requests: Sequenc
 
 
 def choose_decode_mode(device: torch.device, *, enabled: bool, tp_size: int, pp_size: int, ep_size: int,
-                       sparse: bool) -> tuple[DecodeMode, str]:
-    """``graphs`` where CUDA graphs serve this decode, else ``eager``; and why, in a few words."""
+                       sparse: bool, partitioned: bool = False) -> tuple[DecodeMode, str]:
+    """``graphs`` where CUDA graphs serve this decode, else ``eager``; and why, in a few words.
+
+    ``partitioned``: the module's parameters are ZeRO-3 partitions (a model generating in its training
+    layout), which DeepSpeed's forward hooks gather with collectives and host-side bookkeeping each forward.
+    """
     if device.type != "cuda":
         return "eager", f"{device.type} device"
     if not enabled:
         return "eager", "generation.cuda_graphs is off"
+    if partitioned:
+        return "eager", "ZeRO-3 partitioned parameters (DeepSpeed gathers them in each forward)"
     if pp_size > 1:
         return "eager", "pp > 1 (stages exchange activations with host-driven send/recv)"
     if tp_size > 1:

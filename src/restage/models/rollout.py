@@ -163,7 +163,8 @@ class RolloutEngine:
         # decode_mode None: CUDA graphs where they serve (decode_graphs.choose_decode_mode), else eager.
         self.decode_mode, self.decode_reason = (decode_mode, "asked for") if decode_mode else choose_decode_mode(
             device, enabled=params.cuda_graphs, tp_size=ctx.tp_size, pp_size=ctx.pp_size, ep_size=ctx.ep_size,
-            sparse=any(cfg.is_sparse(i) for i in range(*module.layer_range)))
+            sparse=any(cfg.is_sparse(i) for i in range(*module.layer_range)),
+            partitioned=any(hasattr(p, "ds_status") for p in module.parameters()))  # DeepSpeed ZeRO-3's mark
         self.graphs = DecodeGraphs(slots, device, self.decode_mode)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -201,6 +201,12 @@ def deepspeed_config(spec: ModelSpec, dp: int, micro_batches: int, ep: int = 1) 
         # Tag validation all-reduces over the whole world; only this model's ranks save it.
         "checkpoint": {"tag_validation": "IGNORE"},
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer is on by default and, from its third step on, synchronizes the
+        # device at the start of every forward of the engine's module (ThroughputTimer.start): a host
+        # sync per micro-batch, and an illegal call inside a CUDA-graph capture when the actor generates
+        # in its training layout (seen on an H200: cudaErrorStreamCaptureUnsupported at step 2 of
+        # jobs/grpo_tiny.yaml). restage times its steps itself (runtime/clock.py).
+        "timers": {"throughput": {"enabled": False}},
         **_DTYPE_CONFIG[spec.dtype],
     }
     return config
