@@ -24,6 +24,9 @@ from restage.plan.engines import (
 )
 from restage.plan.estimator import Estimator, ModelRole, activation_elements_per_token, stage_param_elements
 from restage.plan.planner import build_problem
+from restage.plan.simulator import plan_program, zero3_in_place
+from restage.plan.transfer import zero3_gather_seconds
+from restage.schedule.ops import Run
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plan_helpers import ppo_config  # noqa: E402
@@ -152,3 +155,21 @@ def test_the_planner_costs_the_engine_the_config_builds():
     mfc = problem.graph["actor_gen"]
     eight = problem.estimator.estimate(dataclasses.replace(mfc, n_seqs=8), problem.role(mfc), one_rank())
     assert parts(est)["decode_seconds"] == pytest.approx(8 * parts(eight)["decode_seconds"], rel=1e-12)
+
+
+def test_generation_on_its_zero3_training_layout_decodes_eagerly():
+    """Over ZeRO-3 partitions the runtime decodes eagerly (``choose_decode_mode``'s ``partitioned``): the simulator
+    takes the eager engine's seconds (plus the gather) for a generation that runs in place, the graphs' elsewhere."""
+    problem = build_problem(ppo_config("llama-7b", "llama-7b", batch=64, gen=128, zero=3))
+    whole = Layout.contiguous(0, Strategy(dp=8))
+    plan = tuple(problem.candidate(m, whole) for m in problem.mfcs)
+    gen = problem.graph["actor_gen"]
+    role = problem.role(gen)
+    assert zero3_in_place(problem, plan, gen)
+    seconds = dict((op.mfc, s) for op, s in plan_program(problem, plan) if isinstance(op, Run))
+    eager = problem.estimator.estimate(gen, role, whole, engine=RestageEngine(cuda_graphs=False)).seconds
+    gather = zero3_gather_seconds(role.arch, whole, role.bytes_per_element, problem.cluster)
+    assert seconds["actor_gen"] == pytest.approx(eager + gather, rel=1e-12)
+    graphs = problem.candidate(gen, whole).seconds
+    launches = 32 * (problem.cluster.block_overhead_seconds - GRAPH_BLOCK_SECONDS)
+    assert graphs < eager - 128 * 0.5 * launches  # the graphs' candidate: at least half the launch time saved

@@ -14,7 +14,7 @@ a step costs and what a prefill covers:
   ``generation.max_slots`` and the rank's requests; a group's prompt (``group_size``) prefilled once
   (all but its last token) and its KV copied to the siblings; decode steps replayed as CUDA graphs
   where the runtime replays them (``models.decode_graphs.choose_decode_mode``: a GPU, tp = pp = 1,
-  a dense model): a block's kernels take at least ``GRAPH_BLOCK_SECONDS`` instead of the eager
+  a dense model, not on ZeRO-3 partitions): a block's kernels take at least ``GRAPH_BLOCK_SECONDS`` instead of the eager
   ``block_overhead_seconds``, SDPA attends over the whole slot, and each call captures its graph
   once (a warm-up step and a capture, each costed as one eager step); eager elsewhere
   (per-block launch time, attention over the filled prefix); one host sync every
@@ -64,6 +64,7 @@ class RestageEngine:
 
     limits: RolloutLimits = RolloutLimits()
     cuda_graphs: bool = True
+    partitioned: bool = False  # generating in its ZeRO-3 training layout (``PlanProblem.in_place_seconds``)
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def replays_graphs(cluster: ClusterSpec, engine: RestageEngine, cfg: ModelConfig
     """Whether the runtime replays this layout's decode steps as CUDA graphs (``choose_decode_mode``'s rule)."""
     device = torch.device("cuda" if cluster.has_gpus else "cpu")
     return choose_decode_mode(device, enabled=engine.cuda_graphs, tp_size=s.tp, pp_size=s.pp, ep_size=s.ep,
-                              sparse=cfg.is_moe)[0] == "graphs"
+                              sparse=cfg.is_moe, partitioned=engine.partitioned)[0] == "graphs"
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,10 @@ class PeerProblem(PlanProblem):
                 est, seconds=est.seconds + extra, breakdown=est.breakdown + (("old_logprob_seconds", extra),)))
         return cand
 
+    def in_place_seconds(self, cand: Candidate) -> float:
+        """The peers' engines hold their own copy to generate from (vLLM, TensorRT-LLM, the Hybrid Engine's gather)."""
+        return cand.seconds
+
     def options(self, mfc: MFC | str, layout: Layout) -> list[Candidate]:
         mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
         if mfc.kind != "generate":

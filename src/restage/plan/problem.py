@@ -25,6 +25,7 @@ from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout, Strategy
 from restage.models.config import LoraConfig, ModelConfig
 from restage.models.sharding import layout_problem
+from restage.plan.engines import RestageEngine
 from restage.plan.estimator import Estimate, Estimator, ModelRole, dp_size_ok, sequences_per_rank
 from restage.plan.transfer import ReallocCost, data_transfer_seconds, exact_realloc, fast_realloc
 from restage.schedule.program import check_ema_architectures
@@ -225,6 +226,15 @@ class PlanProblem:
         """The candidate for exactly this layout (estimated on demand; need not be in ``candidates``)."""
         mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
         return Candidate(mfc.name, layout, self.estimator.estimate(mfc, self.role(mfc), layout, micro_batches))
+
+    def in_place_seconds(self, cand: Candidate) -> float:
+        """Seconds of ``cand`` run on its ZeRO-3 model's partitioned training layout (``simulator.zero3_in_place``):
+        restage's rollout engine decodes eagerly over partitions (``choose_decode_mode``'s ``partitioned``)."""
+        mfc, engine = self.graph[cand.mfc], self.estimator.engine
+        if mfc.kind != "generate" or not isinstance(engine, RestageEngine):
+            return cand.seconds
+        return self.estimator.estimate(mfc, self.role(mfc), cand.layout, cand.micro_batches,
+                                       engine=replace(engine, partitioned=True)).seconds
 
     def alone_bytes(self, cand: Candidate) -> int:
         """Peak bytes per rank of this candidate with nothing else on its ranks (its home state, or its copy)."""

@@ -162,10 +162,12 @@ def op_seconds(problem, plan, op: Op) -> float:
     match op:
         case Run():
             mfc = problem.graph[op.mfc]
-            seconds = plan[problem.index[op.mfc]].seconds
+            cand = plan[problem.index[op.mfc]]
+            seconds = cand.seconds
             if zero3_in_place(problem, plan, mfc):
                 role = problem.role(mfc)
-                seconds += zero3_gather_seconds(role.arch, op.layout, role.bytes_per_element, problem.cluster)
+                seconds = problem.in_place_seconds(cand) + zero3_gather_seconds(role.arch, op.layout,
+                                                                               role.bytes_per_element, problem.cluster)
             return seconds
         case Realloc():
             return copy_seconds(problem, op.src, op.dst, op.model) + problem.cluster.realloc_overhead_seconds
