@@ -74,7 +74,7 @@ class Event:
 
 @dataclass
 class ScheduleLog:
-    """What one stage did, tick by tick (the bench's figure): events with work, and decode slots per tick."""
+    """What one stage did (the bench's figure): its ticks, those with work, and the slots it decoded at each."""
 
     ticks: int = 0
     busy_ticks: int = 0
@@ -107,6 +107,9 @@ class PipelinedRollout:
             if done:
                 assert not outbox and not self.chosen, "a stage stopped with work in flight"
                 break
+            self.log.ticks += 1
+            self.log.busy_ticks += bool(event.prefill_tokens or event.bound)
+            self.log.decoded_slots.append(event.bound)
             inputs = self._exchange(outbox, event)
             outbox = self._forward(event, inputs)
             index += 1
@@ -142,7 +145,8 @@ class PipelinedRollout:
         bound = engine.bound(group)
         self.decoded[g] = bound
         idle = not engine.queue and not any(engine.busy(x) for x in self.groups)
-        done = (ep_peers_done(idle, self.module) if check else False) if lockstep else idle
+        # Under ep the replicas agree at their (coinciding) checks; an idle replica keeps joining until then.
+        done = check and ep_peers_done(idle, self.module) if lockstep else idle
         return Event(index, group, admission, bound, check), done
 
     def _exchange(self, outbox: list[torch.Tensor], event: Event) -> list[torch.Tensor]:
@@ -156,8 +160,6 @@ class PipelinedRollout:
                     inputs.append(torch.empty(tokens, module.cfg.hidden_size, dtype=module.dtype,
                                               device=self.engine.device))
             ops += [("recv", t, ctx.prev_rank) for t in inputs]
-        self.log.ticks += 1
-        self.log.busy_ticks += bool(event.prefill_tokens or event.bound)
         p2p([(kind, tensor, peer) for kind, tensor, peer in ops if peer is not None])
         return inputs
 
@@ -177,7 +179,6 @@ class PipelinedRollout:
             join_sparse_layers(module)
         if event.admission is not None:
             engine.copy_prefixes(event.admission)
-        self.log.decoded_slots.append(event.bound)
         if event.bound:
             assert engine.cache is not None  # slots exist when requests do
             group = event.group
