@@ -178,15 +178,16 @@ class RolloutEngine:
         self.lengths = torch.zeros(requests + 1, dtype=torch.int64, device=device)
         self.vocab_sizes = vocab_sizes(module.cfg.vocab_size, module.ctx)
         ctx, cfg = module.ctx, module.cfg
-        # decode_mode None: CUDA graphs where they serve (decode_graphs.choose_decode_mode), else eager.
-        self.decode_mode, self.decode_reason = (decode_mode, "asked for") if decode_mode else choose_decode_mode(
-            device, enabled=params.cuda_graphs, tp_size=ctx.tp_size, pp_size=ctx.pp_size, ep_size=ctx.ep_size,
-            sparse=any(cfg.is_sparse(i) for i in range(*module.layer_range)))
-        self.graphs = DecodeGraphs(slots, device, self.decode_mode)
         self.whole = SlotGroup(0, slots)
         self.num_groups = _group_count(limits.pp_groups, ctx.pp_size)
+        # decode_mode None: CUDA graphs where they serve (decode_graphs.choose_decode_mode), else eager.
+        self.decode_mode, self.decode_reason = (decode_mode, "asked for") if decode_mode else (
+            ("eager", "micro-groups in flight (rollout_pipeline.py)") if self.num_groups > 1 else choose_decode_mode(
+                device, enabled=params.cuda_graphs, tp_size=ctx.tp_size, pp_size=ctx.pp_size, ep_size=ctx.ep_size,
+                sparse=any(cfg.is_sparse(i) for i in range(*module.layer_range))))
         if self.num_groups > 1 and self.decode_mode == "graphs":
-            raise ConfigError("CUDA-graph decode runs one pipeline stage; set generation.cuda_graphs off or pp_groups=1")
+            raise ConfigError("CUDA-graph decode steps all slots at once; use pp_groups=1 with decode_mode='graphs'")
+        self.graphs = DecodeGraphs(slots, device, self.decode_mode)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Generate every request: ``(tokens [R, W], logprobs [R, W], lengths [R])``."""
@@ -209,7 +210,7 @@ class RolloutEngine:
 
     def bound(self, group: SlotGroup | None = None) -> int:
         """Slots a decode step of ``group`` (default: all) runs over from its first: past its last busy one, to a power of 2."""
-        group = group or self.whole
+        group = group if group is not None else self.whole
         last = max((i for i in range(group.start, group.stop) if self.request[i] >= 0), default=group.start - 1)
         return _bucket(last + 1 - group.start, group.size)
 
@@ -224,7 +225,7 @@ class RolloutEngine:
 
     def reap(self, group: SlotGroup | None = None) -> None:
         """The check: one read of the alive flags; requests that stopped at EOS leave their slots."""
-        group = group or self.whole
+        group = group if group is not None else self.whole
         bound = self.bound(group)
         if bound:
             alive = self.alive[group.start:group.start + bound].tolist()  # the one host sync per check
