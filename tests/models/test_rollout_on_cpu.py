@@ -178,7 +178,7 @@ def test_a_long_answer_left_alone_moves_to_the_first_slot(llama, monkeypatch):
     original = RolloutEngine._decode
 
     def recorded(self):
-        bounds.append(self._bound())
+        bounds.append(self.bound())
         original(self)
 
     monkeypatch.setattr(RolloutEngine, "_decode", recorded)

@@ -127,8 +127,10 @@ class KVCache:
         self.max_len = max_len
         self.decoding = False
         # Cache row of each sequence of a prefill batch (``[B]`` on the device); None: rows 0 .. B-1.
-        # A decode step over B sequences always uses rows 0 .. B-1 (the rollout engine's slots).
         self.rows: torch.Tensor | None = None
+        # A decode step over B sequences uses rows first_row .. first_row + B - 1 (the rollout engine's
+        # slots; a pipelined rollout decodes one micro-group of consecutive slots at a time).
+        self.first_row = 0
 
     def set_lengths(self, length: int) -> None:
         """Pretend every row holds ``length`` tokens (the profiler times a decode step against a full cache)."""
@@ -157,7 +159,8 @@ class KVCache:
                          window: int | None = None) -> torch.Tensor:
         """Append one token per sequence (``q`` ``[B, H, D]``) and attend to the cache; ``[B, H, D]``."""
         scale = 1.0 / math.sqrt(q.shape[-1])
-        k_cache, v_cache = self.k[layer][: q.shape[0]], self.v[layer][: q.shape[0]]  # views: rows 0 .. B-1
+        rows_used = slice(self.first_row, self.first_row + q.shape[0])
+        k_cache, v_cache = self.k[layer][rows_used], self.v[layer][rows_used]  # views of B consecutive rows
         if use_flash(q):
             out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, k=k.unsqueeze(1), v=v.unsqueeze(1),
                                           cache_seqlens=self.lengths.to(torch.int32), softmax_scale=scale,

@@ -1,7 +1,8 @@
 """Generation's entry point: ``generate(module, prompts, params)`` under any dp/tp/pp/ep layout.
 
 The work is done by the rollout engine (``rollout.py``: cache slots, continuous batching, one
-prefill per prompt group) and the sampler (``sampling.py``: filters and per-request noise). The
+prefill per prompt group), under pp by micro-groups of slots in flight through the stages
+(``rollout_pipeline.py``), and the sampler (``sampling.py``: filters and per-request noise). The
 last stage gathers only the decoded positions' logits over TP (``[B, V]``), picks the next tokens,
 and broadcasts them (with their log-probabilities) to every stage, so all ranks of a data-parallel
 replica return the same GenerationOutput.
@@ -17,6 +18,7 @@ import torch
 from restage.errors import ConfigError
 from restage.models.decoder import StageModule
 from restage.models.rollout import RolloutEngine, RolloutLimits
+from restage.models.rollout_pipeline import run_pipelined
 from restage.models.sampling import SamplingParams, request_keys, request_seed
 
 
@@ -68,7 +70,7 @@ def generate(module: StageModule, prompts: Sequence[Sequence[int]], params: Samp
         limits = RolloutLimits.of(params.kv_cache_gib, params.max_slots)
     prompt_of = [r // group_size for r in range(requests)]
     engine = RolloutEngine(module, prompts, prompt_of, caps, request_keys(seeds), params, eos_ids, limits)
-    tokens, logprobs, lengths = engine.run()
+    tokens, logprobs, lengths = run_pipelined(engine) if engine.num_groups > 1 else engine.run()
     width = params.max_new_tokens
     if tokens.shape[1] < width:  # every request capped below the run's max_new_tokens
         pad = torch.full((requests, width - tokens.shape[1]), params.pad_token_id, dtype=torch.int64,

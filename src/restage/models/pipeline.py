@@ -56,7 +56,7 @@ def default_backward(tensor: torch.Tensor, grad: torch.Tensor | None, stage_loss
         torch.autograd.backward([tensor, stage_loss], [grad, None])
 
 
-def _p2p(ops: list[tuple[str, torch.Tensor, int]]) -> None:
+def p2p(ops: list[tuple[str, torch.Tensor, int]]) -> None:
     """Run sends and receives together, so two neighbours exchanging at once cannot deadlock."""
     if not ops:
         return
@@ -72,12 +72,12 @@ def _hidden_buffer(module: StageModule, mb: MicroBatch) -> torch.Tensor:
 def send_tensor(tensor: torch.Tensor, peer: int | None) -> None:
     """Send to the neighbouring stage ``peer`` (``ctx.next_rank``/``prev_rank``; None there is a caller's bug)."""
     assert peer is not None, "no neighbouring stage to send to"
-    _p2p([("send", tensor.contiguous(), peer)])
+    p2p([("send", tensor.contiguous(), peer)])
 
 
 def recv_tensor(buffer: torch.Tensor, peer: int | None) -> torch.Tensor:
     assert peer is not None, "no neighbouring stage to receive from"
-    _p2p([("recv", buffer, peer)])
+    p2p([("recv", buffer, peer)])
     return buffer
 
 
@@ -167,7 +167,7 @@ def train_1f1b(module: StageModule, micro_batches: Sequence[MicroBatch], loss_fn
             if peer_in is not None and recv_like is not None:
                 received = torch.empty_like(recv_like)
                 ops.append(("recv", received, peer_in))
-        _p2p(ops)
+        p2p(ops)
         return received
 
     for i in range(warmup):
@@ -219,5 +219,5 @@ def sync_tied_embedding_grads(module: StageModule) -> None:
     mine = weight.grad if weight.grad is not None else torch.zeros_like(weight)
     peer = ctx.last_stage_rank if ctx.is_first_stage else ctx.first_stage_rank
     theirs = torch.empty_like(mine)
-    _p2p([("send", mine.contiguous(), peer), ("recv", theirs, peer)])
+    p2p([("send", mine.contiguous(), peer), ("recv", theirs, peer)])
     weight.grad = mine + theirs

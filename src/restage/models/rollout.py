@@ -25,12 +25,17 @@ A decode step reads only static buffers (``next_tokens``, the cache, the slot ke
 buffer the host copies each slot's position, step and output row into) over the first ``hi`` slots,
 ``hi`` rounded up to a power of two; on CUDA it is captured once per bucket as a CUDA graph and
 replayed (``decode_graphs.py``).
+
+Under pp, ``run`` steps all slots through the stages one after another (``pp_groups=1``); by
+default ``generate`` runs the slots as micro-groups in flight through the stages at once
+(``rollout_pipeline.py``), built from the same pieces: slot groups, admission, staging, choice
+and record.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,11 +58,41 @@ class RolloutLimits:
     kv_cache_bytes: int | None = None  # None: 2 GiB on CPU, 40% of the free memory on a GPU
     max_slots: int = 64
     check_every_steps: int = 4  # k: one host sync per k decode steps; a finished request idles < k steps
+    # Micro-groups of slots in flight through the pipeline at once (rollout_pipeline.py): None is pp
+    # (no bubble), 1 steps all slots through the stages one after another; else at least pp.
+    pp_groups: int | None = None
 
     @classmethod
     def of(cls, kv_cache_gib: float, max_slots: int) -> RolloutLimits:
         """The limits ``generation.kv_cache_gib`` (0: sized from free memory) and ``generation.max_slots`` set."""
         return cls(kv_cache_bytes=int(kv_cache_gib * (1 << 30)) if kv_cache_gib > 0 else None, max_slots=max_slots)
+
+
+@dataclass(frozen=True)
+class SlotGroup:
+    """Cache slots ``start .. start + size - 1``, decoded together (all slots, or one pipelined micro-group)."""
+
+    start: int
+    size: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.size
+
+
+def slot_groups(slots: int, count: int) -> list[SlotGroup]:
+    """``slots`` split into ``count`` consecutive groups whose sizes differ by at most one."""
+    bounds = [g * slots // count for g in range(count + 1)]
+    return [SlotGroup(lo, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Requests that took free slots: the slots prefilled now (one per new prompt) and the prefix copies."""
+
+    slots: list[int]
+    prefixes: list[Sequence[int]]
+    copies: list[tuple[int, int, int]]  # (source slot, target slot, tokens)
 
 
 def kv_bytes_per_slot(module: StageModule, max_len: int) -> int:
@@ -97,7 +132,7 @@ def _bucket(n: int, slots: int) -> int:
 
 
 def _stage_step(module: StageModule, inputs: torch.Tensor, batch: PackedBatch, cache, select) -> torch.Tensor | None:
-    """One forward of this stage inside the pipeline; the last stage returns its logits slice."""
+    """One forward of this stage inside a pipeline run stage after stage; the last stage returns its logits slice."""
     ctx = module.ctx
     if not ctx.is_first_stage:
         buffer = torch.empty(batch.num_tokens, module.cfg.hidden_size, dtype=module.dtype, device=inputs.device)
@@ -109,7 +144,7 @@ def _stage_step(module: StageModule, inputs: torch.Tensor, batch: PackedBatch, c
     return out
 
 
-def _join_sparse_layers(module: StageModule) -> None:
+def join_sparse_layers(module: StageModule) -> None:
     """Take part in one step of this stage's sparse layers with no tokens of our own (ep: peers may send us theirs)."""
     empty = torch.empty(0, module.cfg.hidden_size, dtype=module.dtype, device=next(module.parameters()).device)
     for block in module.layers.values():
@@ -117,7 +152,7 @@ def _join_sparse_layers(module: StageModule) -> None:
             block.mlp(empty)
 
 
-def _ep_peers_done(done: bool, module: StageModule) -> bool:
+def ep_peers_done(done: bool, module: StageModule) -> bool:
     """Whether every replica of this rank's ep group is done (one small all-reduce); ``done`` without ep."""
     ctx = module.ctx
     if ctx.ep_size == 1:
@@ -160,36 +195,45 @@ class RolloutEngine:
         self.lengths = torch.zeros(requests + 1, dtype=torch.int64, device=device)
         self.vocab_sizes = vocab_sizes(module.cfg.vocab_size, module.ctx)
         ctx, cfg = module.ctx, module.cfg
+        self.whole = SlotGroup(0, slots)
+        self.num_groups = _group_count(limits.pp_groups, ctx.pp_size)
         # decode_mode None: CUDA graphs where they serve (decode_graphs.choose_decode_mode), else eager.
-        self.decode_mode, self.decode_reason = (decode_mode, "asked for") if decode_mode else choose_decode_mode(
-            device, enabled=params.cuda_graphs, tp_size=ctx.tp_size, pp_size=ctx.pp_size, ep_size=ctx.ep_size,
-            sparse=any(cfg.is_sparse(i) for i in range(*module.layer_range)),
-            partitioned=any(hasattr(p, "ds_status") for p in module.parameters()))  # DeepSpeed ZeRO-3's mark
+        self.decode_mode, self.decode_reason = (decode_mode, "asked for") if decode_mode else (
+            ("eager", "micro-groups in flight (rollout_pipeline.py)") if self.num_groups > 1 else choose_decode_mode(
+                device, enabled=params.cuda_graphs, tp_size=ctx.tp_size, pp_size=ctx.pp_size, ep_size=ctx.ep_size,
+                sparse=any(cfg.is_sparse(i) for i in range(*module.layer_range)),
+                partitioned=any(hasattr(p, "ds_status") for p in module.parameters())))  # DeepSpeed ZeRO-3's mark
+        if self.num_groups > 1 and self.decode_mode == "graphs":
+            raise ConfigError("CUDA-graph decode steps all slots at once; use pp_groups=1 with decode_mode='graphs'")
         self.graphs = DecodeGraphs(slots, device, self.decode_mode)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Generate every request: ``(tokens [R, W], logprobs [R, W], lengths [R])``."""
         lockstep = self.module.ctx.ep_size > 1
         while True:
-            self._reap()
-            if _ep_peers_done(not self.queue and self._bound() == 0, self.module):
+            self.reap()
+            if ep_peers_done(not self.queue and self.bound() == 0, self.module):
                 break
             self._admit(join_if_empty=lockstep)
             for _ in range(self.limits.check_every_steps):
                 if not lockstep and self.queue and -1 in self.request:
                     self._admit(join_if_empty=False)  # a request left at its max length: no sync needed
-                if self._bound():
+                if self.bound():
                     self._decode()
                 elif lockstep:
-                    _join_sparse_layers(self.module)
+                    join_sparse_layers(self.module)
                 else:
                     break
         return self.tokens[:-1], self.logprobs[:-1], self.lengths[:-1]
 
-    def _bound(self) -> int:
-        """Slots a decode step runs over: past the last busy slot, rounded up to a power of two."""
-        last = max((i for i, r in enumerate(self.request) if r >= 0), default=-1)
-        return _bucket(last + 1, self.num_slots)
+    def bound(self, group: SlotGroup | None = None) -> int:
+        """Slots a decode step of ``group`` (default: all) runs over from its first: past its last busy one, to a power of 2."""
+        group = group if group is not None else self.whole
+        last = max((i for i in range(group.start, group.stop) if self.request[i] >= 0), default=group.start - 1)
+        return _bucket(last + 1 - group.start, group.size)
+
+    def busy(self, group: SlotGroup) -> bool:
+        return any(self.request[i] >= 0 for i in range(group.start, group.stop))
 
     def _retire(self, slots: list[int]) -> None:
         for i in slots:
@@ -197,27 +241,29 @@ class RolloutEngine:
         if slots:
             self.alive.index_fill_(0, torch.tensor(slots).to(self.device, non_blocking=True), False)
 
-    def _reap(self) -> None:
+    def reap(self, group: SlotGroup | None = None) -> None:
         """The check: one read of the alive flags; requests that stopped at EOS leave their slots."""
-        bound = self._bound()
+        group = group if group is not None else self.whole
+        bound = self.bound(group)
         if bound:
-            alive = self.alive[:bound].tolist()  # the one host sync per check_every_steps steps
-            self._retire([i for i in range(bound) if self.request[i] >= 0 and not alive[i]])
+            alive = self.alive[group.start:group.start + bound].tolist()  # the one host sync per check
+            self._retire([group.start + i for i in range(bound) if self.request[group.start + i] >= 0 and not alive[i]])
         if not self.queue:
-            self._compact()
+            self._compact(group)
 
-    def _compact(self) -> None:
-        """Move the requests left in high slots down into free low ones when that shrinks the decode bound.
+    def _compact(self, group: SlotGroup) -> None:
+        """Move the requests left in high slots of ``group`` down into its free low ones when that shrinks its bound.
 
         Nothing waits, so no admission will fill the holes; one copy of a request's cache rows is
         cheaper than decoding the empty slots below it for the rest of its answer.
         """
-        busy = [i for i, r in enumerate(self.request) if r >= 0]
-        if _bucket(len(busy), self.num_slots) >= self._bound():
+        busy = [i for i in range(group.start, group.stop) if self.request[i] >= 0]
+        if _bucket(len(busy), group.size) >= self.bound(group):
             return
         assert self.cache is not None  # slots exist when requests do
-        high = [i for i in busy if i >= len(busy)]
-        low = [i for i in range(len(busy)) if self.request[i] < 0]
+        edge = group.start + len(busy)
+        high = [i for i in busy if i >= edge]
+        low = [i for i in range(group.start, edge) if self.request[i] < 0]
         for source, target in zip(high, low):
             self.cache.copy_prefix(source, [target], self.length[source])
             self.request[target], self.length[target], self.step[target] = (self.request[source], self.length[source],
@@ -230,10 +276,19 @@ class RolloutEngine:
 
     def _admit(self, join_if_empty: bool) -> None:
         """Waiting requests take the free slots; each new prompt is prefilled once, its siblings copy it."""
-        free = [i for i, r in enumerate(self.request) if r < 0][: len(self.queue)]
+        admission = self.take_slots(self.whole)
+        if admission.slots:
+            self._prefill(admission.slots, admission.prefixes)
+        elif join_if_empty:
+            join_sparse_layers(self.module)
+        self.copy_prefixes(admission)
+
+    def take_slots(self, group: SlotGroup) -> Admission:
+        """Waiting requests take the free slots of ``group`` (host state and the slots' device state)."""
+        free = [i for i in range(group.start, group.stop) if self.request[i] < 0][: len(self.queue)]
         holder = {self.prompt_of[r]: i for i, r in enumerate(self.request) if r >= 0}
         fresh: dict[int, int] = {}  # prompt -> the slot it is prefilled into now
-        copies: list[tuple[int, int, int]] = []  # (source slot, target slot, tokens)
+        copies: list[tuple[int, int, int]] = []
         for slot in free:
             request = self.queue.popleft()
             prompt = self.prompt_of[request]
@@ -254,33 +309,47 @@ class RolloutEngine:
             self.alive.index_fill_(0, index, True)
             self.slot_keys.index_copy_(0, index, self.keys.index_select(
                 0, torch.tensor(requests).to(self.device, non_blocking=True)))
-        if fresh:
-            self._prefill(list(fresh.values()), [self.prompts[p][:-1] for p in fresh])
-        elif join_if_empty:
-            _join_sparse_layers(self.module)
-        if copies:
-            assert self.cache is not None  # slots exist when requests do
-            for source, target, tokens in copies:
-                self.cache.copy_prefix(source, [target], tokens)
+        return Admission(list(fresh.values()), [self.prompts[p][:-1] for p in fresh], copies)
 
-    def _prefill(self, slots: list[int], prefixes: list[Sequence[int]]) -> None:
+    def copy_prefixes(self, admission: Admission) -> None:
+        """After the prefill of ``admission``: the siblings' slots copy their prompt's keys/values."""
+        for source, target, tokens in admission.copies:
+            assert self.cache is not None  # slots exist when requests do
+            self.cache.copy_prefix(source, [target], tokens)
+
+    def prefill_forward(self, slots: list[int], inputs: torch.Tensor, batch: PackedBatch,
+                        forward: Callable[..., torch.Tensor | None] = _stage_step) -> torch.Tensor | None:
+        """Prefill ``batch`` into cache rows ``slots`` with ``forward`` (``_stage_step``, or a stage alone under a
+        pipelined rollout: ``(module, inputs, batch, cache, select)``); returns what it returns."""
         assert self.cache is not None  # slots exist when requests do
-        inputs, batch = pack(prefixes, device=self.device)
         self.cache.rows = torch.tensor(slots).to(self.device, non_blocking=True)
         self.cache.decoding = False
-        _stage_step(self.module, inputs, batch, self.cache, torch.empty(0, dtype=torch.int64, device=self.device))
+        out = forward(self.module, inputs, batch, self.cache, torch.empty(0, dtype=torch.int64, device=self.device))
         self.cache.rows = None
+        return out
 
-    def _decode(self) -> None:
-        """One token for every slot below the bound (free slots compute into their own unused rows)."""
+    def _prefill(self, slots: list[int], prefixes: list[Sequence[int]]) -> None:
+        self.prefill_forward(slots, *pack(prefixes, device=self.device))
+
+    def _host_rows(self, group: SlotGroup, bound: int) -> torch.Tensor:
+        """Point the cache at ``group``'s first ``bound`` slots for a decode step; their ``stage_inputs`` rows."""
         assert self.cache is not None  # slots exist when requests do
-        bound = self._bound()
+        lo, hi = group.start, group.start + bound
         # A graph replays one shape per bucket: attention then covers every cache position, masked.
-        self.cache.longest = self.cache.max_len - 1 if self.graphs.fixed_span else max(self.length[:bound])
-        host = stage_inputs(self.length, self.step, self.request, bound, len(self.tokens) - 1)
-        self.graphs.run(bound, host, self._decode_step)
+        self.cache.longest = self.cache.max_len - 1 if self.graphs.fixed_span else max(self.length[lo:hi])
+        self.cache.first_row = lo
+        return stage_inputs(self.length[lo:hi], self.step[lo:hi], self.request[lo:hi], bound, len(self.tokens) - 1)
+
+    def stage_group(self, group: SlotGroup, bound: int) -> torch.Tensor:
+        """Set up a decode step of ``group``'s first ``bound`` slots (eager); returns their staged rows."""
+        staged = self.graphs.staged[:, group.start:group.start + bound]
+        staged.copy_(self._host_rows(group, bound), non_blocking=True)
+        return staged
+
+    def advance(self, group: SlotGroup, bound: int) -> None:
+        """Host side of a decode step over ``group``'s first ``bound`` slots: one token longer; retire at max length."""
         done = []
-        for i in range(bound):
+        for i in range(group.start, group.start + bound):
             if self.request[i] >= 0:
                 self.length[i] += 1
                 self.step[i] += 1
@@ -288,38 +357,71 @@ class RolloutEngine:
                     done.append(i)
         self._retire(done)
 
+    def _decode(self) -> None:
+        """One token for every slot below the bound (free slots compute into their own unused rows)."""
+        bound = self.bound()
+        self.graphs.run(bound, self._host_rows(self.whole, bound), self._decode_step)
+        self.advance(self.whole, bound)
+
     def _decode_step(self, bound: int, staged: torch.Tensor) -> None:
         """The device half of a decode step; it reads and writes only static buffers (a CUDA graph replays it)."""
         assert self.cache is not None  # slots exist when requests do
-        module, params, ctx = self.module, self.params, self.module.ctx
-        positions, steps, rows = staged.unbind(0)  # views of the staging buffer: position, answer step, output row
+        positions, steps, _ = staged.unbind(0)  # views of the staging buffer: position, answer step, output row
         self.cache.lengths, self.cache.decoding = positions, True
-        logits = _stage_step(module, self.next_tokens[:bound], PackedBatch.decode_step(positions), self.cache, None)
+        logits = _stage_step(self.module, self.next_tokens[:bound], PackedBatch.decode_step(positions), self.cache, None)
+        tokens, logprobs = self.choose(logits, 0, staged)
+        self._share(tokens, logprobs)
+        self.record(0, staged, tokens, logprobs)
+
+    def choose(self, logits: torch.Tensor | None, start: int, staged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's tokens and log-probs for slots ``start ..`` (zeros elsewhere, to be overwritten)."""
+        params, ctx = self.params, self.module.ctx
+        bound, steps = staged.shape[1], staged[1]
         tokens = torch.zeros(bound, dtype=torch.int64, device=self.device)
         logprobs = torch.zeros(bound, dtype=torch.float32, device=self.device)
         if ctx.is_last_stage:
-            assert logits is not None  # the last stage's _stage_step returns its logits
+            assert logits is not None  # the last stage's forward returns its logits
             full = gather_from_tp(logits.float(), ctx, self.vocab_sizes)
             held_back = self.eos if params.min_new_tokens else self.eos[:0]  # EOS ids banned before min_new_tokens
             tokens, logprobs = choose_tokens(full, greedy=params.greedy, temperature=params.temperature,
                                              top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
                                              eos=held_back,
                                              allow_eos=steps >= params.min_new_tokens,
-                                             keys=self.slot_keys[:bound], steps=steps)
-        self._share(tokens, logprobs)
-        alive = self.alive[:bound]
-        self.tokens[rows, steps] = torch.where(alive, tokens, params.pad_token_id)
+                                             keys=self.slot_keys[start:start + bound], steps=steps)
+        return tokens, logprobs
+
+    def record(self, start: int, staged: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Write a decode step's chosen tokens of slots ``start ..`` into the outputs and the slots' state."""
+        _, steps, rows = staged.unbind(0)
+        bound = staged.shape[1]
+        pad = self.params.pad_token_id
+        alive = self.alive[start:start + bound]
+        self.tokens[rows, steps] = torch.where(alive, tokens, pad)
         self.logprobs[rows, steps] = torch.where(alive, logprobs, 0.0)
         self.lengths.index_add_(0, rows, alive.long())
         alive &= ~self.is_eos[tokens]
-        self.next_tokens[:bound] = tokens
+        self.next_tokens[start:start + bound] = tokens
 
-    def _share(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Make every rank of the replica hold the last stage's choice (in place)."""
+    def share_over_tp(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """On the last stage, make every TP rank hold the sampler's choice (greedy: they already agree)."""
         ctx = self.module.ctx
         if ctx.is_last_stage and ctx.tp_size > 1 and not self.params.greedy:  # one sampler decides for the TP group
             for t in (tokens, logprobs):
                 dist.broadcast(t, src=ctx.tp_ranks[0], group=ctx.tp_group)
+
+    def _share(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Make every rank of the replica hold the last stage's choice (in place)."""
+        ctx = self.module.ctx
+        self.share_over_tp(tokens, logprobs)
         if ctx.pp_size > 1:
             for t in (tokens, logprobs):
                 dist.broadcast(t, src=ctx.last_stage_rank, group=ctx.pp_group)
+
+
+def _group_count(pp_groups: int | None, pp_size: int) -> int:
+    if pp_groups is None:
+        return pp_size
+    if pp_groups != 1 and pp_groups < pp_size:
+        raise ConfigError(f"pp_groups={pp_groups} under pp={pp_size}: use 1 (stages one after another) or at least "
+                          f"{pp_size} (a group for every stage), or leave it unset")
+    return pp_groups
