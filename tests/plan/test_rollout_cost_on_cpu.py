@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from restage.cluster import load_cluster
+from restage.errors import ConfigError
 from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.flops import block_shape
@@ -173,3 +174,26 @@ def test_generation_on_its_zero3_training_layout_decodes_eagerly():
     graphs = problem.candidate(gen, whole).seconds
     launches = 32 * (problem.cluster.block_overhead_seconds - GRAPH_BLOCK_SECONDS)
     assert graphs < eager - 128 * 0.5 * launches  # the graphs' candidate: at least half the launch time saved
+
+
+def test_pipelined_generation_costs_micro_groups_through_busy_stages(h100):
+    """pp = 2 (16 layers a stage): a token of 64 live slots is 2 ticks of every stage stepping 32 slots (the runtime's
+    default, ``pp_groups`` None), against 2 stage steps over all 64 one after another (``pp_groups=1``)."""
+    cfg = preset("llama-7b")
+    role, mfc, layout = ModelRole("actor", cfg), gen_mfc(64, 128, 128), Layout.contiguous(0, Strategy(pp=2))
+    pipelined, serial = (Estimator(h100, engine=RestageEngine(RolloutLimits(max_slots=64, pp_groups=g)))
+                         for g in (None, 1))
+    compute = pipelined.compute_for(role)
+    attended = 128 + 129 / 2  # eager: the average filled cache
+
+    def stage(batch):  # the slower of the two stages: 16 blocks plus the embedding, or 16 blocks plus the head
+        blocks = 16 * compute.decode_block(batch, attended, 1)
+        return blocks + max(compute.embed_forward(batch), compute.head_forward(batch, 1))
+
+    got, want = (parts(e.estimate(mfc, role, layout)) for e in (pipelined, serial))
+    # one round of 128 steps; the prefill is the same
+    assert got["compute_seconds"] - want["compute_seconds"] == pytest.approx(128 * 2 * (stage(32) - stage(64)), rel=1e-9)
+    assert got["prefill_seconds"] == want["prefill_seconds"]
+    with pytest.raises(ConfigError, match="pp_groups=3 under pp=4"):  # the runtime's own rule on the group count
+        Estimator(h100, engine=RestageEngine(RolloutLimits(pp_groups=3))).estimate(
+            mfc, role, Layout.contiguous(0, Strategy(pp=4)))

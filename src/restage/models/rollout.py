@@ -196,7 +196,7 @@ class RolloutEngine:
         self.vocab_sizes = vocab_sizes(module.cfg.vocab_size, module.ctx)
         ctx, cfg = module.ctx, module.cfg
         self.whole = SlotGroup(0, slots)
-        self.num_groups = _group_count(limits.pp_groups, ctx.pp_size)
+        self.num_groups = group_count(limits.pp_groups, ctx.pp_size)
         # decode_mode None: CUDA graphs where they serve (decode_graphs.choose_decode_mode), else eager.
         self.decode_mode, self.decode_reason = (decode_mode, "asked for") if decode_mode else (
             ("eager", "micro-groups in flight (rollout_pipeline.py)") if self.num_groups > 1 else choose_decode_mode(
@@ -418,7 +418,8 @@ class RolloutEngine:
                 dist.broadcast(t, src=ctx.last_stage_rank, group=ctx.pp_group)
 
 
-def _group_count(pp_groups: int | None, pp_size: int) -> int:
+def group_count(pp_groups: int | None, pp_size: int) -> int:
+    """Micro-groups of slots in flight through ``pp_size`` stages (``RolloutLimits.pp_groups``; the estimator uses it too)."""
     if pp_groups is None:
         return pp_size
     if pp_groups != 1 and pp_groups < pp_size:

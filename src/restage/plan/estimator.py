@@ -27,6 +27,7 @@ from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.config import ModelConfig
 from restage.models.flops import block_shape
+from restage.models.rollout import group_count
 from restage.models.sharding import is_adapter, shard_bytes, shard_specs, stage_layers, validate_strategy
 from restage.plan.comm import (
     allgather_seconds,
@@ -403,9 +404,15 @@ def _forward_workspace(cfg: ModelConfig, tp: int, tokens: float, e: int) -> floa
 def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc: MFC, role: ModelRole,
               layout: Layout, engine: GenerationEngine):
     """A DP rank's requests on ``engine`` (``engines.py``): ``live`` of them decoding at once in
-    ``decode_rounds`` rounds, each step running the live batch through every pipeline stage in turn;
-    ``graph_compute`` (``GRAPH_BLOCK_SECONDS`` a block instead of the eager launch time) costs the steps the
-    runtime replays as CUDA graphs."""
+    ``decode_rounds`` rounds; ``graph_compute`` (``GRAPH_BLOCK_SECONDS`` a block instead of the eager launch
+    time) costs the steps the runtime replays as CUDA graphs.
+
+    Under pp the one-batch engine runs the live batch through the stages one after another, and so does
+    restage's with ``pp_groups=1``; by default restage's engine keeps ``G = pp`` micro-groups of ``live / G``
+    slots in flight (``models/rollout_pipeline.py``): at each of a token's ``G`` ticks every stage steps
+    one group at once, so a token of every live slot costs ``G`` stage steps over ``live / G`` slots
+    instead of ``pp`` over ``live``, with one hand-over of a group's hidden states per tick and the
+    group's tokens broadcast over the pipeline per tick."""
     cfg, s, e = role.arch, layout.strategy, role.bytes_per_element
     b = int(sequences_per_rank(mfc, s.dp))
     prompt, gen = mfc.prompt_tokens, mfc.gen_tokens
@@ -418,10 +425,11 @@ def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc
     match engine:
         case OneBatchEngine():  # every prompt prefilled whole (the head gives the first token), the batch held to the end
             live, prompts, prefix, head, graphs, checks = b, b, prompt, b, False, 0
-            attended, cached = filled, window
+            attended, cached, groups = filled, window, 1
         case RestageEngine():  # slots; a group's prompt less its last token prefilled once, the siblings copy it
             live = restage_slots(cluster, engine, kv_token_bytes * (prompt + gen), _worst_stage(cfg, s)[0] * e, b)
             prompts, prefix, head = math.ceil(b / int(mfc.options.get("group_size", 1))), prompt - 1, 0
+            groups = group_count(engine.limits.pp_groups, s.pp) if s.pp > 1 else 1
             graphs = replays_graphs(cluster, engine, cfg, s)
             attended = prompt + gen if graphs else filled  # a graph's SDPA attends over the whole slot, masked
             cached = prompt + gen  # a slot holds max_len tokens whatever the window
@@ -438,28 +446,31 @@ def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc
     # A group's siblings copy the prompt's keys and values (read and written once each).
     copy = 2 * (b - prompts) * prefix * kv_token_bytes / cluster.achievable_memory_bandwidth()
     prefill = s.pp * (prefill_stage + prefill_comm) + (s.pp - 1) * prefill_send + prefill_ep + copy
-    # A step: the live batch through all pp stages one after the other (the next token needs the last stage's output).
+    # A step (a token of every live slot): `calls` stage steps over `batch` slots each, back to back on a stage:
+    # the live batch through all pp stages one after the other, or G micro-groups' ticks, every stage busy.
+    calls, batch = (groups, math.ceil(live / groups)) if groups > 1 else (s.pp, live)
     def decode_stage_seconds(step_compute) -> float:
-        return _stage_seconds(layout, cfg, step_compute.decode_block(live, attended, s.tp, s.ep),
-                              step_compute.embed_forward(live), step_compute.head_forward(live, s.tp))
+        return _stage_seconds(layout, cfg, step_compute.decode_block(batch, attended, s.tp, s.ep),
+                              step_compute.embed_forward(batch), step_compute.head_forward(batch, s.tp))
     decode_stage = decode_stage_seconds(graph_compute if graphs else compute)
     # A call captures its bucket's graph once: a warm-up step and the capture, each as long as an eager step.
     capture = 2 * s.pp * decode_stage_seconds(compute) if graphs else 0.0
-    # Per stage, two all-reduces per block; once per step, the sampler gathers the full-vocabulary logits over
-    # TP, the hidden states pass pp - 1 stage boundaries, and the chosen tokens and their log-probabilities are
-    # broadcast over TP (unless greedy) and over the pipeline.
-    chosen = 2 * live * 8
-    decode_comm = s.pp * layers * 2 * allreduce_seconds(cluster, tp_group, live * hidden_bytes) + allgather_seconds(
+    # Per stage call, two all-reduces per block; per step, the sampler gathers the full-vocabulary logits over
+    # TP, the hidden states cross the stage boundaries, and the chosen tokens and their log-probabilities are
+    # broadcast over TP (unless greedy) and over the pipeline (once a step, or once a tick for its group).
+    chosen = 2 * batch * 8
+    decode_comm = calls * layers * 2 * allreduce_seconds(cluster, tp_group, batch * hidden_bytes) + allgather_seconds(
         cluster, tp_group, live * cfg.vocab_size * LOGIT_BYTES) + (0 if mfc.greedy else 2 * broadcast_seconds(
-            cluster, tp_group, chosen)) + 2 * broadcast_seconds(cluster, pp_group, chosen)
-    decode_send = (s.pp - 1) * p2p_seconds(cluster, pp_group[0], pp_group[-1], live * hidden_bytes) if s.pp > 1 else 0.0
+            cluster, tp_group, 2 * live * 8)) + (calls if groups > 1 else 2) * broadcast_seconds(cluster, pp_group, chosen)
+    hand_overs = groups if groups > 1 else s.pp - 1  # per tick the stages hand over at once; else pp - 1 in turn
+    decode_send = hand_overs * p2p_seconds(cluster, pp_group[0], pp_group[-1], batch * hidden_bytes) if s.pp > 1 else 0.0
     decode_ep = s.pp * expert_exchange_seconds(cluster, cfg, layout, live, e)
-    step = s.pp * decode_stage + decode_comm + decode_send + decode_ep
+    step = calls * decode_stage + decode_comm + decode_send + decode_ep
     host_checks = checks * HOST_CHECK_SECONDS
     seconds = batched_generate_seconds(prefill, step, b, live, gen) + host_checks + capture
     steps = decode_rounds(b, live) * gen
     parts = {"prefill_seconds": prefill, "decode_seconds": steps * step,
-             "compute_seconds": s.pp * prefill_stage + steps * s.pp * decode_stage,
+             "compute_seconds": s.pp * prefill_stage + steps * calls * decode_stage,
              "tp_comm_seconds": s.pp * prefill_comm + steps * decode_comm,
              "pp_send_seconds": (s.pp - 1) * prefill_send + steps * decode_send, "ep_comm_seconds": prefill_ep + steps * decode_ep}
     parts.update({k: v for k, v in (("kv_copy_seconds", copy), ("host_check_seconds", host_checks),
