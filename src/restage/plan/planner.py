@@ -17,6 +17,7 @@ from restage.layout import Layout, Strategy
 from restage.plan.baselines import all_baselines, all_references, baseline, rebased, starting_plans
 from restage.plan.evaluate import PlanEvaluation, evaluate
 from restage.plan.problem import (
+    AsyncExecution,
     Plan,
     PlanProblem,
     mesh_options,
@@ -47,7 +48,10 @@ def build_problem(cfg, cluster: ClusterSpec | None = None) -> PlanProblem:
     for name, why in unused_models(cfg, graph).items():
         print(f"restage: models.{name} is unused, so not planned or loaded: {why}", file=sys.stderr, flush=True)
     cluster = cluster or cluster_from_config(cfg)
-    return PlanProblem(graph, roles_from_config(cfg, graph), cluster, samples_per_iteration=cfg.run.batch_size)
+    execution = (AsyncExecution(cfg.plan.staleness, cfg.plan.push_every, cfg.run.steps)
+                 if cfg.plan.execution == "async" else None)
+    return PlanProblem(graph, roles_from_config(cfg, graph), cluster, samples_per_iteration=cfg.run.batch_size,
+                       execution=execution)
 
 
 def lean_plan(problem: PlanProblem) -> Plan | None:
@@ -100,7 +104,7 @@ def check_fits(problem: PlanProblem) -> None:
     fits = None
     for nodes in range(c.nodes + 1, MAX_NODES_TRIED + 1):
         bigger = PlanProblem(problem.graph, problem.roles, c.with_size(nodes), estimator=None,
-                             samples_per_iteration=problem.samples_per_iteration)
+                             samples_per_iteration=problem.samples_per_iteration, execution=problem.execution)
         lean = lean_plan(bigger)
         if lean is not None and evaluate(bigger, lean).feasible:
             fits = nodes

@@ -9,7 +9,7 @@ from restage.plan.evaluate import evaluate
 from restage.plan.simulator import op_name, plan_ops
 from restage.plan.transfer import key_bytes
 from restage.schedule.file import SCHEDULE_FORMAT_VERSION, MFCEntry, ModelEntry, Schedule, Step
-from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
+from restage.schedule.ops import Ema, Free, Generate, Offload, Op, Push, Realloc, Reload, Run, SendKey, TakeBuffered
 
 
 def build_schedule(cfg, outcome, exact: bool = True) -> Schedule:
@@ -64,13 +64,13 @@ def build_schedule(cfg, outcome, exact: bool = True) -> Schedule:
 def _moved_bytes(problem, op: Op) -> int | None:
     """Bytes a reallocation, EMA or key transfer sends (the planner's count); None for ops that send nothing."""
     match op:
-        case Realloc():
+        case Realloc() | Push():
             return problem.realloc(op.model, op.src, op.dst).total_bytes
         case Ema():
             return problem.realloc(problem.graph[op.mfc].model, op.src, op.dst).total_bytes
         case SendKey():
             return key_bytes(problem.graph[op.mfc], op.key)
-        case Run() | Free() | Offload() | Reload():
+        case Run() | Free() | Offload() | Reload() | Generate() | TakeBuffered():
             return None
         case _:
             assert_never(op)

@@ -1,0 +1,66 @@
+"""Async mode (`plan.execution: async`) under `restage run -n 2`: the actor generates on rank 1 while rank 0 trains.
+
+Every trained token's policy version is checked against the program's rule (the batch of step t was generated
+at step t - ahead by the weights of the last push), which keeps every gap within `plan.staleness`; the weight
+pushes are logged at the steps they are due.
+"""
+
+import numpy as np
+import pytest
+from e2e_jobs import layout_overrides, restage_run
+
+from restage.report.log import read_log
+from restage.schedule.async_program import lookahead
+
+pytestmark = [pytest.mark.e2e, pytest.mark.multirank]
+
+# Generation on rank 1, everything else on rank 0 (the actor trains there: its home).
+SPLIT = {"actor_gen": "ranks:1-1 dp1", "ref_inf": "ranks:0-0 dp1", "actor_prox": "ranks:0-0 dp1",
+         "actor_train": "ranks:0-0 dp1", "critic_inf": "ranks:0-0 dp1", "critic_train": "ranks:0-0 dp1"}
+GRPO_MFCS = ("actor_gen", "ref_inf", "actor_prox", "actor_train")
+PPO_MFCS = ("actor_gen", "ref_inf", "critic_inf", "actor_prox", "actor_train", "critic_train")
+
+
+def async_overrides(staleness: int, push_every: int, mfcs=GRPO_MFCS) -> list[str]:
+    return ["plan.execution=async", f"plan.staleness={staleness}", f"plan.push_every={push_every}",
+            *layout_overrides(SPLIT, mfcs)]
+
+
+def behaviour_version(step: int, staleness: int, push_every: int) -> int:
+    """The version that generated loop step ``step``'s batch: the warm-up's 0, else the last push before it was made."""
+    ahead = lookahead(staleness, push_every)
+    if step < ahead:
+        return 0
+    made_at = step - ahead
+    return made_at - made_at % push_every
+
+
+@pytest.mark.parametrize("staleness, push_every, steps", [(1, 1, 4), (2, 2, 6)])
+def test_every_trained_token_is_within_the_staleness_bound(tmp_path, staleness, push_every, steps):
+    run = restage_run(tmp_path, "grpo_tiny", 2, "async", f"run.steps={steps}",
+                      *async_overrides(staleness, push_every))
+    expected = np.array([behaviour_version(s, staleness, push_every) for s in range(steps)], dtype=float)
+    gaps = np.arange(steps) - expected
+    assert gaps.max() == staleness and gaps.min() >= 0
+    np.testing.assert_array_equal(run.stat("actor_gen/behaviour_version"), expected)
+    # Each batch is one version's, so every answer token of step t has gap t - version: mean and max both equal it.
+    np.testing.assert_array_equal(run.stat("actor_train/version_gap_mean"), gaps)
+    np.testing.assert_array_equal(run.stat("actor_train/version_gap_max"), gaps)
+    histogram = sum(run.stat(f"actor_train/version_gap_{g}") for g in range(staleness + 1))
+    np.testing.assert_allclose(histogram, 1.0, rtol=0, atol=1e-12)  # no token outside 0..k
+    ahead = lookahead(staleness, push_every)
+    occupancy = [min(ahead - 1, steps - 1 - s) for s in range(steps)]
+    np.testing.assert_array_equal(run.stat("actor_gen/buffer_batches"), occupancy)
+
+    log = read_log(run.trial_dir)
+    pushes = log.transfers[(log.transfers["kind"] == "realloc") & (log.transfers["name"] == "push:actor")]
+    due = [s + 1 for s in range(steps) if s % push_every == 0]
+    assert sorted({int(s) for s in pushes["step"]}) == due
+    sent = pushes[pushes["rank"] == 0]
+    assert len(sent) == len(due) and (sent["num_bytes"] > 0).all()
+    assert len(set(sent["num_bytes"])) == 1  # the whole actor each time
+    mfcs = log.mfcs
+    assert set(mfcs[mfcs["name"] == "actor_gen"]["rank"]) == {1}
+    assert set(mfcs[mfcs["name"] == "actor_train"]["rank"]) == {0}
+    generated = [int((mfcs[mfcs["name"] == "actor_gen"]["step"] == s + 1).sum()) for s in range(steps)]
+    assert sum(generated) == steps and generated[0] == min(ahead + 1, steps)  # each batch once; the warm-up first
