@@ -7,7 +7,7 @@ pushes are logged at the steps they are due.
 
 import numpy as np
 import pytest
-from e2e_jobs import layout_overrides, restage_run
+from e2e_jobs import layout_overrides, report, restage_run
 
 from restage.report.log import read_log
 from restage.schedule.async_program import lookahead
@@ -64,3 +64,19 @@ def test_every_trained_token_is_within_the_staleness_bound(tmp_path, staleness, 
     assert set(mfcs[mfcs["name"] == "actor_train"]["rank"]) == {0}
     generated = [int((mfcs[mfcs["name"] == "actor_gen"]["step"] == s + 1).sum()) for s in range(steps)]
     assert sum(generated) == steps and generated[0] == min(ahead + 1, steps)  # each batch once; the warm-up first
+
+
+WINDOW = 5  # steps averaged at each end of the reward curve, as tests/e2e/test_rl_learning.py
+
+
+@pytest.mark.parametrize("job, steps, mfcs", [("ppo_tiny", 40, PPO_MFCS), ("grpo_tiny", 50, GRPO_MFCS)])
+def test_async_raises_reward_by_the_sync_margin(tmp_path, job, steps, mfcs):
+    """The sync learning test's job, steps and margin (tests/e2e/test_rl_learning.py), trained one version stale."""
+    margin = 0.10
+    run = restage_run(tmp_path, job, 2, "async", f"run.steps={steps}", *async_overrides(1, 1, mfcs))
+    reward = run.stat("actor_train/reward")
+    start, end = float(reward[:WINDOW].mean()), float(reward[-WINDOW:].mean())
+    assert end - start >= margin, f"async {job} reward {start:.3f} -> {end:.3f} in {steps} steps"
+    np.testing.assert_array_equal(run.stat("actor_train/version_gap_mean"), [0.0] + [1.0] * (steps - 1))
+    report(f"async {job.removesuffix('_tiny')}", steps=steps, reward_start=start, reward_end=end, gain=end - start,
+           seconds=run.seconds)
