@@ -15,6 +15,7 @@ from restage.schedule.ops import Ema, Free, Generate, Offload, Op, Push, Realloc
 def build_schedule(cfg, outcome, exact: bool = True) -> Schedule:
     """The schedule of ``outcome`` (a planner.PlanOutcome); ``exact`` takes reallocation bytes from the runtime's planner."""
     problem, plan = outcome.problem, outcome.plan
+    cfg = outcome.config if outcome.config is not None else cfg  # plan.execution auto: the chosen mode's config
     problem.exact_realloc = exact
     ev = evaluate(problem, plan)
     spans = {s.name: s for s in ev.timeline.spans}
@@ -53,6 +54,8 @@ def build_schedule(cfg, outcome, exact: bool = True) -> Schedule:
             "baselines": {name: (None if b is None else {"iteration_seconds": b.iteration_seconds,
                                                          "peak_memory_bytes": b.peak_memory_bytes})
                           for name, b in outcome.baselines.items()}}
+    if outcome.mode_choice is not None:
+        info["execution"] = outcome.mode_choice.to_json()
     if outcome.search is not None:
         s = outcome.search
         info["search"] = {"method": s.method, "steps": s.steps, "wall_seconds": s.wall_seconds, "stopped_by": s.stopped_by,
