@@ -1,6 +1,11 @@
 """End-to-end RL throughput on this CPU machine: restage's GRPO and PPO tiny jobs, and TRL's GRPOTrainer.
 
     python bench/e2e_cpu.py [--json] [--steps 40] [--warmup 5] [--nproc 1 2] [--trl-rounds 40] [--repeats 3] [--skip-trl]
+                            [--only-async]
+
+First, always: GRPO tiny on 2 ranks in sync and in async mode (``async_comparison``) beside what
+``plan.execution=auto`` chooses, as ``grpo_sync_samples_per_s``, ``grpo_async_samples_per_s``, ``planner_choice``
+and the predicted rates.
 
 restage runs ``jobs/grpo_tiny.yaml`` and ``jobs/ppo_tiny.yaml`` with ``restage run -n NPROC`` (the
 planner picks the layouts; they are printed) and reads log.h5: samples (prompts), completions
@@ -74,8 +79,8 @@ def restage_figures(trial: Path, warmup: int, group_size: int, wall_seconds: flo
     for name in dict.fromkeys(log.mfcs["name"].tolist()):
         rows = log.mfcs[(log.mfcs["name"] == name) & np.isin(log.mfcs["step"], list(measured))]
         per_step = [rows["end_seconds"][rows["step"] == s].max() - rows["start_seconds"][rows["step"] == s].min()
-                    for s in measured]
-        breakdown[name] = float(np.mean(per_step))
+                    for s in measured if (rows["step"] == s).any()]  # async: the last step generates nothing ahead
+        breakdown[name] = float(np.mean(per_step)) if per_step else 0.0
     for kind in ("realloc", "transfer"):
         rows = log.transfers[(log.transfers["kind"] == kind) & np.isin(log.transfers["step"], list(measured))]
         # Rank 0's view: the moves it waits on, in sequence (moves on other ranks overlap with these).
