@@ -15,10 +15,12 @@ from restage.schedule.async_program import lookahead
 pytestmark = [pytest.mark.e2e, pytest.mark.multirank]
 
 # Generation on rank 1, everything else on rank 0 (the actor trains there: its home).
-SPLIT = {"actor_gen": "ranks:1-1 dp1", "ref_inf": "ranks:0-0 dp1", "actor_prox": "ranks:0-0 dp1",
-         "actor_train": "ranks:0-0 dp1", "critic_inf": "ranks:0-0 dp1", "critic_train": "ranks:0-0 dp1"}
+SPLIT = {"actor_gen": "ranks:1-1 dp1", "actor_greedy_gen": "ranks:1-1 dp1", "ref_inf": "ranks:0-0 dp1",
+         "actor_prox": "ranks:0-0 dp1", "actor_train": "ranks:0-0 dp1", "critic_inf": "ranks:0-0 dp1",
+         "critic_train": "ranks:0-0 dp1"}
 GRPO_MFCS = ("actor_gen", "ref_inf", "actor_prox", "actor_train")
 PPO_MFCS = ("actor_gen", "ref_inf", "critic_inf", "actor_prox", "actor_train", "critic_train")
+REMAX_MFCS = ("actor_gen", "actor_greedy_gen", "ref_inf", "actor_prox", "actor_train")
 
 
 def async_overrides(staleness: int, push_every: int, mfcs=GRPO_MFCS) -> list[str]:
@@ -35,10 +37,12 @@ def behaviour_version(step: int, staleness: int, push_every: int) -> int:
     return made_at - made_at % push_every
 
 
-@pytest.mark.parametrize("staleness, push_every, steps", [(1, 1, 4), (2, 2, 6)])
-def test_every_trained_token_is_within_the_staleness_bound(tmp_path, staleness, push_every, steps):
-    run = restage_run(tmp_path, "grpo_tiny", 2, "async", f"run.steps={steps}",
-                      *async_overrides(staleness, push_every))
+@pytest.mark.parametrize("job, mfcs, staleness, push_every, steps", [
+    ("grpo_tiny", GRPO_MFCS, 1, 1, 4), ("grpo_tiny", GRPO_MFCS, 2, 2, 6),
+    ("remax_tiny", REMAX_MFCS, 1, 1, 4),  # two generate MFCs ahead: sampled answers and the greedy baseline
+])
+def test_every_trained_token_is_within_the_staleness_bound(tmp_path, job, mfcs, staleness, push_every, steps):
+    run = restage_run(tmp_path, job, 2, "async", f"run.steps={steps}", *async_overrides(staleness, push_every, mfcs))
     expected = np.array([behaviour_version(s, staleness, push_every) for s in range(steps)], dtype=float)
     gaps = np.arange(steps) - expected
     assert gaps.max() == staleness and gaps.min() >= 0
@@ -59,11 +63,12 @@ def test_every_trained_token_is_within_the_staleness_bound(tmp_path, staleness, 
     sent = pushes[pushes["rank"] == 0]
     assert len(sent) == len(due) and (sent["num_bytes"] > 0).all()
     assert len(set(sent["num_bytes"])) == 1  # the whole actor each time
-    mfcs = log.mfcs
-    assert set(mfcs[mfcs["name"] == "actor_gen"]["rank"]) == {1}
-    assert set(mfcs[mfcs["name"] == "actor_train"]["rank"]) == {0}
-    generated = [int((mfcs[mfcs["name"] == "actor_gen"]["step"] == s + 1).sum()) for s in range(steps)]
-    assert sum(generated) == steps and generated[0] == min(ahead + 1, steps)  # each batch once; the warm-up first
+    rows = log.mfcs
+    assert set(rows[np.isin(rows["name"], ["actor_gen", "actor_greedy_gen"])]["rank"]) == {1}
+    assert set(rows[rows["name"] == "actor_train"]["rank"]) == {0}
+    for name in {"actor_gen", "actor_greedy_gen"} & set(mfcs):
+        generated = [int((rows[rows["name"] == name]["step"] == s + 1).sum()) for s in range(steps)]
+        assert sum(generated) == steps and generated[0] == min(ahead + 1, steps)  # each batch once; the warm-up first
 
 
 WINDOW = 5  # steps averaged at each end of the reward curve, as tests/e2e/test_rl_learning.py
