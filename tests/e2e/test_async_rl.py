@@ -85,3 +85,20 @@ def test_async_raises_reward_by_the_sync_margin(tmp_path, job, steps, mfcs):
     np.testing.assert_array_equal(run.stat("actor_train/version_gap_mean"), [0.0] + [1.0] * (steps - 1))
     report(f"async {job.removesuffix('_tiny')}", steps=steps, reward_start=start, reward_end=end, gain=end - start,
            seconds=run.seconds)
+
+
+def test_push_moves_tp2_training_shards_to_the_generation_rank(tmp_path):
+    """3 ranks: the actor trains tp2 on ranks 0-1 and generates on rank 2; each push sends every shard from the
+    rank that holds it (shard to shard, no gather on one rank), and the bound holds."""
+    layouts = {"actor_gen": "ranks:2-2 dp1", "ref_inf": "ranks:0-1 dp2", "actor_prox": "ranks:0-1 tp2",
+               "actor_train": "ranks:0-1 tp2"}
+    run = restage_run(tmp_path, "grpo_tiny", 3, "async3", "run.steps=3", "plan.execution=async",
+                      *layout_overrides(layouts, GRPO_MFCS))
+    np.testing.assert_array_equal(run.stat("actor_train/version_gap_mean"), [0.0, 1.0, 1.0])
+    log = read_log(run.trial_dir)
+    pushes = log.transfers[(log.transfers["kind"] == "realloc") & (log.transfers["name"] == "push:actor")]
+    sent = {rank: pushes["num_bytes"][pushes["rank"] == rank] for rank in (0, 1, 2)}
+    assert len(sent[0]) == len(sent[1]) == 3 and (sent[0] > 0).all() and (sent[1] > 0).all()
+    assert (sent[2] == 0).all()  # the generation rank only receives
+    # each tp rank sends its own half of the sharded weights (the replicated norms once between them)
+    assert abs(int(sent[0][0]) - int(sent[1][0])) < 0.1 * int(sent[0][0])
