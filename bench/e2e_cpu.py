@@ -1,6 +1,11 @@
 """End-to-end RL throughput on this CPU machine: restage's GRPO and PPO tiny jobs, and TRL's GRPOTrainer.
 
     python bench/e2e_cpu.py [--json] [--steps 40] [--warmup 5] [--nproc 1 2] [--trl-rounds 40] [--repeats 3] [--skip-trl]
+                            [--only-async]
+
+First, always: GRPO tiny on 2 ranks in sync and in async mode (``async_comparison``) beside what
+``plan.execution=auto`` chooses, as ``grpo_sync_samples_per_s``, ``grpo_async_samples_per_s``, ``planner_choice``
+and the predicted rates.
 
 restage runs ``jobs/grpo_tiny.yaml`` and ``jobs/ppo_tiny.yaml`` with ``restage run -n NPROC`` (the
 planner picks the layouts; they are printed) and reads log.h5: samples (prompts), completions
@@ -45,11 +50,11 @@ TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "transformers==5.23.0")
 RESULTS = ROOT / "results" / "bench-e2e"
 
 
-def run_restage(job: str, nproc: int, steps: int, overrides: list[str]) -> tuple[Path, float]:
+def run_restage(job: str, nproc: int, steps: int, overrides: list[str], trial: str = "") -> tuple[Path, float]:
     """One `restage run`; returns its trial directory and the command's wall seconds."""
     from restage.config import load_config
 
-    trial = f"bench-n{nproc}"
+    trial = trial or f"bench-n{nproc}"
     command = [sys.executable, "-m", "restage.cli", "run", f"jobs/{job}.yaml", "-n", str(nproc), f"trial={trial}",
                f"run.steps={steps}", "run.save_every=0", f"run.results_dir={RESULTS}", "--overwrite", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
@@ -74,8 +79,8 @@ def restage_figures(trial: Path, warmup: int, group_size: int, wall_seconds: flo
     for name in dict.fromkeys(log.mfcs["name"].tolist()):
         rows = log.mfcs[(log.mfcs["name"] == name) & np.isin(log.mfcs["step"], list(measured))]
         per_step = [rows["end_seconds"][rows["step"] == s].max() - rows["start_seconds"][rows["step"] == s].min()
-                    for s in measured]
-        breakdown[name] = float(np.mean(per_step))
+                    for s in measured if (rows["step"] == s).any()]  # async: the last step generates nothing ahead
+        breakdown[name] = float(np.mean(per_step)) if per_step else 0.0
     for kind in ("realloc", "transfer"):
         rows = log.transfers[(log.transfers["kind"] == kind) & np.isin(log.transfers["step"], list(measured))]
         # Rank 0's view: the moves it waits on, in sequence (moves on other ranks overlap with these).
@@ -135,6 +140,35 @@ def run_trl(cfg, rounds: int, warmup: int, threads: int) -> dict:
             "versions": {k: out[k] for k in ("torch", "transformers", "trl")}, "command_wall_seconds": wall}
 
 
+def async_comparison(steps: int, warmup: int, group: int) -> dict:
+    """GRPO tiny on 2 ranks in sync and async mode, measured back to back, beside what `plan.execution=auto` picks.
+
+    Each mode runs the plan the planner makes for it (sync: the search; async: the best generation/training
+    split at the staleness and push interval auto found best), so the measured faster mode can be compared with
+    the planner's choice."""
+    from restage.config import load_config
+    from restage.plan.planner import make_plan
+
+    choice = make_plan(load_config("jobs/grpo_tiny.yaml", ["plan.execution=auto"]), with_baselines=False).mode_choice
+    assert choice is not None
+    k, n = max(choice.staleness, 1), max(choice.push_every, 1)
+    trial, wall = run_restage("grpo_tiny", 2, steps, ["plan.execution=sync"], trial="bench-sync")
+    sync = restage_figures(trial, warmup, group, wall)
+    trial, wall = run_restage("grpo_tiny", 2, steps, ["plan.execution=async", f"plan.staleness={k}",
+                                                      f"plan.push_every={n}"], trial="bench-async")
+    asynchronous = restage_figures(trial, warmup, group, wall)
+    measured = {"sync": sync["samples_per_second"], "async": asynchronous["samples_per_second"]}
+    faster = max(measured, key=lambda mode: measured[mode])
+    return {"grpo_sync_samples_per_s": measured["sync"], "grpo_async_samples_per_s": measured["async"],
+            "async_over_sync": measured["async"] / measured["sync"], "planner_choice": choice.chosen,
+            "planner_predicted_sync_samples_per_s": choice.sync_samples_per_second,
+            "planner_predicted_async_samples_per_s": choice.async_samples_per_second,
+            "async_staleness": k, "async_push_every": n, "measured_faster": faster,
+            # the chosen mode's measured rate against the faster mode's (the target: within 5%)
+            "planner_choice_vs_faster": measured[choice.chosen] / measured[faster],
+            "grpo_sync": sync, "grpo_async": asynchronous}
+
+
 def _best(runs: list[dict]) -> dict:
     """The fastest of repeated measurements (other processes on a shared machine only ever slow a run down)."""
     best = dict(max(runs, key=lambda r: r["completions_per_second"]))
@@ -157,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1.48x tokens/s); three repeats, because the shared machine's slow phases last seconds.
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of restage GRPO and TRL; best kept")
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--only-async", action="store_true", help="measure only the sync/async GRPO comparison")
     args = parser.parse_args(argv)
     os.chdir(ROOT)
     from restage.config import load_config
@@ -167,20 +202,21 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"machine": {"cpus": os.cpu_count(), "load_average_1min_before": load_before}, "restage": {}}
     grpo_cfg = load_config("jobs/grpo_tiny.yaml")
     group = int(grpo_cfg.algo["group_size"])
+    result.update(async_comparison(args.steps, args.warmup, group))
     runs: dict[str, list[dict]] = {}
-    for _ in range(args.repeats):  # interleaved, so slow phases of the machine hit both sides alike
+    for _ in range(0 if args.only_async else args.repeats):  # interleaved, so slow phases of the machine hit both sides alike
         for n in args.nproc:
             trial, wall = run_restage("grpo_tiny", n, args.steps, [])
             runs.setdefault(f"grpo_tiny -n {n}", []).append(restage_figures(trial, args.warmup, group, wall))
         if not args.skip_trl:
             runs.setdefault("trl", []).append(run_trl(grpo_cfg, args.trl_rounds, args.warmup, args.trl_threads))
-    for n in args.nproc:
+    for n in [] if args.only_async else args.nproc:
         trial, wall = run_restage("ppo_tiny", n, args.steps, [])
         runs[f"ppo_tiny -n {n}"] = [restage_figures(trial, args.warmup, 1, wall)]
     for key, measured in runs.items():
         if key != "trl":
             result["restage"][key] = _best(measured)
-    if not args.skip_trl:
+    if not args.skip_trl and not args.only_async:
         result["trl_grpo"] = theirs = _best(runs["trl"])
         ours_key = max((k for k in result["restage"] if k.startswith("grpo")),
                        key=lambda k: result["restage"][k]["completions_per_second"])
@@ -196,6 +232,18 @@ def format_text(result: dict, args) -> str:
     lines = [f"e2e CPU throughput ({result['machine']['cpus']} cores, load average "
              f"{result['machine']['load_average_1min_before']:.1f} before, "
              f"{result['machine']['load_average_1min_after']:.1f} after; steady state after {args.warmup} warm-up steps)"]
+    lines.append(f"\nGRPO tiny on 2 ranks: sync {result['grpo_sync_samples_per_s']:.1f} samples/s, async "
+                 f"(staleness {result['async_staleness']}, push every {result['async_push_every']}) "
+                 f"{result['grpo_async_samples_per_s']:.1f} samples/s ({result['async_over_sync']:.2f}x; target 1.3x); "
+                 f"planner chose {result['planner_choice']} (predicted sync "
+                 f"{result['planner_predicted_sync_samples_per_s']:.1f}, async "
+                 f"{result['planner_predicted_async_samples_per_s'] or 0:.1f} samples/s); its measured rate is "
+                 f"{result['planner_choice_vs_faster']:.2f}x the faster mode's")
+    for mode in ("grpo_sync", "grpo_async"):
+        fig = result[mode]
+        lines.append(f"  {mode} layouts: " + ", ".join(f"{k} {v}" for k, v in fig["layouts"].items()))
+        lines.append(f"  {mode} seconds per step: "
+                     + ", ".join(f"{k} {v:.3f}" for k, v in fig["seconds_per_step_by_mfc"].items()))
     for job, fig in result["restage"].items():
         lines.append(f"\nrestage {job}, {fig['steps_measured']} steps: "
                      f"{fig['samples_per_second']:.1f} samples/s, {fig['completions_per_second']:.1f} completions/s, "

@@ -189,7 +189,7 @@ def test_algorithms_without_an_async_mode_refuse_it(name):
 
 def test_config_checks_the_mode_and_the_bound():
     assert (cfg("grpo").plan.execution, cfg("grpo").plan.staleness) == ("sync", 1)
-    with pytest.raises(ConfigError, match="^plan.execution: 'overlap' must be sync or async"):
+    with pytest.raises(ConfigError, match="^plan.execution: 'overlap' must be sync, async or auto"):
         cfg("grpo", execution="overlap")
     with pytest.raises(ConfigError, match="^plan.staleness: 0 must be >= 1"):
         cfg("grpo", execution="async", staleness=0)

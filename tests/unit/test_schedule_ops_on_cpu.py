@@ -6,12 +6,29 @@ import pytest
 
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
-from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey, op_from_json, op_subject, op_to_json
+from restage.schedule.ops import (
+    Ema,
+    Free,
+    Generate,
+    Offload,
+    Op,
+    Push,
+    Realloc,
+    Reload,
+    Run,
+    SendKey,
+    TakeBuffered,
+    op_from_json,
+    op_subject,
+    op_to_json,
+)
 
 A, B = Layout.contiguous(0, Strategy(dp=2)), Layout.contiguous(2, Strategy(tp=2))
 OPS = [Run((0, 1), "actor_gen", "actor", A), Realloc((0, 1, 2, 3), "actor", B, A),
        SendKey((0, 1, 2, 3), "ref_inf", "seqs", "actor_gen", A, B), Free((0, 1), "actor", A),
-       Offload((2, 3), "ref", B), Reload((2, 3), "ref", B), Ema((0, 1, 2, 3), "actor_train", "ref", A, B)]
+       Offload((2, 3), "ref", B), Reload((2, 3), "ref", B), Ema((0, 1, 2, 3), "actor_train", "ref", A, B),
+       Push((0, 1, 2, 3), "actor", B, A, 2), Generate((0, 1), "actor_gen", "actor", A, 1, 2),
+       TakeBuffered((0, 1), "actor_gen", A)]
 
 
 @pytest.mark.parametrize("op", OPS, ids=lambda op: op.kind)
@@ -28,8 +45,13 @@ def test_json_keys_are_schedule_format_1():
                     "realloc": ["dst", "kind", "model", "ranks", "src"],
                     "transfer": ["dst", "key", "kind", "mfc", "producer", "ranks", "src"],
                     "free": ["dst", "kind", "model", "ranks"], "offload": ["dst", "kind", "model", "ranks"],
-                    "reload": ["dst", "kind", "model", "ranks"], "ema": ["dst", "kind", "mfc", "model", "ranks", "src"]}
-    assert [op_subject(op) for op in OPS] == ["actor_gen", "actor", "ref_inf", "actor", "ref", "ref", "actor_train"]
+                    "reload": ["dst", "kind", "model", "ranks"], "ema": ["dst", "kind", "mfc", "model", "ranks", "src"],
+                    # async mode's (schedule/async_program.py); sync schedules hold none of them
+                    "push": ["dst", "every", "kind", "model", "ranks", "src"],
+                    "generate": ["dst", "kind", "mfc", "model", "ranks", "start", "stop"],
+                    "take": ["dst", "kind", "mfc", "ranks"]}
+    assert [op_subject(op) for op in OPS] == ["actor_gen", "actor", "ref_inf", "actor", "ref", "ref", "actor_train",
+                                              "actor", "actor_gen", "actor_gen"]
 
 
 def test_an_unknown_kind_is_refused_in_one_line():

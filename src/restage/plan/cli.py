@@ -8,6 +8,7 @@ import time
 
 from restage.cluster import load_cluster
 from restage.config import load_config
+from restage.plan.async_plan import ModeChoice
 from restage.plan.baselines import BASELINES, LABELS
 from restage.plan.planner import GIB, PlanOutcome, make_plan
 from restage.plan.schedule import build_schedule
@@ -50,6 +51,7 @@ def summary(schedule: Schedule, outcome: PlanOutcome) -> dict:
     return {"experiment": schedule.experiment, "cluster": schedule.cluster["name"], "world_size": schedule.world_size,
             "mode": outcome.mode, "iteration_seconds": p["iteration_seconds"], "samples_per_second": p["samples_per_second"],
             "pflops_per_second": p["pflops_per_second"], "estimator": p["estimator"],
+            "execution": outcome.mode_choice.to_json() if outcome.mode_choice is not None else None,
             "mfcs": [{"name": m.mfc.name, "layout": m.layout.to_json(), "micro_batches": m.mfc.micro_batches,
                       **m.predicted} for m in schedule.mfcs],
             "baselines": {name: (None if ev is None else {"iteration_seconds": ev.iteration_seconds,
@@ -73,6 +75,8 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
             dst, d = step.op.dst, step.op.dst.strategy
             lines.append(f"  realloc {step.op.model} to [{dst.mesh[0]}-{dst.mesh[-1]}]dp{d.dp}tp{d.tp}"
                          f"pp{d.pp}: {step.bytes / GIB:.2f} GiB moved, {step.predicted['seconds']:.3f} s")
+    if outcome.mode_choice is not None:
+        lines.append(mode_line(outcome.mode_choice))
     lines.append(f"iteration {p['iteration_seconds']:.3f} s, {p['samples_per_second']:.2f} samples/s, "
                  f"{p['pflops_per_second']:.3f} PFLOP/s, peak {p['peak_memory_bytes'] / GIB:.1f} of "
                  f"{p['usable_memory_bytes'] / GIB:.1f} GiB")
@@ -90,3 +94,15 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
                 lines.append(f"  vs {what}: {ev.iteration_seconds:.3f} s, this plan is "
                              f"{ev.iteration_seconds / p['iteration_seconds']:.2f}x as fast")
     return "\n".join(lines)
+
+
+def mode_line(choice: ModeChoice) -> str:
+    """plan.execution auto: the chosen mode beside the best synchronous plan, both predicted samples/s."""
+    sync = f"{choice.sync_samples_per_second:.2f}" if choice.sync_samples_per_second else "none"
+    if choice.async_samples_per_second is None:
+        return f"execution: sync chosen ({sync} samples/s predicted); no asynchronous plan fits"
+    rate = f"{choice.async_samples_per_second:.2f} samples/s"
+    ratio = (f", {choice.async_samples_per_second / choice.sync_samples_per_second:.2f}x"
+             if choice.sync_samples_per_second else "")
+    return (f"execution: {choice.chosen} chosen; best async plan (staleness {choice.staleness}, push every "
+            f"{choice.push_every}) {rate}{ratio}; best synchronous plan {sync} samples/s (predicted)")

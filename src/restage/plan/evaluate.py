@@ -71,6 +71,7 @@ def plan_memory(problem: PlanProblem, plan: Plan) -> tuple[int, tuple[int, ...]]
         need = cand.estimate.transient_bytes
         copy = needs_copy(problem, plan, mfc)
         kept = not role.trainable or role.arch.lora is not None  # a LoRA model's copies keep their base
+        kept = kept or (problem.execution is not None and mfc.kind == "generate")  # async: the generation copy stays
         if copy and kept and not role.offload_when_idle:
             if (mfc.model, cand.layout) not in frozen_copies:
                 frozen_copies.add((mfc.model, cand.layout))

@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from restage.algorithms.interface import build_graph, unused_models
 from restage.cluster import ClusterSpec, cluster_from_config
 from restage.errors import ConfigError, LayoutError, PlanError
 from restage.layout import Layout, Strategy
 from restage.models.rollout import RolloutLimits
+from restage.plan.async_plan import STALENESS_CHOICES, ModeChoice, best_async_plan
 from restage.plan.baselines import all_baselines, all_references, baseline, rebased, starting_plans
 from restage.plan.engines import RestageEngine
 from restage.plan.estimator import Estimator
 from restage.plan.evaluate import PlanEvaluation, evaluate
 from restage.plan.problem import (
+    AsyncExecution,
     Plan,
     PlanProblem,
     mesh_options,
@@ -43,6 +46,8 @@ class PlanOutcome:
     mode: str
     baselines: dict[str, PlanEvaluation | None]  # peers' default plans and restricted searches (baselines.LABELS)
     search: SearchResult | None = None
+    config: Any = None  # plan.execution auto: the config the schedule runs (the chosen mode's); else None
+    mode_choice: ModeChoice | None = None  # plan.execution auto: the modes compared
 
 
 def build_problem(cfg, cluster: ClusterSpec | None = None) -> PlanProblem:
@@ -50,8 +55,10 @@ def build_problem(cfg, cluster: ClusterSpec | None = None) -> PlanProblem:
     for name, why in unused_models(cfg, graph).items():
         print(f"restage: models.{name} is unused, so not planned or loaded: {why}", file=sys.stderr, flush=True)
     cluster = cluster or cluster_from_config(cfg)
+    execution = (AsyncExecution(cfg.plan.staleness, cfg.plan.push_every, cfg.run.steps)
+                 if cfg.plan.execution == "async" else None)
     return PlanProblem(graph, roles_from_config(cfg, graph), cluster, estimator=Estimator(cluster, engine=engine_of(cfg)),
-                       samples_per_iteration=cfg.run.batch_size)
+                       samples_per_iteration=cfg.run.batch_size, execution=execution)
 
 
 def engine_of(cfg) -> RestageEngine:
@@ -111,7 +118,7 @@ def check_fits(problem: PlanProblem) -> None:
     for nodes in range(c.nodes + 1, MAX_NODES_TRIED + 1):
         bigger = PlanProblem(problem.graph, problem.roles, c.with_size(nodes),
                              estimator=Estimator(c.with_size(nodes), engine=problem.estimator.engine),
-                             samples_per_iteration=problem.samples_per_iteration)
+                             samples_per_iteration=problem.samples_per_iteration, execution=problem.execution)
         lean = lean_plan(bigger)
         if lean is not None and evaluate(bigger, lean).feasible:
             fits = nodes
@@ -162,9 +169,21 @@ def manual_plan(cfg, problem: PlanProblem) -> Plan:
 
 def make_plan(cfg, cluster: ClusterSpec | None = None, *, seed: int | None = None, time_budget_seconds: float | None = None,
               max_steps: int = 40000, with_baselines: bool = True) -> PlanOutcome:
-    """Choose the plan ``cfg.plan.mode`` asks for; refuse (PlanError) plans that do not fit in memory."""
+    """Choose the plan ``cfg.plan.mode`` asks for; refuse (PlanError) plans that do not fit in memory.
+
+    ``plan.execution``: ``sync`` plans as always; ``async`` takes the manual layouts, or else the best split
+    (``async_plan.best_async_plan``); ``auto`` plans both and keeps the faster (``choose_mode``)."""
+    if cfg.plan.execution == "auto":
+        return choose_mode(cfg, cluster, seed=seed, time_budget_seconds=time_budget_seconds, max_steps=max_steps,
+                           with_baselines=with_baselines)
     problem = build_problem(cfg, cluster)
     mode = cfg.plan.mode
+    if cfg.plan.execution == "async" and mode != "manual":
+        split = best_async_plan(problem)
+        if split is None:
+            raise PlanError(f"plan.execution async: no split of the {problem.cluster.world_size} ranks into generation "
+                            "and training ranks fits; add ranks or set plan.execution=sync")
+        return PlanOutcome(problem, split[0], split[1], "async-split", {})
     if mode == "manual":
         plan = manual_plan(cfg, problem)
         ev = evaluate(problem, plan)
@@ -209,3 +228,41 @@ def _compared(problem: PlanProblem) -> dict:
 
 def _evaluations(found: dict) -> dict[str, PlanEvaluation | None]:
     return {name: (got[1] if got is not None else None) for name, got in found.items()}
+
+
+def with_execution(cfg, execution: str, staleness: int, push_every: int):
+    """``cfg`` with ``plan.execution``, ``plan.staleness`` and ``plan.push_every`` set."""
+    return replace(cfg, plan=replace(cfg.plan, execution=execution, staleness=staleness, push_every=push_every))
+
+
+def choose_mode(cfg, cluster: ClusterSpec | None = None, **search) -> PlanOutcome:
+    """``plan.execution: auto``: the synchronous plan (``plan.mode`` as given) and the best async plan over
+    ``STALENESS_CHOICES`` x push intervals x splits; the faster by predicted samples/s wins (sync on a tie, and
+    the smallest staleness among equal async plans). The outcome's ``config`` is the chosen mode's."""
+    if cfg.plan.mode == "manual":
+        raise ConfigError("plan.execution auto chooses the layouts of each mode; set plan.mode=search (or choose "
+                          "plan.execution sync or async for manual layouts)")
+    sync_cfg = with_execution(cfg, "sync", cfg.plan.staleness, cfg.plan.push_every)
+    sync = make_plan(sync_cfg, cluster, **search)
+    sync_rate = sync.problem.samples_per_iteration / sync.evaluation.iteration_seconds
+    best: tuple[float, PlanOutcome] | None = None
+    for staleness in STALENESS_CHOICES if cfg.run.eval_every == 0 else ():  # async mode runs no evaluation
+        for push_every in range(1, staleness + 1):
+            async_cfg = with_execution(cfg, "async", staleness, push_every)
+            try:
+                problem = build_problem(async_cfg, cluster)
+            except ConfigError:  # an algorithm without an async mode
+                continue
+            found = best_async_plan(problem)
+            if found is None or not found[1].feasible:
+                continue
+            rate = problem.samples_per_iteration / found[1].iteration_seconds
+            if best is None or rate > best[0]:
+                best = (rate, PlanOutcome(problem, found[0], found[1], "async-split", sync.baselines,
+                                          config=async_cfg))
+    faster = best is not None and best[0] > sync_rate
+    chosen = best[1] if best is not None and faster else replace(sync, config=sync_cfg)
+    ex = best[1].problem.execution if best is not None else None
+    choice = ModeChoice("async" if faster else "sync", sync_rate, best[0] if best is not None else None,
+                        ex.staleness if ex else 0, ex.push_every if ex else 0)
+    return replace(chosen, mode_choice=choice)

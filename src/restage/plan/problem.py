@@ -177,12 +177,23 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@dataclass(frozen=True)
+class AsyncExecution:
+    """``plan.execution: async``: the staleness bound, the weight-push interval and the run's steps (over which the
+    warm-up is spread)."""
+
+    staleness: int
+    push_every: int
+    steps: int
+
+
 class PlanProblem:
     """The graph, roles and cluster of one planning run, with cached candidates and costs."""
 
     def __init__(self, graph: DataflowGraph, roles: dict[str, ModelRole], cluster: ClusterSpec,
                  estimator: Estimator | None = None, samples_per_iteration: int | None = None,
-                 overlap_iterations: bool = False, exact_realloc: bool = False, keep_per_size: int = KEEP_PER_SIZE):
+                 overlap_iterations: bool = False, exact_realloc: bool = False, keep_per_size: int = KEEP_PER_SIZE,
+                 execution: AsyncExecution | None = None):
         missing = sorted({m.model for m in graph} - set(roles))
         if missing:
             raise ConfigError(f"the graph needs models {missing}; add them under models:")
@@ -193,6 +204,7 @@ class PlanProblem:
         self.index = {m.name: i for i, m in enumerate(self.mfcs)}
         self.samples_per_iteration = samples_per_iteration or _default_samples(graph)
         self.overlap_iterations = overlap_iterations  # see simulator.steady_state
+        self.execution = execution  # None: synchronous; else async mode's program (simulator.plan_program)
         self.exact_realloc = exact_realloc  # reallocation bytes from the runtime's planner (slow) or fast arithmetic
         self.keep_per_size = keep_per_size
         self._candidates: dict[str, tuple[Candidate, ...]] = {}

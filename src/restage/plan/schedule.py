@@ -9,12 +9,13 @@ from restage.plan.evaluate import evaluate
 from restage.plan.simulator import op_name, plan_ops
 from restage.plan.transfer import key_bytes
 from restage.schedule.file import SCHEDULE_FORMAT_VERSION, MFCEntry, ModelEntry, Schedule, Step
-from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
+from restage.schedule.ops import Ema, Free, Generate, Offload, Op, Push, Realloc, Reload, Run, SendKey, TakeBuffered
 
 
 def build_schedule(cfg, outcome, exact: bool = True) -> Schedule:
     """The schedule of ``outcome`` (a planner.PlanOutcome); ``exact`` takes reallocation bytes from the runtime's planner."""
     problem, plan = outcome.problem, outcome.plan
+    cfg = outcome.config if outcome.config is not None else cfg  # plan.execution auto: the chosen mode's config
     problem.exact_realloc = exact
     ev = evaluate(problem, plan)
     spans = {s.name: s for s in ev.timeline.spans}
@@ -53,6 +54,8 @@ def build_schedule(cfg, outcome, exact: bool = True) -> Schedule:
             "baselines": {name: (None if b is None else {"iteration_seconds": b.iteration_seconds,
                                                          "peak_memory_bytes": b.peak_memory_bytes})
                           for name, b in outcome.baselines.items()}}
+    if outcome.mode_choice is not None:
+        info["execution"] = outcome.mode_choice.to_json()
     if outcome.search is not None:
         s = outcome.search
         info["search"] = {"method": s.method, "steps": s.steps, "wall_seconds": s.wall_seconds, "stopped_by": s.stopped_by,
@@ -64,13 +67,13 @@ def build_schedule(cfg, outcome, exact: bool = True) -> Schedule:
 def _moved_bytes(problem, op: Op) -> int | None:
     """Bytes a reallocation, EMA or key transfer sends (the planner's count); None for ops that send nothing."""
     match op:
-        case Realloc():
+        case Realloc() | Push():
             return problem.realloc(op.model, op.src, op.dst).total_bytes
         case Ema():
             return problem.realloc(problem.graph[op.mfc].model, op.src, op.dst).total_bytes
         case SendKey():
             return key_bytes(problem.graph[op.mfc], op.key)
-        case Run() | Free() | Offload() | Reload():
+        case Run() | Free() | Offload() | Reload() | Generate() | TakeBuffered():
             return None
         case _:
             assert_never(op)

@@ -25,12 +25,27 @@ steady-state time is the period between iterations' ends.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
 from restage.plan.transfer import key_bytes, zero3_gather_seconds
-from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey, op_subject
+from restage.schedule.async_program import async_layout_problem, build_async_program, lookahead, producers
+from restage.schedule.ops import (
+    Ema,
+    Free,
+    Generate,
+    Offload,
+    Op,
+    Push,
+    Realloc,
+    Reload,
+    Run,
+    SendKey,
+    TakeBuffered,
+    op_subject,
+)
 from restage.schedule.program import build_program
 
 
@@ -101,6 +116,11 @@ def plan_program(problem, plan) -> list[tuple[Op, float]]:
     placed once its consumer's ranks are known to be free, a free or offload goes right after the op before it."""
     offload = frozenset(name for name, role in problem.roles.items() if role.offload_when_idle and not role.trainable)
     resident = frozenset(name for name, role in problem.roles.items() if role.arch.lora is not None)
+    if problem.execution is not None:  # async: the builder's order is the one that overlaps (schedule/async_program.py)
+        ex = problem.execution
+        ops = build_async_program(problem.graph, plan_layouts(problem, plan), ex.staleness, ex.push_every,
+                                  offload_idle=offload, resident=resident)
+        return [(op, op_seconds(problem, plan, op)) for op in ops]
     ops = build_program(problem.graph, plan_layouts(problem, plan), offload_idle=offload, resident=resident)
     free: dict[int, float] = {}
     run_end: dict[str, float] = {}
@@ -139,6 +159,8 @@ def plan_program(problem, plan) -> list[tuple[Op, float]]:
                 start_at(i, op, op.mfc, 3, run=op.mfc)
             case Ema():
                 start_at(i, op, op.mfc, 4)
+            case Push() | Generate() | TakeBuffered():
+                raise AssertionError(f"{op.kind}: async mode's program is not reordered")
             case _:
                 assert_never(op)
     for i, op in enumerate(ops):
@@ -182,7 +204,11 @@ def op_seconds(problem, plan, op: Op) -> float:
         case Offload() | Reload():
             cand = plan[problem.index[problem.home[op.model]]]
             return cand.estimate.param_bytes / problem.cluster.host_bandwidth_bytes_per_second
-        case Free():
+        case Push():  # every push_every steps: its cost spread over them
+            return (copy_seconds(problem, op.src, op.dst, op.model) + problem.cluster.realloc_overhead_seconds) / op.every
+        case Generate():  # the steady state generates one batch a step; the warm-up's are costed by steady_state
+            return 0.0 if op.start == 0 else plan[problem.index[op.mfc]].seconds
+        case TakeBuffered() | Free():
             return 0.0
         case _:
             assert_never(op)
@@ -190,7 +216,7 @@ def op_seconds(problem, plan, op: Op) -> float:
 
 def op_name(op: Op, index: int) -> str:
     """The op's span name in the timeline: an MFC's name for a run, else kind, what it serves, and key or index."""
-    if isinstance(op, Run):
+    if isinstance(op, Run) or (isinstance(op, Generate) and op.start > 0):  # async: a producer's span is its step's
         return op.mfc
     what = op_subject(op)
     return f"{op.kind}:{what}:{op.key}" if isinstance(op, SendKey) else f"{op.kind}:{what}:{index}"
@@ -217,7 +243,15 @@ def zero3_in_place(problem, plan, mfc) -> bool:
 
 
 def steady_state(problem, plan, overlap: bool = False, iterations: int = 3) -> tuple[float, Timeline]:
-    """(steady-state seconds per iteration, the timeline of one iteration)."""
+    """(steady-state seconds per iteration, the timeline of one iteration).
+
+    Async mode (``problem.execution``): one iteration of its program, where the producers generate the next
+    batches while the consumers train (the slower side sets the period), plus the weight push (spread over
+    ``push_every`` steps), plus the warm-up (the first ``ahead`` batches, generated before any training) spread
+    over the run's steps. Layouts async mode cannot run (generation sharing the trained model's ranks) cost
+    infinity."""
+    if problem.execution is not None:
+        return _async_steady_state(problem, plan)
     tasks = plan_tasks(problem, plan)
     first = simulate(tasks)
     if not overlap:
@@ -226,3 +260,13 @@ def steady_state(problem, plan, overlap: bool = False, iterations: int = 3) -> t
     timeline = simulate(unrolled)
     ends = [max(s.end_seconds for s in timeline.spans if s.name.endswith(f"#{k}")) for k in range(iterations)]
     return ends[-1] - ends[-2], first
+
+
+def _async_steady_state(problem, plan) -> tuple[float, Timeline]:
+    ex = problem.execution
+    if async_layout_problem(problem.graph, plan_layouts(problem, plan)) is not None:
+        return math.inf, Timeline(())
+    timeline = simulate(plan_tasks(problem, plan))
+    warmup_seconds = sum(plan[problem.index[gen.name]].seconds for gen in producers(problem.graph))
+    warmup_seconds *= lookahead(ex.staleness, ex.push_every)
+    return timeline.makespan_seconds + warmup_seconds / ex.steps, timeline

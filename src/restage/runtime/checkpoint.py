@@ -33,6 +33,7 @@ from restage.runtime.engines import Engine, barriers_on, engine_groups
 from restage.runtime.master import Master
 from restage.runtime.model_store import ModelSlot, ModelStore
 from restage.runtime.nonfinite import NonFiniteError, any_rank, finite_files, finite_weights
+from restage.runtime.rollout_buffer import RolloutBuffer
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -47,8 +48,10 @@ def _engine_group(groups: ProcessGroups, slot: ModelSlot, rank: int) -> ProcessG
     return groups.get(slot.home.mesh) if slot.home.size > 1 else groups.get((rank,))
 
 
-def _rank_state(algo_state: AlgoState) -> dict[str, Any]:
+def _rank_state(algo_state: AlgoState, buffer: RolloutBuffer | None) -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "algo": algo_state.state_dict()}
+    if buffer is not None:  # async mode: the batches generated ahead (runtime/rollout_buffer.py)
+        state["rollout_buffer"] = buffer.state_dict()
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -59,9 +62,10 @@ def _trained(store: ModelStore) -> list[StageModule]:
 
 
 def save(trial_dir: Path, step: int, store: ModelStore, groups: ProcessGroups, control: Control, algo_state: AlgoState,
-         master: Master | None, keep_checkpoints: int) -> None:
+         master: Master | None, keep_checkpoints: int, buffer: RolloutBuffer | None = None) -> None:
     """Collective over all ranks: write checkpoint ``step`` of ``store``'s models, this rank's RNG and
-    ``algo_state``, and the master's data cursor (``master`` on rank 0, else None); seal it."""
+    ``algo_state`` (and async mode's rollout ``buffer``), and the master's data cursor (``master`` on rank 0, else
+    None); seal it."""
     if any_rank(not finite_weights(_trained(store)), dist.group.WORLD, store.device):  # before anything is written
         last = checkpoint_dir.latest(trial_dir)
         raise NonFiniteError(f"step {step}: non-finite weights; not checkpointed (the newest checkpoint, "
@@ -72,7 +76,7 @@ def save(trial_dir: Path, step: int, store: ModelStore, groups: ProcessGroups, c
         _write_models(path, store, groups)
         ranks = path / "ranks"
         ranks.mkdir(exist_ok=True)
-        torch.save(_rank_state(algo_state), ranks / f"rank{store.rank}.pt")
+        torch.save(_rank_state(algo_state, buffer), ranks / f"rank{store.rank}.pt")
         control.barrier()
         if master is not None:
             checkpoint_dir.commit(trial_dir, step, master.checkpoint_state(), keep_checkpoints)
@@ -98,7 +102,7 @@ def _write_models(path: Path, store: ModelStore, groups: ProcessGroups) -> None:
 
 
 def load(trial_dir: Path, store: ModelStore, groups: ProcessGroups, control: Control, algo_state: AlgoState,
-         master: Master | None) -> int:
+         master: Master | None, buffer: RolloutBuffer | None = None) -> int:
     """Restore the last whole checkpoint into ``store``'s models, the RNG, ``algo_state`` and ``master`` (rank 0's
     data cursor; None elsewhere); returns the step to continue from."""
     path = checkpoint_dir.latest(trial_dir)
@@ -126,6 +130,8 @@ def load(trial_dir: Path, store: ModelStore, groups: ProcessGroups, control: Con
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     algo_state.load_state_dict(state["algo"])
+    if buffer is not None:
+        buffer.load_state_dict(state.get("rollout_buffer", {"entries": []}))
     if master is not None:
         master.load_checkpoint_state(manifest)
     dist.barrier()

@@ -23,7 +23,7 @@ from restage.errors import ConfigError
 from restage.layout import Layout
 from restage.models.config import ModelConfig
 from restage.schedule.file import Schedule
-from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
+from restage.schedule.ops import Ema, Free, Generate, Offload, Op, Push, Realloc, Reload, Run, SendKey, TakeBuffered
 from restage.schedule.realloc_plan import ReallocPlan, plan_reallocation
 
 
@@ -69,12 +69,12 @@ def realloc_ranks(src: Layout, dst: Layout) -> tuple[int, ...]:
     return tuple(sorted(set(src.mesh) | set(dst.mesh)))
 
 
-def parameter_move(op: Op) -> Realloc | Ema | None:
-    """``op`` if it reallocates parameters (a reallocation, or the one inside an EMA), else None."""
+def parameter_move(op: Op) -> Realloc | Ema | Push | None:
+    """``op`` if it reallocates parameters (a reallocation, an async weight push, or the one inside an EMA), else None."""
     match op:
-        case Realloc() | Ema():
+        case Realloc() | Ema() | Push():
             return op
-        case Run() | SendKey() | Free() | Offload() | Reload():
+        case Run() | SendKey() | Free() | Offload() | Reload() | Generate() | TakeBuffered():
             return None
         case _:
             assert_never(op)
@@ -170,7 +170,7 @@ def communicator_bound(schedule: Schedule, realloc_plan: Callable[[str, Layout, 
     pairs = pipeline_pairs(layouts)
     for op in ops:
         if (move := parameter_move(op)) is not None:
-            model = move.model if isinstance(move, Realloc) else schedule.mfc(move.mfc).model  # an EMA moves the trained one
+            model = move.model if isinstance(move, Realloc | Push) else schedule.mfc(move.mfc).model  # an EMA moves the trained one
             plan = realloc_plan(model, move.src, move.dst)
             pairs |= {_unordered(*link) for link in plan.bytes_by_link}
     groups = tuple(run_groups(layouts, ops)) + tuple((r,) for r in singleton_ranks(schedule))

@@ -39,7 +39,7 @@ from restage.models.parallel import ParallelContext
 from restage.runtime.execute import run_eval_generate, run_inference
 from restage.runtime.op_handlers import OpHandlers, StepData
 from restage.runtime.records import StepRecord
-from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
+from restage.schedule.ops import Ema, Free, Generate, Offload, Op, Push, Realloc, Reload, Run, SendKey, TakeBuffered
 from restage.schedule.program import build_eval_program
 
 if TYPE_CHECKING:  # transformers is heavy to import; only the annotations name it
@@ -118,6 +118,8 @@ def _in_pass(op: Op, first: bool, last: bool) -> bool:
             return last
         case Run() | SendKey() | Ema():
             return True
+        case Push() | Generate() | TakeBuffered():  # async mode's; its config refuses evaluation
+            raise AssertionError(f"{op.kind} op in an evaluation program")
         case _:
             assert_never(op)
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from restage.algorithms import estimators, ops
+from restage.algorithms import estimators, offpolicy, ops
 from restage.algorithms.base import AlgoState
 from restage.algorithms.interface import Algorithm
 from restage.config import ExperimentConfig
@@ -119,8 +119,9 @@ def _policy_temperature(cfg: ExperimentConfig) -> float:
 
 @torch.no_grad()
 def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState,
-                 seed: int) -> MFCResult:
-    """Sample ``group_size`` answers per prompt; the output batch holds seqs, prompt_mask and logprobs."""
+                 seed: int, version: int | None = None) -> MFCResult:
+    """Sample ``group_size`` answers per prompt; the output batch holds seqs, prompt_mask and logprobs (and, when the
+    MFC outputs ``versions``, async mode's per-token policy ``version`` of the weights in ``module``)."""
     group = int(mfc.options.get("group_size", 1))
     gen = cfg.generation
     prompt_ids = [t.tolist() for t in torch.split(prompts["prompts"], list(prompts.seqlens))]
@@ -141,6 +142,10 @@ def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm,
                     for p, a in zip(repeated, answer_logprobs, strict=True)])
     if "logprobs" in mfc.outputs:
         batch = batch.with_keys(tokens={"logprobs": lp})
+    if "versions" in mfc.outputs:
+        if version is None:
+            raise ValueError(f"{mfc.name} outputs versions but the runtime gave no policy version")
+        batch = batch.with_keys(tokens={"versions": offpolicy.answer_versions(batch[mask_key], version)})
     batch = algo.after_generate(mfc.name, batch, cfg, state)
     generated = int(result.lengths.sum())
     stats = {f"{mfc.name}/answer_tokens": generated / max(1, len(seqs))}

@@ -76,6 +76,7 @@ class Master:
         self.resume = resume
         self.log: LogWriter | None = None
         self.control = control
+        self.drawn: dict[int, list[int]] = {}  # async mode: loop step -> sample positions drawn ahead of it
 
     def open_log(self, resume_step: int | None) -> None:
         dtypes = {entry.dtype for entry in self.schedule.models.values()}  # the models the run holds
@@ -94,6 +95,19 @@ class Master:
         if self.step >= self.cfg.run.steps:
             return None
         return self.cursor.next(self.cfg.run.batch_size)
+
+    def ids_ahead(self, ahead: int) -> dict[int, list[int]] | None:
+        """Async mode: the sample positions of this step and the ``ahead`` after it (within ``run.steps``), by loop
+        step; each step's drawn from the cursor once, in step order, so they are those a sync run trains on."""
+        if self.log is None:
+            self.open_log(self.step if self.resume else None)
+        if self.step >= self.cfg.run.steps:
+            return None
+        for step in range(self.step, min(self.step + ahead + 1, self.cfg.run.steps)):
+            if step not in self.drawn:
+                self.drawn[step] = self.cursor.next(self.cfg.run.batch_size)
+        self.drawn = {step: ids for step, ids in self.drawn.items() if step >= self.step}
+        return dict(self.drawn)
 
     def end_step(self, step: int, records: list[StepRecord]) -> StepDecision:
         """Log the loop's step ``step`` (from 0) as step ``step + 1``: steps count from 1 in the log, the
@@ -127,9 +141,13 @@ class Master:
                             stop=last or preempted)
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"cursor": self.cursor.state_dict(), "step": self.step}
+        state: dict[str, Any] = {"cursor": self.cursor.state_dict(), "step": self.step}
+        if self.drawn:  # async mode: the steps drawn ahead, whose batches the generating ranks' buffers hold
+            state["drawn"] = {str(step): ids for step, ids in sorted(self.drawn.items()) if step >= self.step}
+        return state
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.drawn = {int(step): list(ids) for step, ids in state.get("drawn", {}).items()}
         self.cursor.load_state_dict(state["cursor"])
         self.step = int(state["step"])
         self.progress.first_step = self.step

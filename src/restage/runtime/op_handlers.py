@@ -103,6 +103,8 @@ class OpHandlers:
         elif mfc.kind == "inference":
             result = run_inference(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state)
         else:
+            if self.cfg.plan.execution == "async":  # the version this step trains from: one per completed step
+                self.state.policy_version = step
             # Checked before prepare_train too: it folds rewards into algorithm state (normalisers, KL control).
             skip = self.nonfinite_inputs(mfc, layout, batch, step)
             if not skip:
@@ -121,6 +123,12 @@ class OpHandlers:
         end = self.clock.now_synced()
         if result.batch is not None:
             data.keep(mfc.name, result.batch, self.state)
+        self.record_run(mfc, layout, ctx, batch, result, begin, end, record)
+
+    def record_run(self, mfc: MFC, layout: Layout, ctx: ParallelContext, batch: Batch, result: MFCResult, begin: float,
+                   end: float, record: StepRecord) -> None:
+        """An MFC run's row (time, tokens, FLOPs, peak memory) and, from one rank per DP replica, its statistics."""
+        slot = self.store.slots[mfc.model]
         peak = peak_memory_bytes(self.device)
         flops = measured_flops(mfc, slot.cfg, result.batch if result.batch is not None else batch, result.tokens)
         flops /= layout.strategy.tp * layout.strategy.pp  # this rank's share of its replica's work

@@ -35,7 +35,7 @@ from restage.runtime.transfer import (
     execute_transfer,
     plan_transfer,
 )
-from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
+from restage.schedule.ops import Ema, Free, Generate, Offload, Op, Push, Realloc, Reload, Run, SendKey, TakeBuffered
 
 if TYPE_CHECKING:  # importing mpi4py initializes MPI: only create_comms, which talks over it, imports it
     from mpi4py import MPI
@@ -97,7 +97,8 @@ class SampleRouter:
             match op:
                 case SendKey():
                     pass
-                case Run() | Realloc() | Free() | Offload() | Reload() | Ema():  # no MPI communicator of their own
+                case Run() | Realloc() | Free() | Offload() | Reload() | Ema() | Push() | Generate() | TakeBuffered():
+                    # no MPI communicator of their own
                     continue
                 case _:
                     assert_never(op)
@@ -119,6 +120,11 @@ class SampleRouter:
         """Dataset positions of the samples a DP rank of ``mfc`` reads from the data set."""
         parts = contiguous_assignment(self._dataset_tokens, self.layouts[mfc.name].strategy.dp)
         return [self.ids[i] for i in parts[dp_rank]]
+
+    def positions_of(self, ids: list[int], dataset: Dataset, mfc: MFC, dp_rank: int) -> list[int]:
+        """``dataset_positions`` for another step's ``ids`` (async mode's generation ahead), this step untouched."""
+        parts = contiguous_assignment(dataset.batch(list(ids)).sample_tokens(), self.layouts[mfc.name].strategy.dp)
+        return [ids[i] for i in parts[dp_rank]]
 
     def _gather_meta(self, op: SendKey, mine: Batch | None) -> OutputMeta:
         # Cached per (producer, op ranks): every member of one transfer communicator must take

@@ -33,6 +33,7 @@ from restage.errors import ConfigError, LayoutError
 from restage.layout import ProcessGroups
 from restage.runtime import checkpoint as ckpt
 from restage.runtime import checkpoint_dir, comm_budget, evaluate, nccl_rules
+from restage.runtime.async_ops import AsyncOps
 from restage.runtime.clock import Clock, measure_offset
 from restage.runtime.control import Control, init_torch_distributed
 from restage.runtime.feasibility import schedule_problem
@@ -43,8 +44,22 @@ from restage.runtime.op_handlers import OpHandlers, StepData
 from restage.runtime.ops import prepare_run_ops
 from restage.runtime.records import MoveRecord, Span, StepRecord
 from restage.runtime.routing import SampleRouter
+from restage.schedule.async_program import lookahead
 from restage.schedule.file import Schedule, read_schedule
-from restage.schedule.ops import WITH_PEERS, Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
+from restage.schedule.ops import (
+    WITH_PEERS,
+    Ema,
+    Free,
+    Generate,
+    Offload,
+    Op,
+    Push,
+    Realloc,
+    Reload,
+    Run,
+    SendKey,
+    TakeBuffered,
+)
 
 
 class Worker:
@@ -74,6 +89,9 @@ class Worker:
         self.router = SampleRouter(self.graph, self.layouts, self.rank, node_of)
         self._groups: ProcessGroups | None = None  # made at start-up, with every rank (_create_groups)
         self._handlers: OpHandlers | None = None  # made with the groups
+        self.asynchronous = cfg.plan.execution == "async"
+        self.ahead = lookahead(cfg.plan.staleness, cfg.plan.push_every)  # async mode: steps generation runs ahead
+        self._async: AsyncOps | None = None  # async mode's ops, made with the handlers
         self.master = Master(control, cfg, schedule, trial_dir, self.train_set, bool(resume)) if control.is_master else None
         self.start_step = 0
         # Every timestamp this rank reports is on the master's clock, taken once the device is idle.
@@ -115,7 +133,11 @@ class Worker:
         worker.store.build_engines(worker.groups, beat)
         if resume:
             beat.doing("start-up: loading the newest checkpoint")
-            worker.start_step = ckpt.load(trial_dir, worker.store, worker.groups, control, worker.state, worker.master)
+            buffer = worker._async.buffer if worker._async is not None else None
+            worker.start_step = ckpt.load(trial_dir, worker.store, worker.groups, control, worker.state, worker.master,
+                                          buffer)
+            if worker._async is not None:
+                worker._async.first_step = worker.start_step
         beat.reached("ready")
         return worker
 
@@ -135,11 +157,18 @@ class Worker:
         self.router.create_comms(self.ops + eval_ops, self.control.comm)
         self._handlers = OpHandlers(self.store, groups, self.router, self.clock, self.layouts, self.cfg,
                                     self.algo, self.state)
+        if self.asynchronous:
+            self._async = AsyncOps(self._handlers, first_step=0)
 
     @property
     def groups(self) -> ProcessGroups:
         assert self._groups is not None, "the process groups are made at start-up (Worker.start)"
         return self._groups
+
+    @property
+    def async_ops(self) -> AsyncOps:
+        assert self._async is not None, "async mode's ops are made with the handlers (plan.execution async)"
+        return self._async
 
     @property
     def handlers(self) -> OpHandlers:
@@ -152,14 +181,17 @@ class Worker:
         beat = self.heartbeat
         while True:
             beat.doing(f"step {step + 1}: waiting for the step's sample ids from rank 0", waiting=True)
-            ids = self.control.bcast(self.master.next_ids() if self.master else None)
-            if ids is None:
+            drawn = self.control.bcast((self.master.ids_ahead(self.ahead) if self.asynchronous else self.master.next_ids())
+                                       if self.master else None)
+            if drawn is None:
                 break
+            # async mode: this step's ids and those of the steps generated ahead; sync mode: this step's
+            ahead, ids = (drawn, drawn[step]) if isinstance(drawn, dict) else ({}, drawn)
             if self.master and step == self.start_step:  # every rank has passed start-up and this bcast
                 print(f"restage: start-up: ready on all {self.control.world_size} ranks "
                       f"({time.monotonic() - beat.started_at:.1f} s since rank 0 started)", flush=True)
             started = self.clock.now_synced()
-            record = self.run_step(step, ids)
+            record = self.run_step(step, ids, ahead)
             record.step_start_seconds, record.step_end_seconds = started, self.clock.now_synced()
             if self.eval_plan is not None and evaluate.eval_due(step + 1, self.cfg.run):
                 self.evaluate(record)  # after the step's end: evaluation is not iteration time
@@ -174,11 +206,12 @@ class Worker:
             if decision.checkpoint:
                 beat.doing(f"step {step}: saving checkpoint step-{step}")
                 ckpt.save(self.trial_dir, step, self.store, self.groups, self.control, self.state, self.master,
-                          self.cfg.run.keep_checkpoints)
+                          self.cfg.run.keep_checkpoints, self._async.buffer if self._async is not None else None)
             if decision.stop:
                 break
 
-    def run_step(self, step: int, ids: list[int]) -> StepRecord:
+    def run_step(self, step: int, ids: list[int], ahead: dict[int, list[int]] | None = None) -> StepRecord:
+        """One iteration's ops on this rank; ``ahead`` (async mode) holds the ids of the steps generated ahead."""
         record = StepRecord(rank=self.rank, step=step)
         data = StepData(self.train_set)
         self.router.begin_step(ids, self.train_set)
@@ -191,10 +224,23 @@ class Worker:
                 self.heartbeat.doing(f"step {step + 1}: run {op.producer}")
                 data.settle(op.producer)
             self.heartbeat.doing(f"step {step + 1}: {describe_op(op)}", waiting=isinstance(op, WITH_PEERS))
-            if isinstance(op, Run):
-                self.handlers.run(op, step, data, record)
-            else:
-                self._move(op, record.moves, data)
+            match op:
+                case Run():
+                    self.handlers.run(op, step, data, record)
+                case Generate():
+                    self.async_ops.generate(op, step, data, ahead or {}, record)
+                case TakeBuffered():
+                    self.async_ops.take(op, step, data, record)
+                case Push():
+                    if self.async_ops.push_due(op, step):
+                        begin = self.clock.now_synced()
+                        sent = self.async_ops.push(op, step)
+                        record.moves.append(MoveRecord("realloc", f"push:{op.model}", str(op.src), str(op.dst), sent,
+                                                       begin, self.clock.now_synced()))
+                case Realloc() | SendKey() | Free() | Offload() | Reload() | Ema():
+                    self._move(op, record.moves, data)
+                case _:
+                    assert_never(op)
         data.settle()  # none left today (every reward key is sent somewhere); a reward's error still ends this step
         return record
 
@@ -236,7 +282,7 @@ class Worker:
             case Reload():
                 self.store.reload(op.model)
                 return
-            case Run():
+            case Run() | Generate() | TakeBuffered() | Push():
                 raise AssertionError(f"{op} is run by the handlers, not moved")
             case _:
                 assert_never(op)
@@ -263,7 +309,11 @@ def describe_op(op: Op) -> str:
             return f"transfer {op.key} {op.producer} -> {op.mfc}"
         case Ema():
             return f"ema {op.model} for {op.mfc}"
-        case Realloc() | Free() | Offload() | Reload():
+        case Realloc() | Free() | Offload() | Reload() | Push():
             return f"{op.kind} {op.model}"
+        case Generate():
+            return f"generate {op.mfc} ahead"
+        case TakeBuffered():
+            return f"take {op.mfc}'s batch from the rollout buffer"
         case _:
             assert_never(op)

@@ -95,10 +95,48 @@ class Ema:
     dst: Layout
 
 
-Op = Run | Realloc | SendKey | Free | Offload | Reload | Ema
+@dataclass(frozen=True)
+class Push:
+    """Async mode: at the start of every step ``s`` with ``s % every == 0`` (and the first step a rank runs), the
+    trained ``model``'s weights go from its home ``src`` into its generation copy in ``dst``, which keeps them
+    (and their policy version, ``s``) until the next push."""
+
+    kind: ClassVar[str] = "push"
+    ranks: tuple[int, ...]
+    model: str
+    src: Layout
+    dst: Layout
+    every: int
+
+
+@dataclass(frozen=True)
+class Generate:
+    """Async mode: generate MFC ``mfc`` answers the prompts of each step ``t`` in ``s + start .. s + stop - 1`` (below
+    ``run.steps``) whose batch the rollout buffer lacks, with the weights its copy holds, and buffers them."""
+
+    kind: ClassVar[str] = "generate"
+    ranks: tuple[int, ...]
+    mfc: str
+    model: str
+    layout: Layout
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class TakeBuffered:
+    """Async mode: the rollout buffer's batch of this step becomes ``mfc``'s output (its transfers read it)."""
+
+    kind: ClassVar[str] = "take"
+    ranks: tuple[int, ...]
+    mfc: str
+    layout: Layout
+
+
+Op = Run | Realloc | SendKey | Free | Offload | Reload | Ema | Push | Generate | TakeBuffered
 
 # Ops whose ranks wait for their peers (a collective or point-to-point exchange), bounded at run time.
-WITH_PEERS: tuple[type, ...] = (Realloc, SendKey, Ema)
+WITH_PEERS: tuple[type, ...] = (Realloc, SendKey, Ema, Push)
 
 
 # The single-layout kinds store their layout under "dst", as schedule format 1 always has.
@@ -133,9 +171,9 @@ def op_from_json(data: dict[str, Any]) -> Op:
 def op_subject(op: Op) -> str:
     """What an op serves, for names and messages: the MFC of a run, transfer or EMA, else the model."""
     match op:
-        case Run(mfc=name) | SendKey(mfc=name) | Ema(mfc=name):
+        case Run(mfc=name) | SendKey(mfc=name) | Ema(mfc=name) | Generate(mfc=name) | TakeBuffered(mfc=name):
             return name
-        case Realloc(model=name) | Free(model=name) | Offload(model=name) | Reload(model=name):
+        case Realloc(model=name) | Free(model=name) | Offload(model=name) | Reload(model=name) | Push(model=name):
             return name
         case _:
             assert_never(op)

@@ -62,7 +62,8 @@ def check_ema_architectures(graph: DataflowGraph, archs: dict[str, ModelConfig])
                               "mixed with it; start both from the same base model or set algo.ref_ema_eta=0")
 
 
-def _union(*layouts: Layout) -> tuple[int, ...]:
+def union_ranks(*layouts: Layout) -> tuple[int, ...]:
+    """The ranks of every layout given, sorted."""
     return tuple(sorted({r for layout in layouts for r in layout.mesh}))
 
 
@@ -73,7 +74,7 @@ def build_program(graph: DataflowGraph, layouts: dict[str, Layout], offload_idle
     ``offload_idle``: frozen models to move to CPU memory between their MFCs. ``resident``: trained models
     whose copies stay (LoRA models: the base does not change, only the adapters are moved again).
     """
-    return _walk(graph, list(graph), layouts, offload_idle, resident)
+    return walk(graph, list(graph), layouts, offload_idle, resident)
 
 
 def build_eval_program(graph: DataflowGraph, layouts: dict[str, Layout], names: tuple[str, ...],
@@ -85,10 +86,10 @@ def build_eval_program(graph: DataflowGraph, layouts: dict[str, Layout], names: 
     and freed after its last use here, as in the iteration; data transfers carry what the named
     MFCs read from each other.
     """
-    return _walk(graph, [graph[name] for name in names], layouts, offload_idle, resident)
+    return walk(graph, [graph[name] for name in names], layouts, offload_idle, resident)
 
 
-def _walk(graph: DataflowGraph, mfcs: list[MFC], layouts: dict[str, Layout], offload_idle: frozenset[str],
+def walk(graph: DataflowGraph, mfcs: list[MFC], layouts: dict[str, Layout], offload_idle: frozenset[str],
           resident: frozenset[str] = frozenset()) -> list[Op]:
     """The ops running ``mfcs`` (all of ``graph``'s, or some in graph order) where ``layouts`` put them."""
     homes = model_homes(graph, layouts)
@@ -107,17 +108,17 @@ def _walk(graph: DataflowGraph, mfcs: list[MFC], layouts: dict[str, Layout], off
         if mfc.model in offload_idle and i == first_mfc[mfc.model]:
             ops.append(Reload(home.mesh, mfc.model, home))
         if layout != home and (mfc.model, layout) not in copies:
-            ops.append(Realloc(_union(home, layout), mfc.model, home, layout))
+            ops.append(Realloc(union_ranks(home, layout), mfc.model, home, layout))
             copies.add((mfc.model, layout))
         for key in mfc.inputs:
             producer = graph.producer(key)
             if producer is not None and producer in mfcs:
                 src = layouts[producer.name]
-                ops.append(SendKey(_union(src, layout), mfc.name, key, producer.name, src, layout))
+                ops.append(SendKey(union_ranks(src, layout), mfc.name, key, producer.name, src, layout))
         ops.append(Run(layout.mesh, mfc.name, mfc.model, layout))
         for target, train_mfc in ema.items():
             if train_mfc == mfc.name:
-                ops.append(Ema(_union(home, homes[target]), mfc.name, target, home, homes[target]))
+                ops.append(Ema(union_ranks(home, homes[target]), mfc.name, target, home, homes[target]))
         if mfc.kind == "train_step":  # copies made before now hold old weights: an MFC after this one gets a new copy
             updated = {mfc.model} | {t for t, m in ema.items() if m == mfc.name}
             copies = {(m, lay) for m, lay in copies if m not in updated}

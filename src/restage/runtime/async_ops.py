@@ -1,0 +1,89 @@
+"""What async mode's ops do on one rank (``schedule/async_program.py``): weight pushes, generation ahead into the
+rollout buffer, and taking a step's batch out of it (docs/runtime.md, "Asynchronous training").
+
+Policy versions: the actor's weights at the start of step ``s`` (``s`` completed steps) are version ``s``. A push
+at step ``s`` gives the generation copy version ``s``; every token it generates records that version
+(``versions``); the train MFCs of step ``s`` train from version ``s`` (``OpHandlers.run`` sets
+``AlgoState.policy_version``), so a token's version gap is ``s`` minus the version that wrote it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from restage.data.batch import Batch
+from restage.device import DTYPES
+from restage.layout import Layout
+from restage.models.parallel import ParallelContext
+from restage.runtime.execute import run_generate
+from restage.runtime.op_handlers import OpHandlers, StepData, reallocate_when_ready
+from restage.runtime.records import StatsShare, StepRecord
+from restage.runtime.rollout_buffer import Buffered, RolloutBuffer
+from restage.schedule.ops import Generate, Push, TakeBuffered
+
+
+class AsyncOps:
+    """The async ops over the rank's handlers, its rollout buffer and the versions its generation copies hold."""
+
+    def __init__(self, handlers: OpHandlers, first_step: int) -> None:
+        self.handlers = handlers
+        self.first_step = first_step  # a rank's first step pushes whatever the step: its copies start empty
+        self.buffer = RolloutBuffer()
+        self.versions: dict[tuple[str, Layout], int] = {}  # (model, generation layout) -> version its copy holds
+
+    def push_due(self, op: Push, step: int) -> bool:
+        """Whether step ``step`` pushes: every rank of the push decides alike, from the step alone."""
+        return step % op.every == 0 or step == self.first_step
+
+    def push(self, op: Push, step: int) -> int:
+        """The trained model's home weights into its generation copy (kept until the next push); bytes sent."""
+        h = self.handlers
+        store, slot = h.store, h.store.slots[op.model]
+        plan = store.realloc_plan(op.model, op.src, op.dst, adapters_only=store.holds_base(op.model, op.dst))
+        source = (slot.engine if slot.engine is not None else slot.module) if h.rank in op.src else None
+        # No sharing with the home shards: the copy must keep this version while the home trains on.
+        result = reallocate_when_ready(plan, source, h.groups, h.cfg.run.peer_wait_timeout_seconds,
+                                       dtype=DTYPES[slot.entry.dtype], share_local=False, device=h.device)
+        store.adopt_copy(op.model, op.dst, result.state, h.groups)
+        self.versions[(op.model, op.dst)] = step
+        return result.stats.sent_bytes
+
+    def generate(self, op: Generate, step: int, data: StepData, ids_by_step: dict[int, list[int]],
+                 record: StepRecord) -> None:
+        """Answer the prompts of each step in ``step + op.start .. step + op.stop - 1`` the buffer lacks; buffer them."""
+        h = self.handlers
+        mfc, layout = h.graph[op.mfc], op.layout
+        slot = h.store.slots[mfc.model]
+        ctx = ParallelContext.from_layout(layout, h.groups, h.rank)
+        version = self.versions[(mfc.model, layout)]
+        source_keys = [k for k in mfc.inputs if h.graph.producer(k) is None]
+        for target in range(step + op.start, step + op.stop):
+            if target >= h.cfg.run.steps or self.buffer.holds(mfc.name, target):
+                continue
+            positions = h.router.positions_of(ids_by_step[target], data.source, mfc, ctx.coord.dp)
+            prompts = data.source.batch(positions).only(source_keys)
+            seed = (h.cfg.seed * 1_000_003 + target) * 101 + ctx.coord.dp  # the step it is for, as in sync mode
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            begin = h.clock.now_synced()
+            result = run_generate(slot.at(layout), mfc, prompts, h.algo, h.cfg, h.state, seed, version)
+            end = h.clock.now_synced()
+            assert result.batch is not None
+            self.buffer.put(mfc.name, target, Buffered(result.batch, version, h.state.pending_rewards.pop(mfc.name, None)))
+            h.record_run(mfc, layout, ctx, prompts, result, begin, end, record)
+
+    def take(self, op: TakeBuffered, step: int, data: StepData, record: StepRecord) -> None:
+        """The buffer's batch of this step becomes the MFC's output; logs the buffer's occupancy and the batch's version."""
+        entry = self.buffer.take(op.mfc, step)
+        data.outputs[op.mfc] = entry.batch
+        if entry.pending is not None:
+            data.scoring[op.mfc] = entry.pending
+        coord = op.layout.coord(self.handlers.rank)
+        if coord is not None and coord.tp == 0 and coord.pp == op.layout.strategy.pp - 1:
+            stats = {f"{op.mfc}/buffer_batches": float(self.buffer.occupancy(op.mfc)),
+                     f"{op.mfc}/behaviour_version": float(entry.version)}
+            record.stats.append(StatsShare(stats, _samples(entry.batch)))
+
+
+def _samples(batch: Batch) -> int:
+    return max(1, batch.n_samples)
