@@ -215,7 +215,7 @@ class RolloutEngine:
         free = [i for i, r in enumerate(self.request) if r < 0][: len(self.queue)]
         holder = {self.prompt_of[r]: i for i, r in enumerate(self.request) if r >= 0}
         fresh: dict[int, int] = {}  # prompt -> the slot it is prefilled into now
-        copies: list[tuple[int, int, int]] = []  # (source slot, target slot, tokens)
+        copies: dict[tuple[int, int], list[int]] = {}  # (source slot, tokens) -> target slots
         for slot in free:
             request = self.queue.popleft()
             prompt = self.prompt_of[request]
@@ -224,7 +224,7 @@ class RolloutEngine:
             if prefix == 0:
                 continue
             if prompt in fresh or prompt in holder:
-                copies.append((fresh.get(prompt, holder.get(prompt, -1)), slot, prefix))
+                copies.setdefault((fresh.get(prompt, holder.get(prompt, -1)), prefix), []).append(slot)
             else:
                 fresh[prompt] = slot
             holder.setdefault(prompt, slot)
@@ -242,8 +242,8 @@ class RolloutEngine:
             _join_sparse_layers(self.module)
         if copies:
             assert self.cache is not None  # slots exist when requests do
-            for source, target, tokens in copies:
-                self.cache.copy_prefix(source, [target], tokens)
+            for (source, tokens), targets in copies.items():  # one copy per cache tensor for all of a prompt's siblings
+                self.cache.copy_prefix(source, targets, tokens)
 
     def _prefill(self, slots: list[int], prefixes: list[Sequence[int]]) -> None:
         assert self.cache is not None  # slots exist when requests do
