@@ -1,7 +1,7 @@
 """End-to-end RL throughput on this CPU machine: restage's GRPO jobs against TRL's GRPOTrainer, and restage's PPO tiny job.
 
     python bench/e2e_cpu.py [--json] [--jobs grpo_tiny grpo_256x4] [--steps N] [--warmup 5] [--nproc 1 2]
-                            [--repeats 3] [--trl-threads 1 0] [--skip-trl] [--skip-ppo]
+                            [--repeats 3] [--restage-threads 0] [--trl-threads 1 0] [--skip-trl] [--skip-ppo]
 
 Two GRPO jobs, each measured against TRL:
 
@@ -13,8 +13,8 @@ Two GRPO jobs, each measured against TRL:
   25 steps by default.
 
 restage runs each job with ``restage run -n NPROC`` (the planner picks the layouts; they are printed),
-with the threads its own rule gives each rank (``run.threads_per_rank`` automatic: the whole machine split
-among the ranks), and reads log.h5: samples (prompts), completions and tokens (prompt + answer tokens of
+with each of ``--restage-threads`` as ``run.threads_per_rank`` (default 0: restage's own rule, the whole
+machine split among the ranks), and reads log.h5: samples (prompts), completions and tokens (prompt + answer tokens of
 every completion) per second over the steps after ``--warmup``, and where a step's time goes: generation
 (generate MFCs), inference passes (inference MFCs), training (train MFCs), data and parameter moves (with
 any wait for other ranks), and overhead (the rest of the step's wall time: control messages, logging,
@@ -37,7 +37,7 @@ the training forward/backward and the optimizer step; the rest is overhead.
 
 restage and TRL are measured ``--repeats`` times per job, alternating, and the fastest of each is kept
 (other processes on the shared machine only ever slow a run down); ``speedup_vs_trl`` compares restage's
-fastest rank count with TRL, in samples (prompts) per second. Mean answer lengths are printed for both
+fastest configuration (rank count, threads) with TRL's fastest (threads), in samples (prompts) per second. Mean answer lengths are printed for both
 sides: they do the same work only while their policies sample answers of about the same length.
 
 Both are steady-state rates: start-up (mpirun, planning, DeepSpeed, TRL's model loading) is reported
@@ -77,13 +77,13 @@ JOBS = {"grpo_tiny": Job("grpo_tiny", steps=40), "grpo_256x4": Job("grpo_256x4",
 KINDS = {"generate": "generation", "inference": "inference_passes", "train_step": "training"}
 
 
-def run_restage(job: str, nproc: int, steps: int, overrides: list[str]) -> tuple[Path, float]:
-    """One `restage run`; returns its trial directory and the command's wall seconds."""
+def run_restage(job: str, nproc: int, steps: int, overrides: list[str], threads: int = 0) -> tuple[Path, float]:
+    """One `restage run` (``threads`` per rank, 0: restage's own rule); its trial directory and wall seconds."""
     from restage.config import load_config
 
-    trial = f"bench-n{nproc}"
+    trial = f"bench-n{nproc}-t{threads}"
     command = [sys.executable, "-m", "restage.cli", "run", f"jobs/{job}.yaml", "-n", str(nproc), f"trial={trial}",
-               f"run.steps={steps}", "run.save_every=0", "run.threads_per_rank=0", f"run.results_dir={RESULTS}",
+               f"run.steps={steps}", "run.save_every=0", f"run.threads_per_rank={threads}", f"run.results_dir={RESULTS}",
                "--overwrite", *overrides]
     # restage's own rule sets each rank's threads (the CPU mask split among the ranks): no OMP_NUM_THREADS from here.
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"PYTHONPATH": str(ROOT / "src")}
@@ -215,10 +215,11 @@ def measure_job(job: Job, args) -> dict:
     runs: dict[str, list[dict]] = {}
     for _ in range(args.repeats):  # alternating, so slow phases of the machine hit both sides alike
         for n in args.nproc:
-            load = os.getloadavg()[0]
-            trial, wall = run_restage(job.name, n, steps, [])
-            runs.setdefault(f"-n {n}", []).append(restage_figures(trial, args.warmup, group, wall)
-                                                  | {"load_average_1min_before": load})
+            for threads in args.restage_threads:
+                load = os.getloadavg()[0]
+                trial, wall = run_restage(job.name, n, steps, [], threads)
+                runs.setdefault(_restage_key(n, threads), []).append(restage_figures(trial, args.warmup, group, wall)
+                                                                     | {"load_average_1min_before": load})
         if not args.skip_trl:
             for threads in args.trl_threads:
                 load = os.getloadavg()[0]
@@ -237,6 +238,10 @@ def measure_job(job: Job, args) -> dict:
     return out
 
 
+def _restage_key(nproc: int, threads: int) -> str:
+    return f"-n {nproc}" + (f" ({threads} threads per rank)" if threads else " (threads per rank: restage's rule)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -247,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=0, help="restage steps and TRL rounds per job (default: the job's)")
     parser.add_argument("--warmup", type=int, default=5, help="steps / rounds left out of the rates (default 5)")
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="restage rank counts to measure (default 1 2)")
+    parser.add_argument("--restage-threads", type=int, nargs="+", default=[0],
+                        help="run.threads_per_rank values to run restage with (default 0: restage's rule, the cores "
+                             "split among the ranks)")
     parser.add_argument("--trl-threads", type=int, nargs="+", default=[1, 0],
                         help="torch thread counts to run TRL with, its best kept (default 1 0; 0: every core)")
     # Three repeats, because the shared machine's slow phases last seconds.
@@ -265,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_ppo:
         result["ppo_tiny"] = {}
         for n in args.nproc:
-            trial, wall = run_restage("ppo_tiny", n, args.steps or JOBS["grpo_tiny"].steps, [])
-            result["ppo_tiny"][f"-n {n}"] = restage_figures(trial, args.warmup, 1, wall)
+            threads = args.restage_threads[0]
+            trial, wall = run_restage("ppo_tiny", n, args.steps or JOBS["grpo_tiny"].steps, [], threads)
+            result["ppo_tiny"][_restage_key(n, threads)] = restage_figures(trial, args.warmup, 1, wall)
     result["machine"]["load_average_1min_after"] = os.getloadavg()[0]
     print(json.dumps(result, indent=2) if args.json else format_text(result, args))
     return 0
