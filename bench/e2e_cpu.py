@@ -37,8 +37,9 @@ the training forward/backward and the optimizer step; the rest is overhead.
 
 restage and TRL are measured ``--repeats`` times per job, alternating, and the fastest of each is kept
 (other processes on the shared machine only ever slow a run down); ``speedup_vs_trl`` compares restage's
-fastest configuration (rank count, threads) with TRL's fastest (threads), in samples (prompts) per second. Mean answer lengths are printed for both
-sides: they do the same work only while their policies sample answers of about the same length.
+fastest configuration (rank count, threads) with TRL's fastest (threads), in samples (prompts) per second.
+Mean answer lengths are printed for both sides: they do the same work only while their policies sample
+answers of about the same length.
 
 Both are steady-state rates: start-up (mpirun, planning, DeepSpeed, TRL's model loading) is reported
 apart, as the whole command's wall seconds. The machine's load average is printed: other processes

@@ -34,14 +34,17 @@ def ensure_llama_256x4(root: Path = Path("."), seed: int = 0) -> Path:
                               num_layers=4, num_heads=8, num_kv_heads=4, max_positions=128)
 
 
-def _ensure_sort_model(path: Path, root: Path, seed: int, **sizes: int) -> Path:
-    """A random LLaMA of ``sizes`` over the 16-token sort vocabulary at ``path``, built once (whole or absent)."""
+def _ensure_sort_model(path: Path, root: Path, seed: int, *, hidden_size: int, intermediate_size: int, num_layers: int,
+                       num_heads: int, num_kv_heads: int, max_positions: int) -> Path:
+    """A random LLaMA of these sizes over the 16-token sort vocabulary at ``path``, built once (whole or absent)."""
     if (path / "config.json").is_file():
         return path
 
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny(tmp, family="llama", seed=seed, vocab_size=16, tokenizer=False, **sizes)
+    build_tiny(tmp, family="llama", seed=seed, vocab_size=16, tokenizer=False, hidden_size=hidden_size,
+               intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
+               num_kv_heads=num_kv_heads, max_positions=max_positions)
     for file in (root / TOKENIZER).iterdir():
         shutil.copy(file, tmp / file.name)
     tmp.replace(path)
