@@ -58,9 +58,11 @@ def main() -> int:
     torch.manual_seed(args["seed"])
     transformers.utils.logging.set_verbosity_error()
     rows = [json.loads(line) for line in Path(args["prompts"]).read_text().splitlines() if line.strip()]
-    dataset = Dataset.from_list([{"prompt": r["prompt"]} for r in rows])
     model = transformers.AutoModelForCausalLM.from_pretrained(args["model"], dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(args["model"])
+    # restage's prompts start with BOS (data/datasets.prompt_ids); this tokenizer adds none, so the text carries it
+    # and both sides feed the model the same ids ("[BOS] sort 6 0 :" -> 1 14 10 4 15, as restage's).
+    dataset = Dataset.from_list([{"prompt": tokenizer.bos_token + " " + r["prompt"]} for r in rows])
     group, prompts, minibatches = args["group_size"], args["prompts_per_step"], args["minibatches"]
     completions = group * prompts
     config = GRPOConfig(
