@@ -1,34 +1,54 @@
-"""End-to-end RL throughput on this CPU machine: restage's GRPO and PPO tiny jobs, and TRL's GRPOTrainer.
+"""End-to-end RL throughput on this CPU machine: restage's GRPO jobs against TRL's GRPOTrainer, and restage's PPO tiny job.
 
-    python bench/e2e_cpu.py [--json] [--steps 40] [--warmup 5] [--nproc 1 2] [--trl-rounds 40] [--repeats 3] [--skip-trl]
+    python bench/e2e_cpu.py [--json] [--jobs grpo_tiny grpo_256x4] [--steps N] [--warmup 5] [--nproc 1 2]
+                            [--repeats 3] [--restage-threads 0] [--trl-threads 1 0] [--skip-trl] [--skip-ppo]
                             [--only-async]
 
 First, always: GRPO tiny on 2 ranks in sync and in async mode (``async_comparison``) beside what
 ``plan.execution=auto`` chooses, as ``grpo_sync_samples_per_s``, ``grpo_async_samples_per_s``, ``planner_choice``
-and the predicted rates.
+and the predicted rates (``--only-async``: nothing else).
 
-restage runs ``jobs/grpo_tiny.yaml`` and ``jobs/ppo_tiny.yaml`` with ``restage run -n NPROC`` (the
-planner picks the layouts; they are printed) and reads log.h5: samples (prompts), completions
-and tokens (prompt + answer tokens of every completion) per second over the steps after
-``--warmup``, and each MFC's seconds per step (first start to last end over its ranks), plus
-reallocation and data-transfer seconds.
+Two GRPO jobs, each measured against TRL:
 
-TRL's GRPOTrainer runs the same GRPO job: the same tiny LLaMA directory and tokenizer, prompts,
-8 prompts x 8 completions per generation round, 7 new tokens at temperature 1, two optimizer
-steps per round (restage's ``minibatches: 2``), KL coefficient, clip range, learning rate, fp32
-and no activation checkpointing (TRL defaults to bf16 and checkpointing; restage's jobs use
-neither), and restage's Python sort reward. It runs in its own venv (bench/.venv-trl, made on
-first use with ``pip install trl==1.16.0``; never a restage dependency), one process with one
-torch thread by default (two threads ran several times slower here on a 64-wide model). Its
-rate is taken over the rounds after the warm-up the same way: wall seconds between the end of
-the last warm-up round and the end of the last round.
+* ``grpo_tiny`` (``jobs/grpo_tiny.yaml``): a 64-wide, 2-layer LLaMA, 8 prompts x 8 answers of 7 tokens per step,
+  KL 0.01 (a reference pass), two optimizer steps per step: mostly framework overhead. 40 steps by default.
+* ``grpo_256x4`` (``jobs/grpo_256x4.yaml``): a 256-wide, 4-layer LLaMA (2.9M parameters), 4 prompts x 4
+  answers sampled at temperature 1 up to 64 tokens, stopped at EOS (so lengths spread: a random policy ends
+  after about 16 tokens on average), KL 0 (no reference model on either side), one optimizer step per step.
+  25 steps by default.
 
-restage GRPO and TRL are measured ``--repeats`` times, interleaved, and the fastest of each is
-kept; the ratio compares restage's fastest rank count with TRL.
+restage runs each job with ``restage run -n NPROC`` (the planner picks the layouts; they are printed),
+with each of ``--restage-threads`` as ``run.threads_per_rank`` (default 0: restage's own rule, the whole
+machine split among the ranks), and reads log.h5: samples (prompts), completions and tokens (prompt + answer tokens of
+every completion) per second over the steps after ``--warmup``, and where a step's time goes: generation
+(generate MFCs), inference passes (inference MFCs), training (train MFCs), data and parameter moves (with
+any wait for other ranks), and overhead (the rest of the step's wall time: control messages, logging,
+building batches), all as rank 0 spends them; and each MFC's span (first start to last end over its ranks).
 
-Both are steady-state rates: start-up (mpirun, planning, DeepSpeed, TRL's model loading) is
-reported apart, as the whole command's wall seconds. The machine's load average is printed:
-other processes on a shared 2-core machine change every figure.
+TRL's GRPOTrainer runs the same job: the same model directory and tokenizer, prompts, prompts x
+completions per generation round, ``max_new_tokens``, temperature (top-k 0, top-p 1 on both sides),
+optimizer steps per round (restage's ``minibatches``), KL coefficient (``beta``; 0 loads no reference
+model: ``GRPOConfig.beta`` docs, and ``GRPOTrainer.__init__`` sets ``ref_model = None``), clip range,
+learning rate, AdamW betas, gradient clip, fp32 and no activation checkpointing (TRL defaults to bf16 and
+checkpointing; restage's jobs use neither), and restage's Python sort reward (bench/_trl_grpo.py cites
+each setting). It runs in its own venv (bench/.venv-trl, made on first use with ``pip install trl==1.16.0``;
+never a restage dependency), one process, run with each of ``--trl-threads`` torch thread counts (default one
+thread and every core: two threads ran several times slower than one on the tiny job's 64-wide model) and
+its fastest kept, as restage's fastest rank count is. Its
+rate is taken over the rounds after the warm-up the same way (wall seconds between the end of the last
+warm-up round and the end of the last round), and its time is split by timers around GRPOTrainer's own
+methods (bench/_trl_grpo.py): generation, reward scoring, inference passes made while scoring,
+the training forward/backward and the optimizer step; the rest is overhead.
+
+restage and TRL are measured ``--repeats`` times per job, alternating, and the fastest of each is kept
+(other processes on the shared machine only ever slow a run down); ``speedup_vs_trl`` compares restage's
+fastest configuration (rank count, threads) with TRL's fastest (threads), in samples (prompts) per second.
+Mean answer lengths are printed for both sides: they do the same work only while their policies sample
+answers of about the same length.
+
+Both are steady-state rates: start-up (mpirun, planning, DeepSpeed, TRL's model loading) is reported
+apart, as the whole command's wall seconds. The machine's load average is printed: other processes
+on a shared 2-core machine change every figure.
 """
 
 from __future__ import annotations
@@ -39,6 +59,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -50,14 +71,29 @@ TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "transformers==5.23.0")
 RESULTS = ROOT / "results" / "bench-e2e"
 
 
-def run_restage(job: str, nproc: int, steps: int, overrides: list[str], trial: str = "") -> tuple[Path, float]:
-    """One `restage run`; returns its trial directory and the command's wall seconds."""
+@dataclass(frozen=True)
+class Job:
+    """One GRPO job measured against TRL: its config file and default steps (TRL rounds as many)."""
+
+    name: str
+    steps: int
+
+
+JOBS = {"grpo_tiny": Job("grpo_tiny", steps=40), "grpo_256x4": Job("grpo_256x4", steps=25)}
+KINDS = {"generate": "generation", "inference": "inference_passes", "train_step": "training"}
+
+
+def run_restage(job: str, nproc: int, steps: int, overrides: list[str], threads: int = 0,
+                trial: str = "") -> tuple[Path, float]:
+    """One `restage run` (``threads`` per rank, 0: restage's own rule); its trial directory and wall seconds."""
     from restage.config import load_config
 
-    trial = trial or f"bench-n{nproc}"
+    trial = trial or f"bench-n{nproc}-t{threads}"
     command = [sys.executable, "-m", "restage.cli", "run", f"jobs/{job}.yaml", "-n", str(nproc), f"trial={trial}",
-               f"run.steps={steps}", "run.save_every=0", f"run.results_dir={RESULTS}", "--overwrite", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+               f"run.steps={steps}", "run.save_every=0", f"run.threads_per_rank={threads}", f"run.results_dir={RESULTS}",
+               "--overwrite", *overrides]
+    # restage's own rule sets each rank's threads (the CPU mask split among the ranks): no OMP_NUM_THREADS from here.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"PYTHONPATH": str(ROOT / "src")}
     started = time.time()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -66,31 +102,44 @@ def run_restage(job: str, nproc: int, steps: int, overrides: list[str], trial: s
 
 
 def restage_figures(trial: Path, warmup: int, group_size: int, wall_seconds: float) -> dict:
-    """Steady-state rates and the per-MFC breakdown from a run's log.h5."""
+    """Steady-state rates, the per-MFC seconds and where a step's time goes, from a run's log.h5."""
     from restage.report.log import read_log
 
     log = read_log(trial)
-    steps = log.steps[log.steps["step"] >= warmup]
+    steps = log.steps[log.steps["step"] > warmup]  # steps count from 1: the rate runs from the end of step `warmup`
     seconds = float(steps["end_seconds"][-1] - log.steps["end_seconds"][warmup - 1]) if warmup else float(
         steps["end_seconds"][-1] - steps["start_seconds"][0])
     samples, tokens = int(steps["samples"].sum()), int(steps["tokens"].sum())
     measured = set(steps["step"].tolist())
-    breakdown = {}
+    by_mfc, kinds = {}, {}
     for name in dict.fromkeys(log.mfcs["name"].tolist()):
         rows = log.mfcs[(log.mfcs["name"] == name) & np.isin(log.mfcs["step"], list(measured))]
         per_step = [rows["end_seconds"][rows["step"] == s].max() - rows["start_seconds"][rows["step"] == s].min()
                     for s in measured if (rows["step"] == s).any()]  # async: the last step generates nothing ahead
-        breakdown[name] = float(np.mean(per_step)) if per_step else 0.0
+        by_mfc[name] = float(np.mean(per_step)) if per_step else 0.0
+        kinds[name] = str(rows["kind"][0]) if len(rows) else ""
     for kind in ("realloc", "transfer"):
         rows = log.transfers[(log.transfers["kind"] == kind) & np.isin(log.transfers["step"], list(measured))]
         # Rank 0's view: the moves it waits on, in sequence (moves on other ranks overlap with these).
         mine = rows[rows["rank"] == 0]
-        breakdown[kind] = float((mine["end_seconds"] - mine["start_seconds"]).sum() / max(1, len(measured)))
+        by_mfc[kind] = float((mine["end_seconds"] - mine["start_seconds"]).sum() / max(1, len(measured)))
+    step_seconds = seconds / len(steps)
+    # Where rank 0's step goes (its spans follow one another, so they and the overhead add up to the step);
+    # a move's span includes waiting for the other ranks to produce what it moves.
+    mine = log.mfcs[(log.mfcs["rank"] == 0) & np.isin(log.mfcs["step"], list(measured))]
+    breakdown = {label: float((mine["end_seconds"] - mine["start_seconds"])[mine["kind"] == kind].sum() / len(measured))
+                 for kind, label in KINDS.items()}
+    breakdown["moves"] = by_mfc["realloc"] + by_mfc["transfer"]
+    breakdown["overhead"] = step_seconds - sum(breakdown.values())
     layouts = {m["name"]: _layout_text(m["layout"]) for m in log.schedule["mfcs"]}
+    series = log.stat_series()
+    answer = next((k for k in series if k.endswith("/answer_tokens")), None)
     return {"steps_measured": len(steps), "seconds": seconds, "samples_per_second": samples / seconds,
             "completions_per_second": samples * group_size / seconds, "tokens_per_second": tokens / seconds,
-            "step_seconds": seconds / len(steps), "seconds_per_step_by_mfc": breakdown, "layouts": layouts,
-            "reward_last": float(log.stat_series()["actor_train/reward"][1][-1]), "command_wall_seconds": wall_seconds}
+            "step_seconds": step_seconds, "seconds_per_step": breakdown, "seconds_per_step_by_mfc": by_mfc,
+            "answer_tokens_mean": float(np.mean(series[answer][1][warmup:])) if answer else None,
+            "layouts": layouts, "reward_last": float(series["actor_train/reward"][1][-1]),
+            "command_wall_seconds": wall_seconds}
 
 
 def _layout_text(layout: dict) -> str:
@@ -107,16 +156,16 @@ def ensure_trl_venv() -> Path:
 
 
 def run_trl(cfg, rounds: int, warmup: int, threads: int) -> dict:
-    """TRL's GRPOTrainer on the GRPO job's sizes; rates over the rounds after ``warmup``."""
+    """TRL's GRPOTrainer on the GRPO job's sizes; rates and the split of a round's time over the rounds after ``warmup``."""
     python = ensure_trl_venv()
-    algo = cfg.algo
+    algo, gen, optim = cfg.algo, cfg.generation, cfg.models["actor"].optim
     args = {"model": str(ROOT / cfg.models["actor"].path), "prompts": str(ROOT / cfg.dataset.path),
             "group_size": int(algo["group_size"]), "prompts_per_step": cfg.run.batch_size,
             "minibatches": int(algo.get("minibatches", 1)), "rounds": rounds,
-            "max_new_tokens": cfg.generation.max_new_tokens, "temperature": cfg.generation.temperature,
-            "kl_coef": float(algo["kl_coef"]), "clip_eps": float(algo.get("clip_eps", 0.2)),
-            "lr": cfg.models["actor"].optim.lr, "seed": cfg.seed, "threads": threads,
-            "output_dir": str(RESULTS / "trl")}
+            "max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature, "top_k": gen.top_k,
+            "top_p": gen.top_p, "kl_coef": float(algo["kl_coef"]), "clip_eps": float(algo.get("clip_eps", 0.2)),
+            "lr": optim.lr, "weight_decay": optim.weight_decay, "betas": list(optim.betas),
+            "max_grad_norm": optim.grad_clip, "seed": cfg.seed, "threads": threads, "output_dir": str(RESULTS / "trl")}
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PYTHONPATH", None)
     started = time.time()
@@ -130,13 +179,28 @@ def run_trl(cfg, rounds: int, warmup: int, threads: int) -> dict:
     ends = [s for s in out["steps"] if s["step"] % per_round == 0]  # the last optimizer step of each round
     firsts = [s for s in out["steps"] if s["step"] % per_round == 1 or per_round == 1]  # logs tokens of its round
     measured = len(ends) - warmup
-    seconds = ends[-1]["end_seconds"] - (ends[warmup - 1]["end_seconds"] if warmup else out["start_seconds"])
+    since = ends[warmup - 1]["end_seconds"] if warmup else out["start_seconds"]
+    seconds = ends[-1]["end_seconds"] - since
     tokens = firsts[-1]["num_tokens"] - (firsts[warmup - 1]["num_tokens"] if warmup else 0.0)
     completions = measured * out["completions_per_round"]
+    spans: dict[str, float] = {}
+    for name, begin, end in out["spans"]:
+        if begin >= since:
+            spans[name] = spans.get(name, 0.0) + (end - begin) / measured
+    rollout = spans.get("rollout", 0.0)
+    breakdown = {"generation": spans.get("generation", 0.0), "inference_passes": spans.get("inference_passes", 0.0),
+                 "rewards": spans.get("rewards", 0.0),
+                 "training": spans.get("training_step", 0.0) - rollout + spans.get("grad_clip", 0.0)
+                 + spans.get("optimizer", 0.0)}
+    breakdown["rollout_other"] = rollout - breakdown["generation"] - breakdown["inference_passes"] - breakdown["rewards"]
+    breakdown["overhead"] = seconds / measured - rollout - breakdown["training"]
+    lengths = [s["completions/mean_length"] for s in firsts[warmup:] if "completions/mean_length" in s]
     return {"rounds_measured": measured, "seconds": seconds,
             "samples_per_second": completions / args["group_size"] / seconds,
             "completions_per_second": completions / seconds, "tokens_per_second": tokens / seconds,
-            "step_seconds": seconds / measured, "reward_last": firsts[-1].get("reward"), "threads": threads,
+            "step_seconds": seconds / measured, "seconds_per_step": breakdown,
+            "answer_tokens_mean": float(np.mean(lengths)) if lengths else None,
+            "reward_last": firsts[-1].get("reward"), "threads": threads,
             "versions": {k: out[k] for k in ("torch", "transformers", "trl")}, "command_wall_seconds": wall}
 
 
@@ -171,67 +235,110 @@ def async_comparison(steps: int, warmup: int, group: int) -> dict:
 
 def _best(runs: list[dict]) -> dict:
     """The fastest of repeated measurements (other processes on a shared machine only ever slow a run down)."""
-    best = dict(max(runs, key=lambda r: r["completions_per_second"]))
-    best["repeats_completions_per_second"] = [r["completions_per_second"] for r in runs]
+    best = dict(max(runs, key=lambda r: r["samples_per_second"]))
+    best["repeats_samples_per_second"] = [r["samples_per_second"] for r in runs]
+    best["repeats_load_average_1min_before"] = [r.get("load_average_1min_before") for r in runs]
     return best
+
+
+def measure_job(job: Job, args) -> dict:
+    """restage at each rank count and TRL on one GRPO job, alternating, ``args.repeats`` times; the best of each."""
+    from restage.config import load_config
+
+    cfg = load_config(f"jobs/{job.name}.yaml")
+    group = int(cfg.algo["group_size"])
+    steps = args.steps or job.steps
+    runs: dict[str, list[dict]] = {}
+    for _ in range(args.repeats):  # alternating, so slow phases of the machine hit both sides alike
+        for n in args.nproc:
+            for threads in args.restage_threads:
+                load = os.getloadavg()[0]
+                trial, wall = run_restage(job.name, n, steps, [], threads)
+                runs.setdefault(_restage_key(n, threads), []).append(restage_figures(trial, args.warmup, group, wall)
+                                                                     | {"load_average_1min_before": load})
+        if not args.skip_trl:
+            for threads in args.trl_threads:
+                load = os.getloadavg()[0]
+                runs.setdefault("trl", []).append(run_trl(cfg, steps, args.warmup, threads or os.cpu_count() or 1)
+                                                  | {"load_average_1min_before": load})
+    out: dict = {"restage": {k: _best(v) for k, v in runs.items() if k != "trl"}}
+    fastest = max(out["restage"], key=lambda k: out["restage"][k]["samples_per_second"])
+    out["restage_best"] = fastest
+    out["restage_samples_per_second"] = out["restage"][fastest]["samples_per_second"]
+    if not args.skip_trl:
+        out["trl"] = theirs = _best(runs["trl"])
+        ours = out["restage"][fastest]
+        out["trl_samples_per_second"] = theirs["samples_per_second"]
+        out["speedup_vs_trl"] = ours["samples_per_second"] / theirs["samples_per_second"]
+        out["speedup_vs_trl_tokens"] = ours["tokens_per_second"] / theirs["tokens_per_second"]
+    return out
+
+
+def _restage_key(nproc: int, threads: int) -> str:
+    return f"-n {nproc}" + (f" ({threads} threads per rank)" if threads else " (threads per rank: restage's rule)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    parser.add_argument("--steps", type=int, default=40, help="restage steps per job (default 40)")
+    parser.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=list(JOBS), help="GRPO jobs (default both)")
+    # As many restage steps as TRL rounds (each is one generation round and its optimizer steps), so both
+    # policies have learnt about as far and their answers have similar lengths (60 steps against 40 rounds
+    # gave restage longer answers on the tiny job: 1.39x completions/s but 1.48x tokens/s).
+    parser.add_argument("--steps", type=int, default=0, help="restage steps and TRL rounds per job (default: the job's)")
     parser.add_argument("--warmup", type=int, default=5, help="steps / rounds left out of the rates (default 5)")
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="restage rank counts to measure (default 1 2)")
-    parser.add_argument("--trl-rounds", type=int, default=40, help="TRL generation rounds (default 40)")
-    parser.add_argument("--trl-threads", type=int, default=1,
-                        help="torch threads for TRL (default 1: faster than 2 on this machine for this model size)")
-    # As many restage steps as TRL rounds (each is one generation round of 8 x 8 completions and two
-    # optimizer steps), so both policies have learnt about as far and their answers have similar
-    # lengths (60 steps against 40 rounds gave restage longer answers: 1.39x completions/s but
-    # 1.48x tokens/s); three repeats, because the shared machine's slow phases last seconds.
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of restage GRPO and TRL; best kept")
+    parser.add_argument("--restage-threads", type=int, nargs="+", default=[0],
+                        help="run.threads_per_rank values to run restage with (default 0: restage's rule, the cores "
+                             "split among the ranks)")
+    parser.add_argument("--trl-threads", type=int, nargs="+", default=[1, 0],
+                        help="torch thread counts to run TRL with, its best kept (default 1 0; 0: every core)")
+    # Three repeats, because the shared machine's slow phases last seconds.
+    parser.add_argument("--repeats", type=int, default=3, help="alternating repeats of restage and TRL; best kept")
     parser.add_argument("--skip-trl", action="store_true")
+    parser.add_argument("--skip-ppo", action="store_true", help="leave out restage's PPO tiny job")
     parser.add_argument("--only-async", action="store_true", help="measure only the sync/async GRPO comparison")
     args = parser.parse_args(argv)
     os.chdir(ROOT)
     from restage.config import load_config
-    from restage.demo import ensure_tiny_model
+    from restage.demo import ensure_llama_256x4, ensure_tiny_model
 
     ensure_tiny_model()
-    load_before = os.getloadavg()[0]
-    result: dict = {"machine": {"cpus": os.cpu_count(), "load_average_1min_before": load_before}, "restage": {}}
-    grpo_cfg = load_config("jobs/grpo_tiny.yaml")
-    group = int(grpo_cfg.algo["group_size"])
-    result.update(async_comparison(args.steps, args.warmup, group))
-    runs: dict[str, list[dict]] = {}
-    for _ in range(0 if args.only_async else args.repeats):  # interleaved, so slow phases of the machine hit both sides alike
+    ensure_llama_256x4()
+    result: dict = {"machine": {"cpus": os.cpu_count(), "load_average_1min_before": os.getloadavg()[0]}, "jobs": {}}
+    tiny = load_config("jobs/grpo_tiny.yaml")
+    result.update(async_comparison(args.steps or JOBS["grpo_tiny"].steps, args.warmup, int(tiny.algo["group_size"])))
+    for name in [] if args.only_async else args.jobs:
+        result["jobs"][name] = measure_job(JOBS[name], args)
+    if not args.skip_ppo and not args.only_async:
+        result["ppo_tiny"] = {}
         for n in args.nproc:
-            trial, wall = run_restage("grpo_tiny", n, args.steps, [])
-            runs.setdefault(f"grpo_tiny -n {n}", []).append(restage_figures(trial, args.warmup, group, wall))
-        if not args.skip_trl:
-            runs.setdefault("trl", []).append(run_trl(grpo_cfg, args.trl_rounds, args.warmup, args.trl_threads))
-    for n in [] if args.only_async else args.nproc:
-        trial, wall = run_restage("ppo_tiny", n, args.steps, [])
-        runs[f"ppo_tiny -n {n}"] = [restage_figures(trial, args.warmup, 1, wall)]
-    for key, measured in runs.items():
-        if key != "trl":
-            result["restage"][key] = _best(measured)
-    if not args.skip_trl and not args.only_async:
-        result["trl_grpo"] = theirs = _best(runs["trl"])
-        ours_key = max((k for k in result["restage"] if k.startswith("grpo")),
-                       key=lambda k: result["restage"][k]["completions_per_second"])
-        ours = result["restage"][ours_key]
-        result["grpo_speedup"] = {"restage": ours_key,
-                                  **{k: ours[k] / theirs[k] for k in ("completions_per_second", "tokens_per_second")}}
+            threads = args.restage_threads[0]
+            trial, wall = run_restage("ppo_tiny", n, args.steps or JOBS["grpo_tiny"].steps, [], threads)
+            result["ppo_tiny"][_restage_key(n, threads)] = restage_figures(trial, args.warmup, 1, wall)
     result["machine"]["load_average_1min_after"] = os.getloadavg()[0]
     print(json.dumps(result, indent=2) if args.json else format_text(result, args))
     return 0
 
 
+def _breakdown_text(breakdown: dict) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in breakdown.items())
+
+
+def _restage_lines(label: str, fig: dict) -> list[str]:
+    answer = f", answers {fig['answer_tokens_mean']:.1f} tokens" if fig["answer_tokens_mean"] is not None else ""
+    return [f"restage {label}, {fig['steps_measured']} steps: {fig['samples_per_second']:.2f} samples/s, "
+            f"{fig['completions_per_second']:.1f} completions/s, {fig['tokens_per_second']:.0f} tokens/s, "
+            f"{fig['step_seconds']:.3f} s/step{answer} (command {fig['command_wall_seconds']:.0f} s with start-up)",
+            "  layouts: " + ", ".join(f"{k} {v}" for k, v in fig["layouts"].items()),
+            "  seconds per step: " + _breakdown_text(fig["seconds_per_step"]),
+            "  by MFC: " + _breakdown_text(fig["seconds_per_step_by_mfc"])]
+
+
 def format_text(result: dict, args) -> str:
-    lines = [f"e2e CPU throughput ({result['machine']['cpus']} cores, load average "
-             f"{result['machine']['load_average_1min_before']:.1f} before, "
-             f"{result['machine']['load_average_1min_after']:.1f} after; steady state after {args.warmup} warm-up steps)"]
+    machine = result["machine"]
+    lines = [f"e2e CPU throughput ({machine['cpus']} cores, load average {machine['load_average_1min_before']:.1f} "
+             f"before, {machine['load_average_1min_after']:.1f} after; steady state after {args.warmup} warm-up steps)"]
     lines.append(f"\nGRPO tiny on 2 ranks: sync {result['grpo_sync_samples_per_s']:.1f} samples/s, async "
                  f"(staleness {result['async_staleness']}, push every {result['async_push_every']}) "
                  f"{result['grpo_async_samples_per_s']:.1f} samples/s ({result['async_over_sync']:.2f}x; target 1.3x); "
@@ -240,26 +347,23 @@ def format_text(result: dict, args) -> str:
                  f"{result['planner_predicted_async_samples_per_s'] or 0:.1f} samples/s); its measured rate is "
                  f"{result['planner_choice_vs_faster']:.2f}x the faster mode's")
     for mode in ("grpo_sync", "grpo_async"):
-        fig = result[mode]
-        lines.append(f"  {mode} layouts: " + ", ".join(f"{k} {v}" for k, v in fig["layouts"].items()))
-        lines.append(f"  {mode} seconds per step: "
-                     + ", ".join(f"{k} {v:.3f}" for k, v in fig["seconds_per_step_by_mfc"].items()))
-    for job, fig in result["restage"].items():
-        lines.append(f"\nrestage {job}, {fig['steps_measured']} steps: "
-                     f"{fig['samples_per_second']:.1f} samples/s, {fig['completions_per_second']:.1f} completions/s, "
-                     f"{fig['tokens_per_second']:.0f} tokens/s, {fig['step_seconds']:.3f} s/step "
-                     f"(command {fig['command_wall_seconds']:.0f} s with start-up)")
-        lines.append("  layouts: " + ", ".join(f"{k} {v}" for k, v in fig["layouts"].items()))
-        lines.append("  seconds per step: " + ", ".join(f"{k} {v:.3f}" for k, v in fig["seconds_per_step_by_mfc"].items()))
-    if "trl_grpo" in result:
-        t = result["trl_grpo"]
-        lines.append(f"\nTRL GRPOTrainer {t['versions']['trl']} (1 process, {t['threads']} threads), "
-                     f"{t['rounds_measured']} rounds: {t['samples_per_second']:.1f} samples/s, "
-                     f"{t['completions_per_second']:.1f} completions/s, {t['tokens_per_second']:.0f} tokens/s, "
-                     f"{t['step_seconds']:.3f} s/round (command {t['command_wall_seconds']:.0f} s with start-up)")
-        s = result["grpo_speedup"]
-        lines.append(f"\nGRPO restage ({s['restage']}) / TRL: {s['completions_per_second']:.2f}x completions/s, "
-                     f"{s['tokens_per_second']:.2f}x tokens/s (target >= 1.5x)")
+        lines += _restage_lines(mode, result[mode])
+    for name, job in result["jobs"].items():
+        lines.append(f"\n== {name} ==")
+        for n, fig in job["restage"].items():
+            lines += _restage_lines(n, fig)
+        if "trl" in job:
+            t = job["trl"]
+            answer = f", answers {t['answer_tokens_mean']:.1f} tokens" if t["answer_tokens_mean"] is not None else ""
+            lines.append(f"TRL GRPOTrainer {t['versions']['trl']} (1 process, {t['threads']} threads), "
+                         f"{t['rounds_measured']} rounds: {t['samples_per_second']:.2f} samples/s, "
+                         f"{t['completions_per_second']:.1f} completions/s, {t['tokens_per_second']:.0f} tokens/s, "
+                         f"{t['step_seconds']:.3f} s/round{answer} (command {t['command_wall_seconds']:.0f} s)")
+            lines.append("  seconds per round: " + _breakdown_text(t["seconds_per_step"]))
+            lines.append(f"restage ({job['restage_best']}) / TRL: {job['speedup_vs_trl']:.2f}x samples/s, "
+                         f"{job['speedup_vs_trl_tokens']:.2f}x tokens/s (target >= 2x)")
+    for n, fig in result.get("ppo_tiny", {}).items():
+        lines += ["", *_restage_lines(f"ppo_tiny {n}", fig)]
     return "\n".join(lines)
 
 

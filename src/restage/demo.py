@@ -23,14 +23,28 @@ def ensure_tiny_model(root: Path = Path("."), seed: int = 0) -> Path:
     ``root`` is the repository the shipped jobs run from (default: the working directory); the
     model is ``root/results/assets/tiny-llama``, the path that is returned.
     """
-    path = root / ASSETS / "tiny-llama"
+    return _ensure_sort_model(root / ASSETS / "tiny-llama", root, seed, hidden_size=64, intermediate_size=128,
+                              num_layers=2, num_heads=4, num_kv_heads=2, max_positions=64)
+
+
+def ensure_llama_256x4(root: Path = Path("."), seed: int = 0) -> Path:
+    """A random 256-wide, 4-layer LLaMA (about 3M parameters) over the same vocabulary and tokenizer, room for
+    64-token answers (jobs/grpo_256x4.yaml, bench/e2e_cpu.py's larger job); ``root/results/assets/llama-256x4``."""
+    return _ensure_sort_model(root / ASSETS / "llama-256x4", root, seed, hidden_size=256, intermediate_size=688,
+                              num_layers=4, num_heads=8, num_kv_heads=4, max_positions=128)
+
+
+def _ensure_sort_model(path: Path, root: Path, seed: int, *, hidden_size: int, intermediate_size: int, num_layers: int,
+                       num_heads: int, num_kv_heads: int, max_positions: int) -> Path:
+    """A random LLaMA of these sizes over the 16-token sort vocabulary at ``path``, built once (whole or absent)."""
     if (path / "config.json").is_file():
         return path
 
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny(tmp, family="llama", seed=seed, vocab_size=16, tokenizer=False, hidden_size=64, intermediate_size=128,
-               num_layers=2, num_heads=4, num_kv_heads=2, max_positions=64)
+    build_tiny(tmp, family="llama", seed=seed, vocab_size=16, tokenizer=False, hidden_size=hidden_size,
+               intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
+               num_kv_heads=num_kv_heads, max_positions=max_positions)
     for file in (root / TOKENIZER).iterdir():
         shutil.copy(file, tmp / file.name)
     tmp.replace(path)

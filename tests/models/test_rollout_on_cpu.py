@@ -10,6 +10,7 @@ from model_cases import PROMPTS, logprob_gap_to_teacher_forcing, sample_sequence
 
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
+from restage.models.attention import KVCache
 from restage.models.checkpoint import load_stage
 from restage.models.generation import generate
 from restage.models.rollout import RolloutEngine, RolloutLimits, kv_bytes_per_slot, plan_slots
@@ -76,6 +77,23 @@ def test_a_group_prefilled_once_equals_its_prompt_prefilled_per_sample(llama, mo
         n = len(PROMPTS[0]) - 1
         assert torch.equal(engine.cache.k[layer][1, :n], engine.cache.k[layer][0, :n])
         assert engine.cache.k[layer][0, :n].abs().sum() > 0
+
+
+def test_a_group_copies_its_prefix_to_all_siblings_at_once(llama, monkeypatch):
+    """One ``copy_prefix`` per prompt, to its group - 1 siblings together (not one call per sibling)."""
+    calls: list[tuple[int, list[int], int]] = []
+    original = KVCache.copy_prefix
+
+    def recorded(self, source, targets, num_tokens):
+        calls.append((source, list(targets), num_tokens))
+        original(self, source, targets, num_tokens)
+
+    monkeypatch.setattr(KVCache, "copy_prefix", recorded)
+    generate(llama, PROMPTS, SAMPLED, group_size=4)  # 16 requests, 16 slots: every group admitted at once
+    assert sorted(n for _, _, n in calls) == sorted(len(p) - 1 for p in PROMPTS)
+    assert all(len(targets) == 3 and source not in targets for source, targets, _ in calls)
+    assert sorted(t for _, targets, _ in calls for t in targets) == sorted(
+        set(range(16)) - {source for source, _, _ in calls})
 
 
 def test_more_prompts_than_slots_each_answer_equals_its_run_alone(llama):

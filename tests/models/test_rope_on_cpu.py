@@ -14,7 +14,7 @@ from restage.layout import Layout, Strategy
 from restage.models.checkpoint import load_stage, save_checkpoint
 from restage.models.config import ModelConfig
 from restage.models.packing import pack
-from restage.models.rope import inv_frequencies, rope_cos_sin
+from restage.models.rope import apply_rope_qk, inv_frequencies, rope_cos_sin, rope_tables
 
 # A Llama-3.1-8B-shaped config.json as published (rope_scaling beside a top-level rope_theta), scaled down.
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 257, "hidden_size": 64,
@@ -118,3 +118,15 @@ def test_unsupported_rope_and_model_type_get_one_line_naming_what_to_change(chan
         ModelConfig.from_hf_dict({**LLAMA, **change}, source="m")
     message = str(err.value)
     assert "\n" not in message and message.startswith("m: ") and expected in message
+
+
+def test_queries_and_keys_rotated_together_equal_the_textbook_rotation_bit_for_bit():
+    """``apply_rope_qk`` (one pass, negated sine) gives exactly ``x * cos + [-x2, x1] * sin`` for each of q and k."""
+    torch.manual_seed(0)
+    positions = torch.tensor([0, 1, 2, 7, 0, 3])
+    q, k = torch.randn(6, 8, 16), torch.randn(6, 2, 16)
+    cos, sin = rope_cos_sin(positions, 16, 10000.0, torch.float32)
+    rq, rk = apply_rope_qk(q, k, rope_tables(positions, 16, 10000.0, torch.float32))
+    for x, rotated in ((q, rq), (k, rk)):
+        textbook = x * cos.unsqueeze(1) + torch.cat((-x[..., 8:], x[..., :8]), dim=-1) * sin.unsqueeze(1)
+        assert torch.equal(rotated, textbook)

@@ -120,10 +120,13 @@ class KVCache:
         shape = (batch_size, max_len, kv_heads, head_dim)
         self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
-        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        # What a decode step's layers share (the rows' write index and the attention mask), made by its first
+        # layer; dropped whenever lengths or longest change (their setters, set_lengths, advance).
+        self._step_index: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
         # Host bound on lengths.max() (exact when a prefill is followed by decode steps, as in generation):
         # the decode step reads it instead of making the host wait for the device.
-        self.longest = 0
+        self._longest = 0
         self.max_len = max_len
         self.decoding = False
         # Cache row of each sequence of a prefill batch (``[B]`` on the device); None: rows 0 .. B-1.
@@ -131,6 +134,25 @@ class KVCache:
         # A decode step over B sequences uses rows first_row .. first_row + B - 1 (the rollout engine's
         # slots; a pipelined rollout decodes one micro-group of consecutive slots at a time).
         self.first_row = 0
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[B]`` tokens each row holds before this step's token (on the device)."""
+        return self._lengths
+
+    @lengths.setter
+    def lengths(self, lengths: torch.Tensor) -> None:
+        self._lengths = lengths
+        self._step_index.clear()
+
+    @property
+    def longest(self) -> int:
+        return self._longest
+
+    @longest.setter
+    def longest(self, longest: int) -> None:
+        self._longest = longest
+        self._step_index.clear()
 
     def set_lengths(self, length: int) -> None:
         """Pretend every row holds ``length`` tokens (the profiler times a decode step against a full cache)."""
@@ -166,16 +188,24 @@ class KVCache:
                                           cache_seqlens=self.lengths.to(torch.int32), softmax_scale=scale,
                                           causal=True, window_size=_window_pair(window))
             return out.squeeze(1)
-        rows = torch.arange(q.shape[0], device=q.device)
+        rows, mask = self._decode_index(q.shape[0], window, q.device)
         k_cache[rows, self.lengths] = k
         v_cache[rows, self.lengths] = v
         used = self.longest + 1  # only attend over slots some sequence has filled
-        slots = torch.arange(used, device=q.device)
-        mask = slots.unsqueeze(0) <= self.lengths.unsqueeze(1)
-        if window is not None:
-            mask &= slots.unsqueeze(0) > self.lengths.unsqueeze(1) - window
         keys = k_cache[:, :used].transpose(1, 2)
         values = v_cache[:, :used].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
                                              scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
         return out.squeeze(2)
+
+    def _decode_index(self, rows: int, window: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's row index ``[B]`` and attention mask ``[B, 1, 1, longest + 1]`` (a key is seen when its slot is
+        filled, within ``window``): made once per step, for the first layer, and shared by the others."""
+        key = (rows, window)
+        if key not in self._step_index:
+            slots = torch.arange(self.longest + 1, device=device)
+            mask = slots.unsqueeze(0) <= self.lengths.unsqueeze(1)
+            if window is not None:
+                mask &= slots.unsqueeze(0) > self.lengths.unsqueeze(1) - window
+            self._step_index[key] = (torch.arange(rows, device=device), mask[:, None, None, :])
+        return self._step_index[key]

@@ -33,7 +33,7 @@ from restage.models.parallel import (
     vocab_parallel_entropy,
     vocab_parallel_logprobs,
 )
-from restage.models.rope import apply_rope, rope_cos_sin
+from restage.models.rope import RopeTables, apply_rope_qk, rope_tables
 from restage.models.sharding import shard_specs, split_range, stage_layers, validate_strategy
 
 ACTIVATIONS = {
@@ -112,7 +112,7 @@ class Attention(nn.Module):
         self.q_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, ctx, dtype, device) if cfg.qk_norm else None
         self.k_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, ctx, dtype, device) if cfg.qk_norm else None
 
-    def forward(self, x, batch: PackedBatch, rope, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x, batch: PackedBatch, rope: RopeTables | None, cache: KVCache | None) -> torch.Tensor:
         tokens = x.shape[0]
         x = copy_to_tp(x, self.ctx)
         q = self.q(x).view(tokens, -1, self.head_dim)
@@ -121,7 +121,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = apply_rope_qk(q, k, rope)
         if cache is not None and cache.decoding:
             out = cache.decode_attention(self.layer, q, k, v, self.window)
         else:
@@ -160,7 +160,7 @@ class Block(nn.Module):
         self.mlp: MLP | MoEMLP = MoEMLP(cfg, ctx, layer, dtype, device) if cfg.is_sparse(layer) else MLP(
             cfg, ctx, dtype, device)
 
-    def forward(self, h, batch: PackedBatch, rope, cache: KVCache | None, routing: RouterLog | None = None
+    def forward(self, h, batch: PackedBatch, rope: RopeTables | None, cache: KVCache | None, routing: RouterLog | None = None
                 ) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), batch, rope, cache)
         if isinstance(self.mlp, MoEMLP):
@@ -230,9 +230,9 @@ class StageModule(nn.Module):
                 h = h + F.embedding(batch.positions, self.pos_embed.weight)
         else:
             h = inputs
-        rope = None
+        rope: RopeTables | None = None
         if self.cfg.family != "gpt2":
-            rope = rope_cos_sin(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype, self.cfg.rope_scaling)
+            rope = rope_tables(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype, self.cfg.rope_scaling)
         for block in self.layers.values():
             h = block(h, batch, rope, cache, routing)
         if not self.ctx.is_last_stage:

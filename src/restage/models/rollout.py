@@ -92,7 +92,7 @@ class Admission:
 
     slots: list[int]
     prefixes: list[Sequence[int]]
-    copies: list[tuple[int, int, int]]  # (source slot, target slot, tokens)
+    copies: dict[tuple[int, int], list[int]]  # (source slot, tokens) -> the target slots that copy them
 
 
 def kv_bytes_per_slot(module: StageModule, max_len: int) -> int:
@@ -288,7 +288,7 @@ class RolloutEngine:
         free = [i for i in range(group.start, group.stop) if self.request[i] < 0][: len(self.queue)]
         holder = {self.prompt_of[r]: i for i, r in enumerate(self.request) if r >= 0}
         fresh: dict[int, int] = {}  # prompt -> the slot it is prefilled into now
-        copies: list[tuple[int, int, int]] = []
+        copies: dict[tuple[int, int], list[int]] = {}  # (source slot, tokens) -> target slots
         for slot in free:
             request = self.queue.popleft()
             prompt = self.prompt_of[request]
@@ -297,7 +297,7 @@ class RolloutEngine:
             if prefix == 0:
                 continue
             if prompt in fresh or prompt in holder:
-                copies.append((fresh.get(prompt, holder.get(prompt, -1)), slot, prefix))
+                copies.setdefault((fresh.get(prompt, holder.get(prompt, -1)), prefix), []).append(slot)
             else:
                 fresh[prompt] = slot
             holder.setdefault(prompt, slot)
@@ -313,9 +313,9 @@ class RolloutEngine:
 
     def copy_prefixes(self, admission: Admission) -> None:
         """After the prefill of ``admission``: the siblings' slots copy their prompt's keys/values."""
-        for source, target, tokens in admission.copies:
+        for (source, tokens), targets in admission.copies.items():  # one copy per cache tensor for all of a prompt's siblings
             assert self.cache is not None  # slots exist when requests do
-            self.cache.copy_prefix(source, [target], tokens)
+            self.cache.copy_prefix(source, targets, tokens)
 
     def prefill_forward(self, slots: list[int], inputs: torch.Tensor, batch: PackedBatch,
                         forward: Callable[..., torch.Tensor | None] = _stage_step) -> torch.Tensor | None:

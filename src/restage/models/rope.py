@@ -2,7 +2,8 @@
 
 ``rope_from_hf`` reads a llama-family ``config.json`` (the ``rope_scaling`` dict of older configs or
 transformers 5's ``rope_parameters``, which also carries ``rope_theta``); ``inv_frequencies`` gives the
-frequencies transformers' rotary embedding uses for it, ``rope_cos_sin`` the tables the decoder applies.
+frequencies transformers' rotary embedding uses for it, ``rope_cos_sin`` the cos / sin tables and ``rope_tables``
+them as the decoder applies them (once per forward, to queries and keys together).
 
 Supported ``rope_type``s, all static (one set of frequencies for every position):
 
@@ -177,8 +178,35 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype,
     return cos.to(dtype), sin.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, H, D]`` (half-split convention of the HF LLaMA checkpoints)."""
+@dataclass(frozen=True)
+class RopeTables:
+    """What every layer of one forward applies: ``cos`` and ``signed_sin`` ``[T, 1, D]``, the sine of the first
+    half negated (so the rotation needs no negation of ``x``). Made once per forward, not per layer and head set."""
+
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype,
+                scaling: RopeScaling | None = None) -> RopeTables:
+    """``rope_cos_sin``'s tables in the shape and sign ``apply_rope`` uses."""
+    cos, sin = rope_cos_sin(positions, head_dim, theta, dtype, scaling)
+    half = head_dim // 2
+    return RopeTables(cos.unsqueeze(1), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1))
+
+
+def apply_rope(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]`` (half-split convention of the HF LLaMA checkpoints).
+
+    ``x * cos + [-x2, x1] * sin`` computed as ``x * cos + [x2, x1] * [-sin1, sin2]``: a product's sign is its
+    factors' signs, so every element is bit-identical to the textbook form.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+    return x * rope.cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * rope.signed_sin
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rope`` on queries and keys in one pass over their heads side by side (one set of small ops per layer
+    instead of two: a decode step is bound by per-op overhead); each result is a view of the other's buffer."""
+    both = apply_rope(torch.cat((q, k), dim=1), rope)
+    return both[:, : q.shape[1]], both[:, q.shape[1]:]

@@ -41,7 +41,7 @@ from restage.models.decoder import StageModule
 from restage.models.packing import PackedBatch
 from restage.models.parallel import ParallelContext, lm_logits
 from restage.models.presets import preset
-from restage.models.rope import rope_cos_sin
+from restage.models.rope import rope_tables
 from restage.models.sharding import validate_strategy
 from restage.plan.profile import Profile, ProfileEntry, find_profile, user_profile_dir
 
@@ -182,7 +182,7 @@ def _shape_jobs(module, block, batch: int, seq: int, tp: int, device) -> list[tu
     packed = PackedBatch.from_seqlens([seq] * batch, device=device)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), device=device)
     hidden = torch.randn(tokens, cfg.hidden_size, dtype=module.dtype, device=device)
-    rope = (rope_cos_sin(packed.positions, cfg.head_dim, cfg.rope_theta, module.dtype, cfg.rope_scaling)
+    rope = (rope_tables(packed.positions, cfg.head_dim, cfg.rope_theta, module.dtype, cfg.rope_scaling)
             if cfg.family != "gpt2" else None)
     cache = module.new_cache(batch, seq + 1)
     # One decoding step against ``seq`` cached tokens per sequence (a separate cache: prefill refills its own).
@@ -190,7 +190,7 @@ def _shape_jobs(module, block, batch: int, seq: int, tp: int, device) -> list[tu
     step_cache.set_lengths(seq)
     step_cache.decoding = True
     step = PackedBatch.decode_step(step_cache.lengths.clone())
-    step_rope = (rope_cos_sin(step.positions, cfg.head_dim, cfg.rope_theta, module.dtype, cfg.rope_scaling)
+    step_rope = (rope_tables(step.positions, cfg.head_dim, cfg.rope_theta, module.dtype, cfg.rope_scaling)
                  if rope is not None else None)
     one = hidden[:batch]
     x = hidden.clone().requires_grad_()
