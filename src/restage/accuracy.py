@@ -3,8 +3,9 @@
 * ``GPU_CALIBRATION``: the held-out points of ``bench/calibration.py`` (published measurements of
   RLHF stages and LLM training on A100/H100, each predicted by restage's cost model under that
   system's plan); the constant was fitted on the other points.
-* ``CPU_VALIDATION``: the evaluated plans of ``bench/estimator.py`` (real runs of a small PPO job on
-  this project's 2-core CPU machine, each predicted by the estimator and simulator).
+* ``CPU_VALIDATION``: the held-out plans of ``bench/estimator.py`` (real runs of a small PPO job on
+  this project's 2-core CPU machine, each predicted by the estimator and simulator with the cluster
+  file's constants, as ``restage plan`` predicts).
 * ``PROCESS_BASELINES``: the memory a rank process holds before its plan puts anything on the device
   (``bench/process_baseline.py`` and a tiny job's run), which the estimator's per-MFC figures leave out.
 
@@ -94,19 +95,23 @@ GPU_CALIBRATION = CheckSet(
 )
 
 CPU_VALIDATION = CheckSet(
-    what="evaluated CPU plans (bench/estimator.py)",
-    source="python bench/estimator.py --rounds 4 --reuse, 2026-11-22, the 2-core local-cpu machine shared with other "
-           "work (load average 1.6-8); iteration seconds per plan (docs/plan.md, 'Checking the estimator'). Three of "
-           "the eight layouts are also calibration layouts there (issue 15, item 4)",
+    what="held-out CPU plans (bench/estimator.py)",
+    source="python bench/estimator.py --both --rounds 2 --steps 10 --warmup 3, then --reuse --json: "
+           "'evaluation_with_cluster_file' (the constants restage plan uses), iteration seconds of the 11 evaluated "
+           "plans (another model and job size than the calibration's, no calibration layout), median of 2 rounds; "
+           "2026-11-26, the 2-core local-cpu machine shared with other engineers' work (load average 3-9)",
     checks=(
-        Check("colocated-dp2", 0.2377, 0.3863),
-        Check("colocated-tp2", 0.6713, 0.7247),
-        Check("colocated-pp2", 0.5043, 0.4417),
-        Check("separated", 0.2415, 0.2019),
-        Check("single-rank", 0.3307, 0.4329),
-        Check("gen-dp2-split", 0.2459, 0.3330),
-        Check("gen-dp2-train-tp2", 0.3366, 0.5690),
-        Check("gen-tp2-train-dp2", 0.5357, 0.6600),
+        Check("colocated-pp2", 0.8873, 0.7919),
+        Check("separated", 0.4245, 0.6859),
+        Check("gen-dp2-split", 0.4250, 0.6615),
+        Check("gen-dp2-train-tp2", 0.5490, 0.8413),
+        Check("gen-tp2-train-dp2", 0.7281, 1.0483),
+        Check("critic-tp2", 0.5686, 1.0220),
+        Check("train-pp2", 0.8040, 0.7139),
+        Check("gen-pp2", 0.5327, 0.7745),
+        Check("inference-split", 0.4722, 0.7213),
+        Check("trains-apart", 0.3861, 0.5544),
+        Check("gen-tp2-train-pp2", 1.0958, 1.6721),
     ),
 )
 
