@@ -88,14 +88,22 @@ def test_json_and_text_table_agree(any_log):
     mfu_row = next(cells for label, cells in rows.items() if label.startswith("MFU"))
     if report["throughput"]["all"]["mfu"] is not None:
         assert close_to_printed(mfu_row[0], 100 * report["throughput"]["all"]["mfu"])
+    column = {name: i for i, name in enumerate(text["MFCs"][0])}
     mfc_rows = {row[0]: row for row in text["MFCs"][1:]}
     assert list(mfc_rows) == [m["name"] for m in report["mfcs"]]
     for m in report["mfcs"]:
         row = mfc_rows[m["name"]]
-        assert close_to_printed(row[4], m["measured_seconds"])
-        assert close_to_printed(row[7], m["peak_memory_bytes"] / 2**30)
+        assert close_to_printed(row[column["measured s"]], m["measured_seconds"])
+        assert close_to_printed(row[column["peak mem GiB"]], m["peak_memory_bytes"] / 2**30)
         if m["predicted_seconds"] is not None:
-            assert close_to_printed(row[5], m["predicted_seconds"]) and close_to_printed(row[6], m["error_percent"])
+            assert close_to_printed(row[column["predicted s"]], m["predicted_seconds"])
+            assert close_to_printed(row[column["error %"]], m["error_percent"])
+        if m["predicted_band_seconds"] is not None:
+            low, high = row[column["likely s"]].split()[0].split("-")
+            assert close_to_printed(low, m["predicted_band_seconds"][0])
+            assert close_to_printed(high, m["predicted_band_seconds"][1])
+        if m["memory_compared"]:
+            assert close_to_printed(row[column["pred mem GiB"]], m["predicted_peak_memory_bytes"] / 2**30)
     header, *share_rows = text["time share per rank"]
     assert len(share_rows) == len(report["shares"])
     for row in share_rows:

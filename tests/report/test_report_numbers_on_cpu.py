@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from restage.accuracy import PROCESS_BASELINES, prediction_band
 from restage.report.log import read_log
 from restage.report.summary import summarize
 
@@ -68,7 +69,10 @@ def test_predicted_against_measured(report):
     assert mfcs["critic_inf"]["error_percent"] == pytest.approx(20.0)
     assert mfcs["reward_inf"]["error_percent"] == pytest.approx(0.0, abs=1e-9)
     assert mfcs["actor_train"]["peak_memory_bytes"] == 60_000_000_000
-    assert mfcs["actor_train"]["memory_error_percent"] == pytest.approx(-10.0)
+    # predicted: the plan's 0.9 x 60e9 plus the GPU process baseline (restage/accuracy.py)
+    baseline = PROCESS_BASELINES["gpu"].bytes
+    assert mfcs["actor_train"]["predicted_peak_memory_bytes"] == 54_000_000_000 + baseline
+    assert mfcs["actor_train"]["memory_error_percent"] == pytest.approx(100 * (54e9 + baseline - 60e9) / 60e9)
     assert mfcs["actor_gen"]["ranks"] == [0, 1, 2, 3] and mfcs["ref_inf"]["ranks"] == [0, 1]
     assert mfcs["critic_train"]["flops_per_step"] == pytest.approx(6 * 7e9 * TOKENS)
 
@@ -91,25 +95,57 @@ def test_steps_count_from_one_in_the_report(report, exact_log):
     assert f"complete: the run closed its log after step {STEPS}" in text
 
 
-def test_memory_is_compared_only_where_it_means_something(exact_log):
-    """On GPUs, against a non-zero prediction; on CPU ranks (peak RSS) or without a prediction, measured only."""
+def test_memory_is_compared_with_the_process_baseline_where_the_device_is_known(exact_log):
+    """GPU and CPU ranks: the plan's bytes plus that device's process baseline; no device or no prediction: measured only."""
     import dataclasses
 
     from restage.report.summary import format_text
-    from restage.report.throughput import memory_comparison
 
     log = read_log(exact_log)
     gpu = summarize(log)
     assert all(m["memory_compared"] for m in gpu["mfcs"]) and gpu["memory_note"] == ""
     cpu = summarize(dataclasses.replace(log, cluster={**log.cluster, "device": "AMD EPYC (Zen 3) core, CPU"}))
-    assert not any(m["memory_compared"] or m["memory_error_percent"] is not None for m in cpu["mfcs"])
-    assert cpu["memory_note"] == memory_comparison({"device": "a CPU"}) != ""
-    assert f"warning: peak memory is shown measured only: {cpu['memory_note']}" in format_text(cpu)
+    for g, c in zip(gpu["mfcs"], cpu["mfcs"]):
+        assert g["process_baseline_bytes"] == PROCESS_BASELINES["gpu"].bytes
+        assert c["process_baseline_bytes"] == PROCESS_BASELINES["cpu"].bytes
+        assert c["predicted_peak_memory_bytes"] == c["predicted_plan_memory_bytes"] + PROCESS_BASELINES["cpu"].bytes
+    nameless = summarize(dataclasses.replace(log, cluster={}, schedule={**log.schedule, "cluster": {}}))
+    assert not any(m["memory_compared"] or m["memory_error_percent"] is not None for m in nameless["mfcs"])
+    assert f"warning: peak memory is shown measured only: {nameless['memory_note']}" in format_text(nameless)
     schedule = {"mfcs": [{**m, "predicted": {**m["predicted"], "peak_memory_bytes": 0}} for m in log.schedule["mfcs"]]}
     unpredicted = summarize(dataclasses.replace(log, schedule=schedule))
     assert not any(m["memory_compared"] for m in unpredicted["mfcs"])
     assert unpredicted["memory_note"] == "the schedule predicts no peak memory for these MFCs"
     assert [m["peak_memory_bytes"] for m in unpredicted["mfcs"]] == [m["peak_memory_bytes"] for m in gpu["mfcs"]]
+
+
+def test_a_tiny_cpu_job_predicts_its_process_baseline_not_zero(tmp_path):
+    """The tiny PPO job's case: the plan predicts ~3 MB, a rank's resident set is ~0.42 GiB."""
+    from restage.report.log import LogWriter
+    from restage.report.summary import format_text
+
+    plan_bytes, measured_bytes = 3_258_624, 451_661_824  # ppo_tiny's actor_train on rank 0 (restage/accuracy.py)
+    schedule = {"predicted": {"iteration_seconds": 0.118},
+                "mfcs": [{"name": "actor_train", "predicted": {"seconds": 0.07, "peak_memory_bytes": plan_bytes}}]}
+    with LogWriter(tmp_path, world_size=1, schedule=schedule, cluster={"device": "AMD EPYC (Zen 3) core, CPU"}) as w:
+        for step in (1, 2, 3):
+            w.mfc(step, "actor_train", "actor", "train_step", 0, step - 1.0, step - 0.9, 10, 1e6, measured_bytes)
+            w.end_step(step, step - 1.0, step - 0.85, samples=4, tokens=40, flops=1e6)
+    report = summarize(read_log(tmp_path))
+    (mfc,) = report["mfcs"]
+    predicted = plan_bytes + PROCESS_BASELINES["cpu"].bytes
+    assert mfc["predicted_peak_memory_bytes"] == predicted and mfc["memory_compared"]
+    assert mfc["memory_error_percent"] == pytest.approx(100 * (predicted - measured_bytes) / measured_bytes)
+    line = next(x for x in format_text(report).splitlines() if x.strip().startswith("actor_train"))
+    assert line.split()[-3:] == [f"{measured_bytes / 2**30:.2f}", f"{predicted / 2**30:.2f}",
+                                 f"{mfc['memory_error_percent']:+.1f}"]
+    assert line.split()[-2] != "0.00"
+    # The iteration against the plan's band: a step of 0.15 s, predicted 0.118 s, band from the CPU validation.
+    band = prediction_band(False)
+    assert report["iteration"]["measured_seconds"] == pytest.approx(0.15)
+    assert report["iteration"]["band_seconds"] == pytest.approx([0.118 * band.low_ratio, 0.118 * band.high_ratio])
+    assert report["iteration"]["inside_band"] == (0.118 * band.low_ratio <= 0.15 <= 0.118 * band.high_ratio)
+    assert mfc["predicted_band_seconds"] == pytest.approx([0.07 * band.low_ratio, 0.07 * band.high_ratio])
 
 
 def test_mfu_reads_the_cluster_and_dtype_where_the_runtime_may_put_them():

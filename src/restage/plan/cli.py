@@ -6,6 +6,7 @@ import argparse
 import json
 import time
 
+from restage.accuracy import Band, ProcessBaseline, device_has_gpus, prediction_band, process_baseline
 from restage.cluster import load_cluster
 from restage.config import load_config
 from restage.plan.async_plan import ModeChoice
@@ -46,10 +47,23 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def accuracy_of(schedule: Schedule) -> tuple[Band, ProcessBaseline]:
+    """The uncertainty band and process baseline (restage/accuracy.py) for the schedule's cluster."""
+    gpus = device_has_gpus(str(schedule.cluster["device"]))
+    return prediction_band(gpus), process_baseline(gpus)
+
+
 def summary(schedule: Schedule, outcome: PlanOutcome) -> dict:
     p = schedule.predicted
+    band, baseline = accuracy_of(schedule)
     return {"experiment": schedule.experiment, "cluster": schedule.cluster["name"], "world_size": schedule.world_size,
-            "mode": outcome.mode, "iteration_seconds": p["iteration_seconds"], "samples_per_second": p["samples_per_second"],
+            "mode": outcome.mode, "iteration_seconds": p["iteration_seconds"],
+            "iteration_band_seconds": list(band.seconds(p["iteration_seconds"])),
+            "band": {"low_ratio": band.low_ratio, "high_ratio": band.high_ratio, "points": band.points,
+                     "what": band.what, "source": band.source},
+            "peak_memory_bytes": p["peak_memory_bytes"], "process_baseline_bytes": baseline.bytes,
+            "process_baseline": {"what": baseline.what, "source": baseline.source},
+            "samples_per_second": p["samples_per_second"],
             "pflops_per_second": p["pflops_per_second"], "estimator": p["estimator"],
             "execution": outcome.mode_choice.to_json() if outcome.mode_choice is not None else None,
             "mfcs": [{"name": m.mfc.name, "layout": m.layout.to_json(), "micro_batches": m.mfc.micro_batches,
@@ -63,7 +77,7 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
     c, p = schedule.cluster, schedule.predicted
     lines = [f"{schedule.experiment}: {c['nodes']} node(s) x {c['devices_per_node']} {c['name']}, plan mode {outcome.mode}, "
              f"estimator {', '.join(p['estimator'])}",
-             f"{'MFC':<20} {'mesh':<10} {'dp':>3} {'tp':>3} {'pp':>3} {'mb':>4} {'seconds':>9} {'start':>8} {'peak GiB':>9}"]
+             f"{'MFC':<20} {'mesh':<10} {'dp':>3} {'tp':>3} {'pp':>3} {'mb':>4} {'seconds':>9} {'start':>8} {'plan GiB':>9}"]
     for m in schedule.mfcs:
         mesh, s, pr = list(m.layout.mesh), m.layout.strategy, m.predicted
         ranks = f"{mesh[0]}-{mesh[-1]}" if mesh == list(range(mesh[0], mesh[-1] + 1)) else ",".join(map(str, mesh))
@@ -77,9 +91,13 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
                          f"pp{d.pp}: {step.bytes / GIB:.2f} GiB moved, {step.predicted['seconds']:.3f} s")
     if outcome.mode_choice is not None:
         lines.append(mode_line(outcome.mode_choice))
-    lines.append(f"iteration {p['iteration_seconds']:.3f} s, {p['samples_per_second']:.2f} samples/s, "
-                 f"{p['pflops_per_second']:.3f} PFLOP/s, peak {p['peak_memory_bytes'] / GIB:.1f} of "
-                 f"{p['usable_memory_bytes'] / GIB:.1f} GiB")
+    band, baseline = accuracy_of(schedule)
+    low, high = band.seconds(p["iteration_seconds"])
+    lines.append(f"iteration {p['iteration_seconds']:.3f} s (likely {low:.3f}-{high:.3f} s), "
+                 f"{p['samples_per_second']:.2f} samples/s, {p['pflops_per_second']:.3f} PFLOP/s, peak "
+                 f"{p['peak_memory_bytes'] / GIB:.2f} of {p['usable_memory_bytes'] / GIB:.1f} GiB planned "
+                 f"+ {baseline.bytes / GIB:.2f} GiB process baseline per rank")
+    lines.append(f"  likely: {band.describe()}; process baseline: {baseline.label} (sources: restage/accuracy.py)")
 
     for group, title in ((True, "baselines (peer systems' default plans)"),
                          (False, "reference points (restricted searches with restage's estimator, not baselines)")):

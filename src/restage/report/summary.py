@@ -6,10 +6,11 @@ import math
 
 import numpy as np
 
+from restage.accuracy import Band, ProcessBaseline
 from restage.errors import LogError
 from restage.report.log import RunLog
 from restage.report.throughput import (
-    memory_comparison,
+    accuracy_for,
     mfc_table,
     movement_totals,
     peak_flops_per_device,
@@ -58,12 +59,14 @@ def summarize(log: RunLog, last_n: int = 20) -> dict:
         warnings.append("the schedule carries no per-MFC predictions; predicted against measured is skipped")
     if peak is None:
         warnings.append(f"MFU skipped: {dtype_or_reason}")
-    memory_note = memory_comparison(cluster)
-    mfcs = mfc_table(log, predictions, compare_memory=not memory_note)
+    accuracy = accuracy_for(cluster)
+    memory_note = "" if accuracy else "the log names no device, so no process baseline or band is known"
+    mfcs = mfc_table(log, predictions, accuracy)
     if predictions and not memory_note and not any(m["memory_compared"] for m in mfcs):
         memory_note = "the schedule predicts no peak memory for these MFCs"
     if memory_note:
         warnings.append(f"peak memory is shown measured only: {memory_note}")
+    iteration = iteration_check(log.schedule, float(np.median(rows["end_seconds"] - rows["start_seconds"])), accuracy)
     return {
         "log": str(log.path), "format_version": log.format_version, "world_size": log.world_size,
         "closed": log.closed, "crashed": log.crashed, "status": status_line(log),
@@ -71,12 +74,32 @@ def summarize(log: RunLog, last_n: int = 20) -> dict:
         "peak_flops_per_device": peak, "mfu_dtype": dtype_or_reason if peak is not None else None,
         "throughput": {"all": overall, "last": throughput(log, rows[-last_n:], flops[-last_n:], peak)},
         "last_n": last_n,
-        "mfcs": mfcs, "memory_note": memory_note,
+        "iteration": iteration, "mfcs": mfcs, "memory_note": memory_note,
+        "process_baseline": None if accuracy is None else {"bytes": accuracy[1].bytes, "label": accuracy[1].label,
+                                                           "what": accuracy[1].what,
+                                                           "source": accuracy[1].source},
         "movements": movement_totals(log, overall["wall_seconds"]),
         "shares": {str(rank): entry for rank, entry in sorted(shares.items())},
         "stats": _stat_summary(log, last_n),
         "warnings": warnings,
     }
+
+
+def iteration_check(schedule: dict | None, measured_seconds: float, accuracy: tuple[Band, ProcessBaseline] | None) -> dict:
+    """The median step time against the schedule's predicted iteration time and its band (what ``restage plan`` printed)."""
+    predicted = ((schedule or {}).get("predicted") or {}).get("iteration_seconds")
+    out: dict = {"measured_seconds": measured_seconds, "predicted_seconds": predicted, "band_seconds": None,
+                 "inside_band": None, "error_percent": None, "band": None}
+    if predicted is None:
+        return out
+    out["error_percent"] = 100.0 * (predicted - measured_seconds) / measured_seconds if measured_seconds > 0 else None
+    if accuracy is not None:
+        band = accuracy[0]
+        low, high = band.seconds(float(predicted))
+        out.update(band_seconds=[low, high], inside_band=low <= measured_seconds <= high,
+                   band={"low_ratio": band.low_ratio, "high_ratio": band.high_ratio, "points": band.points,
+                         "what": band.what, "source": band.source})
+    return out
 
 
 def json_ready(value):
@@ -142,17 +165,32 @@ def format_text(summary: dict) -> str:
                  fmt_number(_scaled(last["mfu"], 100), ".3f") + "%"])
     out += ["", "throughput"] + text_table(["", "all steps", f"last {summary['last_n']}"], rows)
 
+    it = summary["iteration"]
+    if it["predicted_seconds"] is not None:
+        line = (f"iteration: measured {it['measured_seconds']:.4f} s (median step), predicted {it['predicted_seconds']:.4f} s"
+                f" ({fmt_number(it['error_percent'], '+.1f')}%)")
+        if it["band_seconds"]:
+            low, high = it["band_seconds"]
+            line += (f", likely {low:.4f}-{high:.4f} s: {'inside' if it['inside_band'] else 'OUTSIDE'} the band "
+                     f"(x{it['band']['low_ratio']:.2f}..x{it['band']['high_ratio']:.2f}, {it['band']['what']})")
+        out += ["", line]
+
     rows = []
     for m in summary["mfcs"]:
+        band = m["predicted_band_seconds"]
         rows.append([m["name"], m["model"], m["kind"], ranks_text(m["ranks"]), fmt_number(m["measured_seconds"], ".4f"),
                      fmt_number(m["predicted_seconds"], ".4f"), fmt_number(m["error_percent"], "+.1f"),
+                     "-" if band is None else f"{band[0]:.4f}-{band[1]:.4f}" + ("" if m["inside_band"] else " out"),
                      fmt_number(m["peak_memory_bytes"] / GIB, ".2f"),
                      fmt_number(_scaled(m["predicted_peak_memory_bytes"] if m["memory_compared"] else None, 1 / GIB),
                                 ".2f"),
                      fmt_number(m["memory_error_percent"], "+.1f")])
     out += ["", "MFCs (measured: median over steps of the span over its ranks; error: predicted vs measured)"]
-    out += text_table(["mfc", "model", "kind", "ranks", "measured s", "predicted s", "error %", "peak mem GiB",
+    out += text_table(["mfc", "model", "kind", "ranks", "measured s", "predicted s", "error %", "likely s", "peak mem GiB",
                    "pred mem GiB", "mem error %"], rows)
+    if summary["process_baseline"] and any(m["memory_compared"] for m in summary["mfcs"]):
+        out.append(f"pred mem GiB: the plan's bytes + a process baseline of {summary['process_baseline']['bytes'] / GIB:.2f} "
+                   f"GiB per rank ({summary['process_baseline']['label']}; restage/accuracy.py)")
 
     rows = [[kind, str(v["count"]), fmt_number(100 * v["share"], ".3f"), fmt_number(v["seconds_per_step"], ".4f"),
              fmt_number(v["bytes_per_step"] / 1e9, ".4f")] for kind, v in summary["movements"].items()]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from restage.accuracy import Band, ProcessBaseline, device_has_gpus, prediction_band, process_baseline
 from restage.report.log import RunLog
 
 
@@ -79,19 +80,18 @@ def peak_flops_per_device(cluster: dict | None, dtype: str) -> tuple[float | Non
     return float(table[dtype]), dtype
 
 
-def memory_comparison(cluster: dict | None) -> str:
-    """Why measured peak memory cannot be set against the estimator's, or "" when it can.
+def accuracy_for(cluster: dict | None) -> tuple[Band, ProcessBaseline] | None:
+    """The uncertainty band and process baseline (``restage/accuracy.py``) for the run's cluster, as ``restage plan``
+    printed them; None when the log names no device.
 
-    The estimator predicts device memory (weights, optimizer state, activations, KV cache). On
-    GPUs the runtime measures device memory; on CPU ranks (``cluster["device"]`` names a CPU, as
-    ``ClusterSpec.has_gpus`` reads it) it measures the process's peak resident set, which is
-    mostly the interpreter and libraries: the two are not the same quantity.
+    The runtime's peak memory is the whole rank's (on a GPU: allocated plus what lives outside the allocator; on a
+    CPU: the peak resident set), so the prediction it is set against is the plan's bytes plus the process baseline.
     """
     device = (cluster or {}).get("device")
-    if isinstance(device, str) and "cpu" in device.lower():
-        return ("the ranks ran on CPUs, where peak memory is the process's peak resident set (interpreter and "
-                "libraries included), not the device memory the estimator predicts")
-    return ""
+    if not isinstance(device, str) or not device:
+        return None
+    gpus = device_has_gpus(device)
+    return prediction_band(gpus), process_baseline(gpus)
 
 
 _LAYOUT = re.compile(r"^\[([0-9,\- ]+)\]")
@@ -212,11 +212,13 @@ def mfc_order(log: RunLog) -> list[str]:
     return sorted((name for (name,) in groups), key=lambda n: float(np.median(offsets[groups[(n,)]])))
 
 
-def mfc_table(log: RunLog, predictions: dict[str, Prediction], compare_memory: bool = True) -> list[dict]:
+def mfc_table(log: RunLog, predictions: dict[str, Prediction],
+              accuracy: tuple[Band, ProcessBaseline] | None = None) -> list[dict]:
     """One entry per MFC in run order: model, kind, ranks, measured and predicted seconds, errors, peak memory, tokens, FLOPs.
 
-    Peak memory is set against the prediction (``memory_compared``) only where the plan predicted a
-    non-zero figure and ``compare_memory`` (see ``memory_comparison``); elsewhere it is measured only.
+    With ``accuracy`` (``accuracy_for``): each predicted time's band and whether the measured time is inside it, and
+    the predicted peak memory as the plan's bytes plus the process baseline, set against the measured peak
+    (``memory_compared``) where the plan predicted a non-zero figure; elsewhere memory is measured only.
     """
     entries = []
     by_name = _group_rows(log.mfcs, "name")
@@ -227,7 +229,10 @@ def mfc_table(log: RunLog, predictions: dict[str, Prediction], compare_memory: b
         measured = float(np.median(spans))
         peak = int(table["peak_memory_bytes"].max())
         predicted = predictions.get(name, Prediction(None, None))
-        compared = bool(compare_memory and predicted.peak_memory_bytes and peak > 0)
+        compared = bool(accuracy and predicted.peak_memory_bytes and peak > 0)
+        baseline = accuracy[1].bytes if accuracy else None
+        total = predicted.peak_memory_bytes + baseline if compared and predicted.peak_memory_bytes and baseline else None
+        band = accuracy[0].seconds(predicted.seconds) if accuracy and predicted.seconds else None
         steps = len(spans)
         entries.append({
             "name": name, "model": str(table["model"][0]), "kind": str(table["kind"][0]),
@@ -235,9 +240,11 @@ def mfc_table(log: RunLog, predictions: dict[str, Prediction], compare_memory: b
             "measured_seconds": measured, "measured_seconds_mean": float(np.mean(spans)),
             "predicted_seconds": predicted.seconds,
             "error_percent": _error_percent(predicted.seconds, measured),
-            "peak_memory_bytes": peak, "predicted_peak_memory_bytes": predicted.peak_memory_bytes,
+            "predicted_band_seconds": band, "inside_band": None if band is None else band[0] <= measured <= band[1],
+            "peak_memory_bytes": peak, "predicted_plan_memory_bytes": predicted.peak_memory_bytes,
+            "process_baseline_bytes": baseline, "predicted_peak_memory_bytes": total,
             "memory_compared": compared,
-            "memory_error_percent": _error_percent(predicted.peak_memory_bytes, peak) if compared else None,
+            "memory_error_percent": _error_percent(total, peak) if compared else None,
             "tokens_per_step": float(table["tokens"].sum()) / steps, "flops_per_step": float(table["flops"].sum()) / steps,
         })
     return entries

@@ -1,0 +1,162 @@
+"""How far restage's predictions are from measurements: the one place that holds the numbers, with their sources.
+
+* ``GPU_CALIBRATION``: the held-out points of ``bench/calibration.py`` (published measurements of
+  RLHF stages and LLM training on A100/H100, each predicted by restage's cost model under that
+  system's plan); the constant was fitted on the other points.
+* ``CPU_VALIDATION``: the held-out plans of ``bench/estimator.py`` (real runs of a small PPO job on
+  this project's 2-core CPU machine, each predicted by the estimator and simulator with the cluster
+  file's constants, as ``restage plan`` predicts).
+* ``PROCESS_BASELINES``: the memory a rank process holds before its plan puts anything on the device
+  (``bench/process_baseline.py`` and a tiny job's run), which the estimator's per-MFC figures leave out.
+
+The uncertainty band of a prediction is the central ``BAND_QUANTILES`` of the measured / predicted
+ratios of the matching set (GPU clusters: ``GPU_CALIBRATION``; CPU clusters: ``CPU_VALIDATION``),
+quantiles interpolated linearly between the sorted ratios. ``restage plan`` prints it beside the
+predicted iteration time and ``restage report`` sets the measured times against it. When the cost
+model changes, rerun the commands in ``source`` and replace the checks:
+``tests/unit/test_accuracy_on_cpu.py`` fails while the GPU checks differ from what
+``bench/calibration.py`` predicts now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BAND_QUANTILES = (0.1, 0.9)  # the central 80% of the measured / predicted ratios
+
+
+@dataclass(frozen=True)
+class Check:
+    """One measurement set against restage's prediction for the same work."""
+
+    name: str
+    predicted_seconds: float
+    measured_seconds: float
+
+    @property
+    def ratio(self) -> float:
+        """measured / predicted: what a prediction is multiplied by to give the measurement."""
+        return self.measured_seconds / self.predicted_seconds
+
+
+@dataclass(frozen=True)
+class CheckSet:
+    what: str
+    source: str  # the command that produced the checks, where and when
+    checks: tuple[Check, ...]
+
+
+@dataclass(frozen=True)
+class Band:
+    """The measured time a prediction most likely falls in, as ratios to the prediction, and where they come from."""
+
+    low_ratio: float
+    high_ratio: float
+    points: int
+    what: str
+    source: str
+
+    def seconds(self, predicted_seconds: float) -> tuple[float, float]:
+        return predicted_seconds * self.low_ratio, predicted_seconds * self.high_ratio
+
+    def describe(self) -> str:
+        low, high = (round(100 * q) for q in BAND_QUANTILES)
+        return (f"x{self.low_ratio:.2f}..x{self.high_ratio:.2f} of the prediction, the {low}% and {high}% quantiles of "
+                f"measured/predicted over {self.points} {self.what}")
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values``, interpolated linearly between the sorted values (position q x (n - 1))."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    below = int(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (position - below) * (ordered[above] - ordered[below])
+
+
+def band_of(checks: CheckSet) -> Band:
+    ratios = [c.ratio for c in checks.checks]
+    low_q, high_q = BAND_QUANTILES
+    return Band(quantile(ratios, low_q), quantile(ratios, high_q), len(ratios), checks.what, checks.source)
+
+
+GPU_CALIBRATION = CheckSet(
+    what="held-out published GPU points (bench/calibration.py)",
+    source="python bench/calibration.py --json, 'calibrated' rows of set 'held-out' (sources of each point in "
+           "bench/published.py and docs/plan.md); cost model of main at 345eed3, 2026-11-26",
+    checks=(
+        Check("openrlhf-ray-vllm-13b-generation", 2158.40, 1425.75),
+        Check("deepspeed-chat-7b-training", 236.39, 492.01),
+        Check("openrlhf-ray-7b-training", 461.82, 395.69),
+        Check("deepspeed-chat-13b-training", 488.12, 1218.76),
+        Check("openrlhf-ray-vllm-13b-training", 898.54, 967.15),
+        Check("torchtitan-llama3.1-8b-fsdp-8gpu", 2.75, 2.8435),
+    ),
+)
+
+CPU_VALIDATION = CheckSet(
+    what="held-out CPU plans (bench/estimator.py)",
+    source="python bench/estimator.py --both --rounds 2 --steps 10 --warmup 3, then --reuse --json: "
+           "'evaluation_with_cluster_file' (the constants restage plan uses), iteration seconds of the 11 evaluated "
+           "plans (another model and job size than the calibration's, no calibration layout), median of 2 rounds; "
+           "2026-11-26, the 2-core local-cpu machine shared with other engineers' work (load average 3-9)",
+    checks=(
+        Check("colocated-pp2", 0.8873, 0.7919),
+        Check("separated", 0.4245, 0.6859),
+        Check("gen-dp2-split", 0.4250, 0.6615),
+        Check("gen-dp2-train-tp2", 0.5490, 0.8413),
+        Check("gen-tp2-train-dp2", 0.7281, 1.0483),
+        Check("critic-tp2", 0.5686, 1.0220),
+        Check("train-pp2", 0.8040, 0.7139),
+        Check("gen-pp2", 0.5327, 0.7745),
+        Check("inference-split", 0.4722, 0.7213),
+        Check("trains-apart", 0.3861, 0.5544),
+        Check("gen-tp2-train-pp2", 1.0958, 1.6721),
+    ),
+)
+
+
+def prediction_band(has_gpus: bool) -> Band:
+    """The band for a prediction on a GPU cluster (published calibration) or on CPU ranks (the CPU validation)."""
+    return band_of(GPU_CALIBRATION if has_gpus else CPU_VALIDATION)
+
+
+@dataclass(frozen=True)
+class ProcessBaseline:
+    """Memory per rank that the runtime's measure reads before the plan puts anything there."""
+
+    bytes: int
+    label: str  # a few words for one output line
+    what: str
+    source: str
+
+
+PROCESS_BASELINES = {
+    # bench/process_baseline.py, stage "nccl", two fresh runs gave the same bytes.
+    "gpu": ProcessBaseline(
+        1_355_612_160,
+        "CUDA context, cuBLAS, one NCCL communicator",
+        "CUDA context, cuBLAS workspace, attention kernels and one NCCL communicator (outside PyTorch's allocator "
+        "but in the runtime's measure); not measured: DeepSpeed's buffers and more communicators with peers",
+        "python bench/process_baseline.py on one NVIDIA H100 80GB HBM3 (driver 580.159.04, torch 2.11.0+cu130, "
+        "NCCL 2.28.9, lazy CUDA module loading), 2026-11-26; with CUDA_MODULE_LOADING=EAGER it is 2.31 GiB"),
+    # A rank of jobs/ppo_tiny.yaml: peak resident set less the plan's predicted bytes, the mean of the two ranks
+    # (448,403,200 and 445,681,664) to three figures.
+    "cpu": ProcessBaseline(
+        447_000_000,
+        "the rank process's resident set: interpreter, libraries, MPI, data",
+        "a rank process's resident set: interpreter, torch, DeepSpeed and the runtime's modules (0.28 GiB of it by "
+        "bench/process_baseline.py --device cpu), MPI, data and engines",
+        "restage run jobs/ppo_tiny.yaml -n 2 run.steps=4, then restage report: peak resident set 451,661,824 and "
+        "448,589,824 bytes on ranks 0 and 1, less the plan's 3,258,624 and 2,908,160; torch 2.13.0+cpu, DeepSpeed "
+        "0.19.8, 2026-11-26"),
+}
+
+
+def process_baseline(has_gpus: bool) -> ProcessBaseline:
+    return PROCESS_BASELINES["gpu" if has_gpus else "cpu"]
+
+
+def device_has_gpus(device: str) -> bool:
+    """The rule of ``ClusterSpec.has_gpus``, for a cluster read back as JSON: a device that names a CPU is not a GPU."""
+    return "cpu" not in device.lower()

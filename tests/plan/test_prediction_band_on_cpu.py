@@ -1,0 +1,80 @@
+"""The uncertainty band ``restage plan`` prints and ``restage report`` uses, against the stored calibration errors.
+
+The expected figures are worked out here from ``restage.accuracy``'s stored checks with numpy's
+quantiles (the 10% and 90% of the measured/predicted ratios, linear between the sorted values),
+not by calling the function under test.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from plan_helpers import ppo_config
+
+from restage import accuracy
+from restage.plan.cli import render, summary
+from restage.plan.planner import make_plan
+from restage.plan.schedule import build_schedule
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+GIB = 2**30
+
+
+def _by_hand(checks: accuracy.CheckSet) -> tuple[float, float]:
+    """numpy's linear quantiles (position q (n - 1)) of the stored measured/predicted ratios: an independent computation."""
+    ratios = [c.measured_seconds / c.predicted_seconds for c in checks.checks]
+    assert len(ratios) >= 6
+    return float(np.quantile(ratios, 0.1)), float(np.quantile(ratios, 0.9))
+
+
+def test_the_bands_are_the_quantiles_of_the_stored_errors():
+    gpu, cpu = accuracy.prediction_band(True), accuracy.prediction_band(False)
+    assert (gpu.low_ratio, gpu.high_ratio) == pytest.approx(_by_hand(accuracy.GPU_CALIBRATION), rel=1e-12)
+    assert (cpu.low_ratio, cpu.high_ratio) == pytest.approx(_by_hand(accuracy.CPU_VALIDATION), rel=1e-12)
+    assert (gpu.points, cpu.points) == (len(accuracy.GPU_CALIBRATION.checks), len(accuracy.CPU_VALIDATION.checks))
+
+
+def test_the_stored_gpu_checks_are_what_bench_calibration_predicts_now():
+    """Fails when the cost model changes without the stored checks being replaced (restage/accuracy.py says how)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import calibration
+    finally:
+        sys.path.remove(str(BENCH))
+    held_out = {r["name"]: r for r in calibration.evaluate()["rows"] if r["set"] == "held-out"}
+    assert set(held_out) == {c.name for c in accuracy.GPU_CALIBRATION.checks}
+    for check in accuracy.GPU_CALIBRATION.checks:
+        row = held_out[check.name]
+        assert round(row["predicted_seconds"], 2) == check.predicted_seconds, check.name
+        assert row["measured_seconds"] == pytest.approx(check.measured_seconds, rel=1e-4), check.name
+
+
+def _printed_band(text: str) -> tuple[float, float, float]:
+    found = re.search(r"iteration (\d+\.\d+) s \(likely (\d+\.\d+)-(\d+\.\d+) s\)", text)
+    assert found, text
+    predicted, low, high = map(float, found.groups())
+    return predicted, low, high
+
+
+@pytest.mark.parametrize("name", ["ppo-llama-tiny-local-cpu", "ppo-7b-h100x8"])
+def test_restage_plan_prints_the_band_of_the_stored_errors(name):
+    plan = {"mode": "heuristic", "heuristic": "colocated"}
+    cfg = (ppo_config("llama-tiny", "llama-tiny", cluster="local-cpu", batch=8, prompt=16, gen=16, zero=0, plan=plan)
+           if name == "ppo-llama-tiny-local-cpu" else ppo_config("llama-7b", "llama-7b", plan=plan))
+    outcome = make_plan(cfg, with_baselines=False)
+    schedule = build_schedule(cfg, outcome)
+    gpus = name.endswith("h100x8")
+    low_ratio, high_ratio = _by_hand(accuracy.GPU_CALIBRATION if gpus else accuracy.CPU_VALIDATION)
+    iteration = schedule.predicted["iteration_seconds"]
+    printed, low, high = _printed_band(render(schedule, outcome))
+    assert printed == round(iteration, 3)
+    assert (low, high) == (round(iteration * low_ratio, 3), round(iteration * high_ratio, 3))
+    data = summary(schedule, outcome)
+    assert data["iteration_band_seconds"] == pytest.approx([iteration * low_ratio, iteration * high_ratio], rel=1e-12)
+    baseline = accuracy.PROCESS_BASELINES["gpu" if gpus else "cpu"].bytes
+    assert data["process_baseline_bytes"] == baseline
+    assert f"+ {baseline / GIB:.2f} GiB process baseline per rank" in render(schedule, outcome)
