@@ -29,6 +29,7 @@ from restage.runtime import comm_budget
 from restage.runtime.engines import Engine, build_engine, mark_norm_ownership
 from restage.runtime.heartbeat import Heartbeat
 from restage.runtime.offload import ModelCopy
+from restage.runtime.sharded_frozen import ShardedFrozen, check_sharded, shard_module
 from restage.schedule.file import ModelEntry, Schedule
 from restage.schedule.program import check_ema_architectures, ema_targets
 from restage.schedule.realloc_plan import ReallocPlan, plan_reallocation
@@ -46,6 +47,7 @@ class ModelSlot:
     engine: Engine | None = None
     copies: dict[Layout, StageModule] = field(default_factory=dict)
     host_copy: ModelCopy | None = None  # a frozen model's home shard, offloaded between its MFCs
+    sharded: ShardedFrozen | None = None  # a frozen model held 1/dp per rank of its home layout (shard_frozen)
 
     @property
     def home(self) -> Layout:
@@ -105,7 +107,19 @@ class ModelStore:
                     slot.module.requires_grad_(False)
                     slot.module.eval()
             self.slots[name] = slot
+            if info.shard_frozen:
+                self._shard(slot, groups)
         heartbeat.reached("models loaded")
+
+    def _shard(self, slot: ModelSlot, groups: ProcessGroups) -> None:
+        """Keep 1/dp of ``slot``'s home shard on this rank (``runtime/sharded_frozen.py``), or refuse in one line."""
+        info, home = slot.entry, slot.home
+        moved = any(e.mfc.model == slot.name and e.layout != home for e in self.schedule.mfcs)
+        check_sharded(slot.name, info.trainable or slot.name in self.ema, info.offload_when_idle,
+                      info.arch.lora is not None, home.strategy.ep, moved)
+        if slot.module is not None and home.strategy.dp > 1:
+            ctx = ParallelContext.from_layout(home, groups, self.rank)
+            slot.sharded = shard_module(slot.module, ctx.dp_group, home.strategy.dp, ctx.coord.dp)
 
     def build_engines(self, groups: ProcessGroups, heartbeat: Heartbeat) -> None:
         """A DeepSpeed engine over each trainable model's home layout (collective over its ranks, in model order)."""
