@@ -248,6 +248,10 @@ class ExperimentConfig:
             if spec.router_aux_loss_coef is not None and not spec.router_aux_loss_coef >= 0:
                 raise ConfigError(f"models.{name}.router_aux_loss_coef: {spec.router_aux_loss_coef} must be >= 0 "
                                   "(or left out for the checkpoint's config.json value)")
+            if spec.shard_frozen and (spec.trainable or spec.offload_when_idle or spec.lora is not None):
+                why = "trainable" if spec.trainable else "offload_when_idle" if spec.offload_when_idle else "lora"
+                raise ConfigError(f"models.{name}.shard_frozen: a sharded frozen model runs only inference on its home "
+                                  f"layout, but models.{name}.{why} is set; set models.{name}.shard_frozen false")
         self._resolve_auto_dtypes()
         if self.run.steps < 1 or self.run.batch_size < 1 or self.run.micro_batches < 1:
             raise ConfigError("run.steps, run.batch_size and run.micro_batches must be >= 1")

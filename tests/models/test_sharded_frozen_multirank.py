@@ -49,7 +49,7 @@ def _run(rank, world_size, paths):
         sharded = shard_module(module, groups.get(layout.mesh), world_size, rank)
         gathered_bytes: list[int] = []
         for _, (hooked, _) in _units(module).items():  # after the gathering hooks: what a unit's forward sees held
-            hooked.register_forward_pre_hook(lambda *_: gathered_bytes.append(
+            hooked.register_forward_pre_hook(lambda *_, seen=gathered_bytes, module=module: seen.append(
                 sum(p.numel() * p.element_size() for p in module.parameters())))
         held_before = sum(p.numel() * p.element_size() for p in module.parameters())
         with torch.no_grad():
