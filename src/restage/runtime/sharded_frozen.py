@@ -98,7 +98,7 @@ def shard_module(module: StageModule, group: dist.ProcessGroup | None, dp: int, 
         unit.release()
         sharded.units[name] = unit
     for name, (hooked, _) in plan.items():
-        wanted = (name,)
+        wanted: tuple[str, ...] = (name,)
         if name == "head" and "embed" in plan and module.tied_head:
             wanted = ("embed", "head")  # the head's output weight is the first stage's embedding
         hooked.register_forward_pre_hook(lambda _m, _args, wanted=wanted: sharded.enter(wanted))
