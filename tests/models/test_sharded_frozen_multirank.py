@@ -1,9 +1,10 @@
 """A frozen model held 1/dp per rank (runtime/sharded_frozen.py) computes what the whole model computes.
 
 Two gloo ranks under NCCL's rules, dp=2: each rank runs its own micro-batches through the whole model,
-then shards it and runs them again; the log-probs (values, for a critic) must agree within 1e-6. Between
-forwards the parameters hold no storage and the slices hold 1/dp of each unit's (padded) bytes; during a
-forward no more than one unit (two for a tied head on a first stage) is gathered at a time.
+then loads the model sharded, unit by unit (``load_sharded``, as the runtime does), and runs them
+again; the log-probs (values, for a critic) must agree within 1e-6. Between forwards the parameters
+hold no storage and the slices hold 1/dp of each unit's (padded) bytes; during a forward no more than
+one unit (two for a tied head on a first stage) is gathered at a time.
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ pytestmark = pytest.mark.multirank
 NAMES = ("llama", "qwen2_tied", "gpt2", "llama_critic")
 
 
+def _scorer(module):
+    """The per-token log-probs of a causal LM's micro-batch, a critic's values as they are."""
+    def score(output, mb):
+        return output if module.cfg.is_critic else module.token_logprobs(output, mb.tokens, mb.batch)
+
+    return score
+
+
 def _run(rank, world_size, paths):
     import torch
 
@@ -27,7 +36,7 @@ def _run(rank, world_size, paths):
     from restage.models.checkpoint import load_stage
     from restage.models.packing import pack
     from restage.models.pipeline import MicroBatch, pipeline_forward
-    from restage.runtime.sharded_frozen import _units, shard_module
+    from restage.runtime.sharded_frozen import _units, load_sharded
 
     layout = Layout(tuple(range(world_size)), Strategy(dp=world_size))
     groups = ProcessGroups(layout.all_groups())
@@ -39,21 +48,21 @@ def _run(rank, world_size, paths):
         module = load_stage(path, layout, groups, rank)
         module.requires_grad_(False)
 
-        def score(output, mb, module=module):
-            return output if module.cfg.is_critic else module.token_logprobs(output, mb.tokens, mb.batch)
-
         with torch.no_grad():
-            whole = torch.cat(pipeline_forward(module, micro, post_fn=score))
+            whole = torch.cat(pipeline_forward(module, micro, post_fn=_scorer(module)))
         whole_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        unit_bytes = {u: sum(p.numel() * p.element_size() for p in params) for u, (_, params) in _units(module).items()}
-        sharded = shard_module(module, groups.get(layout.mesh), world_size, rank)
+        unit_bytes = {u: sum(getattr(o, a).numel() * getattr(o, a).element_size() for o, a in owners)
+                      for u, (_, owners) in _units(module).items()}
+        critic = module.cfg.is_critic
+        del module
+        module, sharded = load_sharded(path, layout, groups, rank, torch.float32, torch.device("cpu"), critic)
         gathered_bytes: list[int] = []
         for _, (hooked, _) in _units(module).items():  # after the gathering hooks: what a unit's forward sees held
             hooked.register_forward_pre_hook(lambda *_, seen=gathered_bytes, module=module: seen.append(
                 sum(p.numel() * p.element_size() for p in module.parameters())))
         held_before = sum(p.numel() * p.element_size() for p in module.parameters())
         with torch.no_grad():
-            again = torch.cat(pipeline_forward(module, micro, post_fn=score))
+            again = torch.cat(pipeline_forward(module, micro, post_fn=_scorer(module)))
         held_after = sum(p.numel() * p.element_size() for p in module.parameters())
         out[name] = {"diff": float((whole - again).abs().max()), "whole_bytes": whole_bytes, "unit_bytes": unit_bytes,
                      "shard_bytes": sharded.shard_bytes(), "held": (held_before, held_after),

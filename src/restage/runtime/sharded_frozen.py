@@ -15,6 +15,8 @@ refuses those in one line).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from restage.errors import ConfigError
+from restage.layout import Layout, ProcessGroups
+from restage.models.checkpoint import WeightReader, load_checkpoint, load_stage
 from restage.models.decoder import StageModule
 
 
@@ -30,8 +34,7 @@ class Unit:
     """One gathered-together group of parameters: this rank's slice of their flat, padded concatenation."""
 
     name: str
-    params: tuple[nn.Parameter, ...]
-    numels: tuple[int, ...]
+    owners: tuple[tuple[nn.Module, str], ...]  # (submodule, attribute) of each parameter
     shapes: tuple[torch.Size, ...]
     shard: torch.Tensor  # [padded / dp]
     gathered: bool = False
@@ -42,14 +45,15 @@ class Unit:
         full = torch.empty(self.shard.numel() * dp, dtype=self.shard.dtype, device=self.shard.device)
         dist.all_gather_into_tensor(full, self.shard, group=group)
         offset = 0
-        for param, numel, shape in zip(self.params, self.numels, self.shapes):
-            param.data = full[offset:offset + numel].view(shape)
+        for (owner, attr), shape in zip(self.owners, self.shapes):
+            numel = shape.numel()
+            setattr(owner, attr, nn.Parameter(full[offset:offset + numel].view(shape), requires_grad=False))
             offset += numel
         self.gathered = True
 
     def release(self) -> None:
-        for param in self.params:
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        for owner, attr in self.owners:
+            setattr(owner, attr, nn.Parameter(self.shard.new_empty(0), requires_grad=False))
         self.gathered = False
 
 
@@ -79,22 +83,45 @@ class ShardedFrozen:
         self.enter(())
 
 
-def shard_module(module: StageModule, group: dist.ProcessGroup | None, dp: int, dp_rank: int) -> ShardedFrozen:
-    """Keep this rank's 1/dp slice of each unit of ``module`` (loaded whole) and hook the gathers into its forward."""
+def load_sharded(path: str, layout: Layout, groups: ProcessGroups, rank: int, dtype: torch.dtype, device: torch.device,
+                 critic: bool) -> tuple[StageModule, ShardedFrozen]:
+    """This rank's stage of the checkpoint at ``path`` in ``layout``, held 1/dp (``shard_module``); read unit by unit,
+    so loading never holds more than one unit whole either."""
+    module = load_stage(path, layout, groups, rank, dtype, torch.device("meta"), critic=critic, names=frozenset())
+    module.requires_grad_(False)
+    module.eval()
+    ctx = module.ctx
+    reader = WeightReader(path)
+    sharded = shard_module(module, ctx.dp_group, layout.strategy.dp, ctx.coord.dp,
+                           lambda names: load_checkpoint(module, path, reader, names), device)
+    return module, sharded
+
+
+def shard_module(module: StageModule, group: dist.ProcessGroup | None, dp: int, dp_rank: int,
+                 fill: Callable[[AbstractSet[str]], object], device: torch.device) -> ShardedFrozen:
+    """Keep this rank's 1/dp slice of each unit of ``module`` (built on "meta") on ``device`` and hook the gathers
+    into its forward: each unit is materialised on ``device``, filled (``fill(names)`` loads the named
+    parameters), sliced and dropped before the next."""
     sharded = ShardedFrozen(module, group, dp)
     plan = _units(module)
-    for name, (_, params) in plan.items():
-        numels = tuple(p.numel() for p in params)
-        padded = -(-sum(numels) // dp) * dp
-        per_rank = padded // dp
+    qualified = {(id(owner), attr): f"{prefix}.{attr}" if prefix else attr for prefix, owner in module.named_modules()
+                 for attr, _ in owner.named_parameters(recurse=False)}
+    for name, (_, owners) in plan.items():
+        for owner, attr in owners:
+            meta = getattr(owner, attr)
+            setattr(owner, attr, nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=device),
+                                              requires_grad=False))
+        fill({qualified[(id(owner), attr)] for owner, attr in owners})
+        params = [getattr(owner, attr) for owner, attr in owners]
+        numel = sum(p.numel() for p in params)
+        per_rank = -(-numel // dp)
         flat = torch.cat([p.detach().reshape(-1) for p in params])
         shard = torch.zeros(per_rank, dtype=flat.dtype, device=flat.device)
-        lo = dp_rank * per_rank
-        hi = min(lo + per_rank, flat.numel())
+        lo, hi = dp_rank * per_rank, min((dp_rank + 1) * per_rank, numel)
         if hi > lo:
             shard[:hi - lo].copy_(flat[lo:hi])
-        del flat
-        unit = Unit(name, tuple(params), numels, tuple(p.shape for p in params), shard)
+        del flat, params
+        unit = Unit(name, tuple(owners), tuple(getattr(o, a).shape for o, a in owners), shard)
         unit.release()
         sharded.units[name] = unit
     for name, (hooked, _) in plan.items():
@@ -106,27 +133,25 @@ def shard_module(module: StageModule, group: dist.ProcessGroup | None, dp: int, 
     return sharded
 
 
-def _units(module: StageModule) -> dict[str, tuple[nn.Module, list[nn.Parameter]]]:
-    """Each unit's name -> (the submodule whose forward starts it, its parameters), in forward order."""
+def _units(module: StageModule) -> dict[str, tuple[nn.Module, list[tuple[nn.Module, str]]]]:
+    """Each unit's name -> (the submodule whose forward starts it, (submodule, attribute) of its parameters), in
+    forward order."""
     ctx = module.ctx
-    units: dict[str, tuple[nn.Module, list[nn.Parameter]]] = {}
+    parts: dict[str, tuple[nn.Module, list[nn.Module]]] = {}
     if ctx.is_first_stage:
-        embed = list(module.embed.parameters())
-        if hasattr(module, "pos_embed"):
-            embed += list(module.pos_embed.parameters())
-        units["embed"] = (module.embed, embed)
+        parts["embed"] = (module.embed, [module.embed, *([module.pos_embed] if hasattr(module, "pos_embed") else [])])
     for index, block in module.layers.items():
-        units[f"layer.{index}"] = (block, list(block.parameters()))
+        parts[f"layer.{index}"] = (block, [block])
     if ctx.is_last_stage:
-        head = list(module.final_norm.parameters())
-        for name in ("score", "lm_head"):
-            if hasattr(module, name):
-                head += list(getattr(module, name).parameters())
+        head = [module.final_norm, *(getattr(module, n) for n in ("score", "lm_head") if hasattr(module, n))]
         if module.tied_head and not ctx.is_first_stage:
-            head += list(module.embed.parameters())  # the last stage's own copy of the tied embedding
-        units["head"] = (module.final_norm, head)
-    held = {id(p) for _, params in units.values() for p in params}
-    missing = [name for name, p in module.named_parameters() if id(p) not in held]
+            head.append(module.embed)  # the last stage's own copy of the tied embedding
+        parts["head"] = (module.final_norm, head)
+    units = {name: (hooked, [(owner, attr) for sub in subs for owner in sub.modules()
+                             for attr, _ in owner.named_parameters(recurse=False)])
+             for name, (hooked, subs) in parts.items()}
+    held = {id(getattr(owner, attr)) for _, owners in units.values() for owner, attr in owners}
+    missing = [name for name, param in module.named_parameters() if id(param) not in held]
     assert not missing, f"parameters outside every unit: {missing}"
     return units
 
