@@ -4,9 +4,9 @@ A *unit* is the embeddings (with GPT-2's position table), one layer, or the head
 weight or score). ``load_sharded`` reads the checkpoint one unit at a time; ``shard_module`` flattens each
 unit's parameters into one buffer, pads it to a multiple of dp and keeps this rank's contiguous 1/dp slice
 on the device; the parameters themselves hold no storage between forwards. Forward pre-hooks gather a
-unit (``all_gather_into_tensor`` over the layout's DP group) as it starts and drop the unit before it, and a hook at the end of the module's forward drops what is
-left, so a rank holds its slices plus one gathered unit (the head of a tied-embedding model on a first
-stage re-gathers the embedding: two). Every DP rank of the group runs the same units in the same order
+unit (``all_gather_into_tensor`` over the layout's DP group) as it starts and drop the unit before it,
+and a hook at the end of the module's forward drops what is left, so a rank holds its slices plus one
+gathered unit (the head of a tied-embedding model on a first stage re-gathers the embedding: two). Every DP rank of the group runs the same units in the same order
 (``runtime/execute.py`` agrees the micro-batch count over the group), as NCCL requires.
 
 Only inference runs on such a model: it is never trained, reallocated, offloaded or saved (``check_sharded``
