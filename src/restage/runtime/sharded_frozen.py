@@ -6,8 +6,9 @@ unit's parameters into one buffer, pads it to a multiple of dp and keeps this ra
 on the device; the parameters themselves hold no storage between forwards. Forward pre-hooks gather a
 unit (``all_gather_into_tensor`` over the layout's DP group) as it starts and drop the unit before it,
 and a hook at the end of the module's forward drops what is left, so a rank holds its slices plus one
-gathered unit (the head of a tied-embedding model on a first stage re-gathers the embedding: two). Every DP rank of the group runs the same units in the same order
-(``runtime/execute.py`` agrees the micro-batch count over the group), as NCCL requires.
+gathered unit (the head of a tied-embedding model on a first stage re-gathers the embedding: two).
+Every DP rank of the group runs the same units in the same order (``runtime/execute.py`` agrees the
+micro-batch count over the group), as NCCL requires.
 
 Only inference runs on such a model: it is never trained, reallocated, offloaded or saved (``check_sharded``
 refuses those in one line).
