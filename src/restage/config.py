@@ -70,6 +70,9 @@ class ModelSpec:
     offload_params: bool = False
     gradient_checkpointing: bool = False
     offload_when_idle: bool = False  # non-trainable models: move to CPU memory between their MFCs
+    # Frozen models: hold the parameters 1/dp per rank of the home layout, gathered unit by unit in each forward
+    # (ZeRO-3 / FSDP inference, runtime/sharded_frozen.py). The planner may also choose it (plan.md).
+    shard_frozen: bool = False
     init_critic_from_lm: bool = False  # build a scalar head on top of a causal LM checkpoint
     router_aux_loss_coef: float | None = None  # mixture of experts: load-balancing loss weight; None: config.json's
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -155,6 +158,9 @@ class PlanConfig:
     # async: the trained actor's weights reach the generation ranks after every push_every-th step (1 <= push_every
     # <= staleness); generation runs staleness - push_every + 1 steps ahead of training (docs/runtime.md).
     push_every: int = 1
+    # off: frozen models held as models.<name>.shard_frozen says. auto: the search may also hold each frozen model
+    # the runtime can shard 1/dp per rank of its home layout (ZeRO-3 / FSDP inference), when that plan is faster.
+    shard_frozen: str = "off"
 
 
 @dataclass(frozen=True)
@@ -242,6 +248,10 @@ class ExperimentConfig:
             if spec.router_aux_loss_coef is not None and not spec.router_aux_loss_coef >= 0:
                 raise ConfigError(f"models.{name}.router_aux_loss_coef: {spec.router_aux_loss_coef} must be >= 0 "
                                   "(or left out for the checkpoint's config.json value)")
+            if spec.shard_frozen and (spec.trainable or spec.offload_when_idle or spec.lora is not None):
+                why = "trainable" if spec.trainable else "offload_when_idle" if spec.offload_when_idle else "lora"
+                raise ConfigError(f"models.{name}.shard_frozen: a sharded frozen model runs only inference on its home "
+                                  f"layout, but models.{name}.{why} is set; set models.{name}.shard_frozen false")
         self._resolve_auto_dtypes()
         if self.run.steps < 1 or self.run.batch_size < 1 or self.run.micro_batches < 1:
             raise ConfigError("run.steps, run.batch_size and run.micro_batches must be >= 1")
@@ -255,6 +265,8 @@ class ExperimentConfig:
         if self.plan.execution not in ("sync", "async", "auto"):
             raise ConfigError(f"plan.execution: {self.plan.execution!r} must be sync, async or auto (the planner "
                               "chooses)")
+        if self.plan.shard_frozen not in ("off", "auto"):
+            raise ConfigError(f"plan.shard_frozen: {self.plan.shard_frozen!r} must be off or auto")
         if self.plan.staleness < 1:
             raise ConfigError(f"plan.staleness: {self.plan.staleness} must be >= 1 (policy versions a trained token "
                               "may lag behind the weights being trained)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from pathlib import Path
 
@@ -137,13 +138,17 @@ def _torch_load(file: Path) -> dict:
 _SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
-def load_checkpoint(module: StageModule, path: str | Path, reader: WeightReader | None = None) -> WeightReader:
-    """Fill ``module`` with its shard of the HF checkpoint at ``path``; returns the reader (``bytes_read``)."""
+def load_checkpoint(module: StageModule, path: str | Path, reader: WeightReader | None = None,
+                    names: AbstractSet[str] | None = None) -> WeightReader:
+    """Fill ``module`` (or only its parameters in ``names``) with its shard of the HF checkpoint at ``path``;
+    returns the reader (``bytes_read``)."""
     cfg, ctx = module.cfg, module.ctx
     reader = reader or WeightReader(path)
     params = dict(module.named_parameters())
     # With ep only this rank's experts are read: each rank reads its own slices, never the whole checkpoint.
     for shard in shard_specs(cfg, ctx.shard_strategy, ctx.pp_stage, ctx.tp_rank, ctx.ep_rank):
+        if names is not None and shard.param.name not in names:
+            continue
         name, param = shard.param.name, params[shard.param.name]
         if is_adapter(cfg, name) and name != "score.weight":
             init_adapter(param, shard)  # a HF checkpoint holds the base; adapters start fresh (or from an engine's state)
@@ -182,8 +187,9 @@ def _init_score(param: torch.nn.Parameter) -> None:
 
 def load_stage(path: str | Path, layout: Layout, groups: ProcessGroups | None, rank: int,
                dtype: torch.dtype = torch.float32, device=None, critic: bool = False,
-               lora: LoraConfig | None = None) -> StageModule:
-    """Build this rank's StageModule for ``layout`` and load its shard of the checkpoint at ``path``.
+               lora: LoraConfig | None = None, names: AbstractSet[str] | None = None) -> StageModule:
+    """Build this rank's StageModule for ``layout`` and load its shard of the checkpoint at ``path`` (only the
+    parameters in ``names`` when given: ``runtime/sharded_frozen.py`` builds on "meta" and loads unit by unit).
 
     ``groups`` must hold the layout's groups (``ProcessGroups(layout.all_groups())``); it may be
     None for a one-rank layout. ``critic=True`` gives a causal LM checkpoint a scalar head; ``lora`` adds fresh
@@ -198,7 +204,7 @@ def load_stage(path: str | Path, layout: Layout, groups: ProcessGroups | None, r
     validate_strategy(cfg, layout.strategy, name=str(path))  # before any group is touched
     ctx = ParallelContext.from_layout(layout, groups, rank)
     module = StageModule(cfg, ctx, dtype=dtype, device=device)
-    load_checkpoint(module, path)
+    load_checkpoint(module, path, names=names)
     module.hf_config = hf  # kept so a save writes the same config keys back
     return module
 

@@ -74,8 +74,9 @@ class ModelRole:
     offload_params: bool = False
     offload_when_idle: bool = False
     # A frozen model's parameters partitioned over the DP ranks and all-gathered layer by layer in each forward
-    # (DeepSpeed ZeRO-3 / FSDP inference, as the peers run reference and reward models). Restage's runtime
-    # keeps frozen models whole, so only ``plan/peers.py`` sets it: the search never chooses it.
+    # (DeepSpeed ZeRO-3 / FSDP inference, as the peers run reference and reward models). Restage's runtime runs it
+    # too (``runtime/sharded_frozen.py``): ``models.<m>.shard_frozen`` sets it, ``plan.shard_frozen: auto`` lets the
+    # search choose it (``planner.sharded_variant``), and ``plan/peers.py`` sets it for the peers that shard.
     shard_frozen: bool = False
     path: str = ""
     preset: str = ""

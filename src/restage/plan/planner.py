@@ -33,6 +33,7 @@ from restage.plan.problem import (
     untrainable,
 )
 from restage.plan.search import SearchResult, search
+from restage.schedule.program import ema_targets
 
 GIB = 2**30
 MAX_NODES_TRIED = 1024
@@ -192,6 +193,8 @@ def make_plan(cfg, cluster: ClusterSpec | None = None, *, seed: int | None = Non
                             f"{problem.capacity_bytes / GIB:.1f} GiB usable; spread the models over more ranks")
         baselines = _evaluations(_compared(problem)) if with_baselines else {}
         return PlanOutcome(problem, plan, ev, mode, baselines)
+    if mode == "search" and cfg.plan.shard_frozen == "auto" and (sharded := sharded_variant(problem)) is not None:
+        return _faster_of(cfg, (problem, sharded), seed, time_budget_seconds, max_steps)
     check_fits(problem)
     found = _compared(problem) if (with_baselines or mode == "search") else {}
     baselines = _evaluations(found)
@@ -212,13 +215,54 @@ def make_plan(cfg, cluster: ClusterSpec | None = None, *, seed: int | None = Non
                             f"config's memory settings, {problem.capacity_bytes / GIB:.1f} GiB usable; set models.<m>.zero_stage=3 "
                             f"(and gradient_checkpointing) as {name} does, or use plan.mode=search")
         return PlanOutcome(problem, plan, ev, mode, baselines)
+    return _searched(cfg, problem, found, seed, time_budget_seconds, max_steps)
+
+
+def _searched(cfg, problem: PlanProblem, found: dict, seed: int | None, time_budget_seconds: float | None,
+              max_steps: int) -> PlanOutcome:
     budget = cfg.plan.time_budget_seconds if time_budget_seconds is None else time_budget_seconds
     result = search(problem, seed=cfg.seed if seed is None else seed, time_budget_seconds=budget, max_steps=max_steps,
                     initial=starting_plans(problem, found))
     if not result.evaluation.feasible:
         raise PlanError(f"the search found no plan that fits ({result.evaluation.peak_memory_bytes / GIB:.1f} GiB on the "
                         f"fullest device, {problem.capacity_bytes / GIB:.1f} GiB usable); add nodes or raise zero_stage")
-    return PlanOutcome(problem, result.best, result.evaluation, mode, baselines, result)
+    return PlanOutcome(problem, result.best, result.evaluation, "search", _evaluations(found), result)
+
+
+def sharded_variant(problem: PlanProblem) -> PlanProblem | None:
+    """``problem`` with every frozen model the runtime can shard held 1/dp per rank of its home layout
+    (``ModelRole.shard_frozen``, ``runtime/sharded_frozen.py``): one not trained, not moved by an EMA, without
+    LoRA or experts, not offloaded when idle, whose one MFC is an inference (so it runs on its home layout).
+    None when there is no such model left unsharded."""
+    ema = set(ema_targets(problem.graph))
+    roles = dict(problem.roles)
+    for name, role in problem.roles.items():
+        mfcs = [m for m in problem.mfcs if m.model == name]
+        if (not role.trainable and not role.shard_frozen and name not in ema and role.arch.lora is None
+                and not role.arch.is_moe and not role.offload_when_idle and len(mfcs) == 1
+                and mfcs[0].kind == "inference"):
+            roles[name] = replace(role, shard_frozen=True)
+    if roles == problem.roles:
+        return None
+    return PlanProblem(problem.graph, roles, problem.cluster,
+                       estimator=Estimator(problem.cluster, engine=problem.estimator.engine),
+                       samples_per_iteration=problem.samples_per_iteration, execution=problem.execution)
+
+
+def _faster_of(cfg, problems: tuple[PlanProblem, ...], seed: int | None, time_budget_seconds: float | None,
+               max_steps: int) -> PlanOutcome:
+    """``plan.shard_frozen: auto``: search each problem (frozen models whole, then sharded) that fits and keep the
+    faster plan (the first on a tie); when none fits, the first problem's one-line refusal."""
+    outcomes, refusals = [], []
+    for problem in problems:
+        try:
+            check_fits(problem)
+            outcomes.append(_searched(cfg, problem, _compared(problem), seed, time_budget_seconds, max_steps))
+        except PlanError as refused:
+            refusals.append(refused)
+    if not outcomes:
+        raise refusals[0]
+    return min(outcomes, key=lambda o: o.evaluation.iteration_seconds)
 
 
 def _compared(problem: PlanProblem) -> dict:

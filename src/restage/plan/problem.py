@@ -87,7 +87,8 @@ def roles_from_config(cfg, graph: DataflowGraph | None = None) -> dict[str, Mode
         roles[name] = ModelRole(name=name, arch=arch, dtype=spec.dtype, trainable=spec.trainable or name in trained,
                                 zero_stage=spec.zero_stage, gradient_checkpointing=spec.gradient_checkpointing,
                                 offload_optimizer=spec.offload_optimizer, offload_params=spec.offload_params,
-                                offload_when_idle=spec.offload_when_idle, path=spec.path, preset=spec.arch)
+                                offload_when_idle=spec.offload_when_idle, shard_frozen=spec.shard_frozen,
+                                path=spec.path, preset=spec.arch)
     return roles
 
 

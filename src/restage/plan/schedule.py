@@ -27,7 +27,8 @@ def build_schedule(cfg, outcome, exact: bool = True) -> Schedule:
         home = plan[problem.index[problem.home[name]]]
         models[name] = ModelEntry(role.arch, role.path, role.preset, role.trainable, role.dtype, role.zero_stage,
                                   role.gradient_checkpointing, role.offload_optimizer, role.offload_params,
-                                  role.offload_when_idle, problem.home[name], home.layout)
+                                  role.offload_when_idle, problem.home[name], home.layout,
+                                  shard_frozen=role.shard_frozen and not role.trainable)
     mfcs = []
     for i, (mfc, cand) in enumerate(zip(problem.mfcs, plan)):
         span = spans[mfc.name]

@@ -129,7 +129,8 @@ def run_eval(handlers: OpHandlers, op: Run, data: StepData, record: StepRecord, 
     """One ``run`` op of an evaluation pass: answer (or score) this rank's prompts; reporting ranks add their sums."""
     mfc = handlers.graph[op.mfc]
     layout = handlers.layouts[mfc.name]
-    module = handlers.store.slots[mfc.model].at(layout)
+    slot = handlers.store.slots[mfc.model]
+    module = slot.at(layout)
     ctx = ParallelContext.from_layout(layout, handlers.groups, handlers.rank)
     batch = handlers.input_batch(mfc, layout, ctx.coord.dp, data)
     ids_key, mask_key = plan.generate.outputs[:2]
@@ -138,7 +139,8 @@ def run_eval(handlers: OpHandlers, op: Run, data: StepData, record: StepRecord, 
         answered = data.outputs[mfc.name] = run_eval_generate(module, mfc, batch, handlers.cfg)
     else:  # the reward model: its input holds the answers
         answered = batch
-        scored = run_inference(module, mfc, batch, handlers.algo, handlers.cfg, handlers.state).batch
+        agree = slot.sharded.group if slot.sharded is not None else None  # its dp ranks gather in step
+        scored = run_inference(module, mfc, batch, handlers.algo, handlers.cfg, handlers.state, agree).batch
         assert scored is not None  # run_inference always returns its batch
         rewards = scored["rewards"]
     scoring = (plan.reward or plan.generate).name == mfc.name

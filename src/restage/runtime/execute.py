@@ -42,12 +42,15 @@ class MFCResult:
 
 
 def _micro_batches(batch: Batch, ids_key: str, n_micro: int, extra: Callable[[Batch], object] = lambda b: b,
-                   module: StageModule | None = None) -> list[MicroBatch]:
+                   module: StageModule | None = None, agree_over: dist.ProcessGroup | None = None) -> list[MicroBatch]:
     if module is not None and module.ctx.ep_size > 1:
-        # Under ep the replicas of an ep group exchange tokens in every sparse layer, so they must run the same
-        # number of micro-batches: the fewest samples any of them holds bounds it (each holds at least one).
-        fewest = torch.tensor([batch.n_samples], dtype=torch.int64, device=next(module.parameters()).device)
-        dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=module.ctx.ep_group)
+        agree_over = module.ctx.ep_group
+    if agree_over is not None:
+        # Under ep the replicas of an ep group exchange tokens in every sparse layer (and a sharded frozen model's
+        # dp ranks gather its units in every forward), so they must run the same number of micro-batches: the
+        # fewest samples any of them holds bounds it (each holds at least one).
+        fewest = torch.tensor([batch.n_samples], dtype=torch.int64, device=rank_device())
+        dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=agree_over)
         n_micro = min(n_micro, int(fewest.item()))
     parts = batch.split(n_micro, balance="tokens") if batch.n_samples > 1 else [batch]
     device = rank_device()
@@ -94,11 +97,13 @@ def _share_over_pipeline(module: StageModule, out: dict[str, torch.Tensor] | Non
 
 
 @torch.no_grad()
-def run_inference(module: StageModule, mfc: MFC, batch: Batch, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState
-                  ) -> MFCResult:
+def run_inference(module: StageModule, mfc: MFC, batch: Batch, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState,
+                  agree_over: dist.ProcessGroup | None = None) -> MFCResult:
+    """``agree_over``: a group whose ranks must run as many micro-batches as each other (a sharded frozen
+    model's dp group, whose forwards all-gather its parameters unit by unit: ``runtime/sharded_frozen.py``)."""
     wanted = tuple(algo.forward_outputs(mfc.name, cfg))
     ids_key = mfc.inputs[0]
-    micro = _micro_batches(batch, ids_key, mfc.micro_batches, module=module)
+    micro = _micro_batches(batch, ids_key, mfc.micro_batches, module=module, agree_over=agree_over)
     temperature = _policy_temperature(cfg)
     results = pipeline_forward(module, micro, post_fn=lambda o, mb: forward_results(module, o, mb, wanted, temperature))
     merged = None

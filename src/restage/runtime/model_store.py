@@ -29,6 +29,7 @@ from restage.runtime import comm_budget
 from restage.runtime.engines import Engine, build_engine, mark_norm_ownership
 from restage.runtime.heartbeat import Heartbeat
 from restage.runtime.offload import ModelCopy
+from restage.runtime.sharded_frozen import ShardedFrozen, check_sharded, load_sharded
 from restage.schedule.file import ModelEntry, Schedule
 from restage.schedule.program import check_ema_architectures, ema_targets
 from restage.schedule.realloc_plan import ReallocPlan, plan_reallocation
@@ -46,6 +47,7 @@ class ModelSlot:
     engine: Engine | None = None
     copies: dict[Layout, StageModule] = field(default_factory=dict)
     host_copy: ModelCopy | None = None  # a frozen model's home shard, offloaded between its MFCs
+    sharded: ShardedFrozen | None = None  # a frozen model held 1/dp per rank of its home layout (shard_frozen)
 
     @property
     def home(self) -> Layout:
@@ -96,7 +98,14 @@ class ModelStore:
             cfg = info.arch
             critic = comm_budget.is_critic(name, spec, cfg)
             slot = ModelSlot(name, info, spec, cfg.as_critic() if critic and not cfg.is_critic else cfg)
-            if self.rank in home:
+            if info.shard_frozen:
+                self._check_sharded(slot)
+            if self.rank in home and info.shard_frozen and home.strategy.dp > 1:
+                heartbeat.doing(f"start-up: loading {name} ({info.path}), 1/{home.strategy.dp} per rank")
+                slot.module, slot.sharded = load_sharded(info.path, home, groups, self.rank, DTYPES[info.dtype],
+                                                         self.device, critic)
+                slot.cfg = slot.module.cfg
+            elif self.rank in home:
                 heartbeat.doing(f"start-up: loading {name} ({info.path})")
                 slot.module = load_stage(info.path, home, groups, self.rank, DTYPES[info.dtype], self.device,
                                          critic=critic, lora=info.arch.lora)
@@ -106,6 +115,13 @@ class ModelStore:
                     slot.module.eval()
             self.slots[name] = slot
         heartbeat.reached("models loaded")
+
+    def _check_sharded(self, slot: ModelSlot) -> None:
+        """Refuse, in one line, a sharded frozen model (``runtime/sharded_frozen.py``) the schedule asks more of."""
+        info, home = slot.entry, slot.home
+        moved = any(e.mfc.model == slot.name and e.layout != home for e in self.schedule.mfcs)
+        check_sharded(slot.name, info.trainable or slot.name in self.ema, info.offload_when_idle,
+                      info.arch.lora is not None, home.strategy.ep, moved)
 
     def build_engines(self, groups: ProcessGroups, heartbeat: Heartbeat) -> None:
         """A DeepSpeed engine over each trainable model's home layout (collective over its ranks, in model order)."""

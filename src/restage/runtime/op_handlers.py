@@ -101,7 +101,8 @@ class OpHandlers:
         if mfc.kind == "generate":
             result = run_generate(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state, seed)
         elif mfc.kind == "inference":
-            result = run_inference(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state)
+            agree = slot.sharded.group if slot.sharded is not None else None  # its dp ranks gather in step
+            result = run_inference(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state, agree)
         else:
             if self.cfg.plan.execution == "async":  # the version this step trains from: one per completed step
                 self.state.policy_version = step

@@ -44,14 +44,18 @@ class ModelEntry:
     offload_when_idle: bool
     home_mfc: str  # the MFC whose layout is the model's home
     home_layout: Layout
+    # A frozen model held 1/dp per rank of its home layout (runtime/sharded_frozen.py); written only when set,
+    # so the schedules of jobs without it are unchanged.
+    shard_frozen: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return out | {"arch": self.arch.to_json(), "home_layout": self.home_layout.to_json()}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "shard_frozen"}
+        sharded = {"shard_frozen": True} if self.shard_frozen else {}
+        return out | {"arch": self.arch.to_json(), "home_layout": self.home_layout.to_json()} | sharded
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelEntry:
-        values = {f.name: data[f.name] for f in dataclasses.fields(cls)}
+        values = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data or f.name != "shard_frozen"}
         return cls(**values | {"arch": ModelConfig.from_json(data["arch"]),
                                "home_layout": Layout.from_json(data["home_layout"])})
 
