@@ -1,5 +1,6 @@
-"""A frozen model partitioned ZeRO-3 / FSDP style (``ModelRole.shard_frozen``, the peers' reference and reward):
-1/dp of the parameters held, two gathered layers more while it runs, the all-gathers exposed beyond the forward."""
+"""A frozen model partitioned ZeRO-3 / FSDP style (``ModelRole.shard_frozen``): 1/dp of the parameters held. As the
+peers run it (prefetching gathers): two gathered layers more while it runs, the all-gathers exposed beyond the
+forward; as restage's runtime runs it (no prefetch): one gathered unit more, every gather exposed."""
 
 import dataclasses
 
@@ -15,12 +16,12 @@ from restage.plan.estimator import Estimator, ModelRole, stage_param_elements
 INF = MFC("ref_inf", "inference", "ref", ("seqs",), ("ref_logprobs",), 256, 128, 896)
 
 
-def pair(cluster, strategy=Strategy(dp=16), m=4):
+def pair(cluster, strategy=Strategy(dp=16), m=4, prefetch=True):
     whole = ModelRole("ref", preset("llama-7b"), dtype="bf16")
     estimator = Estimator(cluster, use_profiles=False)
     layout = Layout.contiguous(0, strategy)
     return (estimator.estimate(INF, whole, layout, m),
-            estimator.estimate(INF, dataclasses.replace(whole, shard_frozen=True), layout, m))
+            estimator.estimate(INF, dataclasses.replace(whole, shard_frozen=True, prefetch_gathers=prefetch), layout, m))
 
 
 def test_sharded_frozen_model_holds_one_dp_share_and_two_gathered_layers():
@@ -43,3 +44,13 @@ def test_gathers_cost_nothing_on_free_links_and_only_their_excess_over_the_forwa
     assert sharded.part("zero3_gather_seconds") == 4 * exposed
     assert abs(sharded.seconds - whole.seconds - 4 * exposed) < 1e-9 * whole.seconds
     assert whole.part("zero3_gather_seconds") == 0.0
+
+
+def test_restages_own_sharded_runtime_gathers_without_prefetch():
+    cluster = load_cluster("h100-80gb", nodes=2)
+    whole, sharded = pair(cluster, prefetch=False)
+    params_bytes = sum(stage_param_elements(preset("llama-7b"), 1, 1)) * 2
+    gather = allgather_seconds(cluster, tuple(range(16)), params_bytes)
+    assert sharded.part("zero3_gather_seconds") == 4 * gather  # every micro-batch's forward gathers every layer
+    assert abs(sharded.seconds - whole.seconds - 4 * gather) < 1e-9 * whole.seconds
+    assert sharded.transient_bytes - whole.transient_bytes == int(params_bytes / 32)  # one unit gathered at a time

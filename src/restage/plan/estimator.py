@@ -78,6 +78,10 @@ class ModelRole:
     # too (``runtime/sharded_frozen.py``): ``models.<m>.shard_frozen`` sets it, ``plan.shard_frozen: auto`` lets the
     # search choose it (``planner.sharded_variant``), and ``plan/peers.py`` sets it for the peers that shard.
     shard_frozen: bool = False
+    # Whether the sharded gathers are prefetched, the next layer's during this layer's compute: DeepSpeed ZeRO-3
+    # (stage3_prefetch_bucket_size) and FSDP (forward_prefetch) do, as the peers run them (plan/peers.py);
+    # restage's runtime/sharded_frozen.py gathers each unit as its forward starts, so all its gathers are exposed.
+    prefetch_gathers: bool = False
     path: str = ""
     preset: str = ""
 
@@ -381,13 +385,18 @@ def _inference(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout:
     exposed_gather_s = 0.0
     transient = _forward_workspace(cfg, s.tp, tokens, e) + 2 * tokens * block_shape(cfg, s.tp).head_out * LOGIT_BYTES
     if sharded_frozen(role, mfc):
-        # Every forward all-gathers the stage's parameters layer by layer over dp. ZeRO-3 prefetches the next
-        # layer's gather while the current layer computes (stage3_prefetch_bucket_size; FSDP's forward_prefetch
-        # likewise), so per micro-batch the gathers cost only what exceeds the compute, plus the first layer's.
+        # Every forward all-gathers the stage's parameters layer by layer over dp. With prefetch (the peers' ZeRO-3
+        # and FSDP) the next layer's gather runs while the current layer computes, so per micro-batch the gathers
+        # cost only what exceeds the compute, plus the first layer's; restage's runtime gathers each unit when
+        # its forward starts, so every gather adds to the compute.
         params = _worst_stage(cfg, s)[0]
         gather_s = allgather_seconds(cluster, _worst_group(layout, "dp"), params * e)
-        exposed_gather_s = max(gather_s - compute_s - tp_s, 0.0) + gather_s / max(layers, 1)
-        transient += 2 * params * e / max(layers, 1)  # the gathered layer and the prefetched next one
+        if role.prefetch_gathers:
+            exposed_gather_s = max(gather_s - compute_s - tp_s, 0.0) + gather_s / max(layers, 1)
+            transient += 2 * params * e / max(layers, 1)  # the gathered layer and the prefetched next one
+        else:
+            exposed_gather_s = gather_s
+            transient += params * e / max(layers, 1)  # one gathered unit at a time
     per_micro = compute_s + tp_s + send_s + ep_s + exposed_gather_s
     rounds = m + s.pp - 1
     parts = {"compute_seconds": rounds * compute_s, "tp_comm_seconds": rounds * tp_s, "pp_send_seconds": rounds * send_s,

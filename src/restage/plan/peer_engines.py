@@ -60,7 +60,9 @@ def old_logprob_seconds(problem: PlanProblem, train: MFC, layout: Layout, micro_
     """One forward of the trained model over the generation's sequences on its training layout."""
     gen = next(m for m in problem.mfcs if m.kind == "generate" and m.model == train.model)
     role = problem.role(train)
-    frozen = dataclasses.replace(role, trainable=False, shard_frozen=role.zero_stage == 3, offload_when_idle=False)
+    sharded = role.zero_stage == 3  # the peer's ZeRO-3 engine gathers (and prefetches) the parameters
+    frozen = dataclasses.replace(role, trainable=False, shard_frozen=sharded, prefetch_gathers=sharded,
+                                 offload_when_idle=False)
     forward = MFC(f"{train.model}_old_logprobs", "inference", train.model, (), (), gen.n_seqs, gen.prompt_tokens,
                   gen.gen_tokens, micro_batches=micro_batches)
     return problem.estimator.estimate(forward, frozen, layout, micro_batches).seconds

@@ -71,7 +71,7 @@ def _with_stage(stage: int, shard_frozen: bool = False) -> RoleChange:
     def change(role: ModelRole) -> ModelRole:
         if role.trainable:
             return dataclasses.replace(role, zero_stage=stage)
-        return dataclasses.replace(role, shard_frozen=shard_frozen)
+        return dataclasses.replace(role, shard_frozen=shard_frozen, prefetch_gathers=shard_frozen)
     return change
 
 
