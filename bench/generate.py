@@ -29,6 +29,7 @@ Usage: ``python bench/generate.py [--json] [--size 40m|100m] [--case fixed|rollo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -195,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="CUDA: replay decode steps as CUDA graphs (on) or decode eagerly (off)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    result = run(args)
+    # Libraries imported on the way may log to stdout (DeepSpeed's accelerator notice, through transformers):
+    # stdout carries only the result.
+    with contextlib.redirect_stdout(sys.stderr):
+        result = run(args)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -28,6 +28,7 @@ Usage: ``python bench/pp_generate.py [--json] [--size small|40m|100m] [--slots 1
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -142,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    result = run(args)
+    # Libraries imported on the way may log to stdout (DeepSpeed's accelerator notice, through transformers):
+    # stdout carries only the result.
+    with contextlib.redirect_stdout(sys.stderr):
+        result = run(args)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
