@@ -155,8 +155,3 @@ PROCESS_BASELINES = {
 
 def process_baseline(has_gpus: bool) -> ProcessBaseline:
     return PROCESS_BASELINES["gpu" if has_gpus else "cpu"]
-
-
-def device_has_gpus(device: str) -> bool:
-    """The rule of ``ClusterSpec.has_gpus``, for a cluster read back as JSON: a device that names a CPU is not a GPU."""
-    return "cpu" not in device.lower()

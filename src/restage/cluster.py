@@ -27,6 +27,11 @@ _FLOAT_FIELDS = (
 )
 
 
+def device_is_gpu(device: str) -> bool:
+    """Whether a cluster's ``device`` name is a GPU's: one that names a CPU is not (also for a cluster read as JSON)."""
+    return "cpu" not in device.lower()
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """One homogeneous cluster of ``nodes`` nodes with ``devices_per_node`` devices each.
@@ -88,7 +93,7 @@ class ClusterSpec:
     @property
     def has_gpus(self) -> bool:
         """Whether the devices are GPUs (a spec whose device names a CPU, like ``local-cpu``, has CPU ranks)."""
-        return "cpu" not in self.device.lower()
+        return device_is_gpu(self.device)
 
     @property
     def usable_memory_bytes(self) -> int:

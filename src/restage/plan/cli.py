@@ -6,8 +6,8 @@ import argparse
 import json
 import time
 
-from restage.accuracy import Band, ProcessBaseline, device_has_gpus, prediction_band, process_baseline
-from restage.cluster import load_cluster
+from restage.accuracy import Band, ProcessBaseline, prediction_band, process_baseline
+from restage.cluster import device_is_gpu, load_cluster
 from restage.config import load_config
 from restage.plan.async_plan import ModeChoice
 from restage.plan.baselines import BASELINES, LABELS
@@ -49,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
 
 def accuracy_of(schedule: Schedule) -> tuple[Band, ProcessBaseline]:
     """The uncertainty band and process baseline (restage/accuracy.py) for the schedule's cluster."""
-    gpus = device_has_gpus(str(schedule.cluster["device"]))
+    gpus = device_is_gpu(str(schedule.cluster["device"]))
     return prediction_band(gpus), process_baseline(gpus)
 
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from restage.accuracy import Band, ProcessBaseline, device_has_gpus, prediction_band, process_baseline
+from restage.accuracy import Band, ProcessBaseline, prediction_band, process_baseline
+from restage.cluster import device_is_gpu
 from restage.report.log import RunLog
 
 
@@ -90,7 +91,7 @@ def accuracy_for(cluster: dict | None) -> tuple[Band, ProcessBaseline] | None:
     device = (cluster or {}).get("device")
     if not isinstance(device, str) or not device:
         return None
-    gpus = device_has_gpus(device)
+    gpus = device_is_gpu(device)
     return prediction_band(gpus), process_baseline(gpus)
 
 
