@@ -83,7 +83,7 @@ def band_of(checks: CheckSet) -> Band:
 GPU_CALIBRATION = CheckSet(
     what="held-out published GPU points (bench/calibration.py)",
     source="python bench/calibration.py --json, 'calibrated' rows of set 'held-out' (sources of each point in "
-           "bench/published.py and docs/plan.md); cost model of branch calib (the systems' own ZeRO stages and host "
+           "bench/published.py and docs/plan.md); cost model of a8c9649 (branch calib: the systems' own ZeRO stages and host "
            "offload, vLLM 0.3's Ray TP step cost), 2026-11-26",
     checks=(
         Check("openrlhf-ray-vllm-13b-generation", 2158.40, 1425.75),
