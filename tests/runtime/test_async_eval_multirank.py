@@ -103,3 +103,24 @@ def test_a_resumed_async_run_evaluates_at_the_same_steps_with_the_same_results(t
             np.testing.assert_array_equal(series_a[name][1], series_b[name][1], err_msg=name)
     a, b = _actor(evaluated, STEPS), _actor(trial, STEPS)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_reward_model_on_the_generation_rank_scores_the_async_evaluation(tmp_path):
+    """The reward model scores on rank 1 (beside generation): each evaluation's answers move there from the training
+    rank by the evaluation's own transfers, and training is still bitwise as without evaluation."""
+    job = ["jobs/grpo_tiny.yaml", "-n", "2", "run.steps=2", "plan.execution=async", *SPLIT,
+           "plan.layouts.actor_prox=ranks:0-0 dp1", "plan.layouts.reward_inf=ranks:1-1 dp1", "reward_fn=",
+           "models.reward.path=results/assets/tiny-llama", "models.reward.init_critic_from_lm=true",
+           "dataset.eval_fraction=0.01", "algo.group_size=4"]
+    _ok(restage_run(tmp_path, *job, "run.eval_every=1", "trial=evaluated"))
+    _ok(restage_run(tmp_path, *job, "trial=plain"))
+    with_eval = read_log(tmp_path / "grpo-tiny" / "evaluated").stat_series()
+    without = read_log(tmp_path / "grpo-tiny" / "plain").stat_series()
+    assert _eval_steps(with_eval) == dict.fromkeys(EVAL_KEYS - {"eval/accuracy"}, [1, 2])  # a model gives no accuracy
+    assert with_eval["eval/prompts"][1].tolist() == [10.0, 10.0]
+    assert with_eval["eval/policy_version"][1].tolist() == [1.0, 2.0]
+    assert np.isfinite(with_eval["eval/reward"][1]).all()
+    assert set(without) == {name for name in with_eval if not name.startswith("eval/")}
+    for name, (steps, values) in without.items():
+        assert steps.tolist() == with_eval[name][0].tolist(), name
+        np.testing.assert_array_equal(values, with_eval[name][1], err_msg=name)
