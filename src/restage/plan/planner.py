@@ -290,7 +290,7 @@ def choose_mode(cfg, cluster: ClusterSpec | None = None, **search) -> PlanOutcom
     sync = make_plan(sync_cfg, cluster, **search)
     sync_rate = sync.problem.samples_per_iteration / sync.evaluation.iteration_seconds
     best: tuple[float, PlanOutcome] | None = None
-    for staleness in STALENESS_CHOICES if cfg.run.eval_every == 0 else ():  # async mode runs no evaluation
+    for staleness in STALENESS_CHOICES:
         for push_every in range(1, staleness + 1):
             async_cfg = with_execution(cfg, "async", staleness, push_every)
             try:
