@@ -11,7 +11,9 @@ an ``N x K`` weight). On CUDA, ``inner`` back-to-back calls are captured in one 
 ``--repeats`` replays is timed between CUDA events after ``--warmup`` replays: the GEMM's device time, which
 is what ``gemm.py``'s efficiency is of (host launch time is the estimator's separate ``block_overhead_seconds``).
 On a CPU the same calls are timed with the wall clock. ``inner`` is sized so that one timed sample lasts about
-``TARGET_SAMPLE_SECONDS``. The shapes run in a seeded random order.
+``TARGET_SAMPLE_SECONDS``, and call ``i`` multiplies the ``i % copies``-th of ``copies`` copies of the
+operands, which on CUDA fill ``ROTATE_BYTES`` (``--rotate-bytes``), more than the L2 cache: a small GEMM then reads
+its weights from HBM, as each of the runtime's layers does, not from L2. The shapes run in a seeded random order.
 
 Per shape: ``sample_seconds`` (per call, one per repeat), ``seconds`` (their median), ``achieved_tflops``
 (2 M N K / ``seconds``), ``measured_efficiency`` (of the cluster's peak for the dtype), ``predicted_efficiency``
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import random
@@ -50,6 +53,10 @@ ROWS = (1, 8, 64, 512, 4096, 16384)
 TPS = (1, 2, 4, 8)
 TARGET_SAMPLE_SECONDS = 2e-3
 MAX_INNER = 200
+# CUDA: the operands of consecutive calls cycle through copies that fill this much memory, more than the L2 cache
+# (50 MB on an H100 or H200), so each call reads its weights from HBM as the runtime's successive layers do.
+ROTATE_BYTES = 128 * 2**20
+MAX_COPIES = 512
 
 
 def _llama(hidden: int, inter: int, heads: int, kv_heads: int, vocab: int) -> ModelConfig:
@@ -102,18 +109,25 @@ def shapes_of(archs: dict[str, ModelConfig], rows: tuple[int, ...]) -> dict[tupl
     return out
 
 
+def operand_copies(m: int, n: int, k: int, itemsize: int, rotate_bytes: int) -> int:
+    """Copies of the operands (A and W) that together fill ``rotate_bytes`` (at most ``MAX_COPIES``; 1 when 0)."""
+    if rotate_bytes <= 0:
+        return 1
+    return max(1, min(MAX_COPIES, math.ceil(rotate_bytes / ((m * k + n * k) * itemsize))))
+
+
 def _time_samples(run, inner: int, repeats: int, warmup: int, device: torch.device) -> list[float]:
-    """Seconds per call of ``inner`` calls of ``run``, one sample per repeat (CUDA: a graph replay between events)."""
+    """Seconds per call of ``run(0) .. run(inner - 1)``, one sample per repeat (CUDA: a graph replay between events)."""
     if device.type == "cuda":  # warm-up on a side stream, then capture (as models/decode_graphs.py does)
         current, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            run()
+            run(0)
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(inner):
-                run()
+            for i in range(inner):
+                run(i)
         for _ in range(warmup):
             graph.replay()
         samples = []
@@ -126,39 +140,43 @@ def _time_samples(run, inner: int, repeats: int, warmup: int, device: torch.devi
             samples.append(start.elapsed_time(end) / 1e3 / inner)
         return samples
     for _ in range(warmup):
-        run()
+        run(0)
     samples = []
     for _ in range(repeats):
         began = time.perf_counter()
-        for _ in range(inner):
-            run()
+        for i in range(inner):
+            run(i)
         samples.append((time.perf_counter() - began) / inner)
     return samples
 
 
-def measure(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, repeats: int, warmup: int) -> dict:
-    """Time ``F.linear(a, w)`` with ``a`` M x K and ``w`` N x K (the output preallocated, as a graph needs)."""
-    a = torch.randn(m, k, dtype=dtype, device=device)
-    w = torch.randn(n, k, dtype=dtype, device=device)
+def measure(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, repeats: int, warmup: int,
+            rotate_bytes: int) -> dict:
+    """Time ``F.linear(a, w)`` with ``a`` M x K and ``w`` N x K (the output preallocated, as a graph needs), call ``i``
+    on the ``i % copies``-th copy of the operands (``operand_copies``)."""
+    copies = operand_copies(m, n, k, torch.finfo(dtype).bits // 8, rotate_bytes)
+    a = torch.randn(copies, m, k, dtype=dtype, device=device)
+    w = torch.randn(copies, n, k, dtype=dtype, device=device)
     out = torch.empty(m, n, dtype=dtype, device=device)
 
-    def run() -> None:
-        torch.matmul(a, w.t(), out=out)  # F.linear(a, w)'s product (the same mm), into a fixed buffer
+    def run(i: int) -> None:
+        torch.matmul(a[i % copies], w[i % copies].t(), out=out)  # F.linear(a, w)'s product (the same mm), in place
 
     if device.type == "cuda":  # one eager call warms cuBLAS (handle, workspace, heuristics) before the graph
-        run()
+        run(0)
         torch.cuda.synchronize(device)
         began = time.perf_counter()
-        run()
+        run(1)
         torch.cuda.synchronize(device)
     else:
-        run()
+        run(0)
         began = time.perf_counter()
-        run()
+        run(1)
     first = max(time.perf_counter() - began, 1e-7)
-    inner = max(1, min(MAX_INNER, math.ceil(TARGET_SAMPLE_SECONDS / first)))
+    calls = max(1, min(MAX_INNER, math.ceil(TARGET_SAMPLE_SECONDS / first)))
+    inner = copies * math.ceil(calls / copies)  # every copy used equally often
     samples = _time_samples(run, inner, repeats, warmup, device)
-    return {"inner": inner, "sample_seconds": samples}
+    return {"inner": inner, "copies": copies, "sample_seconds": samples}
 
 
 def shape_row(cluster: ClusterSpec, dtype: str, m: int, n: int, k: int, where: list[str], timing: dict) -> dict:
@@ -188,14 +206,14 @@ def block_rows(cluster: ClusterSpec, dtype: str, archs: dict[str, ModelConfig], 
         for tp in tp_degrees(cfg):
             s = block_shape(cfg, tp)
             for m in sorted({m for (m, _, _) in shapes}):
-                runtime = [shapes.get((m, n, k)) for _, n, k in runtime_gemms(s)]
-                fused = [shapes.get((m, n, k)) for _, n, k in block_gemms(s)]
-                if any(r is None for r in runtime + fused):
+                runtime = [(m, n, k) for _, n, k in runtime_gemms(s)]
+                fused = [(m, n, k) for _, n, k in block_gemms(s)]
+                if not all(key in shapes for key in runtime + fused):
                     continue  # not measured (truncated)
-                measured = sum(r["seconds"] for r in runtime)
+                measured = sum(shapes[key]["seconds"] for key in runtime)
                 predicted = roofline.block_matmuls(m, tp)
                 out.append({"arch": name, "tp": tp, "rows": m, "runtime_gemms_seconds": measured,
-                            "estimator_gemms_measured_seconds": sum(r["seconds"] for r in fused),
+                            "estimator_gemms_measured_seconds": sum(shapes[key]["seconds"] for key in fused),
                             "predicted_seconds": predicted, "error_percent": 100.0 * (predicted - measured) / measured})
     return out
 
@@ -226,15 +244,16 @@ def run(args: argparse.Namespace) -> dict:
     shapes = shapes_of(archs, rows_m)
     order = list(shapes.items())
     random.Random(0).shuffle(order)  # a run cut short by --max-seconds loses shapes of every size, not the largest
+    # torch.cuda.graph collects garbage before each capture: with the imports' objects frozen out of the collector's
+    # view that takes microseconds, not tens of milliseconds per shape.
+    gc.freeze()
     started, rows, truncated = time.perf_counter(), [], False
     for (m, n, k), where in order:
         if time.perf_counter() - started > args.max_seconds:
             truncated = True
             break
-        timing = measure(m, n, k, DTYPES[args.dtype], device, args.repeats, args.warmup)
+        timing = measure(m, n, k, DTYPES[args.dtype], device, args.repeats, args.warmup, args.rotate_bytes)
         rows.append(shape_row(cluster, args.dtype, m, n, k, where, timing))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     rows.sort(key=lambda r: (r["where"][0].split("/")[0], r["cols"], r["depth"], r["rows"]))
     measured = {(r["rows"], r["cols"], r["depth"]): r for r in rows}
     blocks = block_rows(cluster, args.dtype, archs, measured)
@@ -244,14 +263,15 @@ def run(args: argparse.Namespace) -> dict:
             "achievable_memory_bytes_per_second": cluster.achievable_memory_bandwidth(),
             "timing": ("CUDA graph of `inner` calls, each replay timed between CUDA events" if device.type == "cuda"
                        else "wall clock over `inner` calls"),
-            "repeats": args.repeats, "warmup": args.warmup, "shape_set": args.shapes, "truncated": truncated,
+            "repeats": args.repeats, "warmup": args.warmup, "rotate_bytes": args.rotate_bytes, "shape_set": args.shapes,
+            "truncated": truncated,
             "wall_seconds": time.perf_counter() - started, "summary": summarize(rows, blocks), "rows": rows,
             "blocks": blocks}
 
 
 def format_text(result: dict) -> str:
     s = result["summary"]
-    out = [f"bf16 GEMMs on {result['device_name']} against plan/gemm.py for cluster {result['cluster']} "
+    out = [f"{result['dtype']} GEMMs on {result['device_name']} against plan/gemm.py for cluster {result['cluster']} "
            f"({result['dtype']}, peak {result['peak_flops_per_second'] / 1e12:.0f} TFLOP/s; {result['timing']})"
            + (" TRUNCATED" if result["truncated"] else ""),
            f"{'M':>6} {'N':>6} {'K':>6} {'TFLOP/s':>8} {'meas eff':>8} {'pred eff':>8} {'eff err':>8} "
@@ -287,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--max-seconds", type=float, default=180.0, help="stop measuring new shapes after this long")
+    parser.add_argument("--rotate-bytes", type=int, help=f"operand copies fill this many bytes (default {ROTATE_BYTES} "
+                        "on cuda, 0 on cpu: one copy)")
     parser.add_argument("--from", dest="from_file", metavar="FILE", help="print a saved --json result as text")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -294,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_text(json.loads(Path(args.from_file).read_text())))
         return 0
     args.shapes = args.shapes or ("models" if args.device.startswith("cuda") else "tiny")
+    if args.rotate_bytes is None:
+        args.rotate_bytes = ROTATE_BYTES if args.device.startswith("cuda") else 0
     with contextlib.redirect_stdout(sys.stderr):  # libraries' notices stay off stdout, which carries the result
         result = run(args)
     print(json.dumps(result, indent=1) if args.json else format_text(result))

@@ -36,7 +36,7 @@ def result(bench):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert bench.main(["--device", "cpu", "--cluster", "h200-141gb", "--shapes", "tiny", "--repeats", "2",
-                           "--warmup", "1", "--json"]) == 0
+                           "--warmup", "1", "--rotate-bytes", "65536", "--json"]) == 0
     return json.loads(out.getvalue())
 
 
@@ -71,6 +71,7 @@ def test_every_shape_is_measured_and_its_prediction_is_gemm_py(bench, result):
         assert r["predicted_efficiency"] == gemm_efficiency(h200, m, n, k)
         assert r["predicted_tflops"] == pytest.approx(989.0 * gemm_efficiency(h200, m, n, k))
         assert len(r["sample_seconds"]) == 2 and r["seconds"] == statistics.median(r["sample_seconds"])
+        assert r["copies"] == bench.operand_copies(m, n, k, 2, 65536) and r["inner"] % r["copies"] == 0
         assert r["flops"] == 2 * m * n * k
         assert r["achieved_tflops"] == pytest.approx(r["flops"] / r["seconds"] / 1e12, rel=1e-12)
         assert r["measured_efficiency"] == pytest.approx(r["flops"] / r["seconds"] / 989e12, rel=1e-12)
@@ -80,6 +81,14 @@ def test_every_shape_is_measured_and_its_prediction_is_gemm_py(bench, result):
         assert r["predicted_seconds"] == pytest.approx(roofline)
     errors = [abs(r["efficiency_error_percent"]) for r in result["rows"]]
     assert result["summary"]["median_abs_efficiency_error_percent"] == pytest.approx(statistics.median(errors))
+
+
+def test_the_operands_rotate_through_copies_larger_than_the_l2_cache(bench):
+    assert bench.ROTATE_BYTES > 50e6  # the L2 cache of an H100 / H200
+    assert bench.operand_copies(1, 1024, 1024, 2, 128 * 2**20) == 64  # 2 x (1024 + 1024 x 1024) bytes a copy
+    assert bench.operand_copies(16384, 8192, 8192, 2, 128 * 2**20) == 1  # 384 MiB of operands: one copy
+    assert bench.operand_copies(1, 16, 64, 2, 128 * 2**20) == bench.MAX_COPIES
+    assert bench.operand_copies(1, 1024, 1024, 2, 0) == 1
 
 
 def test_a_blocks_gemms_are_the_runtimes_seven_measured_against_block_matmuls(bench, result):
