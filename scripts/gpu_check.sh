@@ -82,6 +82,13 @@ done
 grep -E "^step|error|Error" "$out/rl.log" | tail -30
 fi
 
+# The GPU's clocks, power and temperature now, one CSV row appended to costs_clocks.csv (nothing without nvidia-smi).
+clocks() {
+  command -v nvidia-smi >/dev/null || return 0
+  nvidia-smi --query-gpu=timestamp,name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu \
+    --format=csv$([[ -s "$out/costs_clocks.csv" ]] && echo ,noheader) >>"$out/costs_clocks.csv" 2>&1
+}
+
 # costs DEVICE: the GEMM profile and restage's runtime against its estimator, files costs_* under $out.
 costs() {
   local device=$1 cluster job model steps gemm_args trial run_dir
@@ -117,8 +124,10 @@ EOF
     --out "$out/costs_plan_schedule.json" >"$out/costs_plan.txt" 2>>"$out/costs_run.log"
   head -8 "$out/costs_plan.txt"
   echo "model and plan: $((SECONDS - started)) s" | tee -a "$out/costs_run.log"
+  clocks
   timeout 270 python3 -m restage.cli run "$job" -n 1 "${over[@]}" run.steps=$steps --overwrite >>"$out/costs_run.log" 2>&1
   echo "run rc $? after $((SECONDS - started)) s" | tee -a "$out/costs_run.log"
+  clocks
   run_dir=results/$(python3 -c "from restage.config import load_config; print(load_config('$job').experiment)")/$trial
   cp "$run_dir/schedule.json" "$out/costs_schedule.json"
   timeout 60 python3 -m restage.cli report "$run_dir" >"$out/costs_report.txt" 2>&1
@@ -126,12 +135,14 @@ EOF
   python3 bench/runtime_vs_estimate.py "$run_dir" >"$out/costs_runtime.txt" 2>&1
   cat "$out/costs_runtime.txt"
   echo "-- GEMMs: bench/gpu_gemm.py $gemm_args --cluster $cluster (after $((SECONDS - started)) s)"
+  clocks  # SM clock, power and temperature before and after: a GPU that throttles under load shows it
   timeout 150 python3 bench/gpu_gemm.py --json $gemm_args --cluster "$cluster" >"$out/costs_gemm.json" \
     2>"$out/costs_gemm.err" || echo "gemm bench failed: rc $?"
+  clocks
   python3 bench/gpu_gemm.py --from "$out/costs_gemm.json" >"$out/costs_gemm.txt" 2>>"$out/costs_gemm.err" \
     && tail -2 "$out/costs_gemm.txt"
   echo "costs: $((SECONDS - started)) s" | tee -a "$out/costs_run.log"
-  grep -E "Error|error:|Traceback" "$out/costs_run.log" | tail -10
+  grep -E "Error|error:|Traceback" "$out/costs_run.log" | tail -10 || true  # none found is the good case
 }
 
 if [[ $parts == *" costs "* ]]; then
