@@ -23,7 +23,7 @@ _FLOAT_FIELDS = (
     "inter_node_bandwidth_bytes_per_second", "inter_node_latency_seconds", "compute_efficiency",
     "memory_efficiency", "network_efficiency", "usable_memory_fraction", "block_overhead_seconds", "attention_efficiency",
     "host_bandwidth_bytes_per_second", *(f"{name}_overhead_seconds" for name in (
-        "mfc", "sequence", "forward", "backward", "decode_step", "optimizer_step", "transfer", "realloc")),
+        "mfc", "sequence", "forward", "backward", "decode_step", "optimizer_step", "dp_step", "transfer", "realloc")),
 )
 
 
@@ -71,6 +71,9 @@ class ClusterSpec:
     backward_overhead_seconds: float = 0.0  # per micro-batch backward through the training engine
     decode_step_overhead_seconds: float = 0.0  # per generated token step (sampling, cache bookkeeping)
     optimizer_step_overhead_seconds: float = 0.0  # per optimizer step, beyond the per-parameter update
+    # per optimizer step of a data-parallel model (dp > 1), beyond its collectives' modelled seconds: DeepSpeed's
+    # flattening, averaging and partition bookkeeping around the gradient reduction, and its norm all-reduce
+    dp_step_overhead_seconds: float = 0.0
     transfer_overhead_seconds: float = 0.0  # per data transfer between two different layouts
     realloc_overhead_seconds: float = 0.0  # per parameter reallocation
 

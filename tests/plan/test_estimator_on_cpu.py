@@ -112,7 +112,8 @@ def test_fixed_overheads_are_counted_per_call_slot_step_and_token():
     train = MFC("t", "train_step", "actor", ("seqs",), (), 64, 16, 16, micro_batches=2, minibatches=4, epochs=2)
     counts = overhead_counts(train, Layout.contiguous(0, Strategy(dp=2, pp=2)), 4)
     # 8 optimizer steps, each 4 micro-batches through a 2-stage pipeline (5 slots); 32 sequences per DP rank, twice
-    assert counts == {"mfc": 1, "sequence": 64, "forward": 40, "backward": 40, "optimizer_step": 8}
+    assert counts == {"mfc": 1, "sequence": 64, "forward": 40, "backward": 40, "optimizer_step": 8, "dp_step": 8}
+    assert overhead_counts(train, Layout.contiguous(0, Strategy(pp=2)), 4)["dp_step"] == 0  # no gradient reduction
     gen = MFC("g", "generate", "actor", ("prompts",), ("seqs",), 64, 16, 24)
     assert overhead_counts(gen, Layout.contiguous(0, Strategy(dp=4)), 1) == {"mfc": 1, "sequence": 16, "forward": 1,
                                                                              "decode_step": 24}

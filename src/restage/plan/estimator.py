@@ -242,7 +242,7 @@ class Estimator:
 
 
 # The runtime's fixed host-side costs (``ClusterSpec.*_overhead_seconds``) and what each is paid per.
-OVERHEADS = ("mfc", "sequence", "forward", "backward", "decode_step", "optimizer_step")
+OVERHEADS = ("mfc", "sequence", "forward", "backward", "decode_step", "optimizer_step", "dp_step")
 
 
 def overhead_counts(mfc: MFC, layout: Layout, m: int) -> dict[str, float]:
@@ -250,7 +250,8 @@ def overhead_counts(mfc: MFC, layout: Layout, m: int) -> dict[str, float]:
 
     Per-micro-batch costs count pipeline slots (``m + pp - 1``), like the compute they accompany;
     a generation pays its per-token cost once per decoding step (its prefill is one more
-    forward). A train step pays per optimizer step, ``epochs x minibatches`` times.
+    forward). A train step pays per optimizer step, ``epochs x minibatches`` times, and once more per
+    optimizer step (``dp_step``) when its gradients are reduced over data-parallel ranks.
     """
     s = layout.strategy
     slots = m + s.pp - 1
@@ -261,7 +262,7 @@ def overhead_counts(mfc: MFC, layout: Layout, m: int) -> dict[str, float]:
         return {"mfc": 1, "sequence": seqs, "forward": slots}
     steps = mfc.epochs * mfc.minibatches
     return {"mfc": 1, "sequence": seqs * mfc.epochs, "forward": steps * slots, "backward": steps * slots,
-            "optimizer_step": steps}
+            "optimizer_step": steps, "dp_step": steps if s.dp > 1 else 0}
 
 
 def overhead_seconds(cluster: ClusterSpec, mfc: MFC, layout: Layout, m: int) -> float:
