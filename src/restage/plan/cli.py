@@ -122,5 +122,6 @@ def mode_line(choice: ModeChoice) -> str:
     rate = f"{choice.async_samples_per_second:.2f} samples/s"
     ratio = (f", {choice.async_samples_per_second / choice.sync_samples_per_second:.2f}x"
              if choice.sync_samples_per_second else "")
+    partial = ", partial rollouts" if choice.partial else ""
     return (f"execution: {choice.chosen} chosen; best async plan (staleness {choice.staleness}, push every "
-            f"{choice.push_every}) {rate}{ratio}; best synchronous plan {sync} samples/s (predicted)")
+            f"{choice.push_every}{partial}) {rate}{ratio}; best synchronous plan {sync} samples/s (predicted)")
