@@ -21,37 +21,51 @@ GRPO_MFCS = ("actor_gen", "ref_inf", "actor_prox", "actor_train")
 STALENESS, PUSH_EVERY = 2, 1
 
 
-def partial_overrides() -> list[str]:
-    return ["plan.execution=async", f"plan.staleness={STALENESS}", f"plan.push_every={PUSH_EVERY}",
+def partial_overrides(staleness: int = STALENESS, push_every: int = PUSH_EVERY) -> list[str]:
+    return ["plan.execution=async", f"plan.staleness={staleness}", f"plan.push_every={push_every}",
             "plan.partial_rollouts=true", *layout_overrides(SPLIT, GRPO_MFCS)]
 
 
-def test_tokens_span_two_versions_within_the_bound(tmp_path):
-    steps = 8
-    run = restage_run(tmp_path, "grpo_tiny", 2, "partial", f"run.steps={steps}", *partial_overrides())
-    ahead = lookahead(STALENESS, PUSH_EVERY, partial=True)
-    assert ahead == 1
+def pushed(step: int, push_every: int) -> int:
+    """The version the generation copy holds at step ``step``: that of the last push (every push_every-th step)."""
+    return step - step % push_every
+
+
+@pytest.mark.parametrize("staleness, push_every, steps", [(2, 1, 8), (3, 2, 9)])
+def test_tokens_span_two_versions_within_the_bound(tmp_path, staleness, push_every, steps):
+    run = restage_run(tmp_path, "grpo_tiny", 2, "partial", f"run.steps={steps}",
+                      *partial_overrides(staleness, push_every))
+    ahead = lookahead(staleness, push_every, partial=True)
+    assert ahead == staleness - push_every == 1
     # Logged at the generate of step s (batch s + 1 finished, batch s + 2 begun): the fraction of batch s + 2's
     # samples cut mid-answer, and its tokens written so far per sample. The last two steps begin nothing.
     cut_samples, cut_tokens = run.stat("actor_gen/cut_samples"), run.stat("actor_gen/cut_tokens")
     answer_tokens = run.stat("actor_gen/answer_tokens")  # per sample of the batch finished at step s
     assert len(cut_samples) == steps - 1 and cut_samples[-1] == 0 and cut_tokens[-1] == 0
     assert (cut_samples[:-1] > 0).all()  # every batch but the last is begun early, and some answers cut
-    mixed = run.stat("actor_gen/mixed_version_samples")
-    np.testing.assert_array_equal(mixed, [0.0, 0.0, *cut_samples[:steps - 2]])
-    # The batch's oldest token: version t - 2 where step t - 2 wrote any of it, else t - 1 (warm-up: 0).
-    expected = [0.0, 0.0] + [float(t - 2 if cut_tokens[t - 2] > 0 else t - 1) for t in range(2, steps)]
+    # Batch t >= 2 was begun at step t - 2 (the copy's version pushed(t - 2)) and finished at step t - 1: its
+    # samples span two versions exactly when they were cut and a push came between.
+    begun = {t: pushed(t - 2, push_every) for t in range(2, steps)}
+    finished = {t: pushed(t - 1, push_every) for t in range(2, steps)}
+    mixed = [0.0, 0.0] + [cut_samples[t - 2] if begun[t] != finished[t] else 0.0 for t in range(2, steps)]
+    np.testing.assert_array_equal(run.stat("actor_gen/mixed_version_samples"), mixed)
+    assert sum(m > 0 for m in mixed) == sum(begun[t] != finished[t] for t in begun)
+    # The batch's oldest token: the begun version where step t - 2 wrote any of it (warm-up and batch 1: 0).
+    expected = [0.0, 0.0] + [float(begun[t] if cut_tokens[t - 2] > 0 else finished[t]) for t in range(2, steps)]
     np.testing.assert_array_equal(run.stat("actor_gen/behaviour_version"), expected)
 
-    gap = {g: run.stat(f"actor_train/version_gap_{g}") for g in range(STALENESS + 1)}
-    np.testing.assert_array_equal(gap[0], [1.0] + [0.0] * (steps - 1))  # batch 0: the warm-up, trained at step 0
-    np.testing.assert_array_equal(gap[1][:2], [0.0, 1.0])  # batch 1: generated whole at step 0
-    np.testing.assert_allclose(gap[1] + gap[2], [0.0] + [1.0] * (steps - 1), rtol=0, atol=1e-12)
-    assert (run.stat("actor_train/version_gap_max") <= STALENESS).all()
-    # Tokens at gap 2 are those written at step t - 2: per token, over the micro-batches' fractions (2 halves).
-    share = cut_tokens[:steps - 2] / answer_tokens[1:steps - 1]
-    np.testing.assert_allclose(gap[2][2:], share, rtol=0, atol=0.03)
-    assert (gap[2][2:] > 0).all()
+    gap = {g: run.stat(f"actor_train/version_gap_{g}") for g in range(staleness + 1)}
+    np.testing.assert_array_equal(gap[0][:2], [1.0, 0.0])  # batch 0: warm-up, trained at 0; batch 1: made at step 0
+    np.testing.assert_array_equal(gap[1][:2], [0.0, 1.0])
+    np.testing.assert_allclose(sum(gap.values()), 1.0, rtol=0, atol=1e-12)  # no token past the bound
+    assert (run.stat("actor_train/version_gap_max") <= staleness).all()
+    for t in range(2, steps):
+        old, new = t - begun[t], t - finished[t]  # the two gaps batch t's tokens may have
+        assert max(old, new) <= staleness and all(gap[g][t] == 0 for g in gap if g not in (old, new)), t
+        if old != new:  # tokens at the older gap are those written at step t - 2: per token, over 2 micro-batches
+            np.testing.assert_allclose(gap[old][t], cut_tokens[t - 2] / answer_tokens[t - 1], rtol=0, atol=0.03)
+            assert gap[old][t] > 0
+    assert max(t - begun[t] for t in begun) == staleness  # the worst gap reaches the bound
 
 
 WINDOW = 5  # steps averaged at each end of the reward curve, as tests/e2e/test_async_rl.py
