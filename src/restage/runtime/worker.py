@@ -313,7 +313,7 @@ def describe_op(op: Op) -> str:
         case Realloc() | Free() | Offload() | Reload() | Push():
             return f"{op.kind} {op.model}"
         case Generate():
-            return f"generate {op.mfc} ahead"
+            return f"generate {op.mfc} ahead" + (" (partial rollouts)" if op.partial else "")
         case TakeBuffered():
             return f"take {op.mfc}'s batch from the rollout buffer"
         case _:
