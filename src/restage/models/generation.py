@@ -141,8 +141,8 @@ def continue_generate(module: StageModule, requests: Sequence[PartialRequest], p
                            params, eos_ids, limits, started=started, must_finish=must_finish)
     for row, r in enumerate(requests):
         if r.answer:
-            engine.tokens[row, :len(r.answer)] = torch.tensor(r.answer, dtype=torch.int64)
-            engine.logprobs[row, :len(r.answer)] = torch.tensor(r.answer_logprobs, dtype=torch.float32)
+            engine.tokens[row, :len(r.answer)] = torch.tensor(r.answer, dtype=torch.int64).to(engine.device)
+            engine.logprobs[row, :len(r.answer)] = torch.tensor(r.answer_logprobs, dtype=torch.float32).to(engine.device)
     tokens, logprobs, lengths = engine.run()
     open_ = set(engine.unfinished())
     return PartialOutput(GenerationOutput(tokens, logprobs, lengths),
