@@ -97,10 +97,18 @@ def test_the_cache_holds_the_must_finish_requests_only(llama):
                            torch.zeros(len(requests), dtype=torch.int64), params, [], limits, must_finish=8)
     assert engine.num_slots == 8
     _, _, lengths = engine.run()
-    # No EOS: the first 8 leave at max length together, after decode 10; the later 8 take their slots at once
-    # and decode until the next check (one every 4 decodes), where the engine stops: 12 - 10 = 2 tokens each.
-    assert lengths[:8].tolist() == [10] * 8 and lengths[8:].tolist() == [(-10) % 4] * 8
+    # No EOS: the first 8 leave at max length together, after decode 10, which the host knows without a check:
+    # the engine stops there, before the later 8 (admitted only into freed slots) decoded a token.
+    assert lengths[:8].tolist() == [10] * 8 and lengths[8:].tolist() == [0] * 8
     assert engine.unfinished() == list(range(8, 16))
+    # With EOS the engine stops at the check that sees the last required answer end: fewer than
+    # check_every_steps decodes after it, which the later requests (taking the freed slots) decoded.
+    eos = (3, 17, 40, 101, 150, 201, 230)
+    engine = RolloutEngine(llama, [r.prompt for r in requests], list(range(len(requests))), [10] * len(requests),
+                           torch.arange(len(requests)), _params(eos), list(eos), limits, must_finish=8)
+    _, _, lengths = engine.run()
+    assert (lengths[:8] >= 1).all() and engine.num_slots == 8
+    assert 0 < int(lengths[8:].sum()) and int(lengths[8:].max()) <= 10 - 1
 
 
 def test_bad_requests_are_refused_in_one_line(llama):

@@ -167,10 +167,10 @@ class RolloutEngine:
 
     Partial rollouts (``generation.continue_generate``): request r's prompt may end with ``started[r]`` answer
     tokens chosen earlier (by older weights); it is prefilled whole, like any prompt, and decodes on from answer
-    position ``started[r]``, so its noise continues where it stopped. With ``must_finish`` = M, ``run`` stops at
-    the first check where requests ``0 .. M-1`` are all done, leaving the later ones in their slots (their
-    answers so far in the outputs) or waiting; the cache then holds at most M slots, so later requests start
-    only as the first ones free theirs."""
+    position ``started[r]``, so its noise continues where it stopped. With ``must_finish`` = M, ``run`` stops as
+    soon as requests ``0 .. M-1`` are all done (at the check that sees the last EOS, or at once when the last
+    leaves at its max length), leaving the later ones in their slots (their answers so far in the outputs) or
+    waiting; the cache then holds at most M slots, so later requests start only as the first ones free theirs."""
 
     def __init__(self, module: StageModule, prompts: Sequence[Sequence[int]], prompt_of: Sequence[int],
                  max_new: Sequence[int], keys: torch.Tensor, params: SamplingParams, eos_ids: Sequence[int],
@@ -231,6 +231,8 @@ class RolloutEngine:
                     self._admit(join_if_empty=False)  # a request left at its max length: no sync needed
                 if self.bound():
                     self._decode()
+                    if not lockstep and self.must_finish < len(self.prompt_of) and self.required_done():
+                        break  # the last required request left at its max length: the host knows, no check needed
                 elif lockstep:
                     join_sparse_layers(self.module)
                 else:
