@@ -268,8 +268,8 @@ def steady_state(problem, plan, overlap: bool = False, iterations: int = 3) -> t
 def refill_seconds(mfc, candidate) -> float:
     """Partial rollouts: the prefill again, under the weights of the step, of the answers the step before left in
     flight. Costed at its worst, every answer of the batch cut half-way (prompt + gen / 2 tokens each), scaled from
-    the candidate's own prefill (``(prompt - 1)`` tokens once per group); the measured tiny GRPO job cuts 66-88% of
-    them (docs/runtime.md, "Partial rollouts"). The estimator gives every answer the same length, so the gain
+    the candidate's own prefill (``(prompt - 1)`` tokens once per group); the tiny GRPO job's 50-step run cuts
+    about 40% of them (docs/runtime.md, "Partial rollouts"). The estimator gives every answer the same length, so the gain
     partial rollouts bring on uneven answers (the generator no longer waits for a batch's longest) is not costed."""
     group = int(mfc.options.get("group_size", 1))
     prefix = max(1, mfc.prompt_tokens - 1)
