@@ -6,8 +6,8 @@
 
 First, always: GRPO tiny on 2 ranks in sync and in async mode (``async_comparison``) beside what
 ``plan.execution=auto`` chooses, as ``grpo_sync_samples_per_s``, ``grpo_async_samples_per_s``, ``planner_choice``
-and the predicted rates, and async with partial rollouts (``grpo_async_partial_samples_per_s``; ``--only-async``:
-nothing else).
+and the predicted rates, and async with partial rollouts at the same lookahead and push interval (staleness one
+higher: ``grpo_async_partial_samples_per_s``; ``--only-async``: nothing else).
 
 Two GRPO jobs, each measured against TRL:
 
@@ -222,9 +222,11 @@ def async_comparison(steps: int, warmup: int, group: int) -> dict:
     trial, wall = run_restage("grpo_tiny", 2, steps, ["plan.execution=async", f"plan.staleness={k}",
                                                       f"plan.push_every={n}"], trial="bench-async")
     asynchronous = restage_figures(trial, warmup, group, wall)
-    # Partial rollouts at the lookahead of (1, 1): staleness 2, a push every step (docs/runtime.md, "Partial rollouts").
-    trial, wall = run_restage("grpo_tiny", 2, steps, ["plan.execution=async", "plan.staleness=2", "plan.push_every=1",
-                                                      "plan.partial_rollouts=true"], trial="bench-async-partial")
+    # Partial rollouts at async's lookahead and push interval: staleness k + 1, push every n (lookahead k - n + 1 as
+    # whole batches at (k, n); a token may be one version older: docs/runtime.md, "Partial rollouts").
+    trial, wall = run_restage("grpo_tiny", 2, steps, ["plan.execution=async", f"plan.staleness={k + 1}",
+                                                      f"plan.push_every={n}", "plan.partial_rollouts=true"],
+                              trial="bench-async-partial")
     partial = restage_figures(trial, warmup, group, wall)
     measured = {"sync": sync["samples_per_second"], "async": asynchronous["samples_per_second"]}
     faster = max(measured, key=lambda mode: measured[mode])
@@ -352,7 +354,8 @@ def format_text(result: dict, args) -> str:
                  f"{result['planner_predicted_sync_samples_per_s']:.1f}, async "
                  f"{result['planner_predicted_async_samples_per_s'] or 0:.1f} samples/s); its measured rate is "
                  f"{result['planner_choice_vs_faster']:.2f}x the faster mode's")
-    lines.append(f"Async with partial rollouts (staleness 2, push every 1): "
+    lines.append(f"Async with partial rollouts (staleness {result['async_staleness'] + 1}, push every "
+                 f"{result['async_push_every']}): "
                  f"{result['grpo_async_partial_samples_per_s']:.1f} samples/s")
     for mode in ("grpo_sync", "grpo_async", "grpo_async_partial"):
         lines += _restage_lines(mode, result[mode])
