@@ -170,8 +170,8 @@ def answers_result(mfc: MFC, prompts: Batch, answers: list[list[int]], answer_lo
     if "versions" in mfc.outputs:
         if versions is None:
             raise ValueError(f"{mfc.name} outputs versions but the runtime gave no policy version")
-        batch = batch.with_keys(tokens={"versions": torch.cat([
-            torch.tensor([-1] * len(p) + v, dtype=torch.int64) for p, v in zip(repeated, versions, strict=True)])})
+        flat = [x for p, v in zip(repeated, versions, strict=True) for x in [-1] * len(p) + v]  # -1 on prompt tokens
+        batch = batch.with_keys(tokens={"versions": torch.tensor(flat, dtype=torch.int64)})
     batch = algo.after_generate(mfc.name, batch, cfg, state)
     generated = sum(len(a) for a in answers)
     stats = {f"{mfc.name}/answer_tokens": generated / max(1, len(seqs))}
