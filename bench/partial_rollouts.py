@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"job": args.job, "batches": args.batches, "requests_per_batch": size * group,
                     "max_new_tokens": params.max_new_tokens, "cpus": os.cpu_count(),
                     "load_average_1min_before": os.getloadavg()[0]}
-    outputs, seconds = {}, {"whole": [], "partial": []}
+    outputs: dict[str, list[list[int]]] = {}
+    seconds: dict[str, list[float]] = {"whole": [], "partial": []}
     for repeat in range(args.repeats + 1):  # the first run of each warms up, and is the one counted
         for name, fn in (("whole", whole), ("partial", partial)):
             counts.update(decode_steps=0, prefill_tokens=0)
