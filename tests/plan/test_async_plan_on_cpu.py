@@ -5,7 +5,7 @@ import pytest
 from restage.config import load_config
 from restage.errors import ConfigError
 from restage.plan.async_plan import best_async_plan, splits
-from restage.plan.cli import mode_line
+from restage.plan.cli import mode_line, render
 from restage.plan.evaluate import evaluate
 from restage.plan.planner import build_problem, make_plan
 from restage.plan.schedule import build_schedule
@@ -106,6 +106,16 @@ def test_partial_rollouts_cost_the_refill_and_one_batch_less_of_warm_up():
     plan_whole, ev_whole = best_async_plan(whole)
     assert ev_whole.iteration_seconds - ev_whole.timeline.makespan_seconds == pytest.approx(
         2 * plan_whole[whole.index["actor_gen"]].seconds / 40, rel=1e-12)
+
+
+def test_restage_plan_names_partial_rollouts():
+    cfg = load_config(JOB, ["plan.execution=async", "plan.staleness=2", "plan.partial_rollouts=true"])
+    outcome = make_plan(cfg, with_baselines=False)
+    text = render(build_schedule(cfg, outcome), outcome)
+    assert "execution: async (staleness 2, push every 1, partial rollouts)" in text.splitlines()
+    whole = load_config(JOB, ["plan.execution=async", "plan.staleness=2"])
+    outcome = make_plan(whole, with_baselines=False)
+    assert "execution: async (staleness 2, push every 1)" in render(build_schedule(whole, outcome), outcome).splitlines()
 
 
 def test_auto_tries_partial_rollouts_only_when_allowed():

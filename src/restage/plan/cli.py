@@ -91,6 +91,8 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
                          f"pp{d.pp}: {step.bytes / GIB:.2f} GiB moved, {step.predicted['seconds']:.3f} s")
     if outcome.mode_choice is not None:
         lines.append(mode_line(outcome.mode_choice))
+    elif (plan := schedule.config.get("plan", {})).get("execution") == "async":
+        lines.append(async_line(plan))
     band, baseline = accuracy_of(schedule)
     low, high = band.seconds(p["iteration_seconds"])
     lines.append(f"iteration {p['iteration_seconds']:.3f} s (likely {low:.3f}-{high:.3f} s), "
@@ -112,6 +114,12 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
                 lines.append(f"  vs {what}: {ev.iteration_seconds:.3f} s, this plan is "
                              f"{ev.iteration_seconds / p['iteration_seconds']:.2f}x as fast")
     return "\n".join(lines)
+
+
+def async_line(plan: dict) -> str:
+    """plan.execution async: the staleness bound, the push interval and whether answers continue across pushes."""
+    partial = ", partial rollouts" if plan.get("partial_rollouts") else ""
+    return f"execution: async (staleness {plan['staleness']}, push every {plan['push_every']}{partial})"
 
 
 def mode_line(choice: ModeChoice) -> str:
