@@ -114,7 +114,9 @@ def test_the_cache_holds_the_must_finish_requests_only(llama):
 def test_bad_requests_are_refused_in_one_line(llama):
     params = _params(())
     with pytest.raises(ConfigError, match="must_finish"):
-        continue_generate(llama, _fresh(0), params, must_finish=0)
+        continue_generate(llama, _fresh(0), params, must_finish=len(_fresh(0)) + 1)
+    idle = continue_generate(llama, _fresh(0), params, must_finish=0)  # nothing required: no slot, no token
+    assert idle.output.lengths.tolist() == [0] * len(_fresh(0)) and not any(idle.finished)
     full = PartialRequest((1, 2), 0, tuple(range(10)), (0.0,) * 10)
     with pytest.raises(ConfigError, match="fewer than max_new_tokens"):
         continue_generate(llama, [full], params, must_finish=1)

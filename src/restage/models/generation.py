@@ -109,16 +109,18 @@ def continue_generate(module: StageModule, requests: Sequence[PartialRequest], p
     weights) and decodes on from that answer position with its own seed, so under unchanged weights it chooses
     the tokens an uninterrupted ``generate`` would. Requests with the same prompt and no answer share its
     prefill. Every rank of the replica calls it with the same arguments; pipeline stages step one after another
-    (``pp_groups=1``: a pipelined rollout cannot stop with micro-groups in flight).
+    (``pp_groups=1``: a pipelined rollout cannot stop with micro-groups in flight). Under ep every replica of an ep
+    group calls it, with requests of its own or none, ``must_finish`` 0 included (no slots: it only joins its
+    peers' steps until they are done).
     """
     cfg = module.cfg
-    if not 0 < must_finish <= len(requests):
-        raise ConfigError(f"continue_generate: must_finish={must_finish} must be in 1..{len(requests)}")
+    if not 0 <= must_finish <= len(requests):
+        raise ConfigError(f"continue_generate: must_finish={must_finish} must be in 0..{len(requests)}")
     width = params.max_new_tokens
     if any(len(r.answer) >= width or len(r.answer) != len(r.answer_logprobs) or not r.prompt for r in requests):
         raise ConfigError(f"continue_generate: every request needs a prompt and fewer than max_new_tokens={width} "
                           "answer tokens so far, each with its log-prob")
-    longest = max(len(r.prompt) for r in requests)
+    longest = max((len(r.prompt) for r in requests), default=0)
     if longest + width > cfg.max_positions:
         raise ConfigError(f"prompt of {longest} tokens + max_new_tokens={width} exceeds the model's "
                           f"{cfg.max_positions} positions; shorten the prompts or max_new_tokens")

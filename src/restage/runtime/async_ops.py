@@ -15,7 +15,6 @@ import torch
 
 from restage.data.batch import Batch
 from restage.device import DTYPES
-from restage.errors import ConfigError
 from restage.layout import Layout
 from restage.models.parallel import ParallelContext
 from restage.runtime.execute import run_generate
@@ -75,10 +74,6 @@ class AsyncOps:
             prompts = prompts_of(target)
             seed = seed_of(target)
             if op.partial:
-                if layout.strategy.ep > 1:
-                    raise ConfigError(f"plan.partial_rollouts: {mfc.name} generates under ep={layout.strategy.ep}, "
-                                      "which partial rollouts do not support yet; set ep1 for it or "
-                                      "plan.partial_rollouts=false")
                 self._generate_partial(op, target, prompts, prompts_of, seeds=(seed, seed_of(target + 1)),
                                        version=version, ctx=ctx, record=record)
                 continue

@@ -46,17 +46,17 @@ def run_partial_generate(module: StageModule, mfc: MFC, now: Batch, begun: tuple
     requests += [PartialRequest(prompt, seed) for prompt, seed in second]
     answers = list(begun)
     later_answers = [Answer() for _ in second]
-    if rows:
-        out = continue_generate(module, requests, params, must_finish=len(rows))
-        tokens, logprobs = out.output.sequences(), out.output.token_logprobs()
-        for i, row in enumerate([*rows, *range(len(first), len(first) + len(second))]):
-            old = begun[row] if row < len(first) else Answer()
-            new = Answer(tuple(tokens[i]), tuple(logprobs[i]),
-                         old.versions + (version,) * (len(tokens[i]) - len(old.tokens)), out.finished[i])
-            if row < len(first):
-                answers[row] = new
-            else:
-                later_answers[row - len(first)] = new
+    # Called even with nothing to finish (no slots then): under ep the replicas of an ep group step together.
+    out = continue_generate(module, requests, params, must_finish=len(rows))
+    tokens, logprobs = out.output.sequences(), out.output.token_logprobs()
+    for i, row in enumerate([*rows, *range(len(first), len(first) + len(second))]):
+        old = begun[row] if row < len(first) else Answer()
+        new = Answer(tuple(tokens[i]), tuple(logprobs[i]),
+                     old.versions + (version,) * (len(tokens[i]) - len(old.tokens)), out.finished[i])
+        if row < len(first):
+            answers[row] = new
+        else:
+            later_answers[row - len(first)] = new
     result = answers_result(mfc, now, [list(a.tokens) for a in answers], [list(a.logprobs) for a in answers],
                             [list(a.versions) for a in answers], algo, cfg, state)
     cut = [a for a in later_answers if a.tokens and not a.finished]
