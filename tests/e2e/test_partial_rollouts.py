@@ -15,15 +15,18 @@ from restage.schedule.async_program import lookahead
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multirank]
 
-SPLIT = {"actor_gen": "ranks:1-1 dp1", "ref_inf": "ranks:0-0 dp1", "actor_prox": "ranks:0-0 dp1",
-         "actor_train": "ranks:0-0 dp1"}
+SPLIT = {"actor_gen": "ranks:1-1 dp1", "actor_greedy_gen": "ranks:1-1 dp1", "ref_inf": "ranks:0-0 dp1",
+         "actor_prox": "ranks:0-0 dp1", "actor_train": "ranks:0-0 dp1", "critic_inf": "ranks:0-0 dp1",
+         "critic_train": "ranks:0-0 dp1"}
 GRPO_MFCS = ("actor_gen", "ref_inf", "actor_prox", "actor_train")
+PPO_MFCS = ("actor_gen", "ref_inf", "critic_inf", "actor_prox", "actor_train", "critic_train")
+REMAX_MFCS = ("actor_gen", "actor_greedy_gen", "ref_inf", "actor_prox", "actor_train")
 STALENESS, PUSH_EVERY = 2, 1
 
 
-def partial_overrides(staleness: int = STALENESS, push_every: int = PUSH_EVERY) -> list[str]:
+def partial_overrides(staleness: int = STALENESS, push_every: int = PUSH_EVERY, mfcs=GRPO_MFCS) -> list[str]:
     return ["plan.execution=async", f"plan.staleness={staleness}", f"plan.push_every={push_every}",
-            "plan.partial_rollouts=true", *layout_overrides(SPLIT, GRPO_MFCS)]
+            "plan.partial_rollouts=true", *layout_overrides(SPLIT, mfcs)]
 
 
 def pushed(step: int, push_every: int) -> int:
@@ -31,10 +34,12 @@ def pushed(step: int, push_every: int) -> int:
     return step - step % push_every
 
 
-@pytest.mark.parametrize("staleness, push_every, steps", [(2, 1, 8), (3, 2, 9)])
-def test_tokens_span_two_versions_within_the_bound(tmp_path, staleness, push_every, steps):
-    run = restage_run(tmp_path, "grpo_tiny", 2, "partial", f"run.steps={steps}",
-                      *partial_overrides(staleness, push_every))
+@pytest.mark.parametrize("job, mfcs, staleness, push_every, steps", [
+    ("grpo_tiny", GRPO_MFCS, 2, 1, 8), ("grpo_tiny", GRPO_MFCS, 3, 2, 9), ("ppo_tiny", PPO_MFCS, 2, 1, 6),
+    ("remax_tiny", REMAX_MFCS, 2, 1, 6),  # two producers: sampled answers and the greedy baseline
+])
+def test_tokens_span_two_versions_within_the_bound(tmp_path, job, mfcs, staleness, push_every, steps):
+    run = restage_run(tmp_path, job, 2, "partial", f"run.steps={steps}", *partial_overrides(staleness, push_every, mfcs))
     ahead = lookahead(staleness, push_every, partial=True)
     assert ahead == staleness - push_every == 1
     # Logged at the generate of step s (batch s + 1 finished, batch s + 2 begun): the fraction of batch s + 2's
@@ -66,6 +71,10 @@ def test_tokens_span_two_versions_within_the_bound(tmp_path, staleness, push_eve
             np.testing.assert_allclose(gap[old][t], cut_tokens[t - 2] / answer_tokens[t - 1], rtol=0, atol=0.03)
             assert gap[old][t] > 0
     assert max(t - begun[t] for t in begun) == staleness  # the worst gap reaches the bound
+    if "actor_greedy_gen" in mfcs:  # the baseline's answers follow the same rule (versions not trained on)
+        greedy_cut = run.stat("actor_greedy_gen/cut_tokens")
+        expected = [0.0, 0.0] + [float(begun[t] if greedy_cut[t - 2] > 0 else finished[t]) for t in range(2, steps)]
+        np.testing.assert_array_equal(run.stat("actor_greedy_gen/behaviour_version"), expected)
 
 
 WINDOW = 5  # steps averaged at each end of the reward curve, as tests/e2e/test_async_rl.py

@@ -97,12 +97,10 @@ class AsyncOps:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         begin = h.clock.now_synced()
-        result, started = run_partial_generate(h.store.slots[mfc.model].at(op.layout), mfc, prompts, begun, later,
+        result, oldest, started = run_partial_generate(h.store.slots[mfc.model].at(op.layout), mfc, prompts, begun, later,
                                                h.algo, h.cfg, h.state, seeds, version)
         end = h.clock.now_synced()
         assert result.batch is not None
-        written = result.batch["versions"].tolist() if "versions" in result.batch.tokens else []
-        oldest = min((int(v) for v in written if v >= 0), default=version)  # the batch's behaviour_version
         self.buffer.put(mfc.name, target, Buffered(result.batch, oldest, h.state.pending_rewards.pop(mfc.name, None)))
         if started is not None:
             self.buffer.keep_in_flight(mfc.name, target + 1, started)

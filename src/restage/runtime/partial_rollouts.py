@@ -32,9 +32,10 @@ def _requests(prompts: Batch, group: int, seed: int) -> list[tuple[tuple[int, ..
 
 def run_partial_generate(module: StageModule, mfc: MFC, now: Batch, begun: tuple[Answer, ...] | None,
                          later: Batch | None, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState,
-                         seeds: tuple[int, int], version: int) -> tuple[MFCResult, tuple[Answer, ...] | None]:
+                         seeds: tuple[int, int], version: int) -> tuple[MFCResult, int, tuple[Answer, ...] | None]:
     """Finish the batch of prompts ``now`` (``begun``: its answers so far, None: none begun) and begin ``later``'s
-    (None: no later step); returns ``now``'s result and ``later``'s answers so far. ``seeds``: the two batches'."""
+    (None: no later step); returns ``now``'s result, the version of its oldest token and ``later``'s answers so
+    far. ``seeds``: the two batches'."""
     group = int(mfc.options.get("group_size", 1))
     params = sampling_params(module, mfc, cfg, seeds[0])
     first = _requests(now, group, seeds[0])
@@ -62,4 +63,5 @@ def run_partial_generate(module: StageModule, mfc: MFC, now: Batch, begun: tuple
     cut = [a for a in later_answers if a.tokens and not a.finished]
     result.stats[f"{mfc.name}/cut_samples"] = len(cut) / max(1, len(later_answers))
     result.stats[f"{mfc.name}/cut_tokens"] = sum(len(a.tokens) for a in later_answers) / max(1, len(later_answers))
-    return result, (tuple(later_answers) if later is not None else None)
+    oldest = min((v for a in answers for v in a.versions), default=version)
+    return result, oldest, (tuple(later_answers) if later is not None else None)
