@@ -4,8 +4,9 @@
 
 For each published point: restage's prediction for the same work under that system's plan, the
 measured seconds, the error (predicted / measured - 1), then the median |error| and the largest
-ratio either way. Training (DeepSpeed ZeRO-3 / FSDP, eager) is predicted with restage's estimator
-(``plan/estimator.py``) on the system's layout; vLLM generation with ``plan/engines.py``. One constant is
+ratio either way. Training (DeepSpeed ZeRO-2 / ZeRO-3 with the system's host offload, FSDP; eager) is
+predicted with restage's estimator (``plan/estimator.py``) on the system's layout and settings; vLLM
+generation with ``plan/engines.py`` (vLLM 0.3.1's per-step Ray cost at TP > 1: ``ray_tp_step_seconds``). One constant is
 fitted: the factor by which sustained training GEMMs fall short of the measured burst MAMF
 (``compute_efficiency = MAMF x factor``, the same factor for A100 and H100), on every other point
 (``FIT``), and scored on the rest as well. ``--fit`` prints the factor that minimises the median
@@ -29,7 +30,7 @@ from restage.cluster import ClusterSpec, load_cluster
 from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
-from restage.plan.engines import VllmEngine, vllm_generate_seconds
+from restage.plan.engines import VllmEngine, ray_tp_step_seconds, vllm_generate_seconds
 from restage.plan.estimator import Estimator, ModelRole
 from restage.plan.gemm import mamf_efficiency
 
@@ -61,7 +62,8 @@ def _published_cluster(name: str, nodes: int) -> ClusterSpec:
 
 def _role(p: Placed, trainable: bool, checkpointing: bool) -> ModelRole:
     return ModelRole("critic" if p.critic else "actor", preset(p.arch, critic=p.critic), dtype="bf16",
-                     trainable=trainable, zero_stage=3, gradient_checkpointing=checkpointing)
+                     trainable=trainable, zero_stage=p.zero_stage, gradient_checkpointing=checkpointing,
+                     offload_optimizer=p.offload_optimizer, offload_params=p.offload_params)
 
 
 def train_seconds(cluster: ClusterSpec, stage: TrainStage) -> float:
@@ -81,8 +83,9 @@ def vllm_stage_seconds(cluster: ClusterSpec, stage: VllmStage) -> float:
     """Rounds of (every engine generates its live prompts; the scorers' forward passes over the round), in turn."""
     per_round = stage.engines * stage.live
     rounds = stage.samples / per_round
-    generate = vllm_generate_seconds(cluster, preset(stage.actor), "bf16", VllmEngine(tp=stage.tp), stage.live,
-                                     stage.prompt_tokens, stage.gen_tokens)
+    engine = VllmEngine(tp=stage.tp, step_overhead_seconds=ray_tp_step_seconds(stage.tp))  # vLLM 0.3.1's Ray TP
+    generate = vllm_generate_seconds(cluster, preset(stage.actor), "bf16", engine, stage.live, stage.prompt_tokens,
+                                     stage.gen_tokens)
     estimator = Estimator(cluster, use_profiles=False)
     scoring = []
     for p in stage.scorers:

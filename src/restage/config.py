@@ -176,7 +176,8 @@ class RunConfig:
     micro_batches: int = 1
     save_every: int = 0  # 0: only at the end
     # > 0: after every eval_every-th step and the last, the actor answers every held-out prompt
-    # (dataset.eval_fraction) greedily and the run's reward scores it (runtime/evaluate.py); 0: off
+    # (dataset.eval_fraction) greedily with the weights the step made, in sync and async mode alike, and the
+    # run's reward scores it (runtime/evaluate.py); 0: off
     eval_every: int = 0
     keep_checkpoints: int = 2
     log_every: int = 1
@@ -287,9 +288,6 @@ class ExperimentConfig:
                               f"two steps' weights), got staleness={self.plan.staleness} push_every="
                               f"{self.plan.push_every}; set plan.staleness={self.plan.push_every + 1} or "
                               "plan.partial_rollouts=false")
-        if self.plan.execution == "async" and self.run.eval_every > 0:
-            raise ConfigError("run.eval_every: held-out evaluation does not run under plan.execution async yet; "
-                              "set run.eval_every=0 or plan.execution=sync")
 
     def _check_values(self) -> None:
         """Values whose validity needs no rank: refused here, in one line, before anything starts."""

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from restage.models.tiny import build_tiny
 
 ASSETS = Path("results/assets")
@@ -34,8 +36,20 @@ def ensure_llama_256x4(root: Path = Path("."), seed: int = 0) -> Path:
                               num_layers=4, num_heads=8, num_kv_heads=4, max_positions=128)
 
 
+# The model of jobs/gpu_ppo_300m.yaml (scripts/gpu_check.sh's `costs` part): a random LLaMA of about 300M parameters
+# over the sort vocabulary, wide enough that a GPU's GEMMs, not kernel launches, dominate its training passes.
+LLAMA_300M_SIZES = dict(hidden_size=1536, intermediate_size=4096, num_layers=12, num_heads=12, num_kv_heads=4,
+                        max_positions=512)
+
+
+def ensure_llama_300m(root: Path = Path("."), seed: int = 0) -> Path:
+    """The random ~300M LLaMA of jobs/gpu_ppo_300m.yaml (``LLAMA_300M_SIZES``, bf16 weights, 0.6 GB) over the sort
+    vocabulary and tokenizer, built once; ``root/results/assets/llama-300m``."""
+    return _ensure_sort_model(root / ASSETS / "llama-300m", root, seed, dtype=torch.bfloat16, **LLAMA_300M_SIZES)
+
+
 def _ensure_sort_model(path: Path, root: Path, seed: int, *, hidden_size: int, intermediate_size: int, num_layers: int,
-                       num_heads: int, num_kv_heads: int, max_positions: int) -> Path:
+                       num_heads: int, num_kv_heads: int, max_positions: int, dtype: torch.dtype = torch.float32) -> Path:
     """A random LLaMA of these sizes over the 16-token sort vocabulary at ``path``, built once (whole or absent)."""
     if (path / "config.json").is_file():
         return path
@@ -44,7 +58,7 @@ def _ensure_sort_model(path: Path, root: Path, seed: int, *, hidden_size: int, i
     shutil.rmtree(tmp, ignore_errors=True)
     build_tiny(tmp, family="llama", seed=seed, vocab_size=16, tokenizer=False, hidden_size=hidden_size,
                intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads,
-               num_kv_heads=num_kv_heads, max_positions=max_positions)
+               num_kv_heads=num_kv_heads, max_positions=max_positions, dtype=dtype)
     for file in (root / TOKENIZER).iterdir():
         shutil.copy(file, tmp / file.name)
     tmp.replace(path)

@@ -73,6 +73,16 @@ def test_auto_plans_both_modes_and_runs_the_faster():
     assert f"{choice.async_samples_per_second:.2f}" in line
 
 
+def test_auto_with_evaluation_weighs_the_same_async_plans():
+    """Held-out evaluation runs in both modes (runtime/evaluate.py) and is costed in neither: auto's candidates and
+    figures are those of the run without it (it once left async out whenever run.eval_every was set)."""
+    plain = make_plan(load_config(JOB, ["plan.execution=auto"]), with_baselines=False).mode_choice
+    evaluated = make_plan(load_config(JOB, ["plan.execution=auto", "run.eval_every=10", "dataset.eval_fraction=0.02"]),
+                          with_baselines=False).mode_choice
+    assert evaluated.async_samples_per_second is not None
+    assert evaluated == plain
+
+
 def test_async_schedule_of_the_search_runs_generation_apart():
     outcome = make_plan(load_config(JOB, ["plan.execution=async"]), with_baselines=False)
     layouts = {c.mfc: c.layout for c in outcome.plan}

@@ -4,7 +4,7 @@ from restage.cluster import ClusterSpec, load_cluster
 from restage.errors import ConfigError
 
 
-@pytest.mark.parametrize("name", ["local-cpu", "a100-80gb", "h100-80gb"])
+@pytest.mark.parametrize("name", ["local-cpu", "a100-80gb", "h100-80gb", "h200-141gb"])
 def test_every_shipped_cluster_loads_with_any_node_count(name):
     one = load_cluster(name)
     many = load_cluster(name, nodes=5)

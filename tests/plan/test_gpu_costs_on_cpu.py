@@ -109,4 +109,5 @@ def test_calibration_against_published_measurements_meets_the_median_target_and_
     result = calibration.evaluate()
     assert len(result["rows"]) >= 10
     assert result["all"]["median_abs_error"] <= 0.30
+    assert result["held_out"]["median_abs_error"] <= 0.30 and result["held_out"]["points"] >= 7
     assert calibration.fit_sustained_factor() == pytest.approx(0.535)

@@ -1,5 +1,7 @@
 """Async mode's program (schedule/async_program.py), its ops' JSON, and the rollout buffer's checkpoint state."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -8,9 +10,10 @@ from restage.config import config_from_dict
 from restage.data.batch import pack_sequences
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
+from restage.runtime.evaluate import plan_eval
 from restage.runtime.rollout_buffer import Buffered, RolloutBuffer
 from restage.schedule.async_program import build_async_program, lookahead
-from restage.schedule.ops import Generate, Push, TakeBuffered, op_from_json, op_subject, op_to_json
+from restage.schedule.ops import Generate, Push, SendKey, TakeBuffered, op_from_json, op_subject, op_to_json
 
 GEN = Layout.contiguous(1, Strategy(dp=1))
 TRAIN = Layout.contiguous(0, Strategy(dp=1))
@@ -61,11 +64,41 @@ def test_ppo_generation_sharing_the_trained_actors_ranks_is_refused():
         build_async_program(graph, layouts, staleness=1, push_every=1)
 
 
-def test_push_every_beyond_the_bound_and_async_evaluation_are_refused():
+def test_push_every_beyond_the_bound_is_refused():
     with pytest.raises(ConfigError, match="plan.push_every: 3 must be between 1 and plan.staleness=2"):
         config(staleness=2, push_every=3)
-    with pytest.raises(ConfigError, match="run.eval_every"):
-        config_from_dict({**config().to_dict(), "run": {"eval_every": 2}})
+
+
+@pytest.mark.parametrize("scorer", ["rule", "model"])
+def test_async_evaluation_answers_in_the_training_layout_and_leaves_the_generation_copy_alone(scorer):
+    """Held-out evaluation in async mode (once refused) passes the config. The actor answers in its training layout,
+    which holds the step's version; no realloc, free or push touches its generation copy, and no generate or take
+    touches the rollout buffer. The same layouts in sync mode answer in the generation layout, by a copy."""
+    raw = config("ppo").to_dict()
+    raw |= {"dataset": {"eval_fraction": 0.1}, "run": {"eval_every": 2, "batch_size": 8}}
+    if scorer == "model":
+        raw |= {"reward_fn": "", "models": {**raw["models"], "reward": {"path": "p"}}}
+    cfg = config_from_dict(raw)
+    assert (cfg.run.eval_every, cfg.plan.execution) == (2, "async")
+    graph = build_graph(cfg)
+    train, gen, side = (Layout.contiguous(0, Strategy(dp=2)), Layout.contiguous(2, Strategy(dp=1)),
+                        Layout.contiguous(1, Strategy(dp=1)))
+    layouts = {m.name: gen if m.name == "actor_gen" else side if m.name == "reward_inf" else train for m in graph}
+    build_async_program(graph, layouts, staleness=1, push_every=1)  # layouts async mode runs
+    plan = plan_eval(graph, layouts, cfg, n_prompts=20)
+    assert plan.layouts == {**layouts, "actor_gen": train}
+    walk = [(op.kind, op.key if isinstance(op, SendKey) else op_subject(op), op.ranks) for op in plan.ops]
+    if scorer == "rule":
+        assert plan.reward is None and walk == [("run", "actor_gen", (0, 1))]
+    else:
+        assert plan.reward is not None and plan.reward.name == "reward_inf"
+        assert walk == [("run", "actor_gen", (0, 1)), ("transfer", "seqs", (0, 1)),
+                        ("transfer", "prompt_mask", (0, 1)), ("run", "reward_inf", (1,))]
+    assert [len(p) for p in plan.passes] == [8, 8, 4]
+    sync_cfg = replace(cfg, plan=replace(cfg.plan, execution="sync"))
+    sync = plan_eval(graph, layouts, sync_cfg, n_prompts=20)
+    assert sync is not None and sync.layouts == layouts
+    assert [(op.kind, op_subject(op)) for op in sync.ops[:2]] == [("realloc", "actor"), ("run", "actor_gen")]
 
 
 def test_new_ops_round_trip_through_json():

@@ -19,7 +19,7 @@ PPO = ["jobs/ppo_tiny.yaml", "-n", "2", "run.batch_size=8", "plan.mode=manual",
        "plan.layouts.critic_inf=ranks:1 dp1", "plan.layouts.actor_train=ranks:0-1 tp2",
        "plan.layouts.critic_train=ranks:0-1 dp2"]
 EVAL = ["run.eval_every=2", "dataset.eval_fraction=0.02"]
-EVAL_KEYS = {"eval/reward", "eval/accuracy", "eval/length", "eval/prompts", "eval/seconds"}
+EVAL_KEYS = {"eval/reward", "eval/accuracy", "eval/length", "eval/prompts", "eval/seconds", "eval/policy_version"}
 
 
 def _held_out(*overrides: str) -> int:
@@ -43,6 +43,7 @@ def test_evaluation_at_the_cadence_and_the_last_step_of_frozen_weights_is_determ
     assert _eval_steps(log) == dict.fromkeys(EVAL_KEYS, [2, 3])  # every 2nd step, and the last
     series = log.stat_series()
     assert series["eval/prompts"][1].tolist() == [_held_out(*EVAL)] * 2 == [20.0, 20.0]
+    assert series["eval/policy_version"][1].tolist() == [2.0, 3.0]  # the weights steps 2 and 3 made
     a, b = (hf_weights(trial / "checkpoints" / f"step-{n}" / "actor" / "hf") for n in (2, 3))
     assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-25) for k in a)  # the premise: the same weights
     for name in ("eval/reward", "eval/accuracy", "eval/length"):

@@ -28,6 +28,7 @@ def _record(rank: int, reward: float, samples: int, prompts: float, span: tuple[
     record.stats.append(StatsShare({"actor_train/reward": reward}, samples))
     record.eval_sums = {"reward": reward * prompts, "prompts": prompts}
     record.eval_span = Span(*span)
+    record.eval_version = 4  # after step 4 (loop index 3): four train steps made the weights evaluated
     return record
 
 
@@ -38,7 +39,8 @@ def test_step_records_arrive_equal_and_are_read_by_name():
     assert received[1].mfcs[0].tokens == 40 and received[1].moves[0].num_bytes == 4096
     assert received[0].eval_span.end_seconds == 4.0
     assert merge_stats(received) == {"actor_train/reward": (1.0 * 3 + 3.0 * 1) / 4}
-    assert merge_eval(received) == {"eval/reward": (2.0 + 18.0) / 8.0, "eval/prompts": 8.0, "eval/seconds": 1.5}
+    assert merge_eval(received) == {"eval/reward": (2.0 + 18.0) / 8.0, "eval/prompts": 8.0, "eval/seconds": 1.5,
+                                    "eval/policy_version": 4.0}
     assert _over_mpi(StepDecision(checkpoint=True, stop=False)) == StepDecision(True, False)
 
 

@@ -116,8 +116,9 @@ def choose_tokens(logits: torch.Tensor, *, greedy: bool, temperature: float, top
         logits = logits / temperature
     logprobs = logits.log_softmax(-1)
     if eos.numel():
-        banned = torch.zeros_like(logits, dtype=torch.bool)
-        banned[:, eos] = True
+        # index_fill_ takes its value as a kernel argument; ``banned[:, eos] = True`` would copy a host tensor
+        # of True to the device, which a CUDA-graph capture refuses (seen on an H200 with min_new_tokens set).
+        banned = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device).index_fill_(0, eos, True)
         logits = logits.masked_fill(banned & ~allow_eos.unsqueeze(1), float("-inf"))
     if greedy:
         tokens = logits.argmax(-1)

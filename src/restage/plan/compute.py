@@ -53,6 +53,15 @@ KERNELS_PER_BLOCK = 43
 GEMMS_PER_BLOCK = 7
 
 
+def block_gemms(s: BlockShape) -> tuple[tuple[str, int, int], ...]:
+    """The GEMMs of one block as the roofline costs them, per token row: (name, columns N, depth K) of a
+    (rows x K) @ (K x N) product on one TP rank; q, k and v as one GEMM, gate and up as one, the router of a mixture."""
+    gemms = (("qkv", s.q_out + 2 * s.kv_out, s.hidden), ("o", s.hidden, s.q_out),
+             ("gate_up" if s.gated else "up", (2 if s.gated else 1) * s.inter, s.hidden), ("down", s.hidden, s.inter),
+             ("router", s.router, s.hidden))
+    return tuple(g for g in gemms if g[1])
+
+
 class RooflineCompute:
     """Compute time from the cluster spec's peak figures (no measurement)."""
 
@@ -79,12 +88,15 @@ class RooflineCompute:
     def _matmuls(self, s: BlockShape, tokens: float, weights: float) -> float:
         """The block's GEMMs over ``tokens`` rows, each at the efficiency of its per-rank shape, or the bytes of
         the weights and activations they read, whichever takes longer."""
-        gemms = ((s.q_out + 2 * s.kv_out, s.hidden), (s.hidden, s.q_out), ((2 if s.gated else 1) * s.inter, s.hidden),
-                 (s.hidden, s.inter), (s.router, s.hidden))
         flops_seconds = sum(2 * tokens * cols * depth / (self.peak_flops_per_second
                                                          * gemm_efficiency(self.cluster, tokens, cols, depth))
-                            for cols, depth in gemms if cols)
+                            for _, cols, depth in block_gemms(s))
         return max(flops_seconds, (weights + tokens * (s.hidden + s.inter)) * self.bytes / self.bytes_per_second)
+
+    def block_matmuls(self, tokens: float, tp: int, ep: int = 1) -> float:
+        """Device seconds of one block's GEMMs in a forward over ``tokens`` token rows on one TP rank (no launches)."""
+        s = block_shape(self.cfg, tp)
+        return self._matmuls(s, tokens, self._weight_elements(s, tokens, ep))
 
     def _with_launches(self, matmul: float, attention: float, elementwise: float, calls: int = 1) -> float:
         """A block's time from its kernels' device seconds: on a GPU each group of kernels takes the larger of its

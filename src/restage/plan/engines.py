@@ -23,8 +23,10 @@ a step costs and what a prefill covers:
   CUDA graphs (``RooflineCompute(launch_overhead_seconds=0)``); a paged KV cache, so ``live`` is as
   many sequences as ``gpu_memory_utilization`` (vLLM's ``EngineArgs`` default 0.9) of the device
   memory less the weights holds at their average length ``prompt + gen / 2``; every prompt
-  prefilled; two TP all-reduces per block. Not modelled: vLLM's scheduler and sampler time per
-  step (host work between CUDA-graph replays) and prefix caching; both are zero here.
+  prefilled; two TP all-reduces per block; ``step_overhead_seconds`` of host time a step (0 by default;
+  ``ray_tp_step_seconds``: what vLLM <= 0.4.0's Ray-based tensor parallelism adds, for the engines of
+  that era). Not modelled: vLLM's scheduler and sampler time per step (host work between CUDA-graph
+  replays) and prefix caching; both are zero here.
 * **one batch to the end, eagerly** (``OneBatchEngine``): every prompt of a rank prefilled and
   decoded together until the last answer ends, the whole batch's KV cache held, eager launches.
   DeepSpeed-Chat's Hybrid Engine generates so (``plan/peer_engines.py``), as restage's runtime did
@@ -55,6 +57,12 @@ from restage.plan.compute import DTYPE_BYTES, RooflineCompute
 #   host's bookkeeping before the next step is launched), during which the GPU idles.
 GRAPH_BLOCK_SECONDS = 1.35e-4
 HOST_CHECK_SECONDS = 8.5e-5
+# vLLM up to 0.4.0 ran a tensor-parallel engine's workers as Ray actors and scheduled a Ray task on every worker at
+# every step (``_run_workers("execute_model")``), then waited for them; vllm-project/vllm PR #3763 (A100 80GB,
+# llama-2-7b, one request of 5 prompt tokens, 2,000 generated) measured 24.2 s at TP 2 with Ray and 17.0 s at TP 2
+# with the multiprocessing executor of PR #3466: (24.2 - 17.0) / 2000 = 3.6 ms a step of host time that the Ray
+# execution adds. OpenRLHF's benchmark ran vLLM 0.3.1 (bench/published.py); newer vLLM does not pay it.
+VLLM_RAY_TP_STEP_SECONDS = (24.2 - 17.0) / 2000
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,12 @@ class VllmEngine:
     step_overhead_seconds: float = 0.0
     first_rank: int = 0
     max_live_sequences: int | None = None
+
+
+def ray_tp_step_seconds(tp: int) -> float:
+    """Per-step host time of a vLLM <= 0.4.0 engine that runs its ``tp`` workers as Ray actors (none at tp 1: the
+    engine runs its one worker in its own process)."""
+    return VLLM_RAY_TP_STEP_SECONDS if tp > 1 else 0.0
 
 
 def kv_bytes_per_token(cfg: ModelConfig, tp: int, dtype: str) -> float:

@@ -330,6 +330,8 @@ def _train(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Lay
     gather_s = 0.0
     if role.zero_stage == 3:  # parameters gathered for the forward and again for the backward of every micro-batch
         gather_s = (3 if recompute else 2) * allgather_seconds(cluster, dp_group, params * e)
+        if role.offload_params:  # DeepSpeed's offload_param: each gather first copies the rank's partition up
+            gather_s += (3 if recompute else 2) * param_offload_fetch_seconds(cluster, params * e / s.dp)
     # ep: the forward's exchanges, the backward's reverse ones, and the recomputed forward's
     ep_s = (3 if recompute else 2) * expert_exchange_seconds(cluster, cfg, layout, tokens, e)
     per_micro = compute_s + tp_s + send_s + gather_s + ep_s
@@ -359,6 +361,12 @@ def _train(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Lay
     if role.zero_stage == 3:
         transient += 2 * params * e / max(layers, 1)  # one gathered block (and its prefetched neighbour)
     return seconds, transient, parts
+
+
+def param_offload_fetch_seconds(cluster: ClusterSpec, partition_bytes: float) -> float:
+    """One ZeRO-3 gather's host-to-device copy of a rank's parameter partition kept on the host (``offload_params``),
+    over the device's host link (``host_bandwidth_bytes_per_second``)."""
+    return partition_bytes / cluster.host_bandwidth_bytes_per_second
 
 
 def _gradient_reduction_seconds(cluster: ClusterSpec, group: tuple[int, ...], grad_bytes: float, zero: int) -> float:

@@ -21,9 +21,11 @@ from restage.cluster import ClusterSpec
 
 HALF_EFFICIENCY_DIM = 128  # elements of N and K; assumption (one tensor-core output tile), see the module docstring
 HALF_EFFICIENCY_ROWS = 16  # rows (M); assumption (the smallest MMA tile)
-# The shapes at which the MAMF figures were measured (M, N, K), per cluster device family.
-MAMF_EFFICIENCY = {"A100": 267.9 / 312, "A800": 267.9 / 312, "H100": 792.1 / 989}
-MAMF_SHAPES = {"A100": (6912, 16384, 2048), "A800": (6912, 16384, 2048), "H100": (6144, 17920, 2816)}
+# The shapes at which the MAMF figures were measured (M, N, K), per cluster device family. H200: the H100's figures,
+# an assumption (the same GH100 die, SM count and clocks; no published H200 MAMF; only the HBM differs).
+MAMF_EFFICIENCY = {"A100": 267.9 / 312, "A800": 267.9 / 312, "H100": 792.1 / 989, "H200": 792.1 / 989}
+MAMF_SHAPES = {"A100": (6912, 16384, 2048), "A800": (6912, 16384, 2048), "H100": (6144, 17920, 2816),
+               "H200": (6144, 17920, 2816)}
 _DEFAULT_SHAPE = (8192, 8192, 8192)
 
 

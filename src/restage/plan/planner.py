@@ -294,7 +294,7 @@ def choose_mode(cfg, cluster: ClusterSpec | None = None, **search) -> PlanOutcom
     best: tuple[float, PlanOutcome] | None = None
     grid = [(staleness, push_every, partial) for staleness in STALENESS_CHOICES for push_every in range(1, staleness + 1)
             for partial in ((False, True) if cfg.plan.partial_rollouts and staleness > push_every else (False,))]
-    for staleness, push_every, partial in grid if cfg.run.eval_every == 0 else ():  # async mode runs no evaluation
+    for staleness, push_every, partial in grid:
         async_cfg = with_execution(cfg, "async", staleness, push_every, partial)
         try:
             problem = build_problem(async_cfg, cluster)

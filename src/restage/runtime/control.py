@@ -173,8 +173,12 @@ def init_torch_distributed(control: Control, timeout_seconds: float, backend: st
         address = (os.environ.get("RESTAGE_RENDEZVOUS_HOST") or socket.gethostname(), free_port())
     host, port = control.bcast(address)
     startup = timeout_seconds if startup_timeout_seconds is None else startup_timeout_seconds
+    # NCCL: naming the rank's device binds the communicator to the device set above (else torch guesses
+    # global rank % device count, wrong when a node runs fewer ranks than it has GPUs, and warns); init is eager.
+    device_id = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=control.rank,
-                            world_size=control.world_size, timeout=datetime.timedelta(seconds=startup))
+                            world_size=control.world_size, timeout=datetime.timedelta(seconds=startup),
+                            device_id=device_id)
     warm_world()
     set_world_timeout(timeout_seconds)
     return backend

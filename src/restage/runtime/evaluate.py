@@ -2,10 +2,17 @@
 
 After every ``eval_every``-th step and after the last (steps count from 1), every rank walks an
 evaluation program (``schedule.program.build_eval_program``) before the step's records go to the master:
-the actor's generate MFC, in its generation layout, answers each held-out prompt
-(``dataset.eval_fraction``) greedily, and the run's reward scores the answers: the rule reward
-(``reward_fn``) on the generating ranks, or the reward model's inference MFC where the iteration
-runs it (the answers move there as the iteration's do). Nothing trains and nothing is checkpointed.
+the actor's generate MFC answers each held-out prompt (``dataset.eval_fraction``) greedily, and the
+run's reward scores the answers: the rule reward (``reward_fn``) on the generating ranks, or the reward
+model's inference MFC where the iteration runs it (the answers move there as the iteration's do).
+Nothing trains and nothing is checkpointed.
+
+The evaluation after step ``s`` evaluates policy version ``s``: the weights ``s`` train steps made, in
+both execution modes (``eval_layouts``). Sync mode answers in the generate MFC's layout, reallocated from
+the training layout as in the iteration. Async mode answers in the actor's training layout itself, which
+holds version ``s`` once step ``s`` ends; the generation copy holds the last push's (older) version and
+the batches generated ahead depend on it, so the evaluation neither reads nor replaces it, and never
+touches the rollout buffer (docs/runtime.md, "Evaluation").
 
 The held-out prompts go through in passes of ``run.batch_size`` prompts (what the plan sized the
 generation's memory for); a leftover smaller than the largest data-parallel degree of the two MFCs
@@ -16,8 +23,8 @@ and passes from the schedule and the data set, so all meet their collectives in 
 Each reporting rank (tp 0, last pipeline stage, of each DP replica of the scoring MFC) sends sums
 over its prompts; the master logs, at the step the evaluation follows, ``eval/reward`` (mean
 reward), ``eval/accuracy`` (fraction right, where the task has a right-or-wrong test),
-``eval/length`` (answer tokens, EOS included), ``eval/prompts`` and ``eval/seconds``
-(``master.merge_eval``). Evaluation time lies between two steps' rows, so it is not iteration time.
+``eval/length`` (answer tokens, EOS included), ``eval/prompts``, ``eval/seconds`` and
+``eval/policy_version`` (``master.merge_eval``). Evaluation time lies between two steps' rows, so it is not iteration time.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from restage.runtime.execute import run_eval_generate, run_inference
 from restage.runtime.op_handlers import OpHandlers, StepData
 from restage.runtime.records import StepRecord
 from restage.schedule.ops import Ema, Free, Generate, Offload, Op, Push, Realloc, Reload, Run, SendKey, TakeBuffered
-from restage.schedule.program import build_eval_program
+from restage.schedule.program import build_eval_program, model_homes
 
 if TYPE_CHECKING:  # transformers is heavy to import; only the annotations name it
     from transformers import PreTrainedTokenizerBase
@@ -54,6 +61,7 @@ class EvalPlan:
     reward: MFC | None  # the reward model's inference MFC; None: the rule reward scores on the generating ranks
     ops: tuple[Op, ...]
     passes: tuple[tuple[int, ...], ...]
+    layouts: dict[str, Layout]  # where each MFC runs in the evaluation (``eval_layouts``)
 
 
 def eval_due(done: int, run: RunConfig) -> bool:
@@ -78,6 +86,15 @@ def eval_mfcs(graph: DataflowGraph, cfg: ExperimentConfig) -> tuple[MFC, MFC | N
     return generate, reward
 
 
+def eval_layouts(graph: DataflowGraph, layouts: dict[str, Layout], cfg: ExperimentConfig,
+                 generate: MFC) -> dict[str, Layout]:
+    """Where the evaluation's MFCs run: the iteration's layouts, but in async mode ``generate`` runs in its model's
+    training layout (its home), the one place that holds the version the step made (module docstring)."""
+    if cfg.plan.execution != "async":
+        return layouts
+    return {**layouts, generate.name: model_homes(graph, layouts)[generate.model]}
+
+
 def eval_passes(n_prompts: int, per_pass: int, min_prompts: int) -> list[tuple[int, ...]]:
     """Held-out positions in passes of ``per_pass``; a last pass under ``min_prompts`` joins the one before."""
     if n_prompts < min_prompts:
@@ -95,12 +112,13 @@ def plan_eval(graph: DataflowGraph, layouts: dict[str, Layout], cfg: ExperimentC
     if cfg.run.eval_every == 0:
         return None
     generate, reward = eval_mfcs(graph, cfg)
+    where = eval_layouts(graph, layouts, cfg, generate)
     names = (generate.name,) + ((reward.name,) if reward is not None else ())
-    min_prompts = max(layouts[name].strategy.dp for name in names)
+    min_prompts = max(where[name].strategy.dp for name in names)
     passes = eval_passes(n_prompts, max(cfg.run.batch_size, min_prompts), min_prompts)
     resident = frozenset(name for name, spec in cfg.models.items() if spec.lora is not None)  # LoRA: copies stay
-    return EvalPlan(generate, reward, tuple(build_eval_program(graph, layouts, names, offload_idle, resident)),
-                    tuple(passes))
+    return EvalPlan(generate, reward, tuple(build_eval_program(graph, where, names, offload_idle, resident)),
+                    tuple(passes), where)
 
 
 def pass_ops(plan: EvalPlan, index: int) -> list[Op]:
@@ -118,7 +136,7 @@ def _in_pass(op: Op, first: bool, last: bool) -> bool:
             return last
         case Run() | SendKey() | Ema():
             return True
-        case Push() | Generate() | TakeBuffered():  # async mode's; its config refuses evaluation
+        case Push() | Generate() | TakeBuffered():  # async mode's iteration ops: build_eval_program makes none
             raise AssertionError(f"{op.kind} op in an evaluation program")
         case _:
             assert_never(op)
@@ -126,8 +144,11 @@ def _in_pass(op: Op, first: bool, last: bool) -> bool:
 
 def run_eval(handlers: OpHandlers, op: Run, data: StepData, record: StepRecord, plan: EvalPlan,
              tokenizer: PreTrainedTokenizerBase, accuracy_fn: AccuracyFn | None) -> None:
-    """One ``run`` op of an evaluation pass: answer (or score) this rank's prompts; reporting ranks add their sums."""
+    """One ``run`` op of an evaluation pass: answer (or score) this rank's prompts; reporting ranks add their sums.
+
+    ``handlers`` are the evaluation's: their layouts and router are ``plan.layouts``' (``Worker``)."""
     mfc = handlers.graph[op.mfc]
+    assert handlers.layouts == plan.layouts, "the evaluation's handlers route by the evaluation's layouts"
     layout = handlers.layouts[mfc.name]
     slot = handlers.store.slots[mfc.model]
     module = slot.at(layout)

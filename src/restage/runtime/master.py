@@ -34,7 +34,8 @@ def merge_stats(records: list[StepRecord]) -> dict[str, float]:
 
 def merge_eval(records: list[StepRecord]) -> dict[str, float]:
     """``eval/*`` statistics of an evaluation (runtime/evaluate.py): means over every held-out prompt, the
-    number of prompts, and its seconds (first rank in to last rank out); {} when the step had none."""
+    number of prompts, its seconds (first rank in to last rank out) and the policy version evaluated; {} when
+    the step had none."""
     totals: dict[str, float] = {}
     for record in records:
         for key, value in record.eval_sums.items():
@@ -46,6 +47,9 @@ def merge_eval(records: list[StepRecord]) -> dict[str, float]:
     out = {f"eval/{key}": value / prompts for key, value in sorted(totals.items()) if prompts}
     out["eval/prompts"] = prompts
     out["eval/seconds"] = max(s.end_seconds for s in spans) - min(s.start_seconds for s in spans)
+    versions = {record.eval_version for record in records if record.eval_span is not None}
+    assert len(versions) == 1, f"ranks evaluated different policy versions: {sorted(versions)}"
+    out["eval/policy_version"] = float(versions.pop())
     return out
 
 

@@ -65,9 +65,11 @@ class StepRecord:
     moves: list[MoveRecord] = field(default_factory=list)
     stats: list[StatsShare] = field(default_factory=list)
     # an evaluation after this step (runtime/evaluate.py): sums over this rank's held-out prompts
-    # (reward, accuracy, length, prompts) and when it began and ended on this rank
+    # (reward, accuracy, length, prompts), when it began and ended on this rank, and the policy version it
+    # evaluated (the actor's completed train steps)
     eval_sums: dict[str, float] = field(default_factory=dict)
     eval_span: Span | None = None
+    eval_version: int = -1
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ process group the schedule needs (collectively, in one order; ``comm_budget`` sa
 bounds them), load each model's shard in its
 home layout (each rank reads only its slices), wrap trainable ones in DeepSpeed. Then, every
 iteration: the master's sample ids arrive over MPI, the ops run, at the ``run.eval_every`` cadence
-the held-out prompts are evaluated (``runtime/evaluate.py``), records go back to the master, the
+the held-out prompts are evaluated (``runtime/evaluate.py``; in async mode over a router and handlers of
+their own, since the actor answers in its training layout there), records go back to the master, the
 master's decision (checkpoint, stop) comes back.
 """
 
@@ -87,8 +88,13 @@ class Worker:
         node_of = comm_budget.block_node_of(comm_budget.ranks_per_node(schedule))
         self.store = ModelStore(schedule, cfg, self.graph, self.rank, device, node_of)
         self.router = SampleRouter(self.graph, self.layouts, self.rank, node_of)
+        # The evaluation routes by its own layouts where they differ (async mode: the actor answers at home).
+        eval_layouts = self.eval_plan.layouts if self.eval_plan is not None else self.layouts
+        self.eval_router = (self.router if eval_layouts == self.layouts
+                            else SampleRouter(self.graph, eval_layouts, self.rank, node_of))
         self._groups: ProcessGroups | None = None  # made at start-up, with every rank (_create_groups)
         self._handlers: OpHandlers | None = None  # made with the groups
+        self._eval_handlers: OpHandlers | None = None  # the evaluation's: over eval_router and its layouts
         self.asynchronous = cfg.plan.execution == "async"
         # async mode: the steps past this one whose ids generation needs (schedule/async_program.py)
         self.ahead = steps_drawn_ahead(cfg.plan.staleness, cfg.plan.push_every, cfg.plan.partial_rollouts)
@@ -155,9 +161,17 @@ class Worker:
                                startup_timeout_seconds=self.cfg.run.startup_timeout_seconds)
         self._groups = groups
         eval_ops = list(self.eval_plan.ops) if self.eval_plan is not None else []
-        self.router.create_comms(self.ops + eval_ops, self.control.comm)
+        if self.eval_router is self.router:
+            self.router.create_comms(self.ops + eval_ops, self.control.comm)
+        else:  # every rank splits in the same order: the iteration's communicators, then the evaluation's
+            self.router.create_comms(self.ops, self.control.comm)
+            self.eval_router.create_comms(eval_ops, self.control.comm)
         self._handlers = OpHandlers(self.store, groups, self.router, self.clock, self.layouts, self.cfg,
                                     self.algo, self.state)
+        self._eval_handlers = self._handlers
+        if self.eval_router is not self.router:
+            self._eval_handlers = OpHandlers(self.store, groups, self.eval_router, self.clock,
+                                             self.eval_router.layouts, self.cfg, self.algo, self.state)
         if self.asynchronous:
             self._async = AsyncOps(self._handlers, first_step=0)
 
@@ -195,7 +209,7 @@ class Worker:
             record = self.run_step(step, ids, ahead)
             record.step_start_seconds, record.step_end_seconds = started, self.clock.now_synced()
             if self.eval_plan is not None and evaluate.eval_due(step + 1, self.cfg.run):
-                self.evaluate(record)  # after the step's end: evaluation is not iteration time
+                self.evaluate(record, version=step + 1)  # after the step's end: evaluation is not iteration time
             beat.doing(f"step {step + 1}: waiting for every rank's end of the step", waiting=True)
             records = self.control.gather(record)
             decision = None
@@ -239,41 +253,45 @@ class Worker:
                         record.moves.append(MoveRecord("realloc", f"push:{op.model}", str(op.src), str(op.dst), sent,
                                                        begin, self.clock.now_synced()))
                 case Realloc() | SendKey() | Free() | Offload() | Reload() | Ema():
-                    self._move(op, record.moves, data)
+                    self._move(op, record.moves, data, self.handlers)
                 case _:
                     assert_never(op)
         data.settle()  # none left today (every reward key is sent somewhere); a reward's error still ends this step
         return record
 
-    def evaluate(self, record: StepRecord) -> None:
-        """Answer every held-out prompt greedily and score it (runtime/evaluate.py): sums and span into ``record``."""
+    def evaluate(self, record: StepRecord, version: int) -> None:
+        """Answer every held-out prompt greedily and score it (runtime/evaluate.py): sums, span and the policy
+        ``version`` evaluated (the actor's completed train steps) into ``record``."""
         plan = self.eval_plan
-        assert plan is not None
+        assert plan is not None and self._eval_handlers is not None
+        handlers = self._eval_handlers
         begin = self.clock.now_synced()
         for index, positions in enumerate(plan.passes):
             data = StepData(self.eval_set)
-            self.router.begin_step(list(positions), self.eval_set)
+            self.eval_router.begin_step(list(positions), self.eval_set)
             for op in evaluate.pass_ops(plan, index):
                 if self.rank not in op.ranks:
                     continue
                 self.heartbeat.doing(f"evaluation pass {index + 1}: {describe_op(op)}",
                                      waiting=isinstance(op, WITH_PEERS))
                 if isinstance(op, Run):
-                    evaluate.run_eval(self.handlers, op, data, record, plan, self.tokenizer, self.accuracy_fn)
+                    evaluate.run_eval(handlers, op, data, record, plan, self.tokenizer, self.accuracy_fn)
                 else:
-                    self._move(op, None, data)  # not logged: the step's tables time the iteration only
+                    self._move(op, None, data, handlers)  # not logged: the step's tables time the iteration only
         record.eval_span = Span(begin, self.clock.now_synced())
+        record.eval_version = version
 
-    def _move(self, op: Op, moves: list[MoveRecord] | None, data: StepData) -> None:
-        """Every op but ``run``; what moved is appended to ``moves`` (the step's log rows) unless it is None."""
+    def _move(self, op: Op, moves: list[MoveRecord] | None, data: StepData, handlers: OpHandlers) -> None:
+        """Every op but ``run``, by ``handlers`` (the iteration's or the evaluation's); what moved is appended to
+        ``moves`` (the step's log rows) unless it is None."""
         begin = self.clock.now_synced()
         match op:
             case Realloc():
-                row = ("realloc", op.model, self.handlers.realloc(op))
+                row = ("realloc", op.model, handlers.realloc(op))
             case SendKey():
-                row = ("transfer", op.key, self.handlers.transfer(op, data))
+                row = ("transfer", op.key, handlers.transfer(op, data))
             case Ema():  # logged as a reallocation (it is one, plus the mix) named after the model it updates
-                row = ("realloc", f"ema:{op.model}", self.handlers.ema(op))
+                row = ("realloc", f"ema:{op.model}", handlers.ema(op))
             case Free():
                 self.store.free(op.model, op.layout)
                 return
