@@ -6,7 +6,8 @@
 
 First, always: GRPO tiny on 2 ranks in sync and in async mode (``async_comparison``) beside what
 ``plan.execution=auto`` chooses, as ``grpo_sync_samples_per_s``, ``grpo_async_samples_per_s``, ``planner_choice``
-and the predicted rates (``--only-async``: nothing else).
+and the predicted rates, and async with partial rollouts at the same lookahead and push interval (staleness one
+higher: ``grpo_async_partial_samples_per_s``; ``--only-async``: nothing else).
 
 Two GRPO jobs, each measured against TRL:
 
@@ -221,6 +222,12 @@ def async_comparison(steps: int, warmup: int, group: int) -> dict:
     trial, wall = run_restage("grpo_tiny", 2, steps, ["plan.execution=async", f"plan.staleness={k}",
                                                       f"plan.push_every={n}"], trial="bench-async")
     asynchronous = restage_figures(trial, warmup, group, wall)
+    # Partial rollouts at async's lookahead and push interval: staleness k + 1, push every n (lookahead k - n + 1 as
+    # whole batches at (k, n); a token may be one version older: docs/runtime.md, "Partial rollouts").
+    trial, wall = run_restage("grpo_tiny", 2, steps, ["plan.execution=async", f"plan.staleness={k + 1}",
+                                                      f"plan.push_every={n}", "plan.partial_rollouts=true"],
+                              trial="bench-async-partial")
+    partial = restage_figures(trial, warmup, group, wall)
     measured = {"sync": sync["samples_per_second"], "async": asynchronous["samples_per_second"]}
     faster = max(measured, key=lambda mode: measured[mode])
     return {"grpo_sync_samples_per_s": measured["sync"], "grpo_async_samples_per_s": measured["async"],
@@ -230,7 +237,8 @@ def async_comparison(steps: int, warmup: int, group: int) -> dict:
             "async_staleness": k, "async_push_every": n, "measured_faster": faster,
             # the chosen mode's measured rate against the faster mode's (the target: within 5%)
             "planner_choice_vs_faster": measured[choice.chosen] / measured[faster],
-            "grpo_sync": sync, "grpo_async": asynchronous}
+            "grpo_async_partial_samples_per_s": partial["samples_per_second"],
+            "grpo_sync": sync, "grpo_async": asynchronous, "grpo_async_partial": partial}
 
 
 def _best(runs: list[dict]) -> dict:
@@ -346,7 +354,10 @@ def format_text(result: dict, args) -> str:
                  f"{result['planner_predicted_sync_samples_per_s']:.1f}, async "
                  f"{result['planner_predicted_async_samples_per_s'] or 0:.1f} samples/s); its measured rate is "
                  f"{result['planner_choice_vs_faster']:.2f}x the faster mode's")
-    for mode in ("grpo_sync", "grpo_async"):
+    lines.append(f"Async with partial rollouts (staleness {result['async_staleness'] + 1}, push every "
+                 f"{result['async_push_every']}): "
+                 f"{result['grpo_async_partial_samples_per_s']:.1f} samples/s")
+    for mode in ("grpo_sync", "grpo_async", "grpo_async_partial"):
         lines += _restage_lines(mode, result[mode])
     for name, job in result["jobs"].items():
         lines.append(f"\n== {name} ==")

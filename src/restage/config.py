@@ -158,6 +158,11 @@ class PlanConfig:
     # async: the trained actor's weights reach the generation ranks after every push_every-th step (1 <= push_every
     # <= staleness); generation runs staleness - push_every + 1 steps ahead of training (docs/runtime.md).
     push_every: int = 1
+    # async: partial rollouts. Generation of each buffered batch spans two steps: the answers still being written
+    # when new weights land continue under them (prompt + answer so far prefilled again), every token recording
+    # its own version; generation runs staleness - push_every steps ahead, so it needs staleness >= push_every + 1
+    # (docs/runtime.md, "Partial rollouts").
+    partial_rollouts: bool = False
     # off: frozen models held as models.<name>.shard_frozen says. auto: the search may also hold each frozen model
     # the runtime can shard 1/dp per rank of its home layout (ZeRO-3 / FSDP inference), when that plan is faster.
     shard_frozen: str = "off"
@@ -274,6 +279,15 @@ class ExperimentConfig:
         if not 1 <= self.plan.push_every <= self.plan.staleness:
             raise ConfigError(f"plan.push_every: {self.plan.push_every} must be between 1 and plan.staleness="
                               f"{self.plan.staleness} (weights older than the bound would generate)")
+        if self.plan.partial_rollouts and self.plan.execution == "sync":
+            raise ConfigError("plan.partial_rollouts: partial rollouts continue answers across weight pushes, which "
+                              "only asynchronous training has; set plan.execution=async (or auto) or drop it")
+        if (self.plan.partial_rollouts and self.plan.execution == "async"
+                and self.plan.staleness < self.plan.push_every + 1):
+            raise ConfigError(f"plan.partial_rollouts: needs plan.staleness >= plan.push_every + 1 (an answer spans "
+                              f"two steps' weights), got staleness={self.plan.staleness} push_every="
+                              f"{self.plan.push_every}; set plan.staleness={self.plan.push_every + 1} or "
+                              "plan.partial_rollouts=false")
 
     def _check_values(self) -> None:
         """Values whose validity needs no rank: refused here, in one line, before anything starts."""

@@ -3,12 +3,13 @@
 import pytest
 
 from restage.config import load_config
+from restage.errors import ConfigError
 from restage.plan.async_plan import best_async_plan, splits
-from restage.plan.cli import mode_line
+from restage.plan.cli import mode_line, render
 from restage.plan.evaluate import evaluate
 from restage.plan.planner import build_problem, make_plan
 from restage.plan.schedule import build_schedule
-from restage.plan.simulator import op_seconds, plan_program
+from restage.plan.simulator import op_seconds, plan_program, refill_seconds
 from restage.schedule.ops import Generate, Push, Run, SendKey
 
 JOB = "jobs/grpo_tiny.yaml"
@@ -92,3 +93,49 @@ def test_async_schedule_of_the_search_runs_generation_apart():
 def test_auto_with_manual_layouts_is_refused():
     with pytest.raises(Exception, match="plan.execution auto chooses the layouts"):
         make_plan(load_config(JOB, ["plan.execution=auto", "plan.mode=manual"]), with_baselines=False)
+
+
+def test_partial_rollouts_cost_the_refill_and_one_batch_less_of_warm_up():
+    """Partial rollouts at (k, n) = (2, 1): generation runs k - n = 1 step ahead (one warm-up batch, not two), and
+    each step's generate adds the prefill again of the answers left in flight (refill_seconds: every answer of the
+    batch, prompt + gen / 2 tokens, scaled from the candidate's prefill of prompt - 1 tokens once per group)."""
+    whole = async_problem(2, 1, steps=40)
+    cfg = load_config(JOB, ["plan.execution=async", "plan.staleness=2", "plan.push_every=1",
+                            "plan.partial_rollouts=true", "run.steps=40"])
+    partial = build_problem(cfg)
+    plan, ev = best_async_plan(partial)
+    gen_op = next(op for op, _ in plan_program(partial, plan) if isinstance(op, Generate) and op.start == 1)
+    assert gen_op.partial and gen_op.stop == 2
+    candidate = plan[partial.index["actor_gen"]]
+    mfc = partial.graph["actor_gen"]
+    group, prompt, answer = 8, mfc.prompt_tokens, mfc.gen_tokens
+    refill = candidate.estimate.part("prefill_seconds") * group * (prompt + answer / 2) / (prompt - 1)
+    assert refill > 0 and refill_seconds(mfc, candidate) == pytest.approx(refill, rel=1e-12)
+    assert op_seconds(partial, plan, gen_op) == pytest.approx(candidate.seconds + refill, rel=1e-12)
+    assert ev.iteration_seconds - ev.timeline.makespan_seconds == pytest.approx(candidate.seconds / 40, rel=1e-12)
+    plan_whole, ev_whole = best_async_plan(whole)
+    assert ev_whole.iteration_seconds - ev_whole.timeline.makespan_seconds == pytest.approx(
+        2 * plan_whole[whole.index["actor_gen"]].seconds / 40, rel=1e-12)
+
+
+def test_restage_plan_names_partial_rollouts():
+    cfg = load_config(JOB, ["plan.execution=async", "plan.staleness=2", "plan.partial_rollouts=true"])
+    outcome = make_plan(cfg, with_baselines=False)
+    text = render(build_schedule(cfg, outcome), outcome)
+    assert "execution: async (staleness 2, push every 1, partial rollouts)" in text.splitlines()
+    whole = load_config(JOB, ["plan.execution=async", "plan.staleness=2"])
+    outcome = make_plan(whole, with_baselines=False)
+    assert "execution: async (staleness 2, push every 1)" in render(build_schedule(whole, outcome), outcome).splitlines()
+
+
+def test_auto_tries_partial_rollouts_only_when_allowed():
+    outcome = make_plan(load_config(JOB, ["plan.execution=auto", "plan.partial_rollouts=true"]), with_baselines=False)
+    plain = make_plan(load_config(JOB, ["plan.execution=auto"]), with_baselines=False)
+    # Every answer costed at one length: no tail for partial rollouts to save, so (2, 1) partial costs the refill
+    # more than (1, 1) whole at the same lookahead, and the choice is the one without the key.
+    assert outcome.mode_choice == plain.mode_choice and not outcome.mode_choice.partial
+    assert "partial" not in mode_line(outcome.mode_choice)
+    with pytest.raises(ConfigError, match="plan.staleness >= plan.push_every \\+ 1"):
+        load_config(JOB, ["plan.execution=async", "plan.partial_rollouts=true"])
+    with pytest.raises(ConfigError, match="plan.execution=async"):
+        load_config(JOB, ["plan.partial_rollouts=true"])

@@ -54,6 +54,13 @@ def test_json_keys_are_schedule_format_1():
                                               "actor", "actor_gen", "actor_gen"]
 
 
+def test_a_partial_generate_writes_its_flag_and_a_whole_one_stays_as_before():
+    """``Generate.partial`` is written only when true: async schedules without partial rollouts keep their bytes."""
+    whole, partial = Generate((0, 1), "actor_gen", "actor", A, 1, 2), Generate((0, 1), "actor_gen", "actor", A, 1, 2, True)
+    assert "partial" not in op_to_json(whole) and op_to_json(partial)["partial"] is True
+    assert op_from_json(op_to_json(partial)) == partial and op_from_json(op_to_json(whole)) == whole
+
+
 def test_an_unknown_kind_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^schedule step of unknown kind 'teleport'; run `restage plan` again"):
         op_from_json({"kind": "teleport", "ranks": [0]})

@@ -10,6 +10,7 @@ replica return the same GenerationOutput.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,3 +78,74 @@ def generate(module: StageModule, prompts: Sequence[Sequence[int]], params: Samp
                          device=tokens.device)
         tokens, logprobs = torch.cat([tokens, pad], 1), torch.cat([logprobs, torch.zeros_like(pad, dtype=torch.float32)], 1)
     return GenerationOutput(tokens, logprobs, lengths)
+
+
+@dataclass(frozen=True)
+class PartialRequest:
+    """One request of ``continue_generate``: its prompt, its noise seed, and the answer chosen so far (empty: fresh)."""
+
+    prompt: tuple[int, ...]
+    seed: int
+    answer: tuple[int, ...] = ()
+    answer_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class PartialOutput:
+    """``GenerationOutput``'s tensors (each answer whole: the part given plus the new tokens) and which requests
+    finished (EOS or ``max_new_tokens``); an unfinished request's row holds its answer so far."""
+
+    output: GenerationOutput
+    finished: tuple[bool, ...]
+
+
+@torch.no_grad()
+def continue_generate(module: StageModule, requests: Sequence[PartialRequest], params: SamplingParams,
+                      must_finish: int, limits: RolloutLimits | None = None) -> PartialOutput:
+    """Partial rollouts: finish requests ``0 .. must_finish - 1`` and start or continue the later ones in the slots
+    the first free, stopping at the first check where the first are all done (``RolloutEngine``'s ``must_finish``).
+
+    A request with an answer so far is prefilled as prompt + answer (its keys and values recomputed under these
+    weights) and decodes on from that answer position with its own seed, so under unchanged weights it chooses
+    the tokens an uninterrupted ``generate`` would. Requests with the same prompt and no answer share its
+    prefill. Every rank of the replica calls it with the same arguments; pipeline stages step one after another
+    (``pp_groups=1``: a pipelined rollout cannot stop with micro-groups in flight). Under ep every replica of an ep
+    group calls it, with requests of its own or none, ``must_finish`` 0 included (no slots: it only joins its
+    peers' steps until they are done).
+    """
+    cfg = module.cfg
+    if not 0 <= must_finish <= len(requests):
+        raise ConfigError(f"continue_generate: must_finish={must_finish} must be in 0..{len(requests)}")
+    width = params.max_new_tokens
+    if any(len(r.answer) >= width or len(r.answer) != len(r.answer_logprobs) or not r.prompt for r in requests):
+        raise ConfigError(f"continue_generate: every request needs a prompt and fewer than max_new_tokens={width} "
+                          "answer tokens so far, each with its log-prob")
+    longest = max((len(r.prompt) for r in requests), default=0)
+    if longest + width > cfg.max_positions:
+        raise ConfigError(f"prompt of {longest} tokens + max_new_tokens={width} exceeds the model's "
+                          f"{cfg.max_positions} positions; shorten the prompts or max_new_tokens")
+    prompts: list[tuple[int, ...]] = []
+    index: dict[tuple[int, ...], int] = {}  # fresh prompts share one entry (and one prefill)
+    prompt_of = []
+    for r in requests:
+        if r.answer:
+            prompts.append(r.prompt + r.answer)
+            prompt_of.append(len(prompts) - 1)
+        else:
+            if r.prompt not in index:
+                index[r.prompt] = len(prompts)
+                prompts.append(r.prompt)
+            prompt_of.append(index[r.prompt])
+    eos_ids = list(params.eos_token_ids if params.eos_token_ids is not None else cfg.stop_token_ids)
+    limits = dataclasses.replace(limits or RolloutLimits.of(params.kv_cache_gib, params.max_slots), pp_groups=1)
+    started = [len(r.answer) for r in requests]
+    engine = RolloutEngine(module, prompts, prompt_of, [width] * len(requests), request_keys([r.seed for r in requests]),
+                           params, eos_ids, limits, started=started, must_finish=must_finish)
+    for row, r in enumerate(requests):
+        if r.answer:
+            engine.tokens[row, :len(r.answer)] = torch.tensor(r.answer, dtype=torch.int64).to(engine.device)
+            engine.logprobs[row, :len(r.answer)] = torch.tensor(r.answer_logprobs, dtype=torch.float32).to(engine.device)
+    tokens, logprobs, lengths = engine.run()
+    open_ = set(engine.unfinished())
+    return PartialOutput(GenerationOutput(tokens, logprobs, lengths),
+                         tuple(row not in open_ for row in range(len(requests))))

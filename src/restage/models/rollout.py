@@ -163,18 +163,29 @@ def ep_peers_done(done: bool, module: StageModule) -> bool:
 
 
 class RolloutEngine:
-    """Runs ``requests`` (prompt index, max new tokens, noise key) over ``num_slots`` cache slots."""
+    """Runs ``requests`` (prompt index, max new tokens, noise key) over ``num_slots`` cache slots.
+
+    Partial rollouts (``generation.continue_generate``): request r's prompt may end with ``started[r]`` answer
+    tokens chosen earlier (by older weights); it is prefilled whole, like any prompt, and decodes on from answer
+    position ``started[r]``, so its noise continues where it stopped. With ``must_finish`` = M, ``run`` stops as
+    soon as requests ``0 .. M-1`` are all done (at the check that sees the last EOS, or at once when the last
+    leaves at its max length), leaving the later ones in their slots (their answers so far in the outputs) or
+    waiting; the cache then holds at most M slots, so later requests start only as the first ones free theirs."""
 
     def __init__(self, module: StageModule, prompts: Sequence[Sequence[int]], prompt_of: Sequence[int],
                  max_new: Sequence[int], keys: torch.Tensor, params: SamplingParams, eos_ids: Sequence[int],
-                 limits: RolloutLimits, decode_mode: DecodeMode | None = None):
+                 limits: RolloutLimits, decode_mode: DecodeMode | None = None, started: Sequence[int] | None = None,
+                 must_finish: int | None = None):
         self.module, self.prompts, self.prompt_of, self.max_new = module, prompts, list(prompt_of), list(max_new)
         self.params, self.limits = params, limits
         self.device = device = next(module.parameters()).device
         requests = len(self.prompt_of)
+        self.started = list(started) if started is not None else [0] * requests
+        self.must_finish = must_finish if must_finish is not None else requests
         width = max(self.max_new, default=1)
-        max_len = max((len(prompts[p]) + m for p, m in zip(self.prompt_of, self.max_new)), default=1)
-        self.num_slots = slots = plan_slots(module, requests, max_len, limits)
+        max_len = max((len(prompts[p]) + m - s for p, m, s in zip(self.prompt_of, self.max_new, self.started)),
+                      default=1)
+        self.num_slots = slots = plan_slots(module, self.must_finish, max_len, limits)
         self.cache = module.new_cache(slots, max_len) if slots else None
         self.queue = deque(range(requests))
         # Host bookkeeping per slot (exact, never read back from the device).
@@ -192,7 +203,7 @@ class RolloutEngine:
         self.is_eos[self.eos] = True
         self.tokens = torch.full((requests + 1, width), params.pad_token_id, dtype=torch.int64, device=device)
         self.logprobs = torch.zeros(requests + 1, width, dtype=torch.float32, device=device)
-        self.lengths = torch.zeros(requests + 1, dtype=torch.int64, device=device)
+        self.lengths = torch.tensor(self.started + [0], dtype=torch.int64, device=device)
         self.vocab_sizes = vocab_sizes(module.cfg.vocab_size, module.ctx)
         ctx, cfg = module.ctx, module.cfg
         self.whole = SlotGroup(0, slots)
@@ -208,11 +219,11 @@ class RolloutEngine:
         self.graphs = DecodeGraphs(slots, device, self.decode_mode)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Generate every request: ``(tokens [R, W], logprobs [R, W], lengths [R])``."""
+        """Generate every request (up to ``must_finish``): ``(tokens [R, W], logprobs [R, W], lengths [R])``."""
         lockstep = self.module.ctx.ep_size > 1
         while True:
             self.reap()
-            if ep_peers_done(not self.queue and self.bound() == 0, self.module):
+            if ep_peers_done(self.required_done(), self.module):
                 break
             self._admit(join_if_empty=lockstep)
             for _ in range(self.limits.check_every_steps):
@@ -220,11 +231,24 @@ class RolloutEngine:
                     self._admit(join_if_empty=False)  # a request left at its max length: no sync needed
                 if self.bound():
                     self._decode()
+                    if not lockstep and self.must_finish < len(self.prompt_of) and self.required_done():
+                        break  # the last required request left at its max length: the host knows, no check needed
                 elif lockstep:
                     join_sparse_layers(self.module)
                 else:
                     break
         return self.tokens[:-1], self.logprobs[:-1], self.lengths[:-1]
+
+    def required_done(self) -> bool:
+        """Whether requests ``0 .. must_finish - 1`` are all done (the queue serves them first)."""
+        if self.must_finish == len(self.prompt_of):
+            return not self.queue and self.bound() == 0
+        return (not self.queue or self.queue[0] >= self.must_finish) and all(
+            r < 0 or r >= self.must_finish for r in self.request)
+
+    def unfinished(self) -> list[int]:
+        """Requests still decoding in a slot (their answers so far in the outputs) or waiting, in request order."""
+        return sorted([r for r in self.request if r >= 0] + list(self.queue))
 
     def bound(self, group: SlotGroup | None = None) -> int:
         """Slots a decode step of ``group`` (default: all) runs over from its first: past its last busy one, to a power of 2."""
@@ -293,7 +317,7 @@ class RolloutEngine:
             request = self.queue.popleft()
             prompt = self.prompt_of[request]
             prefix = len(self.prompts[prompt]) - 1
-            self.request[slot], self.length[slot], self.step[slot] = request, prefix, 0
+            self.request[slot], self.length[slot], self.step[slot] = request, prefix, self.started[request]
             if prefix == 0:
                 continue
             if prompt in fresh or prompt in holder:

@@ -32,11 +32,12 @@ class ModeChoice:
     async_samples_per_second: float | None
     staleness: int  # of the best async plan (0: none found)
     push_every: int
+    partial: bool = False  # the best async plan uses partial rollouts
 
     def to_json(self) -> dict:
         return {"chosen": self.chosen, "sync_samples_per_second": self.sync_samples_per_second,
                 "async_samples_per_second": self.async_samples_per_second, "staleness": self.staleness,
-                "push_every": self.push_every}
+                "push_every": self.push_every, "partial_rollouts": self.partial}
 
 
 def splits(problem: PlanProblem) -> list[tuple[tuple[int, int], tuple[int, int]]]:

@@ -91,6 +91,8 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
                          f"pp{d.pp}: {step.bytes / GIB:.2f} GiB moved, {step.predicted['seconds']:.3f} s")
     if outcome.mode_choice is not None:
         lines.append(mode_line(outcome.mode_choice))
+    elif (plan := schedule.config.get("plan", {})).get("execution") == "async":
+        lines.append(async_line(plan))
     band, baseline = accuracy_of(schedule)
     low, high = band.seconds(p["iteration_seconds"])
     lines.append(f"iteration {p['iteration_seconds']:.3f} s (likely {low:.3f}-{high:.3f} s), "
@@ -114,6 +116,12 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
     return "\n".join(lines)
 
 
+def async_line(plan: dict) -> str:
+    """plan.execution async: the staleness bound, the push interval and whether answers continue across pushes."""
+    partial = ", partial rollouts" if plan.get("partial_rollouts") else ""
+    return f"execution: async (staleness {plan['staleness']}, push every {plan['push_every']}{partial})"
+
+
 def mode_line(choice: ModeChoice) -> str:
     """plan.execution auto: the chosen mode beside the best synchronous plan, both predicted samples/s."""
     sync = f"{choice.sync_samples_per_second:.2f}" if choice.sync_samples_per_second else "none"
@@ -122,5 +130,6 @@ def mode_line(choice: ModeChoice) -> str:
     rate = f"{choice.async_samples_per_second:.2f} samples/s"
     ratio = (f", {choice.async_samples_per_second / choice.sync_samples_per_second:.2f}x"
              if choice.sync_samples_per_second else "")
+    partial = ", partial rollouts" if choice.partial else ""
     return (f"execution: {choice.chosen} chosen; best async plan (staleness {choice.staleness}, push every "
-            f"{choice.push_every}) {rate}{ratio}; best synchronous plan {sync} samples/s (predicted)")
+            f"{choice.push_every}{partial}) {rate}{ratio}; best synchronous plan {sync} samples/s (predicted)")

@@ -56,7 +56,7 @@ def build_problem(cfg, cluster: ClusterSpec | None = None) -> PlanProblem:
     for name, why in unused_models(cfg, graph).items():
         print(f"restage: models.{name} is unused, so not planned or loaded: {why}", file=sys.stderr, flush=True)
     cluster = cluster or cluster_from_config(cfg)
-    execution = (AsyncExecution(cfg.plan.staleness, cfg.plan.push_every, cfg.run.steps)
+    execution = (AsyncExecution(cfg.plan.staleness, cfg.plan.push_every, cfg.run.steps, cfg.plan.partial_rollouts)
                  if cfg.plan.execution == "async" else None)
     return PlanProblem(graph, roles_from_config(cfg, graph), cluster, estimator=Estimator(cluster, engine=engine_of(cfg)),
                        samples_per_iteration=cfg.run.batch_size, execution=execution)
@@ -274,15 +274,17 @@ def _evaluations(found: dict) -> dict[str, PlanEvaluation | None]:
     return {name: (got[1] if got is not None else None) for name, got in found.items()}
 
 
-def with_execution(cfg, execution: str, staleness: int, push_every: int):
-    """``cfg`` with ``plan.execution``, ``plan.staleness`` and ``plan.push_every`` set."""
-    return replace(cfg, plan=replace(cfg.plan, execution=execution, staleness=staleness, push_every=push_every))
+def with_execution(cfg, execution: str, staleness: int, push_every: int, partial: bool = False):
+    """``cfg`` with ``plan.execution``, ``plan.staleness``, ``plan.push_every`` and ``plan.partial_rollouts`` set."""
+    return replace(cfg, plan=replace(cfg.plan, execution=execution, staleness=staleness, push_every=push_every,
+                                     partial_rollouts=partial))
 
 
 def choose_mode(cfg, cluster: ClusterSpec | None = None, **search) -> PlanOutcome:
     """``plan.execution: auto``: the synchronous plan (``plan.mode`` as given) and the best async plan over
-    ``STALENESS_CHOICES`` x push intervals x splits; the faster by predicted samples/s wins (sync on a tie, and
-    the smallest staleness among equal async plans). The outcome's ``config`` is the chosen mode's."""
+    ``STALENESS_CHOICES`` x push intervals x splits (and, with ``plan.partial_rollouts`` set, partial rollouts
+    where ``staleness > push_every``); the faster by predicted samples/s wins (sync on a tie, and the smallest
+    staleness among equal async plans, whole batches before partial ones). The outcome's ``config`` is the chosen mode's."""
     if cfg.plan.mode == "manual":
         raise ConfigError("plan.execution auto chooses the layouts of each mode; set plan.mode=search (or choose "
                           "plan.execution sync or async for manual layouts)")
@@ -290,23 +292,24 @@ def choose_mode(cfg, cluster: ClusterSpec | None = None, **search) -> PlanOutcom
     sync = make_plan(sync_cfg, cluster, **search)
     sync_rate = sync.problem.samples_per_iteration / sync.evaluation.iteration_seconds
     best: tuple[float, PlanOutcome] | None = None
-    for staleness in STALENESS_CHOICES:
-        for push_every in range(1, staleness + 1):
-            async_cfg = with_execution(cfg, "async", staleness, push_every)
-            try:
-                problem = build_problem(async_cfg, cluster)
-            except ConfigError:  # an algorithm without an async mode
-                continue
-            found = best_async_plan(problem)
-            if found is None or not found[1].feasible:
-                continue
-            rate = problem.samples_per_iteration / found[1].iteration_seconds
-            if best is None or rate > best[0]:
-                best = (rate, PlanOutcome(problem, found[0], found[1], "async-split", sync.baselines,
-                                          config=async_cfg))
+    grid = [(staleness, push_every, partial) for staleness in STALENESS_CHOICES for push_every in range(1, staleness + 1)
+            for partial in ((False, True) if cfg.plan.partial_rollouts and staleness > push_every else (False,))]
+    for staleness, push_every, partial in grid:
+        async_cfg = with_execution(cfg, "async", staleness, push_every, partial)
+        try:
+            problem = build_problem(async_cfg, cluster)
+        except ConfigError:  # an algorithm without an async mode
+            continue
+        found = best_async_plan(problem)
+        if found is None or not found[1].feasible:
+            continue
+        rate = problem.samples_per_iteration / found[1].iteration_seconds
+        if best is None or rate > best[0]:
+            best = (rate, PlanOutcome(problem, found[0], found[1], "async-split", sync.baselines,
+                                      config=async_cfg))
     faster = best is not None and best[0] > sync_rate
     chosen = best[1] if best is not None and faster else replace(sync, config=sync_cfg)
     ex = best[1].problem.execution if best is not None else None
     choice = ModeChoice("async" if faster else "sync", sync_rate, best[0] if best is not None else None,
-                        ex.staleness if ex else 0, ex.push_every if ex else 0)
+                        ex.staleness if ex else 0, ex.push_every if ex else 0, ex.partial if ex else False)
     return replace(chosen, mode_choice=choice)

@@ -186,6 +186,7 @@ class AsyncExecution:
     staleness: int
     push_every: int
     steps: int
+    partial: bool = False  # plan.partial_rollouts
 
 
 class PlanProblem:

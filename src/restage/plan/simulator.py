@@ -119,7 +119,7 @@ def plan_program(problem, plan) -> list[tuple[Op, float]]:
     if problem.execution is not None:  # async: the builder's order is the one that overlaps (schedule/async_program.py)
         ex = problem.execution
         ops = build_async_program(problem.graph, plan_layouts(problem, plan), ex.staleness, ex.push_every,
-                                  offload_idle=offload, resident=resident)
+                                  offload_idle=offload, resident=resident, partial=ex.partial)
         return [(op, op_seconds(problem, plan, op)) for op in ops]
     ops = build_program(problem.graph, plan_layouts(problem, plan), offload_idle=offload, resident=resident)
     free: dict[int, float] = {}
@@ -207,7 +207,10 @@ def op_seconds(problem, plan, op: Op) -> float:
         case Push():  # every push_every steps: its cost spread over them
             return (copy_seconds(problem, op.src, op.dst, op.model) + problem.cluster.realloc_overhead_seconds) / op.every
         case Generate():  # the steady state generates one batch a step; the warm-up's are costed by steady_state
-            return 0.0 if op.start == 0 else plan[problem.index[op.mfc]].seconds
+            if op.start == 0:
+                return 0.0
+            candidate = plan[problem.index[op.mfc]]
+            return candidate.seconds + (refill_seconds(problem.graph[op.mfc], candidate) if op.partial else 0.0)
         case TakeBuffered() | Free():
             return 0.0
         case _:
@@ -262,11 +265,22 @@ def steady_state(problem, plan, overlap: bool = False, iterations: int = 3) -> t
     return ends[-1] - ends[-2], first
 
 
+def refill_seconds(mfc, candidate) -> float:
+    """Partial rollouts: the prefill again, under the weights of the step, of the answers the step before left in
+    flight. Costed at its worst, every answer of the batch cut half-way (prompt + gen / 2 tokens each), scaled from
+    the candidate's own prefill (``(prompt - 1)`` tokens once per group); the tiny GRPO job's 50-step run cuts
+    about 40% of them (docs/runtime.md, "Partial rollouts"). The estimator gives every answer the same length, so the gain
+    partial rollouts bring on uneven answers (the generator no longer waits for a batch's longest) is not costed."""
+    group = int(mfc.options.get("group_size", 1))
+    prefix = max(1, mfc.prompt_tokens - 1)
+    return candidate.estimate.part("prefill_seconds") * group * (mfc.prompt_tokens + mfc.gen_tokens / 2) / prefix
+
+
 def _async_steady_state(problem, plan) -> tuple[float, Timeline]:
     ex = problem.execution
     if async_layout_problem(problem.graph, plan_layouts(problem, plan)) is not None:
         return math.inf, Timeline(())
     timeline = simulate(plan_tasks(problem, plan))
     warmup_seconds = sum(plan[problem.index[gen.name]].seconds for gen in producers(problem.graph))
-    warmup_seconds *= lookahead(ex.staleness, ex.push_every)
+    warmup_seconds *= lookahead(ex.staleness, ex.push_every, ex.partial)
     return timeline.makespan_seconds + warmup_seconds / ex.steps, timeline

@@ -9,6 +9,8 @@ at step ``s`` gives the generation copy version ``s``; every token it generates 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from restage.data.batch import Batch
@@ -17,6 +19,7 @@ from restage.layout import Layout
 from restage.models.parallel import ParallelContext
 from restage.runtime.execute import run_generate
 from restage.runtime.op_handlers import OpHandlers, StepData, reallocate_when_ready
+from restage.runtime.partial_rollouts import run_partial_generate
 from restage.runtime.records import StatsShare, StepRecord
 from restage.runtime.rollout_buffer import Buffered, RolloutBuffer
 from restage.schedule.ops import Generate, Push, TakeBuffered
@@ -57,12 +60,23 @@ class AsyncOps:
         ctx = ParallelContext.from_layout(layout, h.groups, h.rank)
         version = self.versions[(mfc.model, layout)]
         source_keys = [k for k in mfc.inputs if h.graph.producer(k) is None]
+
+        def prompts_of(target: int) -> Batch:
+            positions = h.router.positions_of(ids_by_step[target], data.source, mfc, ctx.coord.dp)
+            return data.source.batch(positions).only(source_keys)
+
+        def seed_of(target: int) -> int:
+            return (h.cfg.seed * 1_000_003 + target) * 101 + ctx.coord.dp  # the step it is for, as in sync mode
+
         for target in range(step + op.start, step + op.stop):
             if target >= h.cfg.run.steps or self.buffer.holds(mfc.name, target):
                 continue
-            positions = h.router.positions_of(ids_by_step[target], data.source, mfc, ctx.coord.dp)
-            prompts = data.source.batch(positions).only(source_keys)
-            seed = (h.cfg.seed * 1_000_003 + target) * 101 + ctx.coord.dp  # the step it is for, as in sync mode
+            prompts = prompts_of(target)
+            seed = seed_of(target)
+            if op.partial:
+                self._generate_partial(op, target, prompts, prompts_of, seeds=(seed, seed_of(target + 1)),
+                                       version=version, ctx=ctx, record=record)
+                continue
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             begin = h.clock.now_synced()
@@ -71,6 +85,26 @@ class AsyncOps:
             assert result.batch is not None
             self.buffer.put(mfc.name, target, Buffered(result.batch, version, h.state.pending_rewards.pop(mfc.name, None)))
             h.record_run(mfc, layout, ctx, prompts, result, begin, end, record)
+
+    def _generate_partial(self, op: Generate, target: int, prompts: Batch, prompts_of: Callable[[int], Batch],
+                          seeds: tuple[int, int], version: int, ctx: ParallelContext, record: StepRecord) -> None:
+        """Partial rollouts: finish step ``target``'s batch (continuing the answers begun at the step before) and
+        begin step ``target + 1``'s, whose answers so far stay in the buffer (runtime/partial_rollouts.py)."""
+        h = self.handlers
+        mfc = h.graph[op.mfc]
+        later = prompts_of(target + 1) if target + 1 < h.cfg.run.steps else None
+        begun = self.buffer.resume_in_flight(mfc.name, target)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        begin = h.clock.now_synced()
+        result, oldest, started = run_partial_generate(h.store.slots[mfc.model].at(op.layout), mfc, prompts, begun, later,
+                                               h.algo, h.cfg, h.state, seeds, version)
+        end = h.clock.now_synced()
+        assert result.batch is not None
+        self.buffer.put(mfc.name, target, Buffered(result.batch, oldest, h.state.pending_rewards.pop(mfc.name, None)))
+        if started is not None:
+            self.buffer.keep_in_flight(mfc.name, target + 1, started)
+        h.record_run(mfc, op.layout, ctx, prompts, result, begin, end, record)
 
     def take(self, op: TakeBuffered, step: int, data: StepData, record: StepRecord) -> None:
         """The buffer's batch of this step becomes the MFC's output; logs the buffer's occupancy and the batch's version."""
@@ -82,7 +116,15 @@ class AsyncOps:
         if coord is not None and coord.tp == 0 and coord.pp == op.layout.strategy.pp - 1:
             stats = {f"{op.mfc}/buffer_batches": float(self.buffer.occupancy(op.mfc)),
                      f"{op.mfc}/behaviour_version": float(entry.version)}
+            if "versions" in entry.batch.tokens:
+                stats[f"{op.mfc}/mixed_version_samples"] = mixed_version_samples(entry.batch)
             record.stats.append(StatsShare(stats, _samples(entry.batch)))
+
+
+def mixed_version_samples(batch: Batch) -> float:
+    """The fraction of ``batch``'s samples whose answer tokens more than one policy version wrote."""
+    spans = [len({v for v in seq.tolist() if v >= 0}) > 1 for seq in torch.split(batch["versions"], list(batch.seqlens))]
+    return sum(spans) / max(1, len(spans))
 
 
 def _samples(batch: Batch) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from restage.algorithms import estimators, offpolicy, ops
+from restage.algorithms import estimators, ops
 from restage.algorithms.base import AlgoState
 from restage.algorithms.interface import Algorithm
 from restage.config import ExperimentConfig
@@ -128,14 +128,34 @@ def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm,
     """Sample ``group_size`` answers per prompt; the output batch holds seqs, prompt_mask and logprobs (and, when the
     MFC outputs ``versions``, async mode's per-token policy ``version`` of the weights in ``module``)."""
     group = int(mfc.options.get("group_size", 1))
+    prompt_ids = prompt_lists(prompts)
+    params = sampling_params(module, mfc, cfg, seed)
+    result = generate(module, prompt_ids, params, group_size=group)  # each prompt prefilled once for its group
+    answers = result.sequences()
+    versions = None if version is None else [[version] * len(a) for a in answers]
+    return answers_result(mfc, prompts, answers, result.token_logprobs(), versions, algo, cfg, state)
+
+
+def prompt_lists(prompts: Batch) -> list[list[int]]:
+    """A generate MFC's prompts as token lists."""
+    return [t.tolist() for t in torch.split(prompts["prompts"], list(prompts.seqlens))]
+
+
+def sampling_params(module: StageModule, mfc: MFC, cfg: ExperimentConfig, seed: int) -> SamplingParams:
+    """The sampling of a generate MFC's batch seeded ``seed`` (request r's noise: ``request_seed(seed, r)``)."""
     gen = cfg.generation
-    prompt_ids = [t.tolist() for t in torch.split(prompts["prompts"], list(prompts.seqlens))]
-    repeated = [p for p in prompt_ids for _ in range(group)]
     eos = module.cfg.eos_token_id
     pad = module.cfg.pad_token_id if module.cfg.pad_token_id is not None else (eos or 0)
-    params = SamplingParams(**{**dataclasses.asdict(gen), "greedy": gen.greedy or mfc.greedy}, pad_token_id=pad, seed=seed)
-    result = generate(module, prompt_ids, params, group_size=group)  # each prompt prefilled once for its group
-    answers, answer_logprobs = result.sequences(), result.token_logprobs()
+    return SamplingParams(**{**dataclasses.asdict(gen), "greedy": gen.greedy or mfc.greedy}, pad_token_id=pad, seed=seed)
+
+
+def answers_result(mfc: MFC, prompts: Batch, answers: list[list[int]], answer_logprobs: list[list[float]],
+                   versions: list[list[int]] | None, algo: Algorithm, cfg: ExperimentConfig,
+                   state: AlgoState) -> MFCResult:
+    """A generate MFC's output batch from its answers (request ``i * group_size + j``: sample j of prompt i), their
+    log-probs and (async mode) each answer token's policy version."""
+    group = int(mfc.options.get("group_size", 1))
+    repeated = [p for p in prompt_lists(prompts) for _ in range(group)]
     # An empty answer (EOS first with min_new_tokens=0 still yields that EOS) keeps at least one token.
     seqs = [p + a for p, a in zip(repeated, answers, strict=True)]
     batch = pack_sequences(seqs, group_size=group, key=mfc.outputs[0], prompt_lens=[len(p) for p in repeated],
@@ -148,11 +168,12 @@ def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm,
     if "logprobs" in mfc.outputs:
         batch = batch.with_keys(tokens={"logprobs": lp})
     if "versions" in mfc.outputs:
-        if version is None:
+        if versions is None:
             raise ValueError(f"{mfc.name} outputs versions but the runtime gave no policy version")
-        batch = batch.with_keys(tokens={"versions": offpolicy.answer_versions(batch[mask_key], version)})
+        flat = [x for p, v in zip(repeated, versions, strict=True) for x in [-1] * len(p) + v]  # -1 on prompt tokens
+        batch = batch.with_keys(tokens={"versions": torch.tensor(flat, dtype=torch.int64)})
     batch = algo.after_generate(mfc.name, batch, cfg, state)
-    generated = int(result.lengths.sum())
+    generated = sum(len(a) for a in answers)
     stats = {f"{mfc.name}/answer_tokens": generated / max(1, len(seqs))}
     return MFCResult(batch, stats, batch.n_tokens)
 

@@ -5,6 +5,9 @@ holds, per generate MFC and step, this rank's part of the output (with function 
 the policy version of the weights that generated it. Its depth is bounded by the program: at most
 ``staleness - push_every + 1`` steps ahead. A checkpoint saves it whole (rewards settled), so a resumed run trains
 on the very batches an uninterrupted one would (docs/runtime.md, "Asynchronous training").
+
+With partial rollouts it also holds the batch begun behind the last one finished (``InFlight``: each request's
+answer so far, its log-probs and each token's version), saved and restored with the rest.
 """
 
 from __future__ import annotations
@@ -27,11 +30,31 @@ class Buffered:
     pending: PendingRewards | None = None  # function rewards still being scored
 
 
+@dataclass(frozen=True)
+class Answer:
+    """One request's answer so far (partial rollouts): its tokens, their log-probs and versions, and whether it is
+    done (EOS or max_new_tokens)."""
+
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    versions: tuple[int, ...] = ()
+    finished: bool = False
+
+
 class RolloutBuffer:
-    """(generate MFC, step) -> this rank's part of that step's generated batch."""
+    """(generate MFC, step) -> this rank's part of that step's generated batch; and the batches still in flight."""
 
     def __init__(self) -> None:
         self.entries: dict[tuple[str, int], Buffered] = {}
+        self.in_flight: dict[tuple[str, int], tuple[Answer, ...]] = {}  # partial rollouts: answers so far, per request
+
+    def keep_in_flight(self, mfc: str, step: int, answers: tuple[Answer, ...]) -> None:
+        assert (mfc, step) not in self.in_flight, f"{mfc}: step {step + 1}'s batch begun twice"
+        self.in_flight[(mfc, step)] = answers
+
+    def resume_in_flight(self, mfc: str, step: int) -> tuple[Answer, ...] | None:
+        """The answers of step ``step``'s batch begun earlier (None: not begun); they leave the buffer."""
+        return self.in_flight.pop((mfc, step), None)
 
     def holds(self, mfc: str, step: int) -> bool:
         return (mfc, step) in self.entries
@@ -60,9 +83,20 @@ class RolloutBuffer:
             out.append({"mfc": mfc, "step": step, "version": entry.version, "seqlens": list(batch.seqlens),
                         "tokens": dict(batch.tokens), "seqs": dict(batch.seqs), "group_size": batch.group_size,
                         "ids": list(batch.ids)})
-        return {"entries": out}
+        flight = [{"mfc": mfc, "step": step, "tokens": [list(a.tokens) for a in answers],
+                   "logprobs": [list(a.logprobs) for a in answers], "versions": [list(a.versions) for a in answers],
+                   "finished": [a.finished for a in answers]}
+                  for (mfc, step), answers in sorted(self.in_flight.items())]
+        return {"entries": out, "in_flight": flight}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.in_flight = {
+            (item["mfc"], int(item["step"])): tuple(
+                Answer(tuple(int(t) for t in tokens), tuple(float(x) for x in logprobs), tuple(int(v) for v in versions),
+                       bool(finished))
+                for tokens, logprobs, versions, finished in zip(item["tokens"], item["logprobs"], item["versions"],
+                                                                item["finished"], strict=True))
+            for item in state.get("in_flight", [])}
         self.entries = {}
         for item in state["entries"]:
             batch = Batch(tuple(item["seqlens"]), {k: torch.as_tensor(v) for k, v in item["tokens"].items()},

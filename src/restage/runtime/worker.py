@@ -45,7 +45,7 @@ from restage.runtime.op_handlers import OpHandlers, StepData
 from restage.runtime.ops import prepare_run_ops
 from restage.runtime.records import MoveRecord, Span, StepRecord
 from restage.runtime.routing import SampleRouter
-from restage.schedule.async_program import lookahead
+from restage.schedule.async_program import steps_drawn_ahead
 from restage.schedule.file import Schedule, read_schedule
 from restage.schedule.ops import (
     WITH_PEERS,
@@ -96,7 +96,8 @@ class Worker:
         self._handlers: OpHandlers | None = None  # made with the groups
         self._eval_handlers: OpHandlers | None = None  # the evaluation's: over eval_router and its layouts
         self.asynchronous = cfg.plan.execution == "async"
-        self.ahead = lookahead(cfg.plan.staleness, cfg.plan.push_every)  # async mode: steps generation runs ahead
+        # async mode: the steps past this one whose ids generation needs (schedule/async_program.py)
+        self.ahead = steps_drawn_ahead(cfg.plan.staleness, cfg.plan.push_every, cfg.plan.partial_rollouts)
         self._async: AsyncOps | None = None  # async mode's ops, made with the handlers
         self.master = Master(control, cfg, schedule, trial_dir, self.train_set, bool(resume)) if control.is_master else None
         self.start_step = 0
@@ -330,7 +331,7 @@ def describe_op(op: Op) -> str:
         case Realloc() | Free() | Offload() | Reload() | Push():
             return f"{op.kind} {op.model}"
         case Generate():
-            return f"generate {op.mfc} ahead"
+            return f"generate {op.mfc} ahead" + (" (partial rollouts)" if op.partial else "")
         case TakeBuffered():
             return f"take {op.mfc}'s batch from the rollout buffer"
         case _:

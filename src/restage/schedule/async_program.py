@@ -21,6 +21,13 @@ With ``ahead = staleness - push_every + 1`` a token trained at step (version) ``
 ``t - ahead`` or later by weights pushed at most ``push_every - 1`` steps before that: its version gap is at most
 ``ahead + push_every - 1 = staleness``. Producers and the consumers of the same model must use disjoint ranks:
 the generation copy is the weights of an older version, apart from the training shards.
+
+Partial rollouts (``plan.partial_rollouts``): step 5's generate finishes step ``s + ahead``'s batch, begun at step
+``s - 1``, and begins step ``s + ahead + 1``'s in the slots it frees (``Generate.partial``); the answers left
+unfinished continue at step ``s + 1`` under the weights pushed then. A token of the batch trained at ``t`` was
+generated at step ``t - ahead - 1`` or later, by weights pushed at most ``push_every - 1`` steps before: its gap is
+at most ``ahead + push_every``, so ``ahead = staleness - push_every`` (>= 1: the batch of step ``s`` is taken
+before step 5 runs, so the generate of step ``s`` cannot be finishing it).
 """
 
 from __future__ import annotations
@@ -32,9 +39,15 @@ from restage.schedule.ops import Generate, Op, Push, SendKey, TakeBuffered
 from restage.schedule.program import model_homes, union_ranks, walk
 
 
-def lookahead(staleness: int, push_every: int) -> int:
-    """Steps generation runs ahead of training: the buffer's depth."""
-    return staleness - push_every + 1
+def lookahead(staleness: int, push_every: int, partial: bool = False) -> int:
+    """Steps generation runs ahead of training: the buffer's depth (one less with partial rollouts)."""
+    return staleness - push_every + (0 if partial else 1)
+
+
+def steps_drawn_ahead(staleness: int, push_every: int, partial: bool = False) -> int:
+    """Steps past the current one whose sample ids the generating ranks need: the batch generated, and with partial
+    rollouts the one begun behind it."""
+    return lookahead(staleness, push_every, partial) + (1 if partial else 0)
 
 
 def producers(graph: DataflowGraph) -> list[MFC]:
@@ -65,10 +78,15 @@ def check_async_layouts(graph: DataflowGraph, layouts: dict[str, Layout]) -> Non
 
 
 def build_async_program(graph: DataflowGraph, layouts: dict[str, Layout], staleness: int, push_every: int,
-                        offload_idle: frozenset[str] = frozenset(), resident: frozenset[str] = frozenset()) -> list[Op]:
+                        offload_idle: frozenset[str] = frozenset(), resident: frozenset[str] = frozenset(),
+                        partial: bool = False) -> list[Op]:
     """The ops of one async iteration, in the order every rank walks them (module docstring)."""
     check_async_layouts(graph, layouts)
-    ahead = lookahead(staleness, push_every)
+    ahead = lookahead(staleness, push_every, partial)
+    if ahead < 1:
+        raise ConfigError(f"plan.partial_rollouts: needs plan.staleness >= plan.push_every + 1, got staleness="
+                          f"{staleness} push_every={push_every}; raise plan.staleness or set "
+                          "plan.partial_rollouts=false")
     gens = producers(graph)
     homes = model_homes(graph, layouts)
     ops: list[Op] = []
@@ -89,6 +107,6 @@ def build_async_program(graph: DataflowGraph, layouts: dict[str, Layout], stalen
                 src, dst = layouts[producer.name], layouts[mfc.name]
                 ops.append(SendKey(union_ranks(src, dst), mfc.name, key, producer.name, src, dst))
     for gen in gens:
-        ops.append(Generate(layouts[gen.name].mesh, gen.name, gen.model, layouts[gen.name], ahead, ahead + 1))
+        ops.append(Generate(layouts[gen.name].mesh, gen.name, gen.model, layouts[gen.name], ahead, ahead + 1, partial))
     ops += walk(graph, consumers, layouts, offload_idle, resident)
     return ops

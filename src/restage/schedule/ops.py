@@ -10,7 +10,7 @@ string the schedule file stores.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, assert_never, get_args
 
 from restage.errors import ConfigError
@@ -112,7 +112,11 @@ class Push:
 @dataclass(frozen=True)
 class Generate:
     """Async mode: generate MFC ``mfc`` answers the prompts of each step ``t`` in ``s + start .. s + stop - 1`` (below
-    ``run.steps``) whose batch the rollout buffer lacks, with the weights its copy holds, and buffers them."""
+    ``run.steps``) whose batch the rollout buffer lacks, with the weights its copy holds, and buffers them.
+
+    ``partial`` (partial rollouts; ``stop = start + 1``): the answers of step ``t = s + start`` the previous step
+    left unfinished continue, and step ``t + 1``'s start in the slots ``t``'s free; when all of ``t``'s are done,
+    ``t`` is buffered and ``t + 1``'s answers so far stay on the rank, to continue at the next step."""
 
     kind: ClassVar[str] = "generate"
     ranks: tuple[int, ...]
@@ -121,6 +125,7 @@ class Generate:
     layout: Layout
     start: int
     stop: int
+    partial: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,10 +149,13 @@ _JSON_KEY = {"layout": "dst"}
 
 
 def op_to_json(op: Op) -> dict[str, Any]:
-    """The op as the schedule file stores it: ``kind``, ``ranks``, then its fields in order (layouts as JSON)."""
+    """The op as the schedule file stores it: ``kind``, ``ranks``, then its fields in order (layouts as JSON); a
+    field with a default is written only when it differs (files written before it existed lack it)."""
     out: dict[str, Any] = {"kind": op.kind, "ranks": list(op.ranks)}
     for f in fields(op)[1:]:
         value = getattr(op, f.name)
+        if f.default is not MISSING and value == f.default:
+            continue
         out[_JSON_KEY.get(f.name, f.name)] = value.to_json() if isinstance(value, Layout) else value
     return out
 
@@ -163,7 +171,10 @@ def op_from_json(data: dict[str, Any]) -> Op:
                           "version of restage")
     values: dict[str, Any] = {"ranks": tuple(data["ranks"])}
     for f in fields(cls)[1:]:
-        value = data[_JSON_KEY.get(f.name, f.name)]
+        key = _JSON_KEY.get(f.name, f.name)
+        if key not in data and f.default is not MISSING:
+            continue
+        value = data[key]
         values[f.name] = Layout.from_json(value) if f.type == "Layout" else value
     return cls(**values)
 
