@@ -55,6 +55,7 @@ on a shared 2-core machine change every figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -308,6 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-async", action="store_true", help="measure only the sync/async GRPO comparison")
     args = parser.parse_args(argv)
     os.chdir(ROOT)
+    # Libraries imported on the way may log to stdout (DeepSpeed's accelerator notice, through transformers):
+    # stdout carries only the result.
+    with contextlib.redirect_stdout(sys.stderr):
+        result = measure(args)
+    print(json.dumps(result, indent=2) if args.json else format_text(result, args))
+    return 0
+
+
+def measure(args) -> dict:
+    """Every measurement ``main``'s arguments ask for, as one JSON-able dict."""
     from restage.config import load_config
     from restage.demo import ensure_llama_256x4, ensure_tiny_model
 
@@ -325,8 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             trial, wall = run_restage("ppo_tiny", n, args.steps or JOBS["grpo_tiny"].steps, [], threads)
             result["ppo_tiny"][_restage_key(n, threads)] = restage_figures(trial, args.warmup, 1, wall)
     result["machine"]["load_average_1min_after"] = os.getloadavg()[0]
-    print(json.dumps(result, indent=2) if args.json else format_text(result, args))
-    return 0
+    return result
 
 
 def _breakdown_text(breakdown: dict) -> str:
