@@ -29,13 +29,12 @@ what ``token_logprobs`` keeps, ``8 V_local + 8 + 1 + 4`` (two fp32 copies of the
 the in-slice mask, the picked log-probability), and an int64 per sequence (its last token's index). The algorithm's
 loss over the log-probabilities and the gradients that exist during the backward pass are not counted.
 
-Not counted, each under 1% of a block at the sequence lengths the planner sees: the padded SDPA path
-(``_sdpa_padded``, taken when a batch's lengths differ a little) pads ``q``, ``k``, ``v``, the output and the
-log-sum-exp to the longest sequence and keeps a boolean mask of ``L x L`` per sequence (``L`` bytes per token) and
-an int64 row index per token instead of the per-length one; flash-attn (CUDA, when installed) keeps ``q``, ``k``
-and ``v`` without copies and hands the output projection a view of its output (``q_out e`` and ``8`` less); a
-mixture-of-experts block is costed as a dense block of its average MLP width (its router and dispatch buffers
-are not counted).
+Not counted: the padded SDPA path (``_sdpa_padded``, taken when a batch's lengths differ a little) pads ``q``,
+``k``, ``v``, the output and the log-sum-exp to the longest sequence and keeps a boolean ``L x L`` mask per
+sequence (``L`` bytes per token) and an int64 row index per token beside the per-sequence one; flash-attn (CUDA,
+when installed) keeps ``q``, ``k`` and ``v`` without copies and hands the output projection a view of its output
+(``q_out e + 8`` less than counted); a mixture-of-experts block is costed as a dense block of its average MLP
+width (its router and dispatch buffers are not counted).
 """
 
 from __future__ import annotations
