@@ -22,8 +22,9 @@ def colocated(world, gen_tp):
 # Per config and peer: the layouts of ORDER's MFCs. DeepSpeed-Chat and verl colocate everything data-parallel
 # and raise only the generation's TP (DeepSpeed-Chat from 1, verl from its rule's 2); OpenRLHF's fastest
 # arrangement (generation costed as its vLLM engines run): the hybrid engine on one node and at 34B, the paired
-# groups at 13B and 70B; NeMo-Aligner's fastest power-of-two critic job: a node for the 7B critic beside a 13B
-# or 70B actor (a sixteenth of the GPUs at 70B), half a node at 34B and beside a 7B actor.
+# groups at 13B and 70B; NeMo-Aligner's fastest power-of-two critic job: half a node for the 7B critic beside a
+# 13B actor, at 34B and beside a 7B actor, two nodes (an eighth of the GPUs) beside the 70B actor (with the
+# activations counted from the decoder's saved tensors, the splits with an 8-GPU critic need twice the micro-batches).
 PICKS = {
     "7b-h100x8-gen128": {
         "deepspeed_chat": colocated(8, 1), "openrlhf": colocated(8, 1), "verl": colocated(8, 2),
@@ -33,8 +34,8 @@ PICKS = {
         "deepspeed_chat": colocated(16, 1), "verl": colocated(16, 2),
         "openrlhf": ["[11-15]dp5tp1pp1", "[6-10]dp5tp1pp1", "[0-5]dp6tp1pp1", "[6-10]dp5tp1pp1", "[0-5]dp6tp1pp1",
                      "[6-10]dp5tp1pp1"],
-        "nemo_aligner": ["[0-7]dp4tp2pp1", "[8-15]dp8tp1pp1", "[0-7]dp4tp2pp1", "[8-15]dp8tp1pp1",
-                         "[0-7]dp4tp2pp1", "[8-15]dp8tp1pp1"]},
+        "nemo_aligner": ["[0-11]dp6tp2pp1", "[12-15]dp4tp1pp1", "[0-11]dp6tp2pp1", "[12-15]dp4tp1pp1",
+                         "[0-11]dp6tp2pp1", "[12-15]dp4tp1pp1"]},
     "34b-h100x32-gen128": {
         "deepspeed_chat": colocated(32, 2), "verl": colocated(32, 2),
         "openrlhf": colocated(32, 2),
@@ -44,8 +45,8 @@ PICKS = {
         "deepspeed_chat": colocated(128, 4), "verl": colocated(128, 4),
         "openrlhf": ["[86-127]dp21tp2pp1", "[43-85]dp43tp1pp1", "[0-42]dp43tp1pp1", "[43-85]dp43tp1pp1",
                      "[0-42]dp43tp1pp1", "[43-85]dp43tp1pp1"],
-        "nemo_aligner": ["[0-119]dp15tp8pp1", "[120-127]dp8tp1pp1", "[0-119]dp15tp8pp1", "[120-127]dp8tp1pp1",
-                         "[0-119]dp15tp8pp1", "[120-127]dp8tp1pp1"]},
+        "nemo_aligner": ["[0-111]dp14tp8pp1", "[112-127]dp16tp1pp1", "[0-111]dp14tp8pp1", "[112-127]dp16tp1pp1",
+                         "[0-111]dp14tp8pp1", "[112-127]dp16tp1pp1"]},
 }
 OPENRLHF_ARRANGEMENT = {"7b-h100x8-gen128": "colocate_all_models", "13b-h100x16-gen128": "colocate_actor_ref+critic_reward",
                         "34b-h100x32-gen128": "colocate_all_models", "70b-h100x128-gen128": "colocate_actor_ref+critic_reward"}

@@ -23,7 +23,7 @@ from restage.plan.engines import (
     RestageEngine,
     restage_slots,
 )
-from restage.plan.estimator import Estimator, ModelRole, activation_elements_per_token, stage_param_elements
+from restage.plan.estimator import Estimator, ModelRole, forward_workspace_elements_per_token, stage_param_elements
 from restage.plan.planner import build_problem
 from restage.plan.simulator import plan_program, zero3_in_place
 from restage.plan.transfer import zero3_gather_seconds
@@ -69,7 +69,7 @@ def test_default_slots_are_the_free_fraction_of_what_the_weights_leave(h100):
     # The estimate holds the cache of exactly those slots, each of the whole prompt + answer.
     est = Estimator(h100).estimate(gen_mfc(512, 1024, 1024), ModelRole("actor", cfg), one_rank())
     logits = 23 * block_shape(cfg, 1).head_out * 4
-    workspace = activation_elements_per_token(cfg, 1) * 23 * 1023 * 2  # one admission: 23 prompts less their last token
+    workspace = forward_workspace_elements_per_token(cfg, 1) * 23 * 1023 * 2  # one admission: 23 prompts less their last token
     assert est.transient_bytes == int(23 * slot_bytes + workspace + logits)
 
 

@@ -8,8 +8,8 @@ CUDA graphs where the runtime replays them) or, for a peer that generates so, on
 assumed to overlap with compute. Memory per rank: parameters, gradients and optimizer states
 per ZeRO stage (``state_bytes``, held while the layout is the model's home; for a LoRA model gradients and
 optimizer state only of the adapters), and what exists only
-while the MFC runs (``transient_bytes``): activations (all blocks' or, with recomputation, only
-block inputs), logits, the KV cache.
+while the MFC runs (``transient_bytes``): activations (what every block saves for its backward,
+``activations.py``, or with recomputation only block inputs), logits, the KV cache.
 
 Every number is for the worst pipeline stage and the largest TP chunk, so one figure holds for
 every rank of the mesh.
@@ -29,6 +29,11 @@ from restage.models.config import ModelConfig
 from restage.models.flops import block_shape
 from restage.models.rollout import group_count
 from restage.models.sharding import is_adapter, shard_bytes, shard_specs, stage_layers, validate_strategy
+from restage.plan.activations import (
+    block_activation_bytes_per_token,
+    forward_activation_bytes_per_token,
+    head_activation_bytes_per_token,
+)
 from restage.plan.comm import (
     allgather_seconds,
     allreduce_seconds,
@@ -154,11 +159,13 @@ def stage_trained_elements(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> t
                  for stage in range(pp))
 
 
-def activation_elements_per_token(cfg: ModelConfig, tp: int) -> float:
-    """Elements one block saves per token for its backward pass (no sequence parallelism)."""
+def forward_workspace_elements_per_token(cfg: ModelConfig, tp: int) -> float:
+    """Elements a forward without autograd holds live per token, about one block's worth: the inputs and outputs
+    of the two norms, q, k, v and attention's output, the MLP's intermediates (what a training step keeps for its
+    backward is ``activations.block_activation_bytes_per_token``)."""
     s = block_shape(cfg, tp)
-    replicated = 4 * s.hidden  # inputs and outputs of the two norms (fed to the column-parallel matmuls)
-    sharded = 2 * s.q_out + 2 * s.kv_out + (3 if s.gated else 2) * s.inter  # q, k, v, attention out; MLP
+    replicated = 4 * s.hidden
+    sharded = 2 * s.q_out + 2 * s.kv_out + (3 if s.gated else 2) * s.inter
     return replicated + sharded
 
 
@@ -353,12 +360,13 @@ def _train(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout: Lay
              "optimizer_seconds": steps * optim_s, "ep_comm_seconds": steps * (m + s.pp - 1) * ep_s}
     # Memory: 1F1B keeps min(m, pp) micro-batches of activations in flight on the first stage.
     in_flight = min(m, s.pp)
-    per_layer = (cfg.hidden_size if recompute else activation_elements_per_token(cfg, s.tp)) * tokens * e
-    acts = layers * per_layer * in_flight
+    block_bytes = block_activation_bytes_per_token(cfg, s.tp, e) * tokens
+    per_layer = cfg.hidden_size * tokens * e if recompute else block_bytes
+    acts = (layers * per_layer + forward_activation_bytes_per_token(cfg, e) * tokens) * in_flight
     if recompute:
-        acts += activation_elements_per_token(cfg, s.tp) * tokens * e  # the block being recomputed
-    logits = 2 * tokens * block_shape(cfg, s.tp).head_out * LOGIT_BYTES  # logits and their gradient
-    transient = max(acts, acts / in_flight + logits) if s.pp > 1 else acts + logits
+        acts += block_bytes  # the block being recomputed
+    head = head_activation_bytes_per_token(cfg, s.tp, e) * tokens  # final norm, fp32 logits for the log-probabilities
+    transient = max(acts, acts / in_flight + head) if s.pp > 1 else acts + head
     if role.zero_stage == 3:
         transient += 2 * params * e / max(layers, 1)  # one gathered block (and its prefetched neighbour)
     return seconds, transient, parts
@@ -417,7 +425,7 @@ def _inference(cluster: ClusterSpec, compute, mfc: MFC, role: ModelRole, layout:
 
 def _forward_workspace(cfg: ModelConfig, tp: int, tokens: float, e: int) -> float:
     """Live activations of a forward without autograd: about one block's worth."""
-    return activation_elements_per_token(cfg, tp) * tokens * e
+    return forward_workspace_elements_per_token(cfg, tp) * tokens * e
 
 
 def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc: MFC, role: ModelRole,
