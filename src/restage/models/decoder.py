@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
-from restage.errors import LayoutError
+from restage.errors import ConfigError, LayoutError
 from restage.layout import Strategy
 from restage.models.attention import KVCache, varlen_attention
 from restage.models.config import ModelConfig
@@ -177,6 +178,8 @@ class StageModule(nn.Module):
         validate_strategy(cfg, strategy)
         self.cfg, self.ctx, self.dtype = cfg, ctx, dtype
         self.hf_config: dict | None = None  # the config.json it was loaded from (load_stage); a save keeps its keys
+        # Training keeps only each block's input and recomputes the block in its backward (checkpoint_blocks).
+        self.recompute_blocks = False
         self.layer_range = stage_layers(cfg, ctx.pp_size)[ctx.pp_stage]
         first, last, gpt2 = ctx.is_first_stage, ctx.is_last_stage, cfg.family == "gpt2"
         self.tied_head = cfg.tied_embeddings and not cfg.is_critic
@@ -204,6 +207,15 @@ class StageModule(nn.Module):
         actual = {name: tuple(p.shape) for name, p in self.named_parameters()}
         if expected != actual:
             raise LayoutError(f"decoder parameters differ from sharding.shard_specs: {set(expected) ^ set(actual)}")
+
+    def checkpoint_blocks(self, on: bool = True) -> None:
+        """Gradient checkpointing (``models.<m>.gradient_checkpointing``): a training forward keeps each block's
+        input only and recomputes the block's activations in the backward, one block at a time."""
+        if on and any(self.cfg.is_sparse(i) for i in range(*self.layer_range)):
+            # A recomputed sparse block would log its router's loss and loads a second time.
+            raise ConfigError("gradient_checkpointing is not supported for mixture-of-experts models; set "
+                              "models.<name>.gradient_checkpointing: false")
+        self.recompute_blocks = on
 
     @property
     def vocab_start(self) -> int:
@@ -233,8 +245,12 @@ class StageModule(nn.Module):
         rope: RopeTables | None = None
         if self.cfg.family != "gpt2":
             rope = rope_tables(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype, self.cfg.rope_scaling)
+        recompute = self.recompute_blocks and torch.is_grad_enabled() and cache is None
         for block in self.layers.values():
-            h = block(h, batch, rope, cache, routing)
+            if recompute:  # non-reentrant: the recomputed forward runs inside the backward, in block order on every rank
+                h = torch.utils.checkpoint.checkpoint(block, h, batch, rope, None, routing, use_reentrant=False)
+            else:
+                h = block(h, batch, rope, cache, routing)
         if not self.ctx.is_last_stage:
             return h
         if select is not None:

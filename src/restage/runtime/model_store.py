@@ -132,6 +132,7 @@ class ModelStore:
             train_mfc = next(m for m in self.graph if m.model == name and m.kind == "train_step")
             optimizer_steps = self.cfg.run.steps * train_mfc.minibatches * train_mfc.epochs
             _mark_norm(slot.module)
+            slot.module.checkpoint_blocks(slot.spec.gradient_checkpointing)
             slot.engine = build_engine(slot.module, slot.spec, slot.home, self.rank, groups,
                                        train_mfc.micro_batches, optimizer_steps)
             slot.module.eval()
