@@ -95,7 +95,7 @@ def one_step(reward_fn: str, answers: list[list[int]], *, overlap: bool, on_erro
                            heartbeat=SimpleNamespace(doing=lambda what, waiting=False: said.append(what)),
                            handlers=SimpleNamespace(run=run, transfer=transfer),
                            clock=SimpleNamespace(now_synced=time.perf_counter))
-    rank._move = lambda op, moves, data: Worker._move(rank, op, moves, data)
+    rank._move = lambda op, moves, data, handlers: Worker._move(rank, op, moves, data, handlers)
     began = time.perf_counter()
     try:
         Worker.run_step(rank, 0, [11, 12])
