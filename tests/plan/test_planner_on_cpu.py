@@ -70,7 +70,7 @@ def test_schedule_carries_layouts_predictions_and_the_op_list(tmp_path):
     back = read_schedule(path)
     ops = back.ops()
     assert all(isinstance(op, Op) for op in ops)
-    assert [op.mfc for op in ops if op.kind == "run"] == names  # every MFC runs once, in graph order here
+    assert sorted(op.mfc for op in ops if op.kind == "run") == sorted(names)  # every MFC runs once
     ends = max(s["predicted"]["end_seconds"] for s in data["steps"] if "predicted" in s)
     assert ends == pytest.approx(data["predicted"]["iteration_seconds"])
     data["format_version"] = 99
