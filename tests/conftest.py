@@ -2,16 +2,33 @@
 
 ``runtime.spawn`` turns the layer on for its children itself; this covers ranks started through
 mpirun (``restage run``, ``restage generate``, the e2e jobs), which inherit the environment.
-Also the ``small_tmpfs`` fixture, for tests that fill a disk.
+Also the ``small_tmpfs`` fixture, for tests that fill a disk, and ``bench_module``, for tests of the benchmarks.
 """
 
+import importlib
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("RESTAGE_NCCL_RULES", "1")
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="session")
+def bench_module():
+    """``bench_module(name)``: the script ``bench/<name>.py`` imported as a module (bench/ is not a package)."""
+
+    def load(name: str):
+        sys.path.insert(0, str(BENCH))
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.path.remove(str(BENCH))
+
+    return load
 
 
 @pytest.fixture

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import estimator
-    finally:
-        sys.path.remove(str(BENCH))
-    return estimator
+def bench(bench_module):
+    return bench_module("estimator")
 
 
 def test_the_evaluated_plans_share_no_layout_model_or_job_size_with_the_calibration(bench):

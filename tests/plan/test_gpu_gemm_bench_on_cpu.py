@@ -7,8 +7,6 @@ import contextlib
 import io
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,17 +16,10 @@ from restage.models.presets import preset
 from restage.plan.compute import RooflineCompute, block_gemms
 from restage.plan.gemm import MAMF_SHAPES, gemm_efficiency, mamf_efficiency
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import gpu_gemm
-    finally:
-        sys.path.remove(str(BENCH))
-    return gpu_gemm
+def bench(bench_module):
+    return bench_module("gpu_gemm")
 
 
 @pytest.fixture(scope="module")

@@ -7,25 +7,16 @@ import contextlib
 import io
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
 from restage.accuracy import PROCESS_BASELINES
 from restage.report.synthetic import BASE_SECONDS, PEAK_MEMORY_BYTES, PREDICTED_FACTOR, write_synthetic_log
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import runtime_vs_estimate
-    finally:
-        sys.path.remove(str(BENCH))
-    return runtime_vs_estimate
+def bench(bench_module):
+    return bench_module("runtime_vs_estimate")
 
 
 def test_per_mfc_measured_and_predicted_seconds_and_memory(bench, tmp_path):
