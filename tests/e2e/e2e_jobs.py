@@ -124,6 +124,15 @@ def pair_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
     return float(((chosen > rejected).float() + 0.5 * (chosen == rejected).float()).mean())
 
 
+# Async mode's tests: generation on rank 1, everything else on rank 0 (the actor trains there: its home).
+ASYNC_SPLIT = {"actor_gen": "ranks:1-1 dp1", "actor_greedy_gen": "ranks:1-1 dp1", "ref_inf": "ranks:0-0 dp1",
+         "actor_prox": "ranks:0-0 dp1", "actor_train": "ranks:0-0 dp1", "critic_inf": "ranks:0-0 dp1",
+         "critic_train": "ranks:0-0 dp1"}
+GRPO_MFCS = ("actor_gen", "ref_inf", "actor_prox", "actor_train")
+PPO_MFCS = ("actor_gen", "ref_inf", "critic_inf", "actor_prox", "actor_train", "critic_train")
+REMAX_MFCS = ("actor_gen", "actor_greedy_gen", "ref_inf", "actor_prox", "actor_train")
+
+
 def report(name: str, **figures) -> None:
     """One line the test prints (run pytest with -s to see it): the figures the docs quote."""
     print(f"\nE2E {name}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

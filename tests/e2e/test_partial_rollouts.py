@@ -9,18 +9,13 @@ versions are exactly those cut mid-answer at step t - 2.
 
 import numpy as np
 import pytest
-from e2e_jobs import layout_overrides, report, restage_run
+from e2e_jobs import ASYNC_SPLIT as SPLIT
+from e2e_jobs import GRPO_MFCS, PPO_MFCS, REMAX_MFCS, layout_overrides, report, restage_run
 
 from restage.schedule.async_program import lookahead
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multirank]
 
-SPLIT = {"actor_gen": "ranks:1-1 dp1", "actor_greedy_gen": "ranks:1-1 dp1", "ref_inf": "ranks:0-0 dp1",
-         "actor_prox": "ranks:0-0 dp1", "actor_train": "ranks:0-0 dp1", "critic_inf": "ranks:0-0 dp1",
-         "critic_train": "ranks:0-0 dp1"}
-GRPO_MFCS = ("actor_gen", "ref_inf", "actor_prox", "actor_train")
-PPO_MFCS = ("actor_gen", "ref_inf", "critic_inf", "actor_prox", "actor_train", "critic_train")
-REMAX_MFCS = ("actor_gen", "actor_greedy_gen", "ref_inf", "actor_prox", "actor_train")
 STALENESS, PUSH_EVERY = 2, 1
 
 
