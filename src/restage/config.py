@@ -191,7 +191,9 @@ class RunConfig:
     # Before a reallocation its ranks wait for each other over the rendezvous store (no watchdog),
     # so a receiver does not queue an irecv while its senders are still generating or training.
     peer_wait_timeout_seconds: float = 7200.0
-    nprocs: int = 1
+    # ranks of the job; 0: derived, cluster.nodes x devices per node (cluster.devices_per_node, else the cluster
+    # file's). A value set here must equal that (launch/geometry.py refuses one that does not).
+    nprocs: int = 0
     results_dir: str = "results"
     # NaN or inf in a train MFC's inputs: skip that MFC this step, or stop the run (runtime/nonfinite.py);
     # this many consecutive skipped steps of one MFC stop it too.
@@ -318,6 +320,8 @@ class ExperimentConfig:
             raise ConfigError("generation.top_k must be >= 0, generation.top_p in (0, 1] and generation.min_p in [0, 1)")
         if run.save_every < 0 or run.stop_at_step < 0 or run.log_every < 1:
             raise ConfigError("run.save_every and run.stop_at_step must be >= 0 (0: off), run.log_every >= 1")
+        if run.nprocs < 0:
+            raise ConfigError(f"run.nprocs: {run.nprocs} must be >= 0 (0: cluster.nodes x devices per node)")
         if run.threads_per_rank < 0:
             raise ConfigError(f"run.threads_per_rank: {run.threads_per_rank} must be >= 0 (0: from the rank's cores)")
         if run.eval_every < 0:

@@ -55,3 +55,39 @@ def test_visible_device(local_rank, gpus, visible, expected, index):
 def test_visible_device_too_few():
     with pytest.raises(LaunchError, match="local rank 2 has no GPU"):
         visible_device(2, 2, "0,1")
+
+
+def dry_run_ranks(script: str) -> int:
+    import re
+
+    return int(re.search(r"RESTAGE_WORLD_SIZE=(\d+)", script).group(1))
+
+
+@pytest.mark.parametrize("job", ["jobs/ppo_tiny.yaml", "jobs/gpu_ppo_300m.yaml"])
+def test_submit_on_two_gpu_nodes_derives_run_nprocs(job, capsys, monkeypatch):
+    """A shipped job submitted to 2 nodes of 8 H100s, run.nprocs not given: 16 ranks, nothing to add."""
+    import contextlib
+    from pathlib import Path
+
+    from restage import cli
+
+    with contextlib.chdir(Path(__file__).resolve().parents[2]):
+        code = cli.main(["submit", job, "--dry-run", "cluster.name=h100-80gb", "cluster.nodes=2",
+                         "cluster.devices_per_node=0"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert dry_run_ranks(out) == 16 and "mpirun -n 16 " in out and "--host <host0>:8,<host1>:8" in out
+
+
+def test_a_run_nprocs_the_user_set_must_agree(write_config, capsys):
+    from restage import cli
+
+    gpu = ["cluster.name=h100-80gb", "cluster.nodes=2", "cluster.devices_per_node=0"]
+    assert job_geometry(load_config(write_config(), gpu)).world_size == 16
+    assert job_geometry(load_config(write_config(), [*gpu, "run.nprocs=16"])).world_size == 16
+    for wrong in (1, 8):  # 1 used to pass as "not set"
+        path = write_config(f"wrong{wrong}.yaml", run={"steps": 4, "nprocs": wrong})
+        assert cli.main(["submit", str(path), "--dry-run", *gpu]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"restage: error: run.nprocs={wrong} but the cluster gives 2 node(s) x 8 devices = 16 ranks; leave "
+            "run.nprocs out (it is derived from the cluster) or set run.nprocs=16"]

@@ -109,3 +109,16 @@ def test_a_trial_without_recorded_overrides_takes_this_commands_overrides_on_its
     cfg, recorded, lines = resumed_config(path, ["run.steps=5"], trial_dir, saved_step=4)
     assert (cfg.run.steps, cfg.run.save_every, cfg.models["actor"].optim.lr) == (5, 2, 1e-5)
     assert recorded is None and lines == ["restage: --resume applies run.steps 4 -> 5"]
+
+
+def test_a_trial_saved_with_run_nprocs_resumes_from_a_yaml_that_derives_it(tmp_path):
+    """Trials from before run.nprocs defaulted to 0 (derived from the cluster) saved the number the YAML gave."""
+    path = tmp_path / "job.yaml"
+    path.write_text(YAML.replace("LR_SCHEDULE", "constant").replace("batch_size: 8", "batch_size: 8, nprocs: 2"))
+    cfg = load_config(path, [f"run.results_dir={tmp_path}"])
+    cfg.trial_dir.mkdir(parents=True)
+    (cfg.trial_dir / "config.yaml").write_text(cfg.to_yaml())
+    write_trial_overrides(cfg.trial_dir, [])
+    path.write_text(YAML.replace("LR_SCHEDULE", "constant"))  # the YAML now leaves run.nprocs out
+    resumed, _, lines = resumed_config(path, [f"run.results_dir={tmp_path}"], cfg.trial_dir, saved_step=2)
+    assert resumed.run.nprocs == 2 and lines == []

@@ -59,14 +59,19 @@ def node_devices(cfg) -> tuple[int, bool]:
 
 
 def job_geometry(cfg) -> JobGeometry:
-    """The geometry of the SLURM job for an ExperimentConfig: cluster.nodes x devices per node ranks."""
+    """The geometry of the SLURM job for an ExperimentConfig: cluster.nodes x devices per node ranks.
+
+    ``run.nprocs`` 0 (its default) means "not set": the job has as many ranks as the cluster gives. A value the
+    user set (in the YAML or as an override) must equal that; one that does not is refused in one line.
+    """
     if cfg.cluster.nodes < 1:
         raise ConfigError(f"cluster.nodes: {cfg.cluster.nodes} must be >= 1")
     devices, gpus = node_devices(cfg)
     geometry = JobGeometry(cfg.cluster.nodes, devices, devices if gpus else 0)
-    if cfg.run.nprocs not in (1, geometry.world_size):
+    if cfg.run.nprocs and cfg.run.nprocs != geometry.world_size:  # 0: not set, derived from the cluster
         raise ConfigError(f"run.nprocs={cfg.run.nprocs} but the cluster gives {geometry.nodes} node(s) x {devices} "
-                          f"devices = {geometry.world_size} ranks; set cluster.devices_per_node or run.nprocs to agree")
+                          f"devices = {geometry.world_size} ranks; leave run.nprocs out (it is derived from the "
+                          f"cluster) or set run.nprocs={geometry.world_size}")
     return geometry
 
 

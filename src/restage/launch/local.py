@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="experiment YAML (jobs/*.yaml)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     parser.add_argument("-n", "--nproc", type=int, default=0,
-                        help="ranks to start (default: run.nprocs); sets cluster.devices_per_node for the plan")
+                        help="ranks to start (default: run.nprocs, else the plan's cluster); "
+                             "sets cluster.devices_per_node for the plan")
     parser.add_argument("--resume", action="store_true", help="continue from the trial's last checkpoint")
     parser.add_argument("--schedule", default="", help="use this schedule.json instead of planning")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing trial's log and checkpoints")
@@ -135,7 +136,6 @@ def _run(args: argparse.Namespace, cfg: ExperimentConfig, overrides: list[str]) 
     (trial_dir / "config.yaml").write_text(cfg.to_yaml())
     if recorded is not None:
         write_trial_overrides(trial_dir, recorded)
-    nprocs = args.nproc or cfg.run.nprocs
     if args.schedule:
         schedule = Path(args.schedule)
     elif args.resume and (trial_dir / "schedule.json").is_file():
@@ -146,6 +146,7 @@ def _run(args: argparse.Namespace, cfg: ExperimentConfig, overrides: list[str]) 
         print(f"restage: start-up: planned in {time.monotonic() - began:.1f} s: {schedule}", flush=True)
 
     world = read_schedule(schedule).world_size
+    nprocs = args.nproc or cfg.run.nprocs or world  # run.nprocs 0: as many as the plan's cluster gives
     if world != nprocs:
         raise ConfigError(f"the schedule needs {world} ranks but -n/run.nprocs is {nprocs}; make them equal")
     return launch(schedule, trial_dir, nprocs, resume=args.resume)

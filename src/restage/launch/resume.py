@@ -11,6 +11,7 @@ not continue the same training, so it is refused with the diff. A trial from bef
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,8 @@ def resumed_config(config_path: str | Path, overrides: list[str], trial_dir: Pat
         requested = config_from_dict(data)
     else:
         requested = load_config(config_path, [*earlier, *overrides])
+    if requested.run.nprocs == 0 and saved.run.nprocs:  # 0 derives it from the cluster: a trial saved with a number
+        requested = dataclasses.replace(requested, run=dataclasses.replace(requested.run, nprocs=saved.run.nprocs))
     changes = [c for c in config_changes(saved.to_dict(), requested.to_dict()) if c.key not in TRIAL_KEYS]
     refused = [c for c in changes if not is_safe(c.key)]
     if refused:
