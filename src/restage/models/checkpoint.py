@@ -4,13 +4,18 @@ Loading: every rank reads only the slices its shard needs (``safe_open(...).get_
 ``pytorch_model.bin`` a memory-mapped ``torch.load(weights_only=True)``), so with tp*pp > 1 no
 rank materialises the whole model. Saving: the TP ranks of data-parallel replica 0 gather each
 parameter, and TP rank 0 of every pipeline stage writes that stage's safetensors file; stage 0
-writes ``config.json`` (and the index when pp > 1). transformers loads the result unchanged.
+writes ``config.json`` (and the index when pp > 1). transformers loads the result unchanged. A
+ZeRO-3 model's partitions are gathered one unit (embeddings, a layer, the head) at a time, never the
+whole stage at once (``save_checkpoint``'s ``gathered``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import shutil
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from pathlib import Path
@@ -34,8 +39,12 @@ from restage.models.sharding import (
     shard_specs,
     split_range,
     stage_params,
+    unit_of,
     validate_strategy,
 )
+
+# Makes a list of (ZeRO-3 partitioned) parameters whole for the block of the context it returns.
+GatherUnit = Callable[[Sequence[torch.nn.Parameter]], contextlib.AbstractContextManager[object]]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "generation_config.json", "chat_template.jinja")
@@ -236,27 +245,42 @@ def _stage_file(stage: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
 
 
 def save_checkpoint(module: StageModule, path: str | Path, dtype: torch.dtype | None = None,
-                    hf_config: dict | None = None, tokenizer_from: str | Path | None = None) -> None:
+                    hf_config: dict | None = None, tokenizer_from: str | Path | None = None,
+                    gathered: GatherUnit | None = None) -> None:
     """Write the model as a HF directory at ``path`` (collective over data-parallel replica 0).
 
     Every rank of the model's layout may call it; ranks of other replicas return at once (with ep,
     the replicas of the first ep group write, each its own experts; ep-rank 0 also the rest).
     ``hf_config`` defaults to the config the module was loaded from; ``tokenizer_from`` copies
-    tokenizer files from another model directory.
+    tokenizer files from another model directory. ``gathered(params)``, for a module whose parameters are
+    partitioned (ZeRO-3), makes them whole for its block: it is entered once per unit (``unit_of``: the
+    embeddings, one layer, the head) and left before the next, so a rank holds at most one unit gathered; it is
+    collective over the data-parallel group, so then every rank of the layout walks the units.
     """
     cfg, ctx = module.cfg, module.ctx
-    if ctx.dp_rank >= ctx.ep_size:
+    writes = ctx.dp_rank < ctx.ep_size
+    if not writes and gathered is None:
         return
     path = Path(path)
     dtype = dtype or module.dtype
     shards = {s.param.name: s for s in shard_specs(cfg, ctx.shard_strategy, ctx.pp_stage, ctx.tp_rank, ctx.ep_rank)}
     full = {}
-    for name, param in module.named_parameters():
-        if name == "embed.weight" and not ctx.is_first_stage:
-            continue  # the last stage's copy of a tied embedding; stage 0 saves the original
-        if ctx.ep_rank > 0 and shards[name].param.expert is None:
-            continue  # replicated over the ep group; ep-rank 0 saves it
-        full[name] = gather_full(param.detach(), shards[name], ctx).to(dtype=dtype, device="cpu")
+    # Consecutive parameters of one unit (module order is forward order, so each unit once).
+    units = itertools.groupby(module.named_parameters(), key=lambda item: unit_of(cfg, shards[item[0]].param))
+    for _, members in units:
+        named = list(members)
+        with gathered([param for _, param in named]) if gathered is not None else contextlib.nullcontext():
+            if not writes:
+                continue  # in the gather only: it is collective over the data-parallel group
+            for name, param in named:
+                if name == "embed.weight" and not ctx.is_first_stage:
+                    continue  # the last stage's copy of a tied embedding; stage 0 saves the original
+                if ctx.ep_rank > 0 and shards[name].param.expert is None:
+                    continue  # replicated over the ep group; ep-rank 0 saves it
+                # copy: a gathered parameter's memory is reused once its unit is released
+                full[name] = gather_full(param.detach(), shards[name], ctx).to(dtype=dtype, device="cpu", copy=True)
+    if not writes:
+        return
     if ctx.tp_rank == 0:
         path.mkdir(parents=True, exist_ok=True)
         file = _stage_file(ctx.pp_stage, ctx.pp_size, ctx.ep_rank, ctx.ep_size)

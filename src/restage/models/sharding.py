@@ -311,6 +311,17 @@ def stage_layers(cfg: ModelConfig, pp: int) -> tuple[tuple[int, int], ...]:
     return tuple(ranges)
 
 
+def unit_of(cfg: ModelConfig, spec: ParamSpec) -> int:
+    """The unit a parameter belongs to, numbered in forward order: 0 the embeddings, 1 + i layer i, num_layers + 1
+    the final norm and head. A ZeRO-3 model is gathered one unit at a time (reallocation, the HF export)."""
+    if spec.where == "first":
+        return 0
+    if spec.where == "layer":
+        assert spec.layer is not None  # param_specs gives every "layer" parameter its block index
+        return 1 + spec.layer
+    return cfg.num_layers + 1
+
+
 def stage_params(cfg: ModelConfig, pp: int, stage: int) -> list[ParamSpec]:
     """The full parameters whose shards live on pipeline stage ``stage``."""
     lo, hi = stage_layers(cfg, pp)[stage]

@@ -27,6 +27,7 @@ from restage.errors import CheckpointError
 from restage.layout import ProcessGroups
 from restage.models.checkpoint import load_stage, save_checkpoint
 from restage.models.lora_checkpoint import save_adapters
+from restage.models.sharding import is_adapter
 from restage.runtime import checkpoint_dir
 from restage.runtime.control import Control
 from restage.runtime.engines import Engine, barriers_on, engine_groups
@@ -92,11 +93,12 @@ def _write_models(path: Path, store: ModelStore, groups: ProcessGroups) -> None:
             continue
         engine = slot.engine
         assert slot.module is not None, f"{name}: an engine without its module"  # build_engine wraps the home shard
-        with _maybe_gathered(slot):
-            if slot.cfg.lora is not None:
+        if slot.cfg.lora is not None:
+            with _gathered_adapters(slot):
                 save_adapters(slot.module, path / name / "adapter", slot.entry.path)
-            else:
-                save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.entry.path)
+        else:
+            save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.entry.path,
+                            gathered=zero3_gathered if slot.entry.zero_stage == 3 else None)
         with barriers_on(_engine_group(groups, slot, store.rank)), engine_groups(engine):
             engine.save_checkpoint(str(path / name / "engine"), tag=ENGINE_TAG, save_latest=False)
 
@@ -218,13 +220,23 @@ def _on_device(slot: ModelSlot, device: torch.device) -> Iterator[None]:
             offloaded.offload()  # the host copy is still current: nothing is copied back
 
 
-@contextlib.contextmanager
-def _maybe_gathered(slot: ModelSlot) -> Iterator[None]:
-    if slot.entry.zero_stage == 3:
-        import deepspeed
+def zero3_gathered(params: Sequence[torch.nn.Parameter]) -> contextlib.AbstractContextManager[object]:
+    """ZeRO-3's partitions of ``params`` gathered over their DP group for the block (collective over it); what
+    ``save_checkpoint`` enters once per unit."""
+    import deepspeed  # lazy: seconds to import, and only ZeRO-3 models gather
 
-        assert slot.module is not None  # only slots with an engine, which wraps the module, are gathered
-        with deepspeed.zero.GatheredParameters(list(slot.module.parameters())):
-            yield
-    else:
+    gathered: contextlib.AbstractContextManager[object] = deepspeed.zero.GatheredParameters(list(params),
+                                                                                            modifier_rank=None)
+    return gathered
+
+
+@contextlib.contextmanager
+def _gathered_adapters(slot: ModelSlot) -> Iterator[None]:
+    """A LoRA model's adapters (what ``save_adapters`` writes, a small fraction of the model) whole for the block
+    under ZeRO-3; its frozen base is never gathered."""
+    assert slot.module is not None  # only slots with an engine, which wraps the module, are saved
+    if slot.entry.zero_stage != 3:
+        yield
+        return
+    with zero3_gathered([p for n, p in slot.module.named_parameters() if is_adapter(slot.cfg, n)]):
         yield

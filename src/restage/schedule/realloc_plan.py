@@ -24,12 +24,12 @@ from restage.errors import PlanError
 from restage.layout import Layout
 from restage.models.config import ModelConfig
 from restage.models.sharding import (
-    ParamSpec,
     ShardSpec,
     coord_shard_specs,
     is_adapter,
     param_specs,
     shard_specs,
+    unit_of,
     validate_strategy,
 )
 
@@ -160,16 +160,6 @@ class ReallocPlan:
     def summary(self) -> str:
         return (f"{self.src} -> {self.dst}: {len(self.pieces)} pieces, {self.total_bytes} bytes sent "
                 f"(lower bound {self.lower_bound_bytes}), {self.local_bytes} bytes copied locally")
-
-
-def unit_of(cfg: ModelConfig, spec: ParamSpec) -> int:
-    """Ordering group of a parameter: embeddings first, then each layer, then the final norm and head."""
-    if spec.where == "first":
-        return 0
-    if spec.where == "layer":
-        assert spec.layer is not None  # param_specs gives every "layer" parameter its block index
-        return 1 + spec.layer
-    return cfg.num_layers + 1
 
 
 def check_layouts(cfg: ModelConfig, src: Layout, dst: Layout, world_size: int | None = None) -> None:
