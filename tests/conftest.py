@@ -17,6 +17,23 @@ os.environ.setdefault("RESTAGE_NCCL_RULES", "1")
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--scale", action="store_true",
+                     help="also run the tests marked scale (the whole 8/16-rank matrix and the layout fuzzer)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``scale`` run only with ``--scale`` (``make test-scale``); deselected, not skipped, otherwise."""
+    if config.getoption("--scale"):
+        return
+    kept, dropped = [], []
+    for item in items:
+        (dropped if item.get_closest_marker("scale") else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.fixture(scope="session")
 def bench_module():
     """``bench_module(name)``: the script ``bench/<name>.py`` imported as a module (bench/ is not a package)."""

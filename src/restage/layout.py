@@ -148,6 +148,14 @@ class Layout:
         s = self.strategy
         return [tuple(self.rank_at(p, d, t) for p in range(s.pp)) for d in range(s.dp) for t in range(s.tp)]
 
+    def mp_groups(self) -> list[tuple[int, ...]]:
+        """Model-parallel groups: the tp x pp ranks that share a dp index (one whole copy of the model).
+
+        DeepSpeed asks its mpu for this group while it builds the ZeRO optimizer (global gradient norm,
+        overflow checks); it equals the tp group where pp is 1 and the pp group where tp is 1."""
+        s = self.strategy
+        return [tuple(self.rank_at(p, d, t) for p in range(s.pp) for t in range(s.tp)) for d in range(s.dp)]
+
     def ep_groups(self) -> list[tuple[int, ...]]:
         """The ranks that split the experts between them: ``ep`` consecutive dp indices, same pp stage and tp rank."""
         s = self.strategy
@@ -161,21 +169,23 @@ class Layout:
                 for p in range(s.pp) for e in range(s.ep) for t in range(s.tp)]
 
     def group_of(self, rank: int, kind: str) -> tuple[int, ...]:
-        """The ``kind`` ("tp", "dp", "pp", "ep" or "edp") group of ``rank``."""
-        groups = {"tp": self.tp_groups, "dp": self.dp_groups, "pp": self.pp_groups, "ep": self.ep_groups,
-                  "edp": self.edp_groups}[kind]()
+        """The ``kind`` ("tp", "dp", "pp", "mp", "ep" or "edp") group of ``rank``."""
+        groups = {"tp": self.tp_groups, "dp": self.dp_groups, "pp": self.pp_groups, "mp": self.mp_groups,
+                  "ep": self.ep_groups, "edp": self.edp_groups}[kind]()
         for group in groups:
             if rank in group:
                 return group
         raise LayoutError(f"rank {rank} is not in layout {self}")
 
     def all_groups(self) -> list[tuple[int, ...]]:
-        """Every group a model in this layout needs: tp, dp and pp groups, with ep the ep and expert-dp groups,
-        and the whole mesh."""
-        groups = self.tp_groups() + self.dp_groups() + self.pp_groups() + [tuple(self.mesh)]
+        """Every multi-rank group a model in this layout needs, deduplicated, in one order on every rank: tp, dp
+        and pp groups, the model-parallel (tp x pp) groups DeepSpeed's mpu hands out, with ep the ep and
+        expert-dp groups, and the whole mesh. This is the one rule: the runtime creates exactly these at start-up
+        (``comm_budget.run_groups``), and nothing asks for a group outside them."""
+        groups = self.tp_groups() + self.dp_groups() + self.pp_groups() + self.mp_groups() + [tuple(self.mesh)]
         if self.strategy.ep > 1:
             groups += self.ep_groups() + self.edp_groups()
-        return [g for g in groups if len(g) > 1]
+        return list(dict.fromkeys(g for g in groups if len(g) > 1))
 
     def to_json(self) -> dict:
         s = self.strategy

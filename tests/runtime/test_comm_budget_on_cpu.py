@@ -36,14 +36,14 @@ def test_at_128_gpus_the_groups_are_the_layouts_groups_plus_one_per_reallocation
     reallocs = sum(1 for op in schedule_128.ops() if op.kind in ("realloc", "ema"))
     multi = [g for g in bound.groups if len(g) > 1]
     # Every layout spans all 128 ranks, so each reallocation's group is a mesh the layouts already have.
-    assert len(multi) == per_layout == 125 and reallocs == 2
-    assert per_layout <= sum(s.dp * s.tp + s.tp * s.pp + s.dp * s.pp + 1
+    assert len(multi) == per_layout == 127 and reallocs == 2
+    assert per_layout <= sum(s.dp * s.tp + s.tp * s.pp + s.dp * s.pp + s.dp + 1
                              for s in (layout.strategy for layout in layouts.values()))
     # Single-rank groups only where a trainable model's degree is 1 (here both train with dp=1: all ranks).
     assert [g for g in bound.groups if len(g) == 1] == [(r,) for r in range(128)]
     # Before: 4,733 groups (125 layout groups, 128 broadcast groups, 4,352 for the transfers' possible senders
     # and 128 singletons).
-    assert bound.max_groups == 253 and bound.max_communicators == 254
+    assert bound.max_groups == 255 and bound.max_communicators == 256
     # Pairs: the pipeline's neighbours and the reallocations' links, nothing for data transfers (MPI).
     assert pipeline_pairs(layouts.values()) <= bound.pairs
     assert bound.max_pairs == 7744

@@ -70,3 +70,11 @@ def test_a_transfers_metadata_is_gathered_as_typed_parts(monkeypatch):
     plan = flow.plan(op, meta, "contiguous")
     assert plan.meta.keys == (KeySpec("rewards", False, "float32", (2,)),)
     assert plan.total_bytes == 3 * 2 * 4  # three samples' two float32 rewards, all to rank 2
+
+
+def test_max_and_min_statistics_merge_by_their_extreme_not_by_a_mean():
+    # A mean of two ranks' maxima (2.5) would depend on how the batch was cut; the step's largest ratio is 3.
+    records = [StepRecord(rank=r, step=1, step_start_seconds=0.0, step_end_seconds=1.0) for r in (0, 1)]
+    records[0].stats.append(StatsShare({"a/ratio_max": 2.0, "a/x_min": -1.0, "a/loss": 1.0}, 3))
+    records[1].stats.append(StatsShare({"a/ratio_max": 3.0, "a/x_min": 0.5, "a/loss": 2.0}, 1))
+    assert merge_stats(records) == {"a/loss": (1.0 * 3 + 2.0) / 4, "a/ratio_max": 3.0, "a/x_min": -1.0}

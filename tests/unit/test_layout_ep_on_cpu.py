@@ -31,7 +31,7 @@ def test_without_ep_names_json_and_groups_are_unchanged():
     layout = Layout.contiguous(0, Strategy(dp=2, tp=2, pp=2))
     assert str(layout.strategy) == "dp2tp2pp2"
     assert layout.to_json() == {"mesh": list(range(8)), "dp": 2, "tp": 2, "pp": 2}
-    assert len(layout.all_groups()) == 4 + 4 + 4 + 1
+    assert len(layout.all_groups()) == 4 + 4 + 4 + 2 + 1  # tp, dp, pp, model-parallel (tp x pp) and the mesh
 
 
 def test_ep_names_parse_and_json_round_trip():

@@ -42,3 +42,40 @@ def test_strategy_parse_and_json_round_trip():
     assert Layout.from_json(layout.to_json()) == layout
     with pytest.raises(LayoutError):
         Strategy.parse("dp2x")
+
+
+class _Created:
+    """Stands in for ProcessGroups: hands out a group only for ranks created up front, raising as it does otherwise."""
+
+    def __init__(self, groups):
+        self.groups = {tuple(sorted(g)) for g in groups}
+
+    def get(self, ranks):
+        key = tuple(sorted(ranks))
+        if key not in self.groups:
+            raise KeyError(f"no group over {key}; it was not requested up front")
+        return key
+
+
+def _strategies(world: int):
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    return [Strategy(dp=world // (tp * pp), tp=tp, pp=pp) for tp in divisors for pp in divisors if world % (tp * pp) == 0]
+
+
+@pytest.mark.parametrize("world", [8, 16])
+def test_every_group_deepspeeds_mpu_asks_for_is_created_up_front(world):
+    # Before: dp2tp2pp2's model-parallel group (0, 1, 4, 5) was not in all_groups, and DeepSpeed's ZeRO set-up
+    # died with "rank 1 has no group over (0, 1, 4, 5); it was not requested up front".
+    from restage.runtime.comm_budget import engine_singleton_ranks
+    from restage.runtime.engines import LayoutMPU
+
+    for strategy in _strategies(world):
+        layout = Layout.contiguous(0, strategy)
+        created = _Created([*layout.all_groups(), *[(r,) for r in engine_singleton_ranks(layout)]])
+        for rank in layout.mesh:
+            mpu = LayoutMPU(layout, rank, created)
+            asked = [mpu.get_data_parallel_group(), mpu.get_model_parallel_group(), mpu.get_tensor_model_parallel_group()]
+            assert [len(g) for g in asked] == [strategy.dp, strategy.tp * strategy.pp, strategy.tp]
+            assert rank in asked[1] and set(asked[1]) == {layout.rank_at(p, layout.coord(rank).dp, t)
+                                                           for p in range(strategy.pp) for t in range(strategy.tp)}
+        assert len(layout.all_groups()) == len(set(layout.all_groups()))  # one order, no group twice

@@ -3,7 +3,8 @@ process groups it creates, and a bound on its communicators and point-to-point r
 
 Every torch.distributed group is an NCCL communicator on GPUs (GPU memory for its buffers, set-up
 time, never freed), and so is every pair of ranks that exchanges *unbatched* sends and receives.
-A run creates only: the groups of each MFC's layout (tp, dp, pp and the whole mesh), one group per
+A run creates only: the groups of each MFC's layout (``Layout.all_groups``: tp, dp, pp, model-parallel
+tp x pp, ep and expert-dp, and the whole mesh), one group per
 reallocation (the ranks of its source and destination, often a layout's mesh already), and the
 single-rank groups DeepSpeed asks for. Data transfers use MPI (no group), reallocations and the
 pipeline use batched sends and receives (no per-pair communicator). So the count is
@@ -98,13 +99,15 @@ def singleton_ranks(schedule: Schedule) -> list[int]:
     the engine's barrier group) of a trainable model, which is one rank wherever that degree is 1."""
     out: set[int] = set()
     for info in schedule.models.values():
-        if not info.trainable:
-            continue
-        layout = info.home_layout
-        s = layout.strategy
-        if s.dp == 1 or s.tp == 1 or layout.size == 1:
-            out |= set(layout.mesh)
+        if info.trainable:
+            out |= set(engine_singleton_ranks(info.home_layout))
     return sorted(out)
+
+
+def engine_singleton_ranks(layout: Layout) -> tuple[int, ...]:
+    """The ranks of a training layout whose DeepSpeed mpu hands out a one-rank group (dp, tp or tp x pp of 1)."""
+    s = layout.strategy
+    return layout.mesh if s.dp == 1 or s.tp == 1 or layout.size == 1 else ()
 
 
 def pipeline_pairs(layouts: Iterable[Layout]) -> set[tuple[int, int]]:

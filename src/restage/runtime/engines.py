@@ -40,7 +40,7 @@ class LayoutMPU:
             raise ValueError(f"rank {rank} is not in {layout}")
         s = layout.strategy
         self._dp_ranks = layout.group_of(rank, "dp")
-        self._mp_ranks = tuple(layout.rank_at(p, coord.dp, t) for p in range(s.pp) for t in range(s.tp))
+        self._mp_ranks = layout.group_of(rank, "mp")
         self._tp_ranks = layout.group_of(rank, "tp")
         self._groups = groups
         self.coord = coord

@@ -30,6 +30,7 @@ from restage.models.parallel import vocab_parallel_entropy, vocab_parallel_logpr
 from restage.models.pipeline import MicroBatch, pipeline_forward, train_1f1b
 from restage.models.sampling import SamplingParams
 from restage.runtime.engines import Engine
+from restage.runtime.records import merge_rule
 
 
 @dataclass
@@ -241,6 +242,7 @@ def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: Expe
     temperature = _policy_temperature(cfg)
     ids_key = mfc.inputs[0]
     stats_sum: dict[str, float] = {}
+    extremes: dict[str, float] = {}  # the *_max and *_min statistics (records.merge_rule)
     count = 0
 
     def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -277,12 +279,17 @@ def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: Expe
             engine.step()
         for _, stats in results or []:
             for k, v in stats.items():
-                stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
+                rule = merge_rule(k)
+                if rule == "mean":
+                    stats_sum[k] = stats_sum.get(k, 0.0) + float(v)
+                else:
+                    extremes[k] = (max if rule == "max" else min)(extremes.get(k, float(v)), float(v))
             count += 1
         if stop:
             break  # the rest of this batch's minibatches and epochs
     module.eval()
     stats = {f"{mfc.name}/{k}": v / count for k, v in stats_sum.items()} if count else {}
+    stats.update({f"{mfc.name}/{k}": v for k, v in extremes.items()})
     stats[f"{mfc.name}/lr"] = float(engine.get_lr()[0])
     if routing is not None:
         stats.update({f"{mfc.name}/{k}": v for k, v in router_stats(routing, module.ctx, rank_device()).items()})

@@ -16,20 +16,28 @@ from restage.report import dashboards
 from restage.report.log import LogWriter
 from restage.runtime.control import Control
 from restage.runtime.progress import Progress
-from restage.runtime.records import StepDecision, StepRecord
+from restage.runtime.records import StepDecision, StepRecord, merge_rule
 from restage.schedule.file import Schedule
 
 
 def merge_stats(records: list[StepRecord]) -> dict[str, float]:
-    """Sample-weighted mean of each statistic over the reporting ranks."""
+    """Each statistic over the reporting ranks: the sample-weighted mean, or the extreme (``records.merge_rule``)."""
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
+    extremes: dict[str, float] = {}
     for record in records:
         for share in record.stats:
             for key, value in share.stats.items():
+                rule = merge_rule(key)
+                if rule != "mean":
+                    if share.samples > 0:
+                        pick = max if rule == "max" else min
+                        extremes[key] = pick(extremes.get(key, float(value)), float(value))
+                    continue
                 sums[key] = sums.get(key, 0.0) + float(value) * share.samples
                 weights[key] = weights.get(key, 0.0) + share.samples
-    return {k: sums[k] / weights[k] for k in sorted(sums) if weights[k] > 0}
+    means = {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
+    return dict(sorted({**means, **extremes}.items()))
 
 
 def merge_eval(records: list[StepRecord]) -> dict[str, float]:

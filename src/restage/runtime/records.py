@@ -8,6 +8,14 @@ unpickle on every rank alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+
+def merge_rule(name: str) -> Literal["max", "min", "mean"]:
+    """How a statistic combines over micro-batches and ranks: ``*_max`` by its largest value, ``*_min`` by its
+    smallest, every other one by its (sample-weighted) mean. A mean of per-micro-batch maxima depends on how the
+    batch was cut, so it would differ between layouts that train the same."""
+    return "max" if name.endswith("_max") else "min" if name.endswith("_min") else "mean"
 
 
 @dataclass(frozen=True)
