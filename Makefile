@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-multinode test-fast lint typecheck clean
+.PHONY: install demo test test-scale test-multinode test-fast lint typecheck clean
 
 $(STAMP): setup.cfg pyproject.toml scripts/install_system.sh
 	bash scripts/install_system.sh
@@ -25,6 +25,11 @@ demo: install
 test: install typecheck
 	$(BIN)/ruff check src tests bench
 	bash scripts/run_tests.sh
+
+# The whole 8/16-rank layout matrix and the layout fuzzer (tests/scale; about an hour on 2 cores). RESTAGE_FUZZ_COUNT
+# sets the fuzzer's seed count (default 8), RESTAGE_SCALE_REPORT=FILE collects each case's figures as JSON lines.
+test-scale: install
+	bash scripts/run_tests.sh --scale tests/scale
 
 test-multinode: install
 	bash scripts/run_tests.sh -s -m multinode tests/multinode

@@ -3,7 +3,7 @@ one-rank run of the same job after 2 steps (scale_jobs: the job, the tolerance a
 
 ``make test`` runs the cases marked ``core`` (one per layout class the default suite did not reach before: the 3-D
 layout that crashed at start-up among them); ``make test-scale`` (``pytest --scale tests/scale``) runs them all. With
-``RESTAGE_SCALE_REPORT=FILE`` each case appends its figures to FILE as a JSON line (the table in docs/scale.md).
+``RESTAGE_SCALE_REPORT=FILE`` each case appends its figures to FILE as a JSON line (the table in docs/runtime.md, "Scale").
 """
 
 from __future__ import annotations
