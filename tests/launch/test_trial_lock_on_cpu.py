@@ -41,7 +41,7 @@ def test_a_second_holder_is_refused_naming_the_first(tmp_path):
         first.terminate()
         first.wait()
     with trial_lock(root):  # released with its holder
-        assert (root / ".lock").read_text().startswith(f"pid {os.getpid()} on ")
+        assert (root / ".holder").read_text().startswith(f"pid {os.getpid()} on ")
 
 
 def test_the_lock_dies_with_a_killed_holder(tmp_path):
@@ -52,3 +52,19 @@ def test_the_lock_dies_with_a_killed_holder(tmp_path):
     started = time.monotonic()
     with trial_lock(root):
         assert time.monotonic() - started < 1.0
+
+
+def test_a_file_system_without_flock_still_takes_the_trial_lock(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_flock(*args):  # Lustre without flock: ENOSYS crashed the run before it started
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    root = tmp_path / "trial"
+    with trial_lock(root):
+        assert (root / ".holder").read_text().startswith(f"pid {os.getpid()} on ")
+        with pytest.raises(LaunchError, match=f"is in use by pid {os.getpid()} on "):
+            with trial_lock(root):
+                pass

@@ -117,11 +117,11 @@ def test_a_jit_build_lock_left_by_a_dead_rank_is_reported_and_removed_and_the_ru
     folder = extensions / "deepspeed_shm_comm"  # torch builds right under a TORCH_EXTENSIONS_DIR it is given
     built = extensions_dir() / "deepspeed_shm_comm"
     if built.is_dir():  # this machine's earlier build: no rebuild here
-        shutil.copytree(built, folder, ignore=shutil.ignore_patterns("lock", "restage.lock"))
+        shutil.copytree(built, folder, ignore=shutil.ignore_patterns("lock", "restage.*"))
     folder.mkdir(parents=True, exist_ok=True)
     dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                                   text=True).stdout)
-    (folder / "restage.lock").write_text(f"{dead_pid} {socket.gethostname()}\n")  # a rank killed mid-build
+    (folder / "restage.holder").write_text(f"pid {dead_pid} on {socket.gethostname()}\n")  # a rank killed mid-build
     (folder / "lock").touch()
     done = restage_run(tmp_path, "jobs/ppo_tiny.yaml", "-n", "2", "run.batch_size=8", "run.steps=2", "trial=stale",
                        env={"TORCH_EXTENSIONS_DIR": str(extensions)}, timeout=600)

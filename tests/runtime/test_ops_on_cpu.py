@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import os
 import socket
 import subprocess
@@ -40,14 +43,16 @@ def extensions_dir(tmp_path, monkeypatch):
 
 
 def _holder(lock, *, restage_lock: bool, seconds: float) -> subprocess.Popen:
-    """A process that holds the build locks as a loading rank does (restage's flock, torch's lock file open), then
+    """A process that holds the build locks as a loading rank does (restage's lease, torch's lock file open), then
     releases them as torch does; returns once it holds them."""
     code = f"""
-import fcntl, os, socket, sys, time
-restage = os.open({str(lock.parent / "restage.lock")!r}, os.O_RDWR | os.O_CREAT)
+import os, time
+from pathlib import Path
+from restage.locks import HostLock
 if {restage_lock}:
-    fcntl.flock(restage, fcntl.LOCK_EX)
-    os.write(restage, f"{{os.getpid()}} {{socket.gethostname()}}\\n".encode())
+    restage = HostLock(Path({str(lock.parent)!r}), "restage")
+    assert restage.try_acquire()
+    restage.name_holder()
 baton = os.open({str(lock)!r}, os.O_CREAT | os.O_EXCL)
 print("held", flush=True)
 time.sleep({seconds})
@@ -65,12 +70,12 @@ def test_a_lock_left_by_a_dead_pid_is_reported_and_removed(extensions_dir):
     lock.parent.mkdir(parents=True, exist_ok=True)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(gone.stdout)
-    (lock.parent / "restage.lock").write_text(f"{dead_pid} {socket.gethostname()}\n")  # its last holder's name
+    (lock.parent / "restage.holder").write_text(f"pid {dead_pid} on {socket.gethostname()}\n")  # its last holder
     lock.touch()  # torch's lock, never removed: the holder was killed mid-build
     said = []
     with ops.build_lock("cpu_adam", say=said.append):
         assert not lock.exists()
-        assert (lock.parent / "restage.lock").read_text() == f"{os.getpid()} {socket.gethostname()}\n"
+        assert (lock.parent / "restage.holder").read_text() == f"pid {os.getpid()} on {socket.gethostname()}\n"
     assert said == [f"restage: removing {lock}: left by pid {dead_pid} on {socket.gethostname()}, which died while "
                     "loading or building cpu_adam (no live process holds restage's build lock or has the file open)"]
 
@@ -80,7 +85,8 @@ def test_a_live_holder_is_waited_for_with_its_name_and_its_lock_removed_once_it_
     lock.parent.mkdir(parents=True, exist_ok=True)
     holder = _holder(lock, restage_lock=True, seconds=600)
     said, doing = [], []
-    killer = threading.Timer(1.5, holder.kill)  # a rank killed while it builds
+    # a rank killed while it builds, and reaped (a zombie's pid is still taken, as mpirun's children are not)
+    killer = threading.Timer(1.5, lambda: (holder.kill(), holder.wait()))
     killer.start()
     started = time.monotonic()
     with ops.build_lock("cpu_adam", say=said.append, doing=lambda what, waiting=False: doing.append((what, waiting)),
@@ -133,3 +139,39 @@ def test_only_the_node_leader_builds_before_the_barrier(extensions_dir, monkeypa
     events.clear()
     ops.prepare_ops([], node_leader=leader, node_barrier=lambda: events.append("barrier"))
     assert events == []  # nothing to build: no barrier either
+
+
+@pytest.mark.parametrize("code", [errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP])
+def test_a_file_system_without_flock_still_builds_once(extensions_dir, monkeypatch, code):
+    def no_flock(*args):  # Lustre mounted without flock, NFS without its lock manager
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    monkeypatch.setattr(ops, "_prebuilt", lambda name: False)
+    events = []
+    ops.prepare_ops(["cpu_adam"], node_leader=True, node_barrier=lambda: events.append("barrier"),
+                    load=lambda name: events.append(f"load {name}"))
+    assert events == ["load cpu_adam", "barrier"]
+    assert not (ops.lock_path("cpu_adam").parent / "restage.lease").exists()  # released
+
+
+# One node's rank, on a file system whose flock is node-local (each node "gets" it): it builds for a second.
+NODE = """
+import fcntl, json, socket, sys, time
+fcntl.flock = lambda *args: None
+socket.gethostname = lambda: sys.argv[1]
+from restage.runtime import ops
+with ops.build_lock("cpu_adam", say=lambda line: None, poll_seconds=0.05):
+    start = time.time()
+    time.sleep(1.0)
+    end = time.time()
+print(json.dumps([start, end]))
+"""
+
+
+def test_two_nodes_never_build_into_one_directory_at_once(extensions_dir):
+    nodes = [subprocess.Popen([sys.executable, "-c", NODE, f"node-{i}"], stdout=subprocess.PIPE, text=True)
+             for i in range(2)]
+    spans = sorted(json.loads(node.communicate(timeout=120)[0]) for node in nodes)
+    assert all(node.returncode == 0 for node in nodes)
+    assert spans[0][1] <= spans[1][0], spans  # one after the other

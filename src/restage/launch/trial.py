@@ -13,7 +13,8 @@
                        <model>/hf/ (transformers loads it), <model>/engine/, ranks/, manifest.json
     failures/          rank<N>.txt of a rank that raised (restage.runtime.failure)
     PREEMPT            present while the job asks the ranks to checkpoint and stop
-    .lock              held (flock) by the process that runs the trial, for its whole life: who holds it
+    .lease, .holder    the trial lock, held by the process that runs the trial for its whole life
+                       (restage.locks: a lease, not an flock), and who holds it
     slurm/             submitit's folder for a single `restage submit`: sbatch script, SLURM stdout/err
                        (a sweep keeps one submitit folder for the whole array under the sweep directory)
 
@@ -23,10 +24,8 @@ The self-test program (``restage.launch.selftest``) keeps the same layout and ad
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from pathlib import Path
 
 from restage.disk import replace_atomically
 from restage.errors import LaunchError
+from restage.locks import LEASE_SECONDS, HostLock
 
 
 @dataclass(frozen=True)
@@ -106,24 +106,19 @@ def update_attempt(paths: TrialPaths, **fields) -> None:
 
 
 @contextlib.contextmanager
-def trial_lock(root: Path) -> Iterator[None]:
-    """Hold ``root/.lock`` for the block: one run per trial (a second run would overwrite the first's schedule,
-    log and checkpoints). An flock belongs to the open file, so it ends with its holder, however that dies;
-    the file names the holder for the message a second run gets."""
+def trial_lock(root: Path, wait_seconds: float = LEASE_SECONDS * 1.5) -> Iterator[None]:
+    """Hold the trial's lock (``root/.lease``, ``restage.locks.HostLock``) for the block: one run per trial (a
+    second run would overwrite the first's schedule, log and checkpoints). A holder that died loses it at once on
+    its own host; one on another host (a requeued job after its node died) is waited for up to ``wait_seconds``,
+    until its lease runs out. The ``.holder`` file names the holder for the message a second run gets."""
     root.mkdir(parents=True, exist_ok=True)
-    path = root / ".lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        holder = path.read_text(errors="replace").strip() or "another process"
-        raise LaunchError(f"{root} is in use by {holder}; wait for that run to end or choose another trial=NAME") from None
+    lock = HostLock(root, "")
+    if not lock.try_acquire() and (lock.held_here_by_a_live_process() or not lock.wait(wait_seconds)):
+        raise LaunchError(f"{root} is in use by {lock.holder()}; wait for that run to end or choose another "
+                          "trial=NAME")
     job = os.environ.get("SLURM_JOB_ID")
-    os.ftruncate(fd, 0)
-    os.write(fd, (f"pid {os.getpid()} on {socket.gethostname()}" + (f" (SLURM job {job})" if job else "")
-                  + f" since {time.strftime('%Y-%m-%d %H:%M:%S')}\n").encode())
+    lock.name_holder((f" (SLURM job {job})" if job else "") + f" since {time.strftime('%Y-%m-%d %H:%M:%S')}")
     try:
         yield
     finally:
-        os.close(fd)
+        lock.release()

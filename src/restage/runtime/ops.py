@@ -8,10 +8,14 @@ forever without a word.
 
 So restage (1) builds into a directory of its own per user and per torch/DeepSpeed version
 (``extensions_dir``; ``TORCH_EXTENSIONS_DIR`` if set wins), and (2) loads every op under its own
-lock, ``<build dir>/restage.lock``: an ``flock`` the kernel drops when its holder dies, with the
-holder's pid and host written in it. A rank waiting for a live holder says who it waits for; one
-that gets the lock and still finds torch's ``lock`` knows its maker is dead (no live process holds
-restage's lock, and none on this host has the file open), reports it and removes it.
+lock, ``<build dir>/restage.lease`` (``restage.locks.HostLock``), with the holder's pid and host in
+``restage.holder``. The lock is a lease (a marker file created exclusively and renewed by its holder), not
+an ``flock``: it works where ``flock`` fails (Lustre without ``flock``, NFS without locks: ENOSYS, ENOLCK)
+and across nodes, where ``flock`` on some NFS set-ups is node-local and would let two nodes build into
+one directory at once. A dead holder's lease is broken at once on its own host, after ``LEASE_SECONDS``
+without renewal from another. A rank waiting for a live holder says who it waits for; one that gets
+the lock and still finds torch's ``lock`` knows its maker is dead (no live process holds restage's
+lock, and none on this host has the file open), reports it and removes it.
 
 restage trains with torch's own AdamW on GPUs (multi-tensor CUDA kernels, nothing to compile,
 no nvcc on compute nodes; see ``runtime.engines.deepspeed_config``), so the only op it needs there
@@ -23,7 +27,6 @@ them while the others wait at a barrier; then they load the finished build, one 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import socket
 import sys
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from restage.errors import LaunchError
+from restage.locks import HostLock
 from restage.runtime.control import arrive
 
 if TYPE_CHECKING:  # importing mpi4py initializes MPI; the caller holds the communicator
@@ -126,15 +130,6 @@ def local_openers(path: Path) -> list[int]:
     return found
 
 
-def _owner(path: Path) -> str:
-    """Who holds (or last held) restage's lock, as written in it: "pid P on HOST"."""
-    try:
-        pid, host = path.read_text().split()[:2]
-    except (OSError, ValueError):
-        return "a process that wrote no name"
-    return f"pid {pid} on {host}"
-
-
 @contextlib.contextmanager
 def build_lock(name: str, *, say: Callable[[str], None] = print,
                doing: Callable[..., None] = _unnamed,
@@ -143,38 +138,33 @@ def build_lock(name: str, *, say: Callable[[str], None] = print,
     remove torch's lock if its maker is dead."""
     torch_lock = lock_path(name)
     torch_lock.parent.mkdir(parents=True, exist_ok=True)
-    path = torch_lock.parent / "restage.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = HostLock(torch_lock.parent, "restage")
+    waited_since, said_at = time.monotonic(), -notice_seconds
+    while True:
+        if not lock.try_acquire():
+            holder = f"{lock.holder()}, which holds restage's build lock"
+        else:
+            openers = [pid for pid in local_openers(torch_lock) if pid != os.getpid()]
+            if not openers:
+                break
+            lock.release()  # a build outside restage: wait for it too
+            holder = f"pid {openers[0]} on {socket.gethostname()}, which holds torch's build lock"
+        now = time.monotonic()
+        if now - said_at >= notice_seconds:
+            said_at = now
+            say(f"restage: rank waits for {holder} of DeepSpeed's {name} op ({torch_lock.parent}); "
+                f"{now - waited_since:.0f} s so far")
+            doing(f"start-up: waiting for {holder} of {name}", waiting=True)
+        time.sleep(poll_seconds)
     try:
-        waited_since, said_at = time.monotonic(), -notice_seconds
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = f"{_owner(path)}, which holds restage's build lock"
-            else:
-                openers = [pid for pid in local_openers(torch_lock) if pid != os.getpid()]
-                if not openers:
-                    break
-                fcntl.flock(fd, fcntl.LOCK_UN)  # a build outside restage: wait for it too
-                holder = f"pid {openers[0]} on {socket.gethostname()}, which holds torch's build lock"
-            now = time.monotonic()
-            if now - said_at >= notice_seconds:
-                said_at = now
-                say(f"restage: rank waits for {holder} of DeepSpeed's {name} op ({torch_lock.parent}); "
-                    f"{now - waited_since:.0f} s so far")
-                doing(f"start-up: waiting for {holder} of {name}", waiting=True)
-            time.sleep(poll_seconds)
         if torch_lock.exists():
-            say(f"restage: removing {torch_lock}: left by {_owner(path)}, which died while loading or building "
+            say(f"restage: removing {torch_lock}: left by {lock.holder()}, which died while loading or building "
                 f"{name} (no live process holds restage's build lock or has the file open)")
             torch_lock.unlink(missing_ok=True)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        lock.name_holder()
         yield
-        os.ftruncate(fd, 0)  # released cleanly: no name left to blame
     finally:
-        os.close(fd)  # drops the flock; the kernel does the same when the holder dies
+        lock.release()  # a holder that dies instead leaves its lease, which the next one breaks (restage.locks)
 
 
 def load_op(name: str) -> None:
