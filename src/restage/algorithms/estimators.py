@@ -185,7 +185,23 @@ def minibatches(batch: Batch, n_minibatches: int, epochs: int = 1, seed: int = 0
             yield epoch, index, batch.select(order[bounds[index]:bounds[index + 1]])
 
 
+def ema_master(ref: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 master copy (in host memory) that ``ema_mix_`` mixes into for a ``ref`` held in a narrower dtype,
+    or None for an fp32 ``ref``, which is its own master."""
+    if ref.dtype == torch.float32:
+        return None
+    return ref.detach().to("cpu", torch.float32, copy=True)
+
+
 @torch.no_grad()
-def ema_mix_(ref: torch.Tensor, actor: torch.Tensor, eta: float) -> torch.Tensor:
-    """Reference EMA, in place: ``ref <- (1 - eta) ref + eta actor`` (eta = 1 copies the actor)."""
-    return ref.lerp_(actor.to(ref.dtype), eta)
+def ema_mix_(ref: torch.Tensor, actor: torch.Tensor, eta: float, master: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference EMA, in place: ``ref <- (1 - eta) ref + eta actor`` (eta = 1 copies the actor).
+
+    With ``master`` (``ema_master``: ``ref`` in fp32) the mix runs on the master and ``ref`` becomes it rounded to
+    its dtype: in bf16 a step under half an ulp of ``ref`` (with eta = 0.01, any step of a weight of 1 whose actor
+    weight is under 0.39 away) would round away every time, and the reference would never move.
+    """
+    if master is None:
+        return ref.lerp_(actor.to(ref.dtype), eta)
+    master.lerp_(actor.to(master.device, torch.float32), eta)
+    return ref.copy_(master)

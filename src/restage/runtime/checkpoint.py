@@ -4,6 +4,7 @@ Layout of ``checkpoints/step-N/`` (whole or absent, see ``checkpoint_dir``):
 ``<model>/hf/`` a HF directory (safetensors + config.json + tokenizer) that transformers loads
 (trainable models, and a reference that an EMA updates); for a LoRA model instead ``<model>/adapter/``, its
 adapters in PEFT's layout over the base at the model's path (``restage merge-lora`` makes a HF directory of it);
+``<model>/ema/rank<R>.pt`` the fp32 master of a bf16/fp16 reference an EMA moves (each rank's shard);
 ``<model>/engine/`` DeepSpeed's own files (module, optimizer and LR scheduler state per rank);
 ``ranks/rank<R>.pt`` each rank's RNG states and algorithm state; ``manifest.json`` the master's
 data cursor and step. A resume needs the same schedule (same layouts and world size).
@@ -89,6 +90,9 @@ def _write_models(path: Path, store: ModelStore, groups: ProcessGroups) -> None:
         if name in store.ema and slot.module is not None:  # a reference the EMA changes: its weights, no engine
             with _on_device(slot, store.device):
                 save_checkpoint(slot.module, path / name / "hf", tokenizer_from=slot.entry.path)
+            if slot.ema_master:  # its fp32 master (bf16/fp16 weights), this rank's shard: a resume mixes on from it
+                (path / name / "ema").mkdir(parents=True, exist_ok=True)
+                torch.save(slot.ema_master, path / name / "ema" / f"rank{store.rank}.pt")
         if slot.engine is None:
             continue
         engine = slot.engine
@@ -115,6 +119,9 @@ def load(trial_dir: Path, store: ModelStore, groups: ProcessGroups, control: Con
     for name, slot in store.slots.items():
         if name in store.ema and slot.module is not None:
             _load_weights(slot, path / name / "hf", groups, store)
+            saved_master = path / name / "ema" / f"rank{store.rank}.pt"
+            # none saved: an fp32 reference, or not mixed yet (its master is then its weights, made at the next mix)
+            slot.ema_master = safe_load(saved_master, map_location="cpu") if saved_master.is_file() else {}
         if slot.engine is None:
             continue
         engine = slot.engine

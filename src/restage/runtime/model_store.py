@@ -48,6 +48,9 @@ class ModelSlot:
     copies: dict[Layout, StageModule] = field(default_factory=dict)
     host_copy: ModelCopy | None = None  # a frozen model's home shard, offloaded between its MFCs
     sharded: ShardedFrozen | None = None  # a frozen model held 1/dp per rank of its home layout (shard_frozen)
+    # A reference an EMA moves, held in bf16/fp16: its home shard in fp32 (host memory), made at its first mix
+    # (estimators.ema_master), checkpointed and resumed (runtime/checkpoint.py).
+    ema_master: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def home(self) -> Layout:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from restage.algorithms.base import AlgoState, PendingRewards
-from restage.algorithms.estimators import ema_mix_
+from restage.algorithms.estimators import ema_master, ema_mix_
 from restage.algorithms.interface import Algorithm
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
@@ -207,7 +207,10 @@ class OpHandlers:
             assert target.module is not None, f"rank {self.rank} of {op.model}'s home {op.dst} holds no shard"
             params = dict(target.module.named_parameters())
             for name, mixed_in in result.state.items():
-                ema_mix_(params[name].data, mixed_in.to(params[name].device), eta)  # where it lives now (maybe host)
+                if name not in target.ema_master and (master := ema_master(params[name])) is not None:
+                    target.ema_master[name] = master  # a bf16/fp16 reference mixes in fp32 (ema_mix_)
+                ema_mix_(params[name].data, mixed_in.to(params[name].device), eta,  # where it lives now (maybe host)
+                         target.ema_master.get(name))
             if target.host_copy is not None:
                 target.host_copy.changed()
         return result.stats.sent_bytes
