@@ -2,8 +2,9 @@
 
 The job is PPO (actor, critic, reference; greedy generation) on models big enough for every layout class at 8 and 16
 ranks: 4 layers, 8 attention heads and 4 key-value heads (tp up to 4, pp up to 4). Its prompts all have the same
-length and every answer runs to ``max_new_tokens`` (``min_new_tokens`` equals it), and the PPO update is one
-minibatch per epoch. Then every sample carries the same number of answer tokens, so the per-micro-batch token means
+length and every answer runs to ``max_new_tokens`` (``min_new_tokens`` equals it), the PPO update is one
+minibatch per epoch, and early stopping is off (it trips on one micro-batch's mean ratio, so where the batch is cut
+decides it). Then every sample carries the same number of answer tokens, so the per-micro-batch token means
 that data-parallel training averages (DeepSpeed's mean over dp of the mean over micro-batches, as verl and OpenRLHF
 aggregate too) equal the one-rank mean exactly, and a run at any layout must equal the one-rank run up to the order
 of floating-point sums. What "equal" allows is ``WEIGHT_RTOL`` / ``STAT_RTOL`` below; a broken layout (a gradient
@@ -83,7 +84,7 @@ def job_args(assets: tuple[Path, Path, Path], moe: bool = False) -> list[str]:
     return ["jobs/ppo_tiny.yaml", f"run.steps={STEPS}", f"run.batch_size={BATCH}", "run.micro_batches=2",
             "run.save_every=0", "generation.greedy=true", f"generation.max_new_tokens={ANSWER}",
             f"generation.min_new_tokens={ANSWER}", f"dataset.max_answer_tokens={ANSWER}", f"dataset.path={prompts}",
-            "algo.minibatches=1", "algo.ppo_epochs=2", f"models.actor.path={actor}", f"models.ref.path={actor}",
+            "algo.minibatches=1", "algo.ppo_epochs=2", "algo.early_stop_ratio=0", f"models.actor.path={actor}", f"models.ref.path={actor}",
             f"models.critic.path={dense}"]
 
 
