@@ -42,10 +42,11 @@ def test_a_live_holder_on_another_host_keeps_its_lease_and_a_dead_one_loses_it_a
     finally:
         holder.kill()
         holder.wait()
+    fresh = HostLock(tmp_path, "x", lease_seconds=1.0)  # a waiter that first looks now
     started = time.monotonic()
-    assert mine.wait(10.0, poll_seconds=0.05)  # its pid means nothing here: known dead once unrenewed for 1 s
-    assert 0.9 <= time.monotonic() - started < 5.0
-    mine.release()
+    assert fresh.wait(10.0, poll_seconds=0.05)  # its pid means nothing here: known dead once unrenewed for 1 s
+    assert 1.0 <= time.monotonic() - started < 5.0
+    fresh.release()
 
 
 def test_no_flock_is_taken(tmp_path, monkeypatch):
