@@ -17,7 +17,7 @@ from restage.data.batch import Batch
 from restage.device import DTYPES
 from restage.layout import Layout
 from restage.models.parallel import ParallelContext
-from restage.runtime.execute import run_generate
+from restage.runtime.execute import run_generate, step_seed
 from restage.runtime.op_handlers import OpHandlers, StepData, reallocate_when_ready
 from restage.runtime.partial_rollouts import run_partial_generate
 from restage.runtime.records import StatsShare, StepRecord
@@ -66,7 +66,7 @@ class AsyncOps:
             return data.source.batch(positions).only(source_keys)
 
         def seed_of(target: int) -> int:
-            return (h.cfg.seed * 1_000_003 + target) * 101 + ctx.coord.dp  # the step it is for, as in sync mode
+            return step_seed(h.cfg.seed, target)  # the step it is for, as in sync mode
 
         for target in range(step + op.start, step + op.stop):
             if target >= h.cfg.run.steps or self.buffer.holds(mfc.name, target):

@@ -28,7 +28,7 @@ from restage.models.moe import RouterLog, router_stats
 from restage.models.packing import PackedBatch
 from restage.models.parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from restage.models.pipeline import MicroBatch, pipeline_forward, train_1f1b
-from restage.models.sampling import SamplingParams
+from restage.models.sampling import SamplingParams, request_seed
 from restage.runtime.engines import Engine
 from restage.runtime.records import merge_rule
 
@@ -131,10 +131,24 @@ def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm,
     group = int(mfc.options.get("group_size", 1))
     prompt_ids = prompt_lists(prompts)
     params = sampling_params(module, mfc, cfg, seed)
-    result = generate(module, prompt_ids, params, group_size=group)  # each prompt prefilled once for its group
+    # each prompt prefilled once for its group
+    result = generate(module, prompt_ids, params, group_size=group, seeds=request_seeds(prompts, group, seed))
     answers = result.sequences()
     versions = None if version is None else [[version] * len(a) for a in answers]
     return answers_result(mfc, prompts, answers, result.token_logprobs(), versions, algo, cfg, state)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The seed of a step's generation: every rank of every layout draws the same one."""
+    return (seed * 1_000_003 + step) * 101
+
+
+def request_seeds(prompts: Batch, group: int, seed: int) -> list[int]:
+    """Each request's noise seed (request ``i * group + j`` is answer j to prompt i): a function of ``seed`` and the
+    sample's dataset id, not of its place in this rank's share, so a sample gets the same answer whichever dp rank of
+    whichever layout generates it (a batch without ids numbers its prompts instead)."""
+    keys = [int(i) for i in prompts.ids] if prompts.ids else list(range(prompts.n_samples))
+    return [request_seed(seed, key * group + j) for key in keys for j in range(group)]
 
 
 def prompt_lists(prompts: Batch) -> list[list[int]]:

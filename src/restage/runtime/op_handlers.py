@@ -37,7 +37,7 @@ from restage.models.parallel import ParallelContext
 from restage.runtime.clock import Clock, peak_memory_bytes
 from restage.runtime.control import wait_for_ranks
 from restage.runtime.engines import engine_groups
-from restage.runtime.execute import MFCResult, run_generate, run_inference, run_train
+from restage.runtime.execute import MFCResult, run_generate, run_inference, run_train, step_seed
 from restage.runtime.model_store import ModelStore
 from restage.runtime.nonfinite import NonFiniteError, any_rank, nonfinite_samples, nonfinite_stats
 from restage.runtime.realloc import ReallocResult, execute_reallocation
@@ -94,12 +94,12 @@ class OpHandlers:
         layout = self.layouts[mfc.name]
         ctx = ParallelContext.from_layout(layout, self.groups, self.rank)
         batch = self.input_batch(mfc, layout, ctx.coord.dp, data)
-        seed = (self.cfg.seed * 1_000_003 + step) * 101 + ctx.coord.dp
+        seed = step_seed(self.cfg.seed, step) + ctx.coord.dp  # training's minibatch order; generation keys by sample
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         begin = self.clock.now_synced()
         if mfc.kind == "generate":
-            result = run_generate(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state, seed)
+            result = run_generate(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state, step_seed(self.cfg.seed, step))
         elif mfc.kind == "inference":
             agree = slot.sharded.group if slot.sharded is not None else None  # its dp ranks gather in step
             result = run_inference(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state, agree)

@@ -19,15 +19,15 @@ from restage.data.batch import Batch
 from restage.graph import MFC
 from restage.models.decoder import StageModule
 from restage.models.generation import PartialRequest, continue_generate
-from restage.models.sampling import request_seed
-from restage.runtime.execute import MFCResult, answers_result, prompt_lists, sampling_params
+from restage.runtime.execute import MFCResult, answers_result, prompt_lists, request_seeds, sampling_params
 from restage.runtime.rollout_buffer import Answer
 
 
 def _requests(prompts: Batch, group: int, seed: int) -> list[tuple[tuple[int, ...], int]]:
-    """(prompt, noise seed) of every request of a batch: request ``i * group + j`` is sample j of prompt i."""
+    """(prompt, noise seed) of every request of a batch: request ``i * group + j`` is sample j of prompt i, seeded as
+    ``execute.request_seeds`` seeds it."""
     ids = prompt_lists(prompts)
-    return [(tuple(ids[r // group]), request_seed(seed, r)) for r in range(len(ids) * group)]
+    return [(tuple(ids[r // group]), s) for r, s in enumerate(request_seeds(prompts, group, seed))]
 
 
 def run_partial_generate(module: StageModule, mfc: MFC, now: Batch, begun: tuple[Answer, ...] | None,
