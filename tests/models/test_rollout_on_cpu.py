@@ -210,3 +210,30 @@ def test_a_long_answer_left_alone_moves_to_the_first_slot(llama, monkeypatch):
 def test_a_stop_id_past_the_vocabulary_never_stops_an_answer(llama):
     out = generate(llama, PROMPTS, SamplingParams(max_new_tokens=5, greedy=True, eos_token_ids=(llama.cfg.vocab_size + 3,)))
     assert out.lengths.tolist() == [5] * len(PROMPTS)
+
+
+def test_a_sample_is_answered_alike_whichever_share_of_the_batch_holds_it(llama):
+    # The runtime seeds each request by the step and the sample's dataset id (execute.request_seeds): split over two
+    # dp ranks (in another order), every sample gets the answer it gets in one rank's whole batch. Seeding by the
+    # request's place in its rank's share (the old rule) gave other answers once the share changed.
+    from restage.data.batch import pack_sequences
+    from restage.runtime.execute import request_seeds
+
+    ids = [40, 7, 13, 2, 99, 5]
+    prompts = MANY[:6]
+    whole = pack_sequences(prompts, key="prompts", ids=ids)
+    group = 2
+
+    def answers(batch, rows):
+        out = generate(llama, [prompts[r] for r in rows], SAMPLED, group_size=group,
+                       seeds=request_seeds(batch, group, seed=1234))
+        return {(batch.ids[i], j): seq for i in range(len(rows)) for j, seq in
+                enumerate(out.sequences()[i * group:(i + 1) * group])}
+
+    one_rank = answers(whole, range(6))
+    shares = {}
+    for rows in ([4, 0, 2], [5, 3, 1]):
+        shares.update(answers(pack_sequences([prompts[r] for r in rows], key="prompts", ids=[ids[r] for r in rows]),
+                              rows))
+    assert shares == one_rank
+    assert len({tuple(a) for a in one_rank.values()}) > len(ids)  # sampled: a group's two answers differ somewhere
