@@ -175,6 +175,10 @@ class RunConfig:
     batch_size: int = 8  # prompts (or pairs) per step
     micro_batches: int = 1
     save_every: int = 0  # 0: only at the end
+    # Under SLURM: checkpoint and stop (the job is requeued and resumes) at the first step boundary with less than
+    # this left before the time limit; 0: automatic, when the time left no longer covers the next step, its
+    # checkpoint and a margin, from the measured step and save times (runtime/deadline.py)
+    save_before_end_seconds: float = 0.0
     # > 0: after every eval_every-th step and the last, the actor answers every held-out prompt
     # (dataset.eval_fraction) greedily with the weights the step made, in sync and async mode alike, and the
     # run's reward scores it (runtime/evaluate.py); 0: off
@@ -320,6 +324,9 @@ class ExperimentConfig:
             raise ConfigError("generation.top_k must be >= 0, generation.top_p in (0, 1] and generation.min_p in [0, 1)")
         if run.save_every < 0 or run.stop_at_step < 0 or run.log_every < 1:
             raise ConfigError("run.save_every and run.stop_at_step must be >= 0 (0: off), run.log_every >= 1")
+        if run.save_before_end_seconds < 0:
+            raise ConfigError(f"run.save_before_end_seconds: {run.save_before_end_seconds} must be >= 0 (0: automatic, "
+                              "from the measured step and checkpoint times)")
         if run.nprocs < 0:
             raise ConfigError(f"run.nprocs: {run.nprocs} must be >= 0 (0: cluster.nodes x devices per node)")
         if run.threads_per_rank < 0:

@@ -1,7 +1,12 @@
 """A lost node: read from scontrol, named by the driver, and the job requeued (tests/multinode does it for real)."""
 
+import signal
 import subprocess
+import time
 
+import pytest
+
+from restage.errors import LaunchError
 from restage.launch import allocation, job
 from restage.launch.trial import TrialPaths, read_json, record_attempt
 
@@ -33,3 +38,50 @@ def test_the_driver_names_the_lost_node_and_requeues(tmp_path, monkeypatch, caps
     assert requeued == ["7"]
     assert read_json(paths.root / "job.json")["attempts"][0]["outcome"] == "lost node(s) n2 (DOWN+NOT_RESPONDING); requeued"
     assert "restage: lost node(s) n2 (DOWN+NOT_RESPONDING): requeueing job 7" in capsys.readouterr().out
+
+
+def test_the_attempts_end_from_slurm(monkeypatch):
+    assert allocation.job_end_seconds("7", {"SLURM_JOB_END_TIME": "1767225600"}) == 1767225600.0
+    calls = []
+
+    def squeue(command, **kwargs):
+        calls.append(command)
+        return subprocess.CompletedProcess(command, 0, stdout=squeue.out, stderr="")
+
+    monkeypatch.setattr(allocation.subprocess, "run", squeue)
+    squeue.out = "2026-01-31T12:00:00\n"  # local time, as squeue prints it
+    assert allocation.job_end_seconds("7", {}) == time.mktime((2026, 1, 31, 12, 0, 0, 0, 0, -1))
+    assert calls == [["squeue", "-h", "-j", "7", "-o", "%e"]]
+    for no_limit in ("N/A\n", "Unknown\n", "NONE\n", ""):
+        squeue.out = no_limit
+        assert allocation.job_end_seconds("7", {}) is None
+
+
+def test_ranks_stopped_for_the_time_limit_are_requeued_through_submitits_handler(tmp_path, monkeypatch, capsys):
+    """The driver raises USR2 in itself (submitit's handler checkpoints and requeues); without a handler it says how
+    to continue."""
+    paths = TrialPaths(tmp_path)
+    record_attempt(paths, job_id="7", restarts=0, resume=False, hosts=["n1"], launcher="mpirun", command="x")
+    stopped = {"step": 12, "seconds_left": 16.0, "reason": "16 s left before the time limit < ..."}
+    handled = []
+
+    class Requeued(Exception):
+        pass
+
+    def handler(signum, frame):
+        handled.append(signum)
+        raise Requeued  # submitit's handler exits the driver (sys.exit) after the requeue
+
+    previous = signal.signal(signal.SIGUSR2, handler)
+    try:
+        with pytest.raises(Requeued):
+            job._requeue_before_time_limit(paths, stopped)
+        assert handled == [signal.SIGUSR2]
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+        with pytest.raises(LaunchError, match="stopped at step 12 before the time limit; submit again with --resume"):
+            job._requeue_before_time_limit(paths, stopped)
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert read_json(paths.root / "job.json")["attempts"][0]["outcome"] == (
+        "stopped at step 12 before the time limit; submit again with --resume to continue")
+    assert "restage: the ranks checkpointed at step 12 before the time limit (16 s left" in capsys.readouterr().out

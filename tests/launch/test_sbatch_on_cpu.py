@@ -5,9 +5,9 @@ import re
 import pytest
 
 from restage import cli
-from restage.config import load_config
+from restage.config import SlurmConfig, load_config
 from restage.errors import ConfigError
-from restage.launch.slurm import render_template, sbatch_error
+from restage.launch.slurm import render_template, sbatch_error, signal_delay_seconds
 
 SITE_VARS = ["slurm.template=example-site", "slurm.template_vars.cuda_module=cuda/12.4",
              "slurm.template_vars.nccl_module=nccl/2.21", "slurm.template_vars.container_image=/img/restage.sqsh",
@@ -161,3 +161,11 @@ def test_the_job_gets_absolute_paths_for_what_exists_here(tmp_path, monkeypatch)
     assert data["models"]["ref"]["path"] == "org/hub-name"  # not here: a hub name or a cluster path, kept
     assert (data["dataset"]["path"], data["dataset"]["tokenizer"]) == (str(tmp_path / "prompts.jsonl"), "missing-dir")
     assert data["run"]["results_dir"] == str(tmp_path / "out")
+
+
+@pytest.mark.parametrize("limit_minutes,configured,expected", [(1, 90, 0), (2, 90, 0), (3, 90, 30), (5, 30, 30),
+                                                                (5, 120, 90), (60, 90, 90)])
+def test_the_signal_delay_stays_a_fallback(limit_minutes, configured, expected):
+    """The --signal delay is capped so the signal, which SLURM may send a minute early, comes no sooner than halfway
+    through the limit (none under 2.5 minutes): the runtime's deadline rule checkpoints before the limit."""
+    assert signal_delay_seconds(SlurmConfig(time_minutes=limit_minutes, signal_delay_seconds=configured)) == expected

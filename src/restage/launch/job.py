@@ -5,17 +5,23 @@ resolved config, plans the trial if the program needs a schedule, starts every r
 mpirun or srun (``slurm.launcher``) through ``restage.launch.rank``, copies their output to
 ``output.log`` and records each attempt in ``job.json``.
 
-Preemption and time limits: SLURM sends ``USR2`` to the driver ``slurm.signal_delay_seconds``
-before the limit (or on preemption). submitit calls ``TrialJob.checkpoint``, which creates the
-trial's ``PREEMPT`` file and waits for the program to checkpoint and exit; submitit then
-requeues the job, and the next attempt starts the program with ``RESTAGE_RESUME=1``.
+Time limits: the driver asks SLURM when this attempt ends and hands it to every rank as
+``RESTAGE_DEADLINE``; the runtime's master checkpoints and stops at the last step boundary that
+leaves time for its checkpoint (``restage.runtime.deadline``) and writes ``TIME_LIMIT``. The driver
+then does what SLURM's pre-timeout signal would make it do: it raises ``USR2`` in itself, so
+submitit's handler calls ``TrialJob.checkpoint`` and requeues the job (counted against
+``slurm.max_requeues``). Preemption, and a time limit the deadline rule missed: SLURM sends ``USR2``
+(``launch.slurm.signal_delay_seconds`` before the limit). ``TrialJob.checkpoint`` creates the trial's
+``PREEMPT`` file and waits for the program to checkpoint and exit; submitit then requeues the job.
+Either way the next attempt starts the program with ``RESTAGE_RESUME=1``.
 
 The program contract (``restage.runtime.spmd`` or ``slurm.program`` / ``$RESTAGE_PROGRAM``):
 ``python -m MODULE <trial>/schedule.json`` on every rank, with RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, NODE_RANK, CUDA_VISIBLE_DEVICES (the node's GPUs; the rank's own is index LOCAL_RANK), MASTER_ADDR/MASTER_PORT and
 RESTAGE_RENDEZVOUS_HOST, RESTAGE_TRIAL_DIR, RESTAGE_CONFIG, RESTAGE_SCHEDULE, RESTAGE_RESUME
 ("1": load the newest whole checkpoint under checkpoints/ if there is one) and
-RESTAGE_PREEMPT_FILE (when it exists, checkpoint at the next step boundary and exit 0).
+RESTAGE_PREEMPT_FILE (when it exists, checkpoint at the next step boundary and exit 0), and under SLURM
+RESTAGE_DEADLINE (the attempt's end, seconds since the epoch) when the job has a time limit.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
@@ -41,8 +48,10 @@ from restage.launch import allocation, watchdog
 from restage.launch.geometry import JobGeometry, job_geometry
 from restage.launch.mpirun import mpirun_command
 from restage.launch.shared import check_shared_directory
+from restage.launch.slurm import signal_delay_seconds
 from restage.launch.trial import TrialPaths, record_attempt, trial_lock, update_attempt
 from restage.runtime.checkpoint_dir import complete_steps
+from restage.runtime.deadline import DEADLINE_ENV, TIME_LIMIT_FILE, read_time_limit
 from restage.runtime.failure import clear_failures, describe_failure
 from restage.runtime.spawn import free_port
 
@@ -259,6 +268,7 @@ def _attempt(config_dict: dict, trial_dir: str, resume: bool, holder: dict | Non
     if module == RUNTIME_MODULE and not paths.schedule.is_file():
         plan_trial(paths)
     paths.preempt_file.unlink(missing_ok=True)  # a request belongs to the attempt that received the signal
+    (paths.root / TIME_LIMIT_FILE).unlink(missing_ok=True)  # so does a stop for the time limit
 
     clear_failures(paths.root)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
@@ -268,8 +278,9 @@ def _attempt(config_dict: dict, trial_dir: str, resume: bool, holder: dict | Non
     host, port = rendezvous(hosts or [socket.gethostname()], os.environ.get("SLURM_JOB_ID"))
     cpus = cpus_per_rank(cfg, geometry, os.environ, len(os.sched_getaffinity(0))) if in_slurm else None
     interface = network_interface(cfg)
+    deadline = attempt_deadline(os.environ.get("SLURM_JOB_ID"))
     rank_env = {**rank_environment(paths, geometry, module, resume, host, port, cpus),
-                **interface_environment(interface)}
+                **interface_environment(interface), **deadline}
     extra = shlex.split(os.environ.get(f"RESTAGE_{cfg.slurm.launcher.upper()}_ARGS", ""))
     command = launch_command(cfg.slurm.launcher, geometry, hosts, rank_program(module, paths.schedule),
                              forwarded_names({**os.environ, **rank_env}), extra, cpus, interface)
@@ -289,12 +300,17 @@ def _attempt(config_dict: dict, trial_dir: str, resume: bool, holder: dict | Non
     launched = _Launched(command, {**os.environ, **rank_env}, paths.output_log)
     if holder is not None:
         holder["launched"] = launched
+        if deadline:
+            holder["deadline"] = float(deadline[DEADLINE_ENV])
+    last_resort = _signal_before_deadline(float(deadline[DEADLINE_ENV])) if deadline else None
     stalled = None
     if module == RUNTIME_MODULE:  # a stalled rank ends the job, named with its host and activity
         stalled = watchdog.guard(paths.root, geometry.world_size, watchdog.Limits.from_run(cfg.run),
                                  lambda: launched.stop(0.0), say=lambda line: print(line, flush=True))
     while not launched.done.wait(1.0):
         pass
+    if last_resort is not None:
+        last_resort.cancel()
     if stalled is not None:
         stalled.set()
     if paths.preempt_file.exists():  # stopped on request; TrialJob.checkpoint records the outcome
@@ -302,6 +318,9 @@ def _attempt(config_dict: dict, trial_dir: str, resume: bool, holder: dict | Non
     returncode = launched.returncode
     if returncode == 0 and LOST_DAEMON in launched.output():
         returncode = 1  # Open MPI 5's mpirun exits 0 after losing a node's daemon (and the ranks there)
+    stopped = read_time_limit(paths.root) if returncode == 0 else None
+    if stopped is not None:  # the ranks checkpointed and stopped before the time limit: requeue (ends the driver)
+        _requeue_before_time_limit(paths, stopped)
     if returncode != 0 and hosts is not None and len(hosts) > 1:
         _requeue_if_a_node_was_lost(paths, hosts, cfg.slurm.requeue)
     if returncode != 0:
@@ -310,6 +329,44 @@ def _attempt(config_dict: dict, trial_dir: str, resume: bool, holder: dict | Non
         raise LaunchError(f"{paths.root}: {reason}")
     update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome="completed")
     return {"trial_dir": str(paths.root), "attempt": attempt, "world_size": geometry.world_size}
+
+
+def attempt_deadline(job_id: str | None) -> dict[str, str]:
+    """``RESTAGE_DEADLINE`` for the ranks: this attempt's end (a requeued job has a new one); {} outside SLURM or
+    without a time limit."""
+    end = allocation.job_end_seconds(job_id) if job_id else None
+    return {DEADLINE_ENV: f"{end:.0f}"} if end is not None else {}
+
+
+LAST_RESORT_SECONDS = 8.0  # before the limit: ranks still running get PREEMPT, then are stopped, and the job requeued
+REQUEUE_SECONDS = 3.0  # what the requeue needs of the time left (scontrol requeue; submitit's bookkeeping)
+
+
+def _signal_before_deadline(deadline_seconds: float) -> threading.Timer | None:
+    """The last resort when the ranks have not stopped by themselves (a start-up or a step that overran the
+    deadline rule's estimates): LAST_RESORT_SECONDS before the limit the driver raises USR2 in itself, as SLURM's
+    pre-timeout signal would, so the job is requeued from its newest checkpoint instead of ending TIMEOUT. Only
+    under submitit, whose handler does the requeue."""
+    if not callable(signal.getsignal(signal.SIGUSR2)):
+        return None
+    timer = threading.Timer(max(0.0, deadline_seconds - LAST_RESORT_SECONDS - time.time()),
+                            lambda: os.kill(os.getpid(), signal.SIGUSR2))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _requeue_before_time_limit(paths: TrialPaths, stopped: dict[str, Any]) -> None:
+    """The ranks stopped at a checkpoint before the time limit: requeue the job through submitit's own handler of
+    the pre-timeout signal (TrialJob.checkpoint records the attempt, submitit counts it against
+    slurm.max_requeues and requeues), as if SLURM had sent it; outside submitit, say how to continue."""
+    print(f"restage: the ranks checkpointed at step {stopped['step']} before the time limit ({stopped['reason']})",
+          flush=True)
+    if callable(signal.getsignal(signal.SIGUSR2)):
+        signal.raise_signal(signal.SIGUSR2)  # the handler requeues the job and exits the driver
+    message = f"stopped at step {stopped['step']} before the time limit; submit again with --resume to continue"
+    update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"), outcome=message)
+    raise LaunchError(f"{paths.root}: {message}")
 
 
 LOST_DAEMON = "PRTE has lost communication with a remote daemon"
@@ -347,12 +404,19 @@ class TrialJob(Checkpointable):
         paths = TrialPaths(Path(trial_dir))
         paths.preempt_file.write_text(f"{time.time():.3f}\n")
         launched = self._holder.get("launched")
-        grace = max(5.0, config_from_dict(config_dict).slurm.signal_delay_seconds - 15.0)
+        slurm = config_from_dict(config_dict).slurm
+        # Until the time-limit signal's end (a preemption's notice is the cluster's GraceTime, unknown here), and
+        # never past the limit itself: the requeue must happen before SLURM ends the job.
+        grace = max(5.0, (signal_delay_seconds(slurm) or slurm.signal_delay_seconds) - 15.0)
+        if "deadline" in self._holder:
+            grace = min(grace, max(1.0, self._holder["deadline"] - REQUEUE_SECONDS - time.time()))
         if launched is not None:
             launched.stop(grace)
 
         steps = complete_steps(paths.root)
+        stopped = read_time_limit(paths.root)  # the ranks stopped for the time limit before any signal came
         update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"),
-                       outcome=f"requeued after checkpoint at step {steps[-1] if steps else 'none'}")
+                       outcome=f"requeued after checkpoint at step {steps[-1] if steps else 'none'}"
+                       + (" before the time limit" if stopped is not None else ""))
         print(f"restage: {paths.root} checkpointed (steps {steps[-1:]}) and asks SLURM to requeue it", flush=True)
         return DelayedSubmission(TrialJob(), config_dict, trial_dir, resume=True)

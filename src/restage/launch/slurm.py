@@ -114,13 +114,24 @@ def restage_block(geometry: JobGeometry, launcher: str, launch_preview: str) -> 
     ]
 
 
+SIGNAL_EARLY_SECONDS = 60  # slurmctld checks time limits every 30 s and signals up to 30 s ahead of the asked time
+
+
+def signal_delay_seconds(slurm) -> int:
+    """The ``--signal`` delay: ``slurm.signal_delay_seconds``, capped so that the signal, which may come a minute
+    early, comes no sooner than halfway through the time limit; 0 (no time-limit signal) for limits under about
+    two and a half minutes. The signal is the fallback: the runtime's deadline rule checkpoints before the limit
+    from its measured step and save times (runtime/deadline.py); a preemption still signals at once."""
+    return max(0, min(slurm.signal_delay_seconds, slurm.time_minutes * 60 // 2 - SIGNAL_EARLY_SECONDS))
+
+
 def executor_parameters(cfg, geometry: JobGeometry, setup: list[str]) -> dict[str, Any]:
     """``SlurmExecutor.update_parameters`` keywords for this config."""
     slurm = cfg.slurm
     params: dict[str, Any] = {  # submitit's keywords, each of the type submitit declares for it
         "job_name": job_name(cfg), "time": slurm.time_minutes, "nodes": geometry.nodes,
         "ntasks_per_node": geometry.ranks_per_node, "setup": setup, "use_srun": False,
-        "signal_delay_s": slurm.signal_delay_seconds, "stderr_to_stdout": True,
+        "signal_delay_s": signal_delay_seconds(slurm), "stderr_to_stdout": True,
     }
     if geometry.gpus_per_node:
         params["gpus_per_node"] = geometry.gpus_per_node
@@ -134,7 +145,7 @@ def executor_parameters(cfg, geometry: JobGeometry, setup: list[str]) -> dict[st
     if slurm.exclusive:
         params["exclusive"] = True
     # B: sends the signal to the batch step only (the driver); requeue must be allowed for submitit's requeue.
-    params["additional_parameters"] = {"signal": f"B:{PREEMPT_SIGNAL}@{slurm.signal_delay_seconds}",
+    params["additional_parameters"] = {"signal": f"B:{PREEMPT_SIGNAL}@{signal_delay_seconds(slurm)}",
                                        ("requeue" if slurm.requeue else "no-requeue"): True}
     return params
 

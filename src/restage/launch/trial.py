@@ -13,6 +13,7 @@
                        <model>/hf/ (transformers loads it), <model>/engine/, ranks/, manifest.json
     failures/          rank<N>.txt of a rank that raised (restage.runtime.failure)
     PREEMPT            present while the job asks the ranks to checkpoint and stop
+    TIME_LIMIT         the ranks stopped at a checkpoint before the time limit (runtime/deadline.py): requeue
     .lease, .holder    the trial lock, held by the process that runs the trial for its whole life
                        (restage.locks: a lease, not an flock), and who holds it
     slurm/             submitit's folder for a single `restage submit`: sbatch script, SLURM stdout/err

@@ -7,6 +7,7 @@ records (MFC timings, moves, statistics) over MPI, writes them to ``log.h5`` and
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from restage.data.datasets import Cursor, Dataset
 from restage.report import dashboards
 from restage.report.log import LogWriter
 from restage.runtime.control import Control
+from restage.runtime.deadline import DeadlineWatch, deadline_from_env, write_time_limit
 from restage.runtime.progress import Progress
 from restage.runtime.records import StepDecision, StepRecord, merge_rule
 from restage.schedule.file import Schedule
@@ -89,6 +91,9 @@ class Master:
         self.log: LogWriter | None = None
         self.control = control
         self.drawn: dict[int, list[int]] = {}  # async mode: loop step -> sample positions drawn ahead of it
+        # The attempt's end ($RESTAGE_DEADLINE, from the job driver) and the step and save times measured against it.
+        self.deadline = DeadlineWatch(deadline_from_env(), cfg.run.save_before_end_seconds)
+        self._step_began = time.monotonic()
 
     def open_log(self, resume_step: int | None) -> None:
         dtypes = {entry.dtype for entry in self.schedule.models.values()}  # the models the run holds
@@ -106,6 +111,7 @@ class Master:
             self.open_log(self.step if self.resume else None)
         if self.step >= self.cfg.run.steps:
             return None
+        self._step_began = time.monotonic()
         return self.cursor.next(self.cfg.run.batch_size)
 
     def ids_ahead(self, ahead: int) -> dict[int, list[int]] | None:
@@ -115,6 +121,7 @@ class Master:
             self.open_log(self.step if self.resume else None)
         if self.step >= self.cfg.run.steps:
             return None
+        self._step_began = time.monotonic()
         for step in range(self.step, min(self.step + ahead + 1, self.cfg.run.steps)):
             if step not in self.drawn:
                 self.drawn[step] = self.cursor.next(self.cfg.run.batch_size)
@@ -146,11 +153,26 @@ class Master:
         log.end_step(done, start, end, samples, tokens, flops)
         self.step = done
         print(self.progress.line(self.step, samples, tokens, end - start, progress_stats(stats)), flush=True)
+        self.deadline.step_done(time.monotonic() - self._step_began)
         every = self.cfg.run.save_every
         last = self.step >= self.cfg.run.steps
         preempted = _preempt_requested(self.trial_dir) or self.step == self.cfg.run.stop_at_step
+        if not (last or preempted):
+            before_limit = self.deadline.check(time.time())
+            if before_limit is not None:  # the job driver requeues the job when the ranks have stopped
+                print(f"restage: checkpointing at step {self.step} and stopping: {before_limit.describe()}", flush=True)
+                write_time_limit(self.trial_dir, self.step, before_limit)
+                preempted = True
         return StepDecision(checkpoint=last or preempted or (every > 0 and self.step % every == 0),
                             stop=last or preempted)
+
+    def saved(self, seconds: float) -> None:
+        """A checkpoint took ``seconds`` on this rank (the deadline rule's save estimate)."""
+        self.deadline.saved(seconds)
+
+    def loaded(self, seconds: float) -> None:
+        """Loading the checkpoint at start-up took ``seconds`` (the save estimate until a save is timed)."""
+        self.deadline.loaded(seconds)
 
     def checkpoint_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"cursor": self.cursor.state_dict(), "step": self.step}

@@ -141,8 +141,11 @@ class Worker:
         if resume:
             beat.doing("start-up: loading the newest checkpoint")
             buffer = worker._async.buffer if worker._async is not None else None
+            began = time.monotonic()
             worker.start_step = ckpt.load(trial_dir, worker.store, worker.groups, control, worker.state, worker.master,
                                           buffer)
+            if worker.master is not None:
+                worker.master.loaded(time.monotonic() - began)
             if worker._async is not None:
                 worker._async.first_step = worker.start_step
         beat.reached("ready")
@@ -220,8 +223,11 @@ class Worker:
             step += 1
             if decision.checkpoint:
                 beat.doing(f"step {step}: saving checkpoint step-{step}")
+                began = time.monotonic()
                 ckpt.save(self.trial_dir, step, self.store, self.groups, self.control, self.state, self.master,
                           self.cfg.run.keep_checkpoints, self._async.buffer if self._async is not None else None)
+                if self.master is not None:
+                    self.master.saved(time.monotonic() - began)
             if decision.stop:
                 break
 

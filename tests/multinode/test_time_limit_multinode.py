@@ -1,0 +1,91 @@
+"""A run longer than its time limit finishes through requeues: the tiny PPO job on two nodes x two ranks with
+``slurm.time_minutes=1`` (SLURM's smallest limit) checkpoints before each attempt's limit (runtime/deadline.py: the
+master compares the time left with the end time the driver hands the ranks), the driver requeues it, and the run
+reaches its last step with the same log, statistics and weights, bit for bit, as the same job run without a limit.
+No SLURM signal is involved: a one-minute job gets none (launch.slurm.signal_delay_seconds).
+
+How many steps fit in a minute here depends on the machine's load (start-up alone took 15-45 s, steps 0.8-1.5 s):
+with the automatic rule an attempt did 1 to about 35 steps, so a run sure to need three attempts when the machine is
+quiet would take ten when it is busy. ``run.save_before_end_seconds=55`` makes it exact: every attempt stops at its
+first step boundary (less than 55 s are left after any start-up), so STEPS=3 is three attempts, two requeues, at
+any load. The rule, the end time, the TIME_LIMIT file, the driver's requeue and the resume are the real ones; the
+estimates' arithmetic is tests/runtime/test_deadline_on_cpu.py's. An attempt whose start-up outlasts the minute is
+requeued by the driver's last resort 8 s before the limit (no step is lost: it had none); the assertions allow it.
+Timings are printed (pytest -s) for the report.
+"""
+
+import re
+import time
+
+import pytest
+import torch
+from multinode_jobs import failure_report, submit, wait_finished
+from slurm_queue import finish_through_requeues
+
+from restage.launch.trial import read_json
+from restage.report.log import read_log
+from restage.runtime import checkpoint_dir
+
+pytestmark = pytest.mark.multinode
+TRAINED = ("actor", "critic")
+STEPS = 3
+SAME_RUN = (f"run.steps={STEPS}", "run.save_every=0", "slurm.max_requeues=10")
+LIMITED = ("slurm.time_minutes=1", "run.save_before_end_seconds=55")
+
+
+def hf_tensors(checkpoint, model: str) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted((checkpoint / model / "hf").glob("*.safetensors")):
+        tensors.update(load_file(file))
+    assert tensors, f"no safetensors under {checkpoint / model / 'hf'}"
+    return tensors
+
+
+def stats_by_step(log) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    for row in log.stats:
+        out.setdefault(int(row["step"]), {})[str(row["name"])] = float(row["value"])
+    return out
+
+
+def test_a_run_longer_than_its_time_limit_reaches_its_last_step_through_requeues(tiny_model, tmp_path):
+    start = time.monotonic()
+    # Both submitted at once: the limited job waits for two free nodes, then its one-minute clock starts.
+    reference_id, reference = submit(tmp_path / "reference", "unlimited", "mpirun", *SAME_RUN)
+    job_id, trial = submit(tmp_path / "limited", "limited", "mpirun", *SAME_RUN, *LIMITED)
+    assert wait_finished(reference_id) == "COMPLETED", failure_report(reference)
+    state, released = finish_through_requeues(job_id, 900)
+    wall_seconds = time.monotonic() - start
+    assert state == "COMPLETED", f"{state}:\n{failure_report(trial)}"
+
+    attempts = read_json(trial / "job.json")["attempts"]
+    log, theirs = read_log(trial / "log.h5"), read_log(reference / "log.h5")
+    print(f"\nmultinode time limit: job {job_id}, {STEPS} PPO steps under slurm.time_minutes=1: {len(attempts)} "
+          f"attempts, {len(attempts) - 1} requeues, resumed at steps {log.resumed_at_steps}, {released} BeginTime "
+          f"holds released; {wall_seconds:.0f} s from submission (the reference included); outcomes "
+          f"{[a['outcome'] for a in attempts]}")
+    assert [(a["restarts"], a["resume"]) for a in attempts] == [(i, i > 0) for i in range(len(attempts))]
+    assert attempts[-1]["outcome"] == "completed"
+    # Each earlier attempt: "requeued after checkpoint at step N before the time limit" (the deadline rule), or
+    # "requeued after checkpoint at step N" with N the previous attempt's (the last resort, after a start-up that
+    # outlasted the minute).
+    saved_at = [int(re.fullmatch(r"requeued after checkpoint at step (\d+|none)( before the time limit)?", a["outcome"])
+                    .group(1).replace("none", "0")) for a in attempts[:-1]]
+    by_rule = [a["outcome"].endswith(" before the time limit") for a in attempts[:-1]]
+    assert [s for s, rule in zip(saved_at, by_rule) if rule] == list(range(1, STEPS))  # two requeues, a step each
+    assert saved_at == sorted(saved_at)
+    output = (trial / "output.log").read_text(errors="replace")
+    for step in range(1, STEPS):
+        assert f"restage: checkpointing at step {step} and stopping: " in output
+    assert sorted(set(log.resumed_at_steps)) == list(range(1, STEPS))
+
+    assert [int(s) for s in log.steps["step"]] == [int(s) for s in theirs.steps["step"]] == list(range(1, STEPS + 1))
+    assert (log.closed, log.last_complete_step) == (True, STEPS)
+    assert stats_by_step(log) == stats_by_step(theirs)  # every statistic of every step, exactly
+    final, reference_final = checkpoint_dir.final_dir(trial, STEPS), checkpoint_dir.final_dir(reference, STEPS)
+    for model in TRAINED:
+        mine, ref = hf_tensors(final, model), hf_tensors(reference_final, model)
+        assert sorted(mine) == sorted(ref)
+        assert all(torch.equal(mine[name], ref[name]) for name in mine), f"{model} weights differ"
