@@ -1,6 +1,7 @@
 """The scale matrix's job, its one-rank reference and the comparison, shared by the matrix and the fuzzer.
 
-The job is PPO (actor, critic, reference; greedy generation) on models big enough for every layout class at 8 and 16
+The job is PPO (actor, critic, reference; sampled answers, each request seeded by its sample's id, so alike in
+every layout) on models big enough for every layout class at 8 and 16
 ranks: 4 layers, 8 attention heads and 4 key-value heads (tp up to 4, pp up to 4). Its prompts all have the same
 length and every answer runs to ``max_new_tokens`` (``min_new_tokens`` equals it), the PPO update is one
 minibatch per epoch, and early stopping is off (it trips on one micro-batch's mean ratio, so where the batch is cut
@@ -82,7 +83,7 @@ def job_args(assets: tuple[Path, Path, Path], moe: bool = False) -> list[str]:
     dense, mixture, prompts = assets
     actor = mixture if moe else dense
     return ["jobs/ppo_tiny.yaml", f"run.steps={STEPS}", f"run.batch_size={BATCH}", "run.micro_batches=2",
-            "run.save_every=0", "generation.greedy=true", f"generation.max_new_tokens={ANSWER}",
+            "run.save_every=0", "generation.temperature=1.0", f"generation.max_new_tokens={ANSWER}",
             f"generation.min_new_tokens={ANSWER}", f"dataset.max_answer_tokens={ANSWER}", f"dataset.path={prompts}",
             "algo.minibatches=1", "algo.ppo_epochs=2", "algo.early_stop_ratio=0", f"models.actor.path={actor}", f"models.ref.path={actor}",
             f"models.critic.path={dense}"]
