@@ -157,7 +157,7 @@ class Master:
         every = self.cfg.run.save_every
         last = self.step >= self.cfg.run.steps
         preempted = _preempt_requested(self.trial_dir) or self.step == self.cfg.run.stop_at_step
-        if not (last or preempted):
+        if not last:  # also under PREEMPT: the driver's last resort before the limit creates it too
             before_limit = self.deadline.check(time.time())
             if before_limit is not None:  # the job driver requeues the job when the ranks have stopped
                 print(f"restage: checkpointing at step {self.step} and stopping: {before_limit.describe()}", flush=True)
