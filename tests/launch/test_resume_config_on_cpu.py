@@ -43,9 +43,10 @@ def test_the_diff_names_each_changed_key():
 
 def test_which_keys_are_safe():
     assert [k for k in ("run.steps", "run.save_every", "run.keep_checkpoints", "run.log_every", "run.stop_at_step",
-                        "run.collective_timeout_seconds", "run.nonfinite", "slurm.time_minutes") if is_safe(k)] == [
+                        "run.collective_timeout_seconds", "run.nonfinite", "run.save_before_end_seconds",
+                        "slurm.time_minutes") if is_safe(k)] == [
         "run.steps", "run.save_every", "run.keep_checkpoints", "run.log_every", "run.stop_at_step",
-        "run.collective_timeout_seconds", "run.nonfinite", "slurm.time_minutes"]
+        "run.collective_timeout_seconds", "run.nonfinite", "run.save_before_end_seconds", "slurm.time_minutes"]
     assert [k for k in ("run.batch_size", "run.micro_batches", "run.nprocs", "models.actor.optim.lr", "algo.kl_coef",
                         "dataset.path", "plan.mode", "seed", "generation.temperature", "slurm") if is_safe(k)] == []
 
@@ -67,7 +68,7 @@ def test_an_edited_learning_rate_is_refused_with_the_diff(trial):
         "--resume cannot change models.actor.optim.lr 1e-05 -> 3e-05 (the checkpoint was trained with the old value); "
         "undo it, or start a new trial=NAME (on resume only run.steps, run.stop_at_step, run.save_every, "
         "run.keep_checkpoints, run.eval_every, run.log_every, run.startup_timeout_seconds, run.collective_timeout_seconds, "
-        "run.peer_wait_timeout_seconds, run.nonfinite, run.max_skipped_steps, slurm.* may change)")
+        "run.peer_wait_timeout_seconds, run.nonfinite, run.max_skipped_steps, run.save_before_end_seconds, slurm.* may change)")
 
 
 def test_an_override_that_changes_the_batch_is_refused(trial):
