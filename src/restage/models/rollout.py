@@ -19,7 +19,11 @@ flags, finished requests leave and waiting ones take their slots.
 
 Under expert parallelism the dp replicas of an ep group exchange tokens in their sparse layers,
 so they step in lockstep: each round is one check, one prefill forward (or an empty join) and
-``check_every_steps`` decode forwards (or joins), until no replica has work left.
+``check_every_steps`` decode forwards (or joins), until no replica has work left. A module whose
+parameters DeepSpeed ZeRO-3 partitions (the actor generating on its training layout, in
+``runtime/zero3_generation.py``'s lockstep mode) gathers them over its dp group in every forward, so
+its dp replicas step in the same lockstep; their join is a forward of one dummy token, whose hooks
+gather what a real forward does (``lockstep_group``, ``join_step``).
 
 A decode step reads only static buffers (``next_tokens``, the cache, the slot keys, and a staging
 buffer the host copies each slot's position, step and output row into) over the first ``hi`` slots,
@@ -103,8 +107,38 @@ def kv_bytes_per_slot(module: StageModule, max_len: int) -> int:
 
 
 # The KV cache budget when ``RolloutLimits.kv_cache_bytes`` is None (the planner's estimate uses the same figures).
-GPU_FREE_MEMORY_FRACTION = 0.4  # of the device memory free when the engine is built
+GPU_FREE_MEMORY_FRACTION = 0.4  # of the device memory available when the engine is built (``available_device_bytes``)
 CPU_KV_CACHE_BYTES = 2 << 30
+# ZeRO-3 generation in place (``runtime/zero3_generation.py``, the planner's ``simulator.zero3_generation_mode``):
+# the stage's parameters are gathered once for the call when they fit in the share of the available memory that the
+# default KV-cache budget leaves (the cache then gets GPU_FREE_MEMORY_FRACTION of what the copy leaves, at least
+# 0.4 x 0.4 = 16% of the available memory); else the replicas step in lockstep, one unit gathered at a time.
+GATHER_ONCE_FRACTION = 1 - GPU_FREE_MEMORY_FRACTION
+
+
+def available_device_bytes(free: int, total: int, reserved: int, allocated: int) -> int:
+    """Memory this process can still fill on its GPU: the device's free memory (``torch.cuda.mem_get_info``) plus
+    what PyTorch's caching allocator holds reserved but not allocated (a training step's cached blocks, which the
+    device counts as used), at most ``total``."""
+    return max(0, min(total, free + max(0, reserved - allocated)))
+
+
+def gpu_kv_budget_bytes(free: int, total: int, reserved: int, allocated: int) -> int:
+    """The default KV cache budget on a GPU: ``GPU_FREE_MEMORY_FRACTION`` of ``available_device_bytes``, as the
+    planner's ``restage_slots`` takes it of the usable memory the rank's weights leave."""
+    return int(GPU_FREE_MEMORY_FRACTION * available_device_bytes(free, total, reserved, allocated))
+
+
+def cuda_available_bytes(device: torch.device) -> int:
+    """``available_device_bytes`` of ``device`` (a CUDA device), measured now."""
+    free, total = torch.cuda.mem_get_info(device)
+    return available_device_bytes(free, total, torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device))
+
+
+def gathers_once(gathered_bytes: int, available_bytes: int) -> bool:
+    """ZeRO-3 generation in place: whether the stage's parameters are gathered once for the call (``gathered_bytes``
+    within ``GATHER_ONCE_FRACTION`` of ``available_bytes``) rather than in every forward, the replicas in lockstep."""
+    return gathered_bytes <= GATHER_ONCE_FRACTION * available_bytes
 
 
 def slot_count(budget_bytes: int, slot_bytes: int, num_requests: int, max_slots: int) -> int:
@@ -118,7 +152,7 @@ def plan_slots(module: StageModule, num_requests: int, max_len: int, limits: Rol
     budget = limits.kv_cache_bytes
     device = next(module.parameters()).device
     if budget is None:
-        budget = (int(GPU_FREE_MEMORY_FRACTION * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda"
+        budget = (int(GPU_FREE_MEMORY_FRACTION * cuda_available_bytes(device)) if device.type == "cuda"
                   else CPU_KV_CACHE_BYTES)
     slot_bytes = kv_bytes_per_slot(module, max_len)
     if num_requests and budget < slot_bytes:
@@ -152,13 +186,46 @@ def join_sparse_layers(module: StageModule) -> None:
             block.mlp(empty)
 
 
-def ep_peers_done(done: bool, module: StageModule) -> bool:
-    """Whether every replica of this rank's ep group is done (one small all-reduce); ``done`` without ep."""
+def is_partitioned(module: StageModule) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions this module's parameters (its mark on them: ``ds_status``)."""
+    return any(hasattr(p, "ds_status") for p in module.parameters())
+
+
+def lockstep_group(module: StageModule) -> dist.ProcessGroup | None:
+    """The group whose replicas must run the same forwards: the ep group under ep (sparse layers exchange tokens),
+    the dp group of a ZeRO-3 partitioned module (every forward gathers its parameters over it); else None."""
     ctx = module.ctx
-    if ctx.ep_size == 1:
+    if ctx.ep_size > 1:
+        return ctx.ep_group
+    if ctx.strategy.dp > 1 and is_partitioned(module):
+        assert ctx.dp_group is not None, "a partitioned module's context needs its dp group"
+        return ctx.dp_group
+    return None
+
+
+def join_forward(module: StageModule) -> None:
+    """A forward of one dummy token (position 0, no cache) through this stage, its output dropped: under ZeRO-3 its
+    hooks gather the stage's parameters as a real forward's do, so peers' gathers have every rank."""
+    device = next(module.parameters()).device
+    inputs = (torch.zeros(1, dtype=torch.int64, device=device) if module.ctx.is_first_stage
+              else torch.zeros(1, module.cfg.hidden_size, dtype=module.dtype, device=device))
+    module(inputs, PackedBatch.from_seqlens([1], device=device))
+
+
+def join_step(module: StageModule) -> None:
+    """One forward's part with no work of our own, in lockstep with the replicas of ``lockstep_group``."""
+    if is_partitioned(module):
+        join_forward(module)
+    else:
+        join_sparse_layers(module)
+
+
+def peers_done(done: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether every replica of ``group`` is done (one small all-reduce); ``done`` when there is no group."""
+    if group is None:
         return done
-    flag = torch.tensor([1 if done else 0], dtype=torch.int64, device=next(module.parameters()).device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ctx.ep_group)
+    flag = torch.tensor([1 if done else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
@@ -207,23 +274,24 @@ class RolloutEngine:
         self.vocab_sizes = vocab_sizes(module.cfg.vocab_size, module.ctx)
         ctx, cfg = module.ctx, module.cfg
         self.whole = SlotGroup(0, slots)
+        self.lockstep = lockstep_group(module)  # None: this replica steps on its own
         self.num_groups = group_count(limits.pp_groups, ctx.pp_size)
         # decode_mode None: CUDA graphs where they serve (decode_graphs.choose_decode_mode), else eager.
         self.decode_mode, self.decode_reason = (decode_mode, "asked for") if decode_mode else (
             ("eager", "micro-groups in flight (rollout_pipeline.py)") if self.num_groups > 1 else choose_decode_mode(
                 device, enabled=params.cuda_graphs, tp_size=ctx.tp_size, pp_size=ctx.pp_size, ep_size=ctx.ep_size,
                 sparse=any(cfg.is_sparse(i) for i in range(*module.layer_range)),
-                partitioned=any(hasattr(p, "ds_status") for p in module.parameters())))  # DeepSpeed ZeRO-3's mark
+                partitioned=is_partitioned(module)))
         if self.num_groups > 1 and self.decode_mode == "graphs":
             raise ConfigError("CUDA-graph decode steps all slots at once; use pp_groups=1 with decode_mode='graphs'")
         self.graphs = DecodeGraphs(slots, device, self.decode_mode)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Generate every request (up to ``must_finish``): ``(tokens [R, W], logprobs [R, W], lengths [R])``."""
-        lockstep = self.module.ctx.ep_size > 1
+        lockstep = self.lockstep is not None
         while True:
             self.reap()
-            if ep_peers_done(self.required_done(), self.module):
+            if peers_done(self.required_done(), self.lockstep, self.device):
                 break
             self._admit(join_if_empty=lockstep)
             for _ in range(self.limits.check_every_steps):
@@ -234,7 +302,7 @@ class RolloutEngine:
                     if not lockstep and self.must_finish < len(self.prompt_of) and self.required_done():
                         break  # the last required request left at its max length: the host knows, no check needed
                 elif lockstep:
-                    join_sparse_layers(self.module)
+                    join_step(self.module)
                 else:
                     break
         return self.tokens[:-1], self.logprobs[:-1], self.lengths[:-1]
@@ -304,7 +372,7 @@ class RolloutEngine:
         if admission.slots:
             self._prefill(admission.slots, admission.prefixes)
         elif join_if_empty:
-            join_sparse_layers(self.module)
+            join_step(self.module)
         self.copy_prefixes(admission)
 
     def take_slots(self, group: SlotGroup) -> Admission:

@@ -36,6 +36,8 @@ group's latest event was idle, so nothing is in flight; each stage stops at that
 Expert parallelism: the replicas of an ep group run the same ticks (same ``G``), so their check
 events coincide; at each check a stage prefills or joins the sparse layers' exchange, at each
 event it decodes or joins, and "everyone done" is one all-reduce over the ep group per check.
+A ZeRO-3 partitioned module's dp replicas do the same over the dp group, their join a one-token
+forward (``rollout.lockstep_group``, ``rollout.join_step``).
 
 Decode steps stay eager (``decode_graphs.choose_decode_mode``): activations move between stages by
 host-driven send/recv. On a weight-bandwidth-bound GPU decode a stage's step costs about the same
@@ -54,7 +56,7 @@ import torch.distributed as dist
 from restage.models.decoder import StageModule
 from restage.models.packing import PackedBatch, pack
 from restage.models.pipeline import p2p
-from restage.models.rollout import Admission, RolloutEngine, SlotGroup, ep_peers_done, join_sparse_layers, slot_groups
+from restage.models.rollout import Admission, RolloutEngine, SlotGroup, join_step, peers_done, slot_groups
 
 
 @dataclass(frozen=True)
@@ -129,9 +131,9 @@ class PipelinedRollout:
         self.engine.record(group.start, staged, message[0].long(), message[1].float())
 
     def _plan(self, index: int) -> tuple[Event, bool]:
-        """The host part of event ``index``; also whether the whole replica (under ep: every replica) is done."""
-        engine, ctx = self.engine, self.module.ctx
-        lockstep = ctx.ep_size > 1
+        """The host part of event ``index``; also whether the whole replica (in lockstep: every replica) is done."""
+        engine = self.engine
+        lockstep = engine.lockstep is not None
         g = index % len(self.groups)
         group = self.groups[g]
         if self.decoded[g]:
@@ -146,8 +148,8 @@ class PipelinedRollout:
         bound = engine.bound(group)
         self.decoded[g] = bound
         idle = not engine.queue and not any(engine.busy(x) for x in self.groups)
-        # Under ep the replicas agree at their (coinciding) checks; an idle replica keeps joining until then.
-        done = check and ep_peers_done(idle, self.module) if lockstep else idle
+        # In lockstep the replicas agree at their (coinciding) checks; an idle replica keeps joining until then.
+        done = check and peers_done(idle, engine.lockstep, engine.device) if lockstep else idle
         return Event(index, group, admission, bound, check), done
 
     def _exchange(self, outbox: list[torch.Tensor], event: Event) -> list[torch.Tensor]:
@@ -167,7 +169,7 @@ class PipelinedRollout:
     def _forward(self, event: Event, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """This stage's prefill and decode of ``event``; returns what goes to the next stage (nothing from the last)."""
         engine, module, ctx = self.engine, self.module, self.module.ctx
-        lockstep = ctx.ep_size > 1
+        lockstep = engine.lockstep is not None
         received = iter(inputs)
         outputs = []
         if event.admission is not None and event.admission.slots:
@@ -177,7 +179,7 @@ class PipelinedRollout:
             assert prefilled is not None  # _stage_forward returns every stage's output
             outputs.append(prefilled)
         elif lockstep and event.check:
-            join_sparse_layers(module)
+            join_step(module)
         if event.admission is not None:
             engine.copy_prefixes(event.admission)
         if event.bound:
@@ -194,7 +196,7 @@ class PipelinedRollout:
                 engine.share_over_tp(tokens, logprobs)
                 self.chosen[event.index] = torch.stack([tokens.double(), logprobs.double()])
         elif lockstep:
-            join_sparse_layers(module)
+            join_step(module)
         return [] if ctx.is_last_stage else outputs
 
 
