@@ -46,6 +46,7 @@ from restage.models.parallel import ParallelContext
 from restage.runtime.execute import run_eval_generate, run_inference
 from restage.runtime.op_handlers import OpHandlers, StepData
 from restage.runtime.records import StepRecord
+from restage.runtime.zero3_generation import generation_module
 from restage.schedule.ops import Ema, Free, Generate, Offload, Op, Push, Realloc, Reload, Run, SendKey, TakeBuffered
 from restage.schedule.program import build_eval_program, model_homes
 
@@ -157,7 +158,8 @@ def run_eval(handlers: OpHandlers, op: Run, data: StepData, record: StepRecord, 
     ids_key, mask_key = plan.generate.outputs[:2]
     rewards = None
     if mfc.kind == "generate":
-        answered = data.outputs[mfc.name] = run_eval_generate(module, mfc, batch, handlers.cfg)
+        with generation_module(module, layout, handlers.groups) as generating:  # ZeRO-3: gathered once, or lockstep
+            answered = data.outputs[mfc.name] = run_eval_generate(generating, mfc, batch, handlers.cfg)
     else:  # the reward model: its input holds the answers
         answered = batch
         agree = slot.sharded.group if slot.sharded is not None else None  # its dp ranks gather in step

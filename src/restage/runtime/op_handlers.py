@@ -43,6 +43,7 @@ from restage.runtime.nonfinite import NonFiniteError, any_rank, nonfinite_sample
 from restage.runtime.realloc import ReallocResult, execute_reallocation
 from restage.runtime.records import MFCRecord, StatsShare, StepRecord
 from restage.runtime.routing import SampleRouter, measured_flops
+from restage.runtime.zero3_generation import generation_module
 from restage.schedule.ops import Ema, Realloc, Run, SendKey
 from restage.schedule.realloc_plan import ReallocPlan
 
@@ -99,7 +100,9 @@ class OpHandlers:
             torch.cuda.reset_peak_memory_stats()
         begin = self.clock.now_synced()
         if mfc.kind == "generate":
-            result = run_generate(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state, step_seed(self.cfg.seed, step))
+            # A model ZeRO-3 partitions (generating on its training layout): gathered once, or its replicas in lockstep.
+            with generation_module(slot.at(layout), layout, self.groups) as module:
+                result = run_generate(module, mfc, batch, self.algo, self.cfg, self.state, step_seed(self.cfg.seed, step))
         elif mfc.kind == "inference":
             agree = slot.sharded.group if slot.sharded is not None else None  # its dp ranks gather in step
             result = run_inference(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state, agree)
