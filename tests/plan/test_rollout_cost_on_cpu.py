@@ -15,7 +15,7 @@ from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.flops import block_shape
 from restage.models.presets import preset
-from restage.models.rollout import GPU_FREE_MEMORY_FRACTION, RolloutLimits
+from restage.models.rollout import GATHER_ONCE_FRACTION, GPU_FREE_MEMORY_FRACTION, RolloutLimits
 from restage.plan.engines import (
     GRAPH_BLOCK_SECONDS,
     HOST_CHECK_SECONDS,
@@ -23,9 +23,21 @@ from restage.plan.engines import (
     RestageEngine,
     restage_slots,
 )
-from restage.plan.estimator import Estimator, ModelRole, forward_workspace_elements_per_token, stage_param_elements
+from restage.plan.estimator import (
+    Estimator,
+    ModelRole,
+    forward_workspace_elements_per_token,
+    lockstep_forwards,
+    stage_param_elements,
+)
 from restage.plan.planner import build_problem
-from restage.plan.simulator import plan_program, zero3_in_place
+from restage.plan.simulator import (
+    _home_state_bytes,
+    plan_program,
+    zero3_generation_mode,
+    zero3_in_place,
+    zero3_in_place_bytes,
+)
 from restage.plan.transfer import zero3_gather_seconds
 from restage.schedule.ops import Run
 
@@ -158,22 +170,50 @@ def test_the_planner_costs_the_engine_the_config_builds():
     assert parts(est)["decode_seconds"] == pytest.approx(8 * parts(eight)["decode_seconds"], rel=1e-12)
 
 
-def test_generation_on_its_zero3_training_layout_decodes_eagerly():
-    """Over ZeRO-3 partitions the runtime decodes eagerly (``choose_decode_mode``'s ``partitioned``): the simulator
-    takes the eager engine's seconds (plus the gather) for a generation that runs in place, the graphs' elsewhere."""
-    problem = build_problem(ppo_config("llama-7b", "llama-7b", batch=64, gen=128, zero=3))
+def _in_place_actor_gen(memory_gib: float | None = None):
+    """PPO of two llama-7b models trained at ZeRO-3, every MFC on all 8 GPUs: the actor generates in place."""
+    cluster = load_cluster("h100-80gb")
+    if memory_gib is not None:
+        cluster = dataclasses.replace(cluster, memory_bytes=int(memory_gib * GIB))
+    problem = build_problem(ppo_config("llama-7b", "llama-7b", batch=64, gen=128, zero=3), cluster=cluster)
     whole = Layout.contiguous(0, Strategy(dp=8))
     plan = tuple(problem.candidate(m, whole) for m in problem.mfcs)
     gen = problem.graph["actor_gen"]
-    role = problem.role(gen)
     assert zero3_in_place(problem, plan, gen)
     seconds = dict((op.mfc, s) for op, s in plan_program(problem, plan) if isinstance(op, Run))
+    held = max(_home_state_bytes(problem, plan, r) for r in whole.mesh)
+    return problem, plan, gen, whole, seconds["actor_gen"], problem.capacity_bytes - held
+
+
+def test_generation_gathered_once_on_its_zero3_training_layout_decodes_a_plain_copy():
+    """The stage's 12.6 GiB fit in 60% of what the four models' states leave of 72 GiB: the runtime gathers them once
+    into a plain copy (``runtime/zero3_generation.py``), which decodes as any copy (CUDA graphs), plus one gather."""
+    problem, plan, gen, whole, seconds, left = _in_place_actor_gen()
+    role, cand = problem.role(gen), plan[problem.index["actor_gen"]]
+    assert cand.estimate.param_bytes <= GATHER_ONCE_FRACTION * left
+    assert zero3_generation_mode(problem, plan, gen) == "gather_once"
+    gather = zero3_gather_seconds(role.arch, whole, role.bytes_per_element, problem.cluster)
+    assert seconds == pytest.approx(cand.seconds + gather, rel=1e-12)
+    eager = problem.estimator.estimate(gen, role, whole, engine=RestageEngine(cuda_graphs=False)).seconds
+    launches = 32 * (problem.cluster.block_overhead_seconds - GRAPH_BLOCK_SECONDS)
+    assert cand.seconds < eager - 128 * 0.5 * launches  # the graphs' candidate: at least half the launch time saved
+    assert zero3_in_place_bytes(problem, plan, gen) == cand.estimate.param_bytes  # the copy is counted whole
+
+
+def test_generation_in_lockstep_on_its_zero3_training_layout_gathers_in_every_forward():
+    """With 75 GB devices the copy no longer fits: the replicas step in lockstep over the partitions, decoding
+    eagerly, and every forward gathers the stage: 128 decode steps and one prefill or join per check of 4 steps."""
+    problem, plan, gen, whole, seconds, left = _in_place_actor_gen(memory_gib=75)
+    role, cand = problem.role(gen), plan[problem.index["actor_gen"]]
+    assert cand.estimate.param_bytes > GATHER_ONCE_FRACTION * left
+    assert zero3_generation_mode(problem, plan, gen) == "lockstep"
+    engine = problem.estimator.engine
+    forwards = lockstep_forwards(problem.cluster, engine, gen, role, whole)
+    assert forwards == 128 + 128 // engine.limits.check_every_steps  # 8 answers a rank, all in slots at once
     eager = problem.estimator.estimate(gen, role, whole, engine=RestageEngine(cuda_graphs=False)).seconds
     gather = zero3_gather_seconds(role.arch, whole, role.bytes_per_element, problem.cluster)
-    assert seconds["actor_gen"] == pytest.approx(eager + gather, rel=1e-12)
-    graphs = problem.candidate(gen, whole).seconds
-    launches = 32 * (problem.cluster.block_overhead_seconds - GRAPH_BLOCK_SECONDS)
-    assert graphs < eager - 128 * 0.5 * launches  # the graphs' candidate: at least half the launch time saved
+    assert seconds == pytest.approx(eager + forwards * gather, rel=1e-12)
+    assert zero3_in_place_bytes(problem, plan, gen) == cand.estimate.param_bytes // 32  # one of its 32 layers at a time
 
 
 def test_pipelined_generation_costs_micro_groups_through_busy_stages(h100):

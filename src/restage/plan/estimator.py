@@ -428,6 +428,23 @@ def _forward_workspace(cfg: ModelConfig, tp: int, tokens: float, e: int) -> floa
     return forward_workspace_elements_per_token(cfg, tp) * tokens * e
 
 
+def _restage_live(cluster: ClusterSpec, engine: RestageEngine, mfc: MFC, role: ModelRole, layout: Layout) -> int:
+    """The rollout engine's slots on one DP rank of ``layout`` (``engines.restage_slots``; slots of prompt + gen tokens)."""
+    cfg, s, e = role.arch, layout.strategy, role.bytes_per_element
+    kv_token_bytes = 2 * _max_stage_layers(cfg, s.pp) * block_shape(cfg, s.tp).kv_out * e
+    return restage_slots(cluster, engine, kv_token_bytes * (mfc.prompt_tokens + mfc.gen_tokens),
+                         _worst_stage(cfg, s)[0] * e, int(sequences_per_rank(mfc, s.dp)))
+
+
+def lockstep_forwards(cluster: ClusterSpec, engine: RestageEngine, mfc: MFC, role: ModelRole, layout: Layout) -> int:
+    """Forwards one DP rank of restage's rollout engine runs for ``mfc`` in lockstep (ZeRO-3 generation in place,
+    ``runtime/zero3_generation.py``): its decode steps (every answer ``gen_tokens`` long) and, per round of
+    ``check_every_steps`` of them, one prefill or empty join (``models/rollout.py``)."""
+    b = int(sequences_per_rank(mfc, layout.strategy.dp))
+    steps = decode_rounds(b, _restage_live(cluster, engine, mfc, role, layout)) * mfc.gen_tokens
+    return steps + math.ceil(steps / engine.limits.check_every_steps)
+
+
 def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc: MFC, role: ModelRole,
               layout: Layout, engine: GenerationEngine):
     """A DP rank's requests on ``engine`` (``engines.py``): ``live`` of them decoding at once in
@@ -454,7 +471,7 @@ def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc
             live, prompts, prefix, head, graphs, checks = b, b, prompt, b, False, 0
             attended, cached, groups = filled, window, 1
         case RestageEngine():  # slots; a group's prompt less its last token prefilled once, the siblings copy it
-            live = restage_slots(cluster, engine, kv_token_bytes * (prompt + gen), _worst_stage(cfg, s)[0] * e, b)
+            live = _restage_live(cluster, engine, mfc, role, layout)
             prompts, prefix, head = math.ceil(b / int(mfc.options.get("group_size", 1))), prompt - 1, 0
             groups = group_count(engine.limits.pp_groups, s.pp) if s.pp > 1 else 1
             graphs = replays_graphs(cluster, engine, cfg, s)

@@ -15,7 +15,7 @@ import numpy as np
 
 from restage.layout import Layout
 from restage.plan.problem import Plan, PlanProblem
-from restage.plan.simulator import Timeline, needs_copy, steady_state, zero3_in_place
+from restage.plan.simulator import Timeline, needs_copy, steady_state, zero3_in_place, zero3_in_place_bytes
 
 # Infeasible plans are kept comparable so the search can walk out of them: each byte over the
 # limit (as a fraction of the limit) costs this many times the iteration time.
@@ -76,7 +76,9 @@ def plan_memory(problem: PlanProblem, plan: Plan) -> tuple[int, tuple[int, ...]]
             if (mfc.model, cand.layout) not in frozen_copies:
                 frozen_copies.add((mfc.model, cand.layout))
                 persistent[_ranks(cand.layout)] += cand.estimate.param_bytes
-        elif copy or zero3_in_place(problem, plan, mfc) or (not role.trainable and role.offload_when_idle):
+        elif zero3_in_place(problem, plan, mfc):
+            need += zero3_in_place_bytes(problem, plan, mfc)
+        elif copy or (not role.trainable and role.offload_when_idle):
             need += cand.estimate.param_bytes
         idx = _ranks(cand.layout)
         transient_max[idx] = np.maximum(transient_max[idx], need)

@@ -84,6 +84,8 @@ class PeerProblem(PlanProblem):
     """A problem scored the way the peers' engines run it: batched generation (on ``engine``, a vLLM-style
     engine's settings, or waves of one eager batch each when None) and the old-log-prob pass."""
 
+    zero3_lockstep = False  # the Hybrid Engine gathers once per generation (and vLLM holds its own copy)
+
     def __init__(self, *args, engine: VllmEngine | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.engine = engine

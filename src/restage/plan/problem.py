@@ -192,6 +192,10 @@ class AsyncExecution:
 class PlanProblem:
     """The graph, roles and cluster of one planning run, with cached candidates and costs."""
 
+    # restage's runtime generates in place on a ZeRO-3 layout in lockstep when the gathered stage does not fit
+    # (``simulator.zero3_generation_mode``); the peers' engines always generate from a copy of their own.
+    zero3_lockstep = True
+
     def __init__(self, graph: DataflowGraph, roles: dict[str, ModelRole], cluster: ClusterSpec,
                  estimator: Estimator | None = None, samples_per_iteration: int | None = None,
                  overlap_iterations: bool = False, exact_realloc: bool = False, keep_per_size: int = KEEP_PER_SIZE,

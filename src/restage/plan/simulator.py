@@ -28,8 +28,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import assert_never
+from typing import Literal, assert_never
 
+from restage.models.rollout import gathers_once
+from restage.models.sharding import stage_layers
+from restage.plan.engines import RestageEngine
+from restage.plan.estimator import lockstep_forwards
 from restage.plan.transfer import key_bytes, zero3_gather_seconds
 from restage.schedule.async_program import async_layout_problem, build_async_program, lookahead, producers
 from restage.schedule.ops import (
@@ -185,12 +189,7 @@ def op_seconds(problem, plan, op: Op) -> float:
         case Run():
             mfc = problem.graph[op.mfc]
             cand = plan[problem.index[op.mfc]]
-            seconds = cand.seconds
-            if zero3_in_place(problem, plan, mfc):
-                role = problem.role(mfc)
-                seconds = problem.in_place_seconds(cand) + zero3_gather_seconds(role.arch, op.layout,
-                                                                               role.bytes_per_element, problem.cluster)
-            return seconds
+            return zero3_in_place_seconds(problem, plan, mfc) if zero3_in_place(problem, plan, mfc) else cand.seconds
         case Realloc():
             return copy_seconds(problem, op.src, op.dst, op.model) + problem.cluster.realloc_overhead_seconds
         case Ema():  # the trained model reallocated into the reference's home (mixing in is one pass over it)
@@ -238,11 +237,58 @@ def needs_copy(problem, plan, mfc) -> bool:
 
 
 def zero3_in_place(problem, plan, mfc) -> bool:
-    """A generate / inference MFC on its ZeRO-3 model's training layout: it gathers the full shards first
-    (once per MFC; assumed, since a gather per forward would make decoding hopeless)."""
+    """A generate / inference MFC on its ZeRO-3 model's training layout, whose parameters it must gather."""
     role = problem.role(mfc)
     return (mfc.kind != "train_step" and role.trainable and role.zero_stage == 3 and not problem.is_home(mfc)
             and not needs_copy(problem, plan, mfc))
+
+
+def zero3_generation_mode(problem, plan, mfc) -> Literal["gather_once", "lockstep"]:
+    """How a generation in place (``zero3_in_place``) runs: the runtime's rule (``runtime/zero3_generation.py``,
+    ``models.rollout.gathers_once``) on the planner's figures. Gathered once when the stage's parameters fit
+    ``GATHER_ONCE_FRACTION`` of what its ranks have left (usable memory less the persistent state of the models
+    whose homes hold them, the most on any of its ranks); else lockstep. The peers' engines and engines other than
+    restage's rollout engine gather once (``PlanProblem.zero3_lockstep``)."""
+    cand = plan[problem.index[mfc.name]]
+    if not problem.zero3_lockstep or not isinstance(problem.estimator.engine, RestageEngine):
+        return "gather_once"
+    held = max(_home_state_bytes(problem, plan, rank) for rank in cand.layout.mesh)
+    return "gather_once" if gathers_once(cand.estimate.param_bytes, problem.capacity_bytes - held) else "lockstep"
+
+
+def _home_state_bytes(problem, plan, rank: int) -> int:
+    """Bytes the models whose homes hold ``rank`` keep there all along (``evaluate.plan_memory``'s persistent state)."""
+    return sum(home.estimate.state_bytes for model, home in ((m, plan[problem.index[h]]) for m, h in problem.home.items())
+               if rank in home.layout.mesh and (problem.roles[model].trainable or not problem.roles[model].offload_when_idle))
+
+
+def zero3_in_place_seconds(problem, plan, mfc) -> float:
+    """Seconds of an MFC in place (``zero3_in_place``), its ZeRO-3 gathers over the dp group included.
+
+    A generation gathered once runs on a plain copy, costed as any copy (CUDA graphs where they serve), plus one
+    gather of the stage; in lockstep it decodes eagerly over the partitions (``PlanProblem.in_place_seconds``) and
+    gathers the stage in each forward, ``estimator.lockstep_forwards`` of them (decode steps, and a prefill or an
+    empty join per check; the estimator gives every answer one length, so the extra joins uneven answers bring
+    are not counted). An inference keeps one gather per call (as before)."""
+    cand = plan[problem.index[mfc.name]]
+    role = problem.role(mfc)
+    gather = zero3_gather_seconds(role.arch, cand.layout, role.bytes_per_element, problem.cluster)
+    if mfc.kind != "generate" or zero3_generation_mode(problem, plan, mfc) == "gather_once":
+        return cand.seconds + gather
+    engine = problem.estimator.engine
+    assert isinstance(engine, RestageEngine)  # zero3_generation_mode: other engines gather once
+    forwards = lockstep_forwards(problem.cluster, engine, mfc, role, cand.layout)
+    return problem.in_place_seconds(cand) + forwards * gather
+
+
+def zero3_in_place_bytes(problem, plan, mfc) -> int:
+    """Bytes an MFC in place (``zero3_in_place``) gathers on top of its partition: the stage's parameters, or in
+    lockstep about one layer's (DeepSpeed's hooks hold a module's parameters while it runs)."""
+    param_bytes = plan[problem.index[mfc.name]].estimate.param_bytes
+    if mfc.kind == "generate" and zero3_generation_mode(problem, plan, mfc) == "lockstep":
+        layers = max(hi - lo for lo, hi in stage_layers(problem.role(mfc).arch, plan[problem.index[mfc.name]].layout.strategy.pp))
+        return param_bytes // max(1, layers)
+    return param_bytes
 
 
 def steady_state(problem, plan, overlap: bool = False, iterations: int = 3) -> tuple[float, Timeline]:
