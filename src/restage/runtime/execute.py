@@ -28,6 +28,7 @@ from restage.models.moe import RouterLog, router_stats
 from restage.models.packing import PackedBatch
 from restage.models.parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from restage.models.pipeline import MicroBatch, pipeline_forward, train_1f1b
+from restage.models.rollout import lockstep_group
 from restage.models.sampling import SamplingParams, request_seed
 from restage.runtime.engines import Engine
 from restage.runtime.records import merge_rule
@@ -42,17 +43,23 @@ class MFCResult:
     tokens: int
 
 
+def fewest_samples(batch: Batch, group: dist.ProcessGroup) -> int:
+    """The fewest samples any rank of ``group`` holds (one small all-reduce)."""
+    fewest = torch.tensor([batch.n_samples], dtype=torch.int64, device=rank_device())
+    dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=group)
+    return int(fewest.item())
+
+
 def _micro_batches(batch: Batch, ids_key: str, n_micro: int, extra: Callable[[Batch], object] = lambda b: b,
                    module: StageModule | None = None, agree_over: dist.ProcessGroup | None = None) -> list[MicroBatch]:
-    if module is not None and module.ctx.ep_size > 1:
-        agree_over = module.ctx.ep_group
+    if agree_over is None and module is not None:
+        agree_over = lockstep_group(module)
     if agree_over is not None:
-        # Under ep the replicas of an ep group exchange tokens in every sparse layer (and a sharded frozen model's
-        # dp ranks gather its units in every forward), so they must run the same number of micro-batches: the
-        # fewest samples any of them holds bounds it (each holds at least one).
-        fewest = torch.tensor([batch.n_samples], dtype=torch.int64, device=rank_device())
-        dist.all_reduce(fewest, op=dist.ReduceOp.MIN, group=agree_over)
-        n_micro = min(n_micro, int(fewest.item()))
+        # Under ep the replicas of an ep group exchange tokens in every sparse layer, a ZeRO-3 module's dp ranks (and a
+        # sharded frozen model's) gather its parameters in every forward, and training's dp ranks reduce gradients
+        # every micro-batch under ZeRO-2/3: so they must run the same number of micro-batches. The fewest samples any
+        # of them holds bounds it (each holds at least one).
+        n_micro = min(n_micro, fewest_samples(batch, agree_over))
     parts = batch.split(n_micro, balance="tokens") if batch.n_samples > 1 else [batch]
     device = rank_device()
     return [MicroBatch(part[ids_key].to(device), PackedBatch.from_seqlens(part.seqlens, device=device), extra(part))
@@ -279,8 +286,12 @@ def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: Expe
 
     routing = RouterLog(module.cfg, cfg.models[mfc.model].router_aux_loss_coef) if module.cfg.is_moe else None
 
-    for _, _, minibatch in estimators.minibatches(batch, mfc.minibatches, mfc.epochs, seed):
-        micro = _micro_batches(minibatch, ids_key, mfc.micro_batches, module=module)
+    # The dp ranks step the optimizer together and reduce gradients (every micro-batch under ZeRO-2/3, and ZeRO-3
+    # gathers parameters every forward): as many minibatches and micro-batches on each, whatever samples it holds.
+    dp_group = module.ctx.dp_group if module.ctx.strategy.dp > 1 else None
+    minibatches = mfc.minibatches if dp_group is None else min(mfc.minibatches, fewest_samples(batch, dp_group))
+    for _, _, minibatch in estimators.minibatches(batch, minibatches, mfc.epochs, seed):
+        micro = _micro_batches(minibatch, ids_key, mfc.micro_batches, module=module, agree_over=dp_group)
         if len(micro) != engine.gradient_accumulation_steps():
             # Fewer samples than micro-batches on this minibatch: accumulate over what there is.
             engine.set_train_batch_size(len(micro) * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
