@@ -5,6 +5,7 @@ import torch
 from runs import hf_weights, restage_run, tiny_assets
 
 from restage.report.log import read_log
+from restage.runtime.checkpoint import safe_load
 from restage.schedule.file import read_schedule
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e]
@@ -54,3 +55,35 @@ def test_reference_follows_the_actor_by_ema_and_resumes_exactly(tmp_path):
     for model in ("actor", "ref"):
         a, b = hf_weights(straight / "checkpoints" / "step-3" / model / "hf"), hf_weights(split / model / "hf")
         assert all(torch.equal(a[k], b[k]) for k in a), model
+
+
+def test_bf16_reference_mixes_in_its_fp32_master_and_resumes_bit_for_bit(tmp_path):
+    # bf16 actor and reference; the reference lives tp2, so each rank's fp32 master (ref/ema/rank<R>.pt) is another
+    # half, and the actor trains dp2: every mix is still a reallocation between layouts.
+    job = [*JOB[:-3], "plan.layouts.actor_gen=ranks:0-1 dp2", "plan.layouts.ref_inf=ranks:0-1 tp2",
+           "plan.layouts.actor_train=ranks:0-1 dp2", "models.actor.dtype=bf16", "models.ref.dtype=bf16"]
+    straight, split = (tmp_path / "grpo-tiny" / trial / "checkpoints" for trial in ("straight", "split"))
+    started = [restage_run(tmp_path, *job, "trial=straight", wait=False),
+               restage_run(tmp_path, *job, "trial=split", "run.stop_at_step=2", wait=False)]
+    for run in started:
+        out, _ = run.communicate(timeout=600)
+        assert run.returncode == 0, out[-3000:]
+    assert not (split / "step-3").exists()
+    _ok(restage_run(tmp_path, "jobs/grpo_tiny.yaml", "-n", "2", "trial=split", "--resume"))
+
+    initial = {k: v.to(torch.bfloat16) for k, v in hf_weights(tiny_assets()).items()}
+    ref = hf_weights(straight / "step-3" / "ref" / "hf")
+    assert {v.dtype for v in ref.values()} == {torch.bfloat16}
+    assert sum(int((ref[k] != initial[k]).sum()) for k in ref) > sum(v.numel() for v in ref.values()) // 2  # it moved
+    for model in ("actor", "ref"):
+        a, b = hf_weights(straight / "step-3" / model / "hf"), hf_weights(split / "step-3" / model / "hf")
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"{model} {name}"
+    # A resume that remade the master from the bf16 weights instead would leave some of them one rounding off.
+    for rank in (0, 1):
+        masters = [safe_load(run / "step-3" / "ref" / "ema" / f"rank{rank}.pt") for run in (straight, split)]
+        assert {v.dtype for v in masters[0].values()} == {torch.float32}
+        assert masters[0].keys() == masters[1].keys()
+        for name in masters[0]:
+            assert torch.equal(masters[0][name], masters[1][name]), f"rank {rank} master {name}"
