@@ -23,18 +23,32 @@
 # cluster; the CPU torch build then falls back to gloo. TaskPlugin=task/affinity binds each task to its
 # cores (cgroups are not used: this machine's cgroup file system cannot be delegated to slurmd).
 #
+# Scale nodes: rmn4..rmn5 (after the NODES above) form a second partition, multinode-scale, for the scale
+# matrix's runs of 4 or 8 ranks per node (tests/multinode/test_layout_scale_multinode.py). Each declares 8 CPUs
+# and 8 stub GPUs on this machine's cores (SlurmdParameters=config_overrides: slurmd takes the declared CPUs, not
+# the hardware's), so an 8-rank-per-node job is granted as on an 8-GPU node. Binding a task to cores the machine
+# does not have fails ("Unable to layout tasks on given cpus"), so those jobs bind nothing: restage binds no
+# cores when a node has fewer than one per rank (launch.job.cpus_per_rank), and Open MPI starts its daemons with
+# --cpu-bind=none. The first NODES nodes keep their 2 CPUs and 2 GPUs, so the other tests' jobs fill a node (and
+# queue for one) exactly as before; config_overrides changes nothing for a node declared as it is.
+#
 # Own config ($DIR/slurm.conf, SLURM_CONF must point at it), ports 6917/6918, state dirs and node names:
 # it coexists with scripts/slurm_local.sh's one-node cluster. Needs root. Knobs: RESTAGE_MULTINODE_DIR
-# (default /var/tmp/restage-multinode), RESTAGE_MULTINODE_NODES (default 3).
+# (default /var/tmp/restage-multinode), RESTAGE_MULTINODE_NODES (default 3), RESTAGE_MULTINODE_SCALE_NODES
+# (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ACTION=${1:-status}
 DIR=${RESTAGE_MULTINODE_DIR:-/var/tmp/restage-multinode}
 NODES=${RESTAGE_MULTINODE_NODES:-3}
+SCALE_NODES=${RESTAGE_MULTINODE_SCALE_NODES:-2}
+TOTAL=$((NODES + SCALE_NODES))
 CONF=$DIR/slurm.conf
 export SLURM_CONF=$CONF
 PARTITION=multinode
+SCALE_PARTITION=multinode-scale
+SCALE_CPUS=8  # and as many stub GPUs: one rank per GPU, up to 8 per node
 # getconf, not nproc: nproc obeys OMP_NUM_THREADS, which the test runner sets to 1.
 CPUS=$(getconf _NPROCESSORS_ONLN)
 HOSTS_MARK="# restage-multinode"
@@ -57,7 +71,7 @@ make_network() {
   addrs=$(ip -o addr show dev rmbr0)
   [[ $addrs == *"$CTLD_ADDR/24"* ]] || ip addr add "$CTLD_ADDR/24" dev rmbr0
   local i name
-  for i in $(seq 1 "$NODES"); do
+  for i in $(seq 1 "$TOTAL"); do
     name=$(node_name "$i")
     [ -e "/var/run/netns/$name" ] || ip netns add "$name"
     if ! ip link show "rmv${i}a" >/dev/null 2>&1; then
@@ -78,16 +92,16 @@ make_network() {
       ip netns exec "$name" ip link set eth1 up
     fi
   done
-  if ! grep -qF "$HOSTS_MARK" /etc/hosts; then
-    for i in $(seq 1 "$NODES"); do
-      echo "10.77.0.$((10 + i)) $(node_name "$i") $HOSTS_MARK" >>/etc/hosts
-    done
-  fi
+  local line
+  for i in $(seq 1 "$TOTAL"); do
+    line="10.77.0.$((10 + i)) $(node_name "$i") $HOSTS_MARK"
+    grep -qxF "$line" /etc/hosts || echo "$line" >>/etc/hosts
+  done
 }
 
 remove_network() {
   local i
-  for i in $(seq 1 "$NODES"); do
+  for i in $(seq 1 "$TOTAL"); do
     ip netns del "$(node_name "$i")" 2>/dev/null || true
     ip link del "rmv${i}a" 2>/dev/null || true
     ip link del "rmw${i}a" 2>/dev/null || true
@@ -106,8 +120,10 @@ write_conf() {
   mkdir -p "$DIR/state" "$DIR/log" "$DIR/dev" "$DIR/unshared" "$DIR/nodetmp" "$DIR/results"
   local i
   # slurmd wants GRES files to be device nodes: stubs with the numbers of /dev/null (1,3) and /dev/zero (1,5).
-  [ -c "$DIR/dev/gpu0" ] || { rm -f "$DIR/dev/gpu0"; mknod "$DIR/dev/gpu0" c 1 3; }
-  [ -c "$DIR/dev/gpu1" ] || { rm -f "$DIR/dev/gpu1"; mknod "$DIR/dev/gpu1" c 1 5; }
+  local g
+  for g in $(seq 0 $((SCALE_CPUS - 1))); do
+    [ -c "$DIR/dev/gpu$g" ] || { rm -f "$DIR/dev/gpu$g"; mknod "$DIR/dev/gpu$g" c 1 $((g % 2 ? 5 : 3)); }
+  done
   local mem_mb=2048
   local tmp
   tmp=$(mktemp)
@@ -123,6 +139,8 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/affinity
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
+# The scale nodes' declared CPUs, not the hardware's (see the top of this script).
+SlurmdParameters=config_overrides
 MpiDefault=none
 GresTypes=gpu
 ReturnToService=2
@@ -154,14 +172,25 @@ PartitionName=$PARTITION Nodes=rmn[1-$NODES] Default=YES MaxTime=30 DefaultTime=
 EOF
   # NodeAddr ranges need a hostlist expression per node: write them one by one instead.
   sed -i "/^NodeName=/d" "$tmp"
-  for i in $(seq 1 "$NODES"); do
-    echo "NodeName=$(node_name "$i") NodeAddr=10.77.0.$((10 + i)) CPUs=$CPUS RealMemory=$mem_mb Gres=gpu:2 State=UNKNOWN" >>"$tmp"
+  local cpus gpus name
+  : >"$DIR/gres.conf.new"
+  for i in $(seq 1 "$TOTAL"); do
+    name=$(node_name "$i")
+    if [ "$i" -le "$NODES" ]; then cpus=$CPUS gpus=2; else cpus=$SCALE_CPUS gpus=$SCALE_CPUS; fi
+    echo "NodeName=$name NodeAddr=10.77.0.$((10 + i)) CPUs=$cpus RealMemory=$mem_mb Gres=gpu:$gpus State=UNKNOWN" >>"$tmp"
+    echo "NodeName=$name Name=gpu File=$DIR/dev/gpu[0-$((gpus - 1))]" >>"$DIR/gres.conf.new"
   done
-  echo "Name=gpu File=$DIR/dev/gpu[0-1]" >"$DIR/gres.conf"
+  if [ "$SCALE_NODES" -gt 0 ]; then
+    echo "PartitionName=$SCALE_PARTITION Nodes=rmn[$((NODES + 1))-$TOTAL] MaxTime=30 DefaultTime=10 State=UP" >>"$tmp"
+  fi
   echo "PMIxCliTmpDirBase=$DIR/nodetmp" >"$DIR/mpi.conf"
   local changed=1
-  if cmp -s "$tmp" "$CONF" 2>/dev/null; then changed=0; rm -f "$tmp"; else mv "$tmp" "$CONF"; chmod 644 "$CONF"; fi
-  for i in $(seq 1 "$NODES"); do mkdir -p "$DIR/$(node_name "$i")/spool" "$DIR/$(node_name "$i")/tmp" "$DIR/private/$(node_name "$i")"; done
+  if cmp -s "$tmp" "$CONF" 2>/dev/null && cmp -s "$DIR/gres.conf.new" "$DIR/gres.conf"; then
+    changed=0; rm -f "$tmp" "$DIR/gres.conf.new"
+  else
+    mv "$tmp" "$CONF"; chmod 644 "$CONF"; mv "$DIR/gres.conf.new" "$DIR/gres.conf"
+  fi
+  for i in $(seq 1 "$TOTAL"); do mkdir -p "$DIR/$(node_name "$i")/spool" "$DIR/$(node_name "$i")/tmp" "$DIR/private/$(node_name "$i")"; done
   return $((1 - changed))
 }
 
@@ -202,7 +231,7 @@ kill_node() {
   rm -f "$(node_pid_file "$name")"
 }
 
-node_states() { sinfo -h -p "$PARTITION" -N -o "%N %T" 2>/dev/null | tr -d '*~#$@'; }
+node_states() { sinfo -h -p "$PARTITION,$SCALE_PARTITION" -N -o "%N %T" 2>/dev/null | tr -d '*~#$@'; }
 
 wait_idle() {
   local want=$1 up="" i
@@ -231,14 +260,14 @@ start() {
   start_munge
   pid_alive "$DIR/slurmctld.pid" || slurmctld -f "$CONF"
   local i
-  for i in $(seq 1 "$NODES"); do start_node "$(node_name "$i")"; done
-  wait_idle "$NODES"
-  log "$NODES nodes up: $(node_states | tr '\n' ' ')(SLURM_CONF=$CONF)"
+  for i in $(seq 1 "$TOTAL"); do start_node "$(node_name "$i")"; done
+  wait_idle "$TOTAL"
+  log "$TOTAL nodes up: $(node_states | tr '\n' ' ')(SLURM_CONF=$CONF)"
 }
 
 stop_daemons() {
   local i
-  for i in $(seq 1 "$NODES"); do kill_node "$(node_name "$i")"; done
+  for i in $(seq 1 "$TOTAL"); do kill_node "$(node_name "$i")"; done
   if pid_alive "$DIR/slurmctld.pid"; then
     local pid
     pid=$(cat "$DIR/slurmctld.pid")
@@ -253,8 +282,8 @@ case "$ACTION" in
   start) start ;;
   stop) stop_daemons; remove_network; log "stopped" ;;
   status)
-    sinfo -p "$PARTITION" 2>/dev/null || { log "not running"; exit 1; }
-    [ "$(node_states | awk '$2 ~ /^(idle|mixed|allocated)$/' | wc -l)" -ge "$NODES" ] ;;
+    sinfo -p "$PARTITION,$SCALE_PARTITION" 2>/dev/null || { log "not running"; exit 1; }
+    [ "$(node_states | awk '$2 ~ /^(idle|mixed|allocated)$/' | wc -l)" -ge "$TOTAL" ] ;;
   kill-node) kill_node "${2:?node name}" ;;
   start-node) start_node "${2:?node name}" ;;
   *) log "usage: $0 start|stop|status|kill-node NAME|start-node NAME"; exit 2 ;;

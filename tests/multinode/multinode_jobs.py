@@ -24,16 +24,27 @@ PLAN4 = ("plan.mode=manual", "plan.layouts.actor_gen=ranks:0-3 dp4", "plan.layou
          "plan.layouts.critic_train=ranks:0-3 dp4")
 
 
-def overrides(results: Path, trial: str, launcher: str, *more: str) -> list[str]:
-    return [f"run.results_dir={results}", f"trial={trial}", "cluster.name=multinode-test", f"cluster.nodes={NODES}",
-            f"cluster.devices_per_node={RANKS_PER_NODE}", f"run.nprocs={NODES * RANKS_PER_NODE}",
+def placement(results: Path, trial: str, launcher: str, nodes: int = NODES,
+              ranks_per_node: int = RANKS_PER_NODE) -> list[str]:
+    """Where a job runs on the multinode cluster: its trial, nodes x ranks per node, launcher and interface."""
+    return [f"run.results_dir={results}", f"trial={trial}", "cluster.name=multinode-test", f"cluster.nodes={nodes}",
+            f"cluster.devices_per_node={ranks_per_node}", f"run.nprocs={nodes * ranks_per_node}",
             "slurm.template=generic", "slurm.network_interface=eth0", f"slurm.launcher={launcher}",
-            "slurm.time_minutes=20", f"run.steps={STEPS}", f"run.save_every={SAVE_EVERY}", *PLAN4, *more]
+            "slurm.time_minutes=20"]
+
+
+def overrides(results: Path, trial: str, launcher: str, *more: str) -> list[str]:
+    return [*placement(results, trial, launcher), f"run.steps={STEPS}", f"run.save_every={SAVE_EVERY}", *PLAN4, *more]
 
 
 def submit(results: Path, trial: str, launcher: str, *more: str, config: str = "jobs/ppo_tiny.yaml") -> tuple[str, Path]:
+    return submit_job(results, trial, config, overrides(results, trial, launcher, *more))
+
+
+def submit_job(results: Path, trial: str, config: str, args: list[str]) -> tuple[str, Path]:
+    """``restage submit config *args`` (args name the trial and results directory); (job id, trial directory)."""
     with contextlib.chdir(REPO):
-        assert cli.main(["submit", config, *overrides(results, trial, launcher, *more)]) == 0
+        assert cli.main(["submit", config, *args]) == 0
     experiment = yaml.safe_load((REPO / config).read_text())["experiment"]
     trial_dir = results / experiment / trial
     return json.loads((trial_dir / "submission.json").read_text())["job_id"], trial_dir
