@@ -85,3 +85,31 @@ def test_ranks_stopped_for_the_time_limit_are_requeued_through_submitits_handler
     assert read_json(paths.root / "job.json")["attempts"][0]["outcome"] == (
         "stopped at step 12 before the time limit; submit again with --resume to continue")
     assert "restage: the ranks checkpointed at step 12 before the time limit (16 s left" in capsys.readouterr().out
+
+
+def test_a_stop_for_the_time_limit_is_recorded_only_with_its_checkpoint(write_config, tmp_path):
+    """The master writes TIME_LIMIT when it decides, before its checkpoint: when the driver's last resort stops the
+    ranks during that write, the attempt resumes from the checkpoint before and is recorded as the last resort's."""
+    import yaml
+
+    from restage.runtime import checkpoint_dir
+    from restage.runtime.deadline import StopBeforeDeadline, write_time_limit
+
+    cfg = yaml.safe_load(write_config(slurm={"time_minutes": 1}).read_text())
+    trial = tmp_path / "results" / "launch" / "t"
+    paths = TrialPaths(trial)
+    checkpoint_dir.begin(trial, 1)
+    checkpoint_dir.commit(trial, 1, {}, keep=0)
+    write_time_limit(trial, 2, StopBeforeDeadline(9.0, 0.0, 0.0, 55.0, by_config=True))
+    checkpoint_dir.begin(trial, 2)  # the last resort stopped the ranks here: .partial-step-2
+    outcomes = []
+    for step_two_whole in (False, True):
+        if step_two_whole:
+            checkpoint_dir.commit(trial, 2, {}, keep=0)
+        record_attempt(paths, job_id="7", restarts=len(outcomes), resume=bool(outcomes), hosts=["n1"],
+                       launcher="mpirun", command="x")
+        job.TrialJob().checkpoint(cfg, str(trial))
+        outcomes.append(read_json(paths.job_record)["attempts"][-1]["outcome"])
+    assert outcomes == ["requeued after checkpoint at step 1",
+                        "requeued after checkpoint at step 2 before the time limit"]
+    assert not job.stopped_for_time_limit(tmp_path, [])

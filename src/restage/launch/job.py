@@ -390,6 +390,15 @@ def _requeue_if_a_node_was_lost(paths: TrialPaths, hosts: Sequence[str], may_req
         time.sleep(120.0)  # SLURM ends this batch step now
 
 
+def stopped_for_time_limit(trial_dir: Path, steps: Sequence[int]) -> bool:
+    """Whether the ranks stopped at the newest whole checkpoint (``steps``) for the deadline rule. The master writes
+    TIME_LIMIT when it decides, before the checkpoint is written: if the last resort stopped the ranks during that
+    write (a step that ended a few seconds before the limit), the file names a step that has no checkpoint, and the
+    job resumes from the one before, like any stop by the last resort."""
+    stopped = read_time_limit(trial_dir)
+    return stopped is not None and bool(steps) and stopped.get("step") == steps[-1]
+
+
 class TrialJob(Checkpointable):
     """The submitit job: ``run_trial``, plus the checkpoint-and-requeue reaction to the pre-timeout signal."""
 
@@ -414,9 +423,8 @@ class TrialJob(Checkpointable):
             launched.stop(grace)
 
         steps = complete_steps(paths.root)
-        stopped = read_time_limit(paths.root)  # the ranks stopped for the time limit before any signal came
         update_attempt(paths, ended=time.strftime("%Y-%m-%dT%H:%M:%S"),
                        outcome=f"requeued after checkpoint at step {steps[-1] if steps else 'none'}"
-                       + (" before the time limit" if stopped is not None else ""))
+                       + (" before the time limit" if stopped_for_time_limit(paths.root, steps) else ""))
         print(f"restage: {paths.root} checkpointed (steps {steps[-1:]}) and asks SLURM to requeue it", flush=True)
         return DelayedSubmission(TrialJob(), config_dict, trial_dir, resume=True)
