@@ -121,3 +121,39 @@ def _forward_syncs_after_three_steps(rank, world_size):
 def test_a_forward_through_an_engines_module_does_not_synchronize_the_device():
     # DeepSpeed's throughput timer would (once per forward from the third step on); it is off in our config.
     assert spawn(_forward_syncs_after_three_steps, 1, env={"DS_ACCELERATOR": "cpu"}) == [0]
+
+
+def _train_dp_two_micro_batches(rank, world_size, zero_stage):
+    """As the pipeline trains: ``engine.module`` called directly (never ``engine.forward``), each micro-batch's
+    backward through ``execute.stage_backward``, the boundary set by hand, one step per two micro-batches."""
+    from restage.runtime.engines import build_engine
+    from restage.runtime.execute import stage_backward
+
+    layout = Layout.contiguous(0, Strategy(dp=world_size))
+    groups = ProcessGroups(layout.all_groups(), singletons=True)
+    spec = ModelSpec(path="-", trainable=True, zero_stage=zero_stage, optim=OptimConfig(lr=0.1, grad_clip=0.5))
+    engine = build_engine(_model(), spec, layout, rank, groups, micro_batches=2, total_optimizer_steps=2)
+    for _ in range(2):
+        x, y = _data(rank)
+        for micro in range(2):
+            part = slice(2 * micro, 2 * micro + 2)
+            engine.set_gradient_accumulation_boundary(micro == 1)
+            stage_backward(engine, ((engine.module(x[part]) - y[part]) ** 2).mean(), None)
+        engine.step()
+    if zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+            return [p.detach().clone() for p in engine.module.parameters()]
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_accumulated_micro_batches_match_plain_adamw_on_the_mean_gradient(zero_stage):
+    # Before: ZeRO-3 counts micro-steps in engine.forward, which the pipeline never calls, so each micro-batch's
+    # gradient partition overwrote the last one's and only the second half of every rank's data trained.
+    results = spawn(_train_dp_two_micro_batches, 2, zero_stage, env={"DS_ACCELERATOR": "cpu"})
+    expected = _reference(2)  # equal halves: the mean of their mean losses is the whole batch's
+    for params in results:
+        for got, want in zip(params, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
