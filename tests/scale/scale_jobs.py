@@ -85,8 +85,8 @@ def job_args(assets: tuple[Path, Path, Path], moe: bool = False) -> list[str]:
     return ["jobs/ppo_tiny.yaml", f"run.steps={STEPS}", f"run.batch_size={BATCH}", "run.micro_batches=2",
             "run.save_every=0", "generation.temperature=1.0", f"generation.max_new_tokens={ANSWER}",
             f"generation.min_new_tokens={ANSWER}", f"dataset.max_answer_tokens={ANSWER}", f"dataset.path={prompts}",
-            "algo.minibatches=1", "algo.ppo_epochs=2", "algo.early_stop_ratio=0", f"models.actor.path={actor}", f"models.ref.path={actor}",
-            f"models.critic.path={dense}"]
+            "algo.minibatches=1", "algo.ppo_epochs=2", "algo.early_stop_ratio=0", f"models.actor.path={actor}",
+            f"models.ref.path={actor}", f"models.critic.path={dense}"]
 
 
 def run(results: Path, trial: str, nprocs: int, args: list[str], timeout: float = 1500,
