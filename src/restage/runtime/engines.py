@@ -86,6 +86,28 @@ class LayoutMPU:
         return self._tp_ranks[0]
 
 
+def stage_local_trace_checks() -> None:
+    """Turn off ZeRO-3's world-wide check that every rank traced the same modules.
+
+    While it records a module's first forwards, DeepSpeed's parameter coordinator checks at the end of each one
+    (``reset_step``) that every rank traced the same submodules and parameters, with broadcasts over the *whole
+    world* (``zero.utils.assert_ints_same_as_other_ranks``). Under pipeline parallelism each stage traces its own
+    module at its own moment, so one stage's broadcast met another stage's pipeline traffic and the job hung (a
+    dp2 x pp2 ZeRO-3 critic inferring at step 1, found by tests/scale). The dp ranks of a stage, the only ones that
+    gather each other's parameters, run the same module order by construction (they agree on their micro-batch
+    counts, runtime/execute.py), which is all the check guards. No group-aware form exists to call instead:
+    DeepSpeed hands the check only the ints.
+    """
+    # lazy: DeepSpeed takes seconds to import; only a ZeRO-3 engine comes here
+    import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
+
+    coordinator.assert_ints_same_as_other_ranks = _agreed  # DeepSpeed imported it into that module by name
+
+
+def _agreed(ints: list[int]) -> None:
+    """The stage's dp ranks traced the same modules by construction (``stage_local_trace_checks``)."""
+
+
 @contextlib.contextmanager
 def barriers_on(engine_group: ProcessGroup | None) -> Iterator[None]:
     """Point DeepSpeed's world-wide barriers at one engine's group for the duration.
@@ -238,6 +260,8 @@ def build_engine(module: torch.nn.Module, spec: ModelSpec, layout: Layout, rank:
         )
     if ep > 1:
         checkpoint_per_ep_rank(engine, layout, rank)
+    if effective_zero_stage(spec, layout.strategy.dp, ep) == 3:
+        stage_local_trace_checks()
     if effective_zero_stage(spec, layout.strategy.dp, ep) == 0 and layout.strategy.dp == 1:
         engine.enable_backward_allreduce = False  # one DP rank: the all-reduce would only flatten and copy back
     return engine
