@@ -73,3 +73,13 @@ def node_address(name: str) -> str:
     import socket
 
     return socket.gethostbyname(name)
+
+
+def hf_tensors(checkpoint, model: str) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted((checkpoint / model / "hf").glob("*.safetensors")):
+        tensors.update(load_file(file))
+    assert tensors, f"no safetensors under {checkpoint / model / 'hf'}"
+    return tensors

@@ -26,7 +26,7 @@ import time
 
 import pytest
 import torch
-from multinode_jobs import failure_report, submit, wait_finished
+from multinode_jobs import failure_report, hf_tensors, submit, wait_finished
 from slurm_queue import finish_through_requeues
 
 from restage.launch.trial import read_json
@@ -40,16 +40,6 @@ SAME_RUN = (f"run.steps={STEPS}", "run.save_every=0", "slurm.max_requeues=10")
 # RESTAGE_TIME_LIMIT_MINUTES=1 runs it under SLURM's smallest limit instead (a quiet machine: the run outlasts it).
 MINUTES = int(os.environ.get("RESTAGE_TIME_LIMIT_MINUTES", "10"))
 LIMITED = (f"slurm.time_minutes={MINUTES}", f"run.save_before_end_seconds={MINUTES * 60 - 5}")
-
-
-def hf_tensors(checkpoint, model: str) -> dict:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for file in sorted((checkpoint / model / "hf").glob("*.safetensors")):
-        tensors.update(load_file(file))
-    assert tensors, f"no safetensors under {checkpoint / model / 'hf'}"
-    return tensors
 
 
 def stats_by_step(log) -> dict[int, dict[str, float]]:

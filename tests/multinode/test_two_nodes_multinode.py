@@ -21,6 +21,7 @@ from multinode_jobs import (
     SCRIPT,
     STEPS,
     failure_report,
+    hf_tensors,
     job_state,
     node_address,
     rank_facts,
@@ -36,16 +37,6 @@ from restage.runtime import checkpoint_dir
 pytestmark = pytest.mark.multinode
 TRAINED = ("actor", "critic")
 RUNS: dict[str, tuple[str, object, float]] = {}
-
-
-def hf_tensors(checkpoint, model: str) -> dict:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for file in sorted((checkpoint / model / "hf").glob("*.safetensors")):
-        tensors.update(load_file(file))
-    assert tensors, f"no safetensors under {checkpoint / model / 'hf'}"
-    return tensors
 
 
 def two_node_run(launcher: str, tmp_path_factory):

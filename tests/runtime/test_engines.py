@@ -18,24 +18,32 @@ def _data(rank):
     return torch.randn(4, 6, generator=g), torch.randn(4, 1, generator=g)
 
 
-def _train_dp(rank, world_size, zero_stage):
+def _dp_engine(rank, world_size, zero_stage, micro_batches):
     from restage.runtime.engines import build_engine
 
     layout = Layout.contiguous(0, Strategy(dp=world_size))
     groups = ProcessGroups(layout.all_groups(), singletons=True)
     spec = ModelSpec(path="-", trainable=True, zero_stage=zero_stage, optim=OptimConfig(lr=0.1, grad_clip=0.5))
-    engine = build_engine(_model(), spec, layout, rank, groups, micro_batches=1, total_optimizer_steps=2)
-    for _ in range(2):
-        x, y = _data(rank)
-        loss = ((engine(x) - y) ** 2).mean()
-        engine.backward(loss)
-        engine.step()
+    return build_engine(_model(), spec, layout, rank, groups, micro_batches=micro_batches, total_optimizer_steps=2)
+
+
+def _whole_params(engine, zero_stage):
     if zero_stage == 3:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             return [p.detach().clone() for p in engine.module.parameters()]
     return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def _train_dp(rank, world_size, zero_stage):
+    engine = _dp_engine(rank, world_size, zero_stage, micro_batches=1)
+    for _ in range(2):
+        x, y = _data(rank)
+        loss = ((engine(x) - y) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+    return _whole_params(engine, zero_stage)
 
 
 def _reference(world_size, ranks=None):
@@ -126,13 +134,9 @@ def test_a_forward_through_an_engines_module_does_not_synchronize_the_device():
 def _train_dp_two_micro_batches(rank, world_size, zero_stage):
     """As the pipeline trains: ``engine.module`` called directly (never ``engine.forward``), each micro-batch's
     backward through ``execute.stage_backward``, the boundary set by hand, one step per two micro-batches."""
-    from restage.runtime.engines import build_engine
     from restage.runtime.execute import stage_backward
 
-    layout = Layout.contiguous(0, Strategy(dp=world_size))
-    groups = ProcessGroups(layout.all_groups(), singletons=True)
-    spec = ModelSpec(path="-", trainable=True, zero_stage=zero_stage, optim=OptimConfig(lr=0.1, grad_clip=0.5))
-    engine = build_engine(_model(), spec, layout, rank, groups, micro_batches=2, total_optimizer_steps=2)
+    engine = _dp_engine(rank, world_size, zero_stage, micro_batches=2)
     for _ in range(2):
         x, y = _data(rank)
         for micro in range(2):
@@ -140,12 +144,7 @@ def _train_dp_two_micro_batches(rank, world_size, zero_stage):
             engine.set_gradient_accumulation_boundary(micro == 1)
             stage_backward(engine, ((engine.module(x[part]) - y[part]) ** 2).mean(), None)
         engine.step()
-    if zero_stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-            return [p.detach().clone() for p in engine.module.parameters()]
-    return [p.detach().clone() for p in engine.module.parameters()]
+    return _whole_params(engine, zero_stage)
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
