@@ -35,7 +35,11 @@ ANSWER = 7
 WEIGHT_RTOL = 2e-5
 STAT_RTOL, STAT_ATOL = 1e-4, 1e-6
 # Statistics that measure the run, not the training: they differ between layouts by design.
-NOT_COMPARED = ("seconds", "samples_per_second", "tokens_per_second", "mfu", "memory", "throughput", "timing")
+# A mixture's router statistics depend on how the batch was cut into micro-batches: the busiest and idlest expert's
+# share of one micro-batch's tokens, and the load-balancing loss, a product of two of its means (the job sets its
+# coefficient to 0, so it moves no weight; the weights are compared).
+NOT_COMPARED = ("seconds", "samples_per_second", "tokens_per_second", "mfu", "memory", "throughput", "timing",
+                "/router/")
 MODELS = ("actor", "critic", "ref")
 TRAINED = ("actor", "critic")
 MFCS = ("actor_gen", "ref_inf", "critic_inf", "actor_train", "critic_train")
@@ -100,14 +104,14 @@ def run(results: Path, trial: str, nprocs: int, args: list[str], timeout: float 
     return results / "ppo-tiny" / trial
 
 
-def reference(results: Path, assets: tuple[Path, Path, Path], moe: bool = False) -> Path:
-    """The one-rank run of the job (made once per results directory and kind of actor)."""
-    trial = "one-rank-moe" if moe else "one-rank"
+def reference(results: Path, assets: tuple[Path, Path, Path], moe: bool = False, lora: tuple[str, ...] = ()) -> Path:
+    """The one-rank run of the job (made once per results directory, kind of actor and LoRA overrides)."""
+    trial = "one-rank" + ("-moe" if moe else "") + ("-lora" if lora else "")
     done = results / "ppo-tiny" / trial / "checkpoints"
     if done.is_dir() and any(done.glob("step-*")):
         return results / "ppo-tiny" / trial
     layouts = [f"plan.layouts.{m}=ranks:0 dp1" for m in MFCS]
-    return run(results, trial, 1, [*job_args(assets, moe), "plan.mode=manual", *layouts])
+    return run(results, trial, 1, [*job_args(assets, moe), "plan.mode=manual", *layouts, *lora])
 
 
 def _weights(trial: Path, model: str) -> dict[str, torch.Tensor]:
@@ -118,7 +122,9 @@ def _weights(trial: Path, model: str) -> dict[str, torch.Tensor]:
     checkpoint = latest(trial)
     assert checkpoint is not None, f"no checkpoint under {trial}"
     out: dict[str, torch.Tensor] = {}
-    for file in sorted((checkpoint / model / "hf").glob("*.safetensors")):
+    # A LoRA model's checkpoint holds its adapters (the base is frozen), a dense one its whole HF weights.
+    where = checkpoint / model / ("adapter" if (checkpoint / model / "adapter").is_dir() else "hf")
+    for file in sorted(where.glob("*.safetensors")):
         out.update(load_file(file))
     assert out, f"no weights for {model} in {checkpoint}"
     return out

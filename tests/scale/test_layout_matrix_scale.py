@@ -92,7 +92,7 @@ def test_layout_equals_one_rank_run(case: Case, scale_results, scale_assets_dir)
     refused = _feasible(case, scale_assets_dir)
     if refused:
         pytest.skip(f"the feasibility rule refuses it: {refused}")
-    ref = reference(scale_results, scale_assets_dir, case.moe)
+    ref = reference(scale_results, scale_assets_dir, case.moe, tuple(o for o in case.extra if ".lora." in o))
     try:
         trial = run(scale_results, case.name, case.nprocs, [*job_args(scale_assets_dir, case.moe), *case.overrides()])
         diff = difference(trial, ref)
