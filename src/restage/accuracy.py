@@ -11,7 +11,10 @@
 
 The uncertainty band of a prediction is the central ``BAND_QUANTILES`` of the measured / predicted
 ratios of the matching set (GPU clusters: ``GPU_CALIBRATION``; CPU clusters: ``CPU_VALIDATION``),
-quantiles interpolated linearly between the sorted ratios. ``restage plan`` prints it beside the
+quantiles interpolated linearly between the sorted ratios, widened to the prediction itself where both
+quantiles fall on one side of it (ratio 1): a band is printed beside its point prediction, so it always
+contains it (the CPU set's ratios are all below 1: the estimator over-predicts there, and the band then
+runs from the 10% quantile up to the prediction). ``restage plan`` prints it beside the
 predicted iteration time and ``restage report`` sets the measured times against it. When the cost
 model changes, rerun the commands in ``source`` and replace the checks:
 ``tests/unit/test_accuracy_on_cpu.py`` fails while the GPU checks differ from what
@@ -50,19 +53,26 @@ class CheckSet:
 class Band:
     """The measured time a prediction most likely falls in, as ratios to the prediction, and where they come from."""
 
-    low_ratio: float
-    high_ratio: float
+    low_ratio: float  # min(1, the low quantile): never above the prediction
+    high_ratio: float  # max(1, the high quantile): never below it
     points: int
     what: str
     source: str
+    quantile_ratios: tuple[float, float] = (0.0, 0.0)  # the quantiles themselves, before widening to 1
 
     def seconds(self, predicted_seconds: float) -> tuple[float, float]:
         return predicted_seconds * self.low_ratio, predicted_seconds * self.high_ratio
 
     def describe(self) -> str:
         low, high = (round(100 * q) for q in BAND_QUANTILES)
-        return (f"x{self.low_ratio:.2f}..x{self.high_ratio:.2f} of the prediction, the {low}% and {high}% quantiles of "
+        q_low, q_high = self.quantile_ratios
+        text = (f"x{self.low_ratio:.2f}..x{self.high_ratio:.2f} of the prediction, the {low}% and {high}% quantiles of "
                 f"measured/predicted over {self.points} {self.what}")
+        if q_high < 1.0:
+            text += f", widened up to the prediction (the {high}% quantile is x{q_high:.2f}: the estimator over-predicts)"
+        elif q_low > 1.0:
+            text += f", widened down to the prediction (the {low}% quantile is x{q_low:.2f}: the estimator under-predicts)"
+        return text
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -77,7 +87,9 @@ def quantile(values: list[float], q: float) -> float:
 def band_of(checks: CheckSet) -> Band:
     ratios = [c.ratio for c in checks.checks]
     low_q, high_q = BAND_QUANTILES
-    return Band(quantile(ratios, low_q), quantile(ratios, high_q), len(ratios), checks.what, checks.source)
+    q_low, q_high = quantile(ratios, low_q), quantile(ratios, high_q)
+    # Widened to ratio 1 where both quantiles lie on one side: the band must contain its own point prediction.
+    return Band(min(1.0, q_low), max(1.0, q_high), len(ratios), checks.what, checks.source, (q_low, q_high))
 
 
 GPU_CALIBRATION = CheckSet(

@@ -28,7 +28,8 @@ def _by_hand(checks: accuracy.CheckSet) -> tuple[float, float]:
     """numpy's linear quantiles (position q (n - 1)) of the stored measured/predicted ratios: an independent computation."""
     ratios = [c.measured_seconds / c.predicted_seconds for c in checks.checks]
     assert len(ratios) >= 6
-    return float(np.quantile(ratios, 0.1)), float(np.quantile(ratios, 0.9))
+    # widened to ratio 1 (the prediction) where both quantiles lie on one side of it
+    return min(1.0, float(np.quantile(ratios, 0.1))), max(1.0, float(np.quantile(ratios, 0.9)))
 
 
 def test_the_bands_are_the_quantiles_of_the_stored_errors():
@@ -36,6 +37,36 @@ def test_the_bands_are_the_quantiles_of_the_stored_errors():
     assert (gpu.low_ratio, gpu.high_ratio) == pytest.approx(_by_hand(accuracy.GPU_CALIBRATION), rel=1e-12)
     assert (cpu.low_ratio, cpu.high_ratio) == pytest.approx(_by_hand(accuracy.CPU_VALIDATION), rel=1e-12)
     assert (gpu.points, cpu.points) == (len(accuracy.GPU_CALIBRATION.checks), len(accuracy.CPU_VALIDATION.checks))
+
+
+def _checks(ratios: np.ndarray) -> accuracy.CheckSet:
+    return accuracy.CheckSet("test points", "test", tuple(accuracy.Check(f"c{i}", 2.0, 2.0 * float(r))
+                                                           for i, r in enumerate(ratios)))
+
+
+@pytest.mark.parametrize("bias", [0.4, 0.65, 0.9, 1.0, 1.2, 2.5])  # measured / predicted about this on average
+@pytest.mark.parametrize("seed", range(4))
+def test_the_band_always_contains_its_own_prediction(bias, seed):
+    """Over check sets whose errors are all on one side (the CPU set's are all below 1) or spread across it, and
+    predictions from milliseconds to hours: the printed band holds the prediction, and each end is its quantile
+    wherever that quantile is on its own side of the prediction."""
+    rng = np.random.default_rng(seed)
+    ratios = bias * np.exp(rng.normal(0.0, 0.15, size=int(rng.integers(5, 15))))
+    band = accuracy.band_of(_checks(ratios))
+    q_low, q_high = float(np.quantile(ratios, 0.1)), float(np.quantile(ratios, 0.9))
+    assert band.quantile_ratios == pytest.approx((q_low, q_high), rel=1e-12)
+    assert band.low_ratio == pytest.approx(min(1.0, q_low), rel=1e-12)
+    assert band.high_ratio == pytest.approx(max(1.0, q_high), rel=1e-12)
+    for predicted in (0.0463, 0.7, 12.5, 3600.0):
+        low, high = band.seconds(predicted)
+        assert low <= predicted <= high, (predicted, low, high, ratios)
+    widened = q_high < 1.0 or q_low > 1.0
+    assert ("widened" in band.describe()) == widened
+
+
+def test_the_stored_bands_contain_their_prediction():
+    for band in (accuracy.prediction_band(True), accuracy.prediction_band(False)):
+        assert band.low_ratio <= 1.0 <= band.high_ratio, band.describe()
 
 
 def test_the_stored_gpu_checks_are_what_bench_calibration_predicts_now():
