@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from restage.algorithms import losses, offpolicy
+from restage.algorithms import losses, offpolicy, registry
 from restage.algorithms.interface import build_graph, get_algorithm
 from restage.config import ConfigError, config_from_dict
 from restage.data.batch import pack_sequences
@@ -77,7 +77,7 @@ def test_seq_mean_aggregation_weights_each_sequence_alike():
     assert float(loss.detach()) == pytest.approx(((-1.1 - 3.6) / 2 + (0.4 + 0.0 + 2.25) / 3) / 2, abs=1e-6)
 
 
-@pytest.mark.parametrize("agg", losses.AGGREGATIONS)
+@pytest.mark.parametrize("agg", registry.names(registry.AGGREGATIONS))
 def test_with_prox_equal_to_behaviour_it_is_the_standard_clipped_loss_to_the_bit(agg):
     g = torch.Generator().manual_seed(0)
     n = 40
@@ -87,8 +87,9 @@ def test_with_prox_equal_to_behaviour_it_is_the_standard_clipped_loss_to_the_bit
     cu = torch.tensor([0, 9, 25, 40], dtype=torch.int32)
     start = behav + 0.3 * torch.randn(n, generator=g)  # ratios well outside 1 +- eps: both branches taken
     new_a, new_b = start.clone().requires_grad_(True), start.clone().requires_grad_(True)
-    standard, standard_stats = losses.policy_loss(new_a, behav, advantages, mask, cu, 0.2, agg)
-    decoupled, stats = losses.decoupled_policy_loss(new_b, behav.clone(), behav, advantages, mask, cu, 0.2, 5.0, agg)
+    standard, standard_stats = losses.policy_loss(new_a, behav, advantages, mask, cu, 0.2, agg, norm_tokens=16)
+    decoupled, stats = losses.decoupled_policy_loss(new_b, behav.clone(), behav, advantages, mask, cu, 0.2, 5.0, agg,
+                                                    norm_tokens=16)
     standard.backward()
     decoupled.backward()
     assert 0 < standard_stats["clip_fraction"] < 1

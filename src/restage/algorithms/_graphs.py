@@ -52,25 +52,31 @@ def with_proximal(cfg: ExperimentConfig, mfcs: list[MFC]) -> list[MFC]:
     -1 on prompt tokens); an ``actor_prox`` inference MFC on the actor recomputes ``prox_logprobs`` with the
     weights about to be trained; ``actor_train`` reads both after ``logprobs`` (the behaviour policy's).
     ``losses.decoupled_policy_loss`` is the objective they feed (docs/algorithms.md, "Asynchronous training").
+
+    In sync mode with ``algo.is_correction`` (tis or mis) the graph gains ``actor_prox`` too (no ``versions``): the
+    training layout's log-probs of the generating weights, for the importance-sampling correction
+    (``is_correction.py``).
     """
-    if not is_async(cfg):
+    corrected = str(cfg.algo.get("is_correction", "none")) != "none"
+    if not is_async(cfg) and not corrected:
         return mfcs
     names = [m.name for m in mfcs]
     if ACTOR_GEN not in names or ACTOR_TRAIN not in names:
-        raise ConfigError(f"plan.execution async needs MFCs {ACTOR_GEN} and {ACTOR_TRAIN}; {cfg.algorithm} has "
-                          f"{', '.join(names)}: set plan.execution=sync")
+        raise ConfigError(f"plan.execution async and algo.is_correction need MFCs {ACTOR_GEN} and {ACTOR_TRAIN}; "
+                          f"{cfg.algorithm} has {', '.join(names)}: set plan.execution=sync and algo.is_correction=none")
     train = mfcs[names.index(ACTOR_TRAIN)]
     if "logprobs" not in train.inputs:
         raise ConfigError(f"plan.execution async: {cfg.algorithm}'s {ACTOR_TRAIN} must read the behaviour policy's "
                           "logprobs to correct for their age; set plan.execution=sync")
+    versions = ("versions",) if is_async(cfg) else ()
     out = []
     for mfc in mfcs:
         if mfc.name == ACTOR_GEN:
-            mfc = dataclasses.replace(mfc, outputs=mfc.outputs + ("versions",))
+            mfc = dataclasses.replace(mfc, outputs=mfc.outputs + versions)
         elif mfc.name == ACTOR_TRAIN:
             out.append(MFC(ACTOR_PROX, "inference", mfc.model, mfc.inputs[:2], ("prox_logprobs",), mfc.n_seqs,
                            mfc.prompt_tokens, mfc.gen_tokens, mfc.micro_batches))
             at = mfc.inputs.index("logprobs") + 1
-            mfc = dataclasses.replace(mfc, inputs=mfc.inputs[:at] + ("prox_logprobs", "versions") + mfc.inputs[at:])
+            mfc = dataclasses.replace(mfc, inputs=mfc.inputs[:at] + ("prox_logprobs",) + versions + mfc.inputs[at:])
         out.append(mfc)
     return out

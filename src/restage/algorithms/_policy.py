@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import torch
 
-from restage.algorithms import base, estimators, losses, offpolicy
+from restage.algorithms import base, estimators, is_correction, losses, offpolicy, registry
 from restage.algorithms._graphs import ACTOR_TRAIN
 from restage.algorithms.interface import build_graph
 from restage.config import ExperimentConfig
@@ -25,7 +25,13 @@ class PolicyParams:
     reward_scale: float = 1.0  # rewards become (r - reward_bias) * reward_scale ...
     reward_bias: float = 0.0
     reward_clip: float = 0.0  # ... clipped to [-reward_clip, reward_clip] when > 0
-    loss_agg: str = "token_mean"  # token_mean, or seq_mean (mean over sequences of each one's token mean)
+    loss_agg: str = "token_mean"  # a registered aggregation (registry.AGGREGATIONS): token_mean, seq_mean, ...
+    policy_loss: str = "ppo"  # a registered policy loss (registry.POLICY_LOSSES): ppo (per-token ratio), gspo
+    clip_eps_low: float = 0.0  # > 0: the ratio's lower clip 1 - clip_eps_low (DAPO's decoupled clip); 0: clip_eps
+    clip_eps_high: float = 0.0  # > 0: the ratio's upper clip 1 + clip_eps_high; 0: clip_eps
+    # Importance-sampling correction between the generation's and the training layout's log-probs (is_correction.py)
+    is_correction: str = "none"  # none, tis (truncate weights at is_cap) or mis (drop tokens outside [1/cap, cap])
+    is_cap: float = 2.0
     # plan.execution async: drop tokens whose importance weight exp(prox - behaviour) exceeds this (0: keep all)
     behav_imp_weight_cap: float = 5.0
 
@@ -44,7 +50,15 @@ P = TypeVar("P", bound="KLPolicyParams")
 def validate_policy(params: PolicyParams) -> None:
     base.check_positive(params, "clip_eps", "reward_scale")
     base.check_positive(params, "entropy_coef", "early_stop_ratio", "early_stop_kl", "reward_clip", allow_zero=True)
-    base.check_choice("loss_agg", params.loss_agg, losses.AGGREGATIONS)
+    base.check_choice("loss_agg", params.loss_agg, registry.names(registry.AGGREGATIONS))
+    base.check_choice("policy_loss", params.policy_loss, registry.names(registry.POLICY_LOSSES))
+    base.check_choice("is_correction", params.is_correction, is_correction.IS_CORRECTIONS)
+    base.check_positive(params, "clip_eps_low", "clip_eps_high", allow_zero=True)
+    if params.clip_eps_low >= 1.0 or (params.clip_eps_low == 0 and params.clip_eps >= 1.0):
+        raise ConfigError(f"algo.clip_eps_low: the ratio's lower clip 1 - {params.clip_eps_low or params.clip_eps} "
+                          "must stay above 0: set it below 1")
+    if not params.is_cap > 1.0:
+        raise ConfigError(f"algo.is_cap: {params.is_cap} must be > 1")
     if not 0.0 <= params.ref_ema_eta <= 1.0:
         raise ConfigError(f"algo.ref_ema_eta: {params.ref_ema_eta} must be in [0, 1]")
     if 0 < params.early_stop_ratio <= 1.0:
@@ -109,35 +123,52 @@ def shaped_rewards(batch: Batch, params: PolicyParams, key: str = "rewards") -> 
     return estimators.shape_rewards(batch[key], params.reward_scale, params.reward_bias, params.reward_clip)
 
 
+def clip_range(params: PolicyParams) -> tuple[float, float]:
+    """The ratio's clip range ``(low, high)``: ``1 - low <= r <= 1 + high`` (each 0 in the config: ``clip_eps``)."""
+    return params.clip_eps_low or params.clip_eps, params.clip_eps_high or params.clip_eps
+
+
 def actor_loss(micro_batch: Batch, outputs: dict, params: PolicyParams,
                kl_per_token: torch.Tensor | None = None, kl_coef: float = 0.0,
-               at: offpolicy.TrainVersion | None = None) -> tuple[torch.Tensor, dict]:
-    """Clipped surrogate on ``advantages`` against the generation's ``logprobs``, minus the entropy bonus,
-    plus ``kl_coef`` times a per-token KL term (GRPO). A tripped early stop zeroes the loss and sets
-    ``early_stop`` to 1: the runtime skips this optimizer step and the rest of the batch.
+               at: offpolicy.TrainVersion | None = None, norm_tokens: int = 0) -> tuple[torch.Tensor, dict]:
+    """The registered policy loss (``algo.policy_loss``) on ``advantages`` against the generation's ``logprobs``,
+    aggregated by ``algo.loss_agg`` (``norm_tokens``: the generation's ``max_new_tokens``), minus the entropy bonus,
+    plus ``kl_coef`` times a per-token KL term (GRPO). A tripped early stop zeroes the loss and sets ``early_stop``
+    to 1: the runtime skips this optimizer step and the rest of the batch.
 
     Async mode (``at``: ``offpolicy.train_version``): the decoupled surrogate instead, clipped against
     ``prox_logprobs`` and weighted by the capped importance weights against ``logprobs`` (the behaviour
-    policy's), after checking every token's age; the version-gap and weight statistics join the stats."""
+    policy's), after checking every token's age; the version-gap and weight statistics join the stats.
+    Sync mode with ``algo.is_correction``: clipped against ``prox_logprobs`` (the training layout's log-probs of
+    the generating weights) and weighted by ``is_correction.importance_weights`` against ``logprobs``."""
     mask = base.answer_mask(micro_batch)
     cu = micro_batch.cu_seqlens
     new_logprobs = outputs["logprobs"].float()
-    if at is None:
-        value, stats = losses.policy_loss(new_logprobs, micro_batch["logprobs"].float(), micro_batch["advantages"],
-                                          mask, cu, params.clip_eps, params.loss_agg)
+    surrogate = registry.POLICY_LOSSES[params.policy_loss]
+    low, high = clip_range(params)
+    gen_logprobs = micro_batch["logprobs"].float()
+    weights = None
+    if at is None and params.is_correction == "none":
+        per_token, stats = surrogate(new_logprobs, gen_logprobs, micro_batch["advantages"], mask, cu, low, high)
     else:
-        gap_stats = offpolicy.version_gap_stats(micro_batch["versions"], mask, at)
-        value, stats = losses.decoupled_policy_loss(
-            new_logprobs, micro_batch["prox_logprobs"].float(), micro_batch["logprobs"].float(),
-            micro_batch["advantages"], mask, cu, params.clip_eps, params.behav_imp_weight_cap, params.loss_agg)
-        stats |= gap_stats
+        prox = micro_batch["prox_logprobs"].float()
+        per_token, stats = surrogate(new_logprobs, prox, micro_batch["advantages"], mask, cu, low, high)
+        if at is not None:
+            stats |= offpolicy.version_gap_stats(micro_batch["versions"], mask, at)
+            weights, weight_stats = losses.behaviour_weights(prox, gen_logprobs, mask, params.behav_imp_weight_cap)
+        else:
+            weights, weight_stats = is_correction.importance_weights(prox, gen_logprobs, mask, params.is_correction,
+                                                                     params.is_cap)
+        stats |= weight_stats
+    value = losses.aggregate(per_token if weights is None else weights * per_token, mask, cu, params.loss_agg,
+                             norm_tokens)
     stats["policy_loss"] = float(value.detach())
     if params.entropy_coef > 0:
-        entropy = losses.aggregate(outputs["entropy"].float(), mask, cu, params.loss_agg)
+        entropy = losses.aggregate(outputs["entropy"].float(), mask, cu, params.loss_agg, norm_tokens)
         value = value - params.entropy_coef * entropy
         stats["entropy"] = float(entropy.detach())
     if kl_per_token is not None:
-        kl = losses.aggregate(kl_per_token, mask, cu, params.loss_agg)
+        kl = losses.aggregate(kl_per_token, mask, cu, params.loss_agg, norm_tokens)
         value = value + kl_coef * kl
         stats["kl"] = float(kl.detach())
     stop = (params.early_stop_ratio > 0 and stats["ratio_dev"] > params.early_stop_ratio) or (

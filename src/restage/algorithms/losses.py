@@ -5,22 +5,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from restage.algorithms import ops
+from restage.algorithms import registry
 
-AGGREGATIONS = ("token_mean", "seq_mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str = "token_mean") -> torch.Tensor:
-    """Scalar loss from per-token terms: mean over masked tokens, or mean over sequences of each one's token mean."""
-    m = mask.to(per_token.dtype)
-    if mode == "token_mean":
-        return (per_token * m).sum() / m.sum().clamp(min=1)
-    if mode == "seq_mean":
-        per_seq = ops.seq_sum(per_token * m, cu_seqlens) / ops.seq_sum(m, cu_seqlens).clamp(min=1)
-        has_tokens = ops.seq_sum(m, cu_seqlens) > 0
-        return per_seq[has_tokens].sum() / has_tokens.sum().clamp(min=1)
-    raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str = "token_mean",
+              norm_tokens: int = 0) -> torch.Tensor:
+    """Scalar loss from per-token terms by the registered aggregation ``mode`` (``registry.AGGREGATIONS``:
+    ``token_mean``, ``seq_mean``, ...); ``norm_tokens`` is the generation's ``max_new_tokens`` (Dr. GRPO's norm)."""
+    if mode not in registry.AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {registry.names(registry.AGGREGATIONS)}, got {mode!r}")
+    return registry.AGGREGATIONS[mode](per_token, mask, cu_seqlens, norm_tokens)
 
 
 def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -78,7 +74,8 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                cu_seqlens: torch.Tensor, clip_eps: float, agg: str = "token_mean") -> tuple[torch.Tensor, dict]:
+                cu_seqlens: torch.Tensor, clip_eps: float, agg: str = "token_mean",
+                norm_tokens: int = 0) -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate ``max(-A r, -A clip(r, 1-eps, 1+eps))`` with ``r = exp(logp - old_logp)``.
 
     Returns the aggregated loss and statistics over the masked tokens: ``clip_fraction``,
@@ -86,16 +83,17 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     ``max(r, 1/r)``, the early-stop signal).
     """
     per_token, stats = _clipped_surrogate(logprobs, old_logprobs, advantages, mask, clip_eps)
-    return aggregate(per_token, mask, cu_seqlens, agg), stats
+    return aggregate(per_token, mask, cu_seqlens, agg, norm_tokens), stats
 
 
 def _clipped_surrogate(logprobs: torch.Tensor, anchor_logprobs: torch.Tensor, advantages: torch.Tensor,
-                       mask: torch.Tensor, clip_eps: float) -> tuple[torch.Tensor, dict]:
-    """Per-token ``max(-A r, -A clip(r, 1-eps, 1+eps))``, ``r = exp(logp - anchor_logp)``, and its ratio statistics."""
+                       mask: torch.Tensor, clip_eps: float, clip_high: float | None = None) -> tuple[torch.Tensor, dict]:
+    """Per-token ``max(-A r, -A clip(r, 1-eps, 1+high))``, ``r = exp(logp - anchor_logp)``, and its ratio statistics
+    (``clip_high`` None: ``clip_eps`` on both sides)."""
     log_ratio = (logprobs - anchor_logprobs).masked_fill(~mask, 0.0)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + (clip_eps if clip_high is None else clip_high))
     with torch.no_grad():
         m = mask.float()
         count = m.sum().clamp(min=1)
@@ -134,7 +132,7 @@ def behaviour_weights(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
 
 def decoupled_policy_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
                           advantages: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, clip_eps: float,
-                          weight_cap: float, agg: str = "token_mean") -> tuple[torch.Tensor, dict]:
+                          weight_cap: float, agg: str = "token_mean", norm_tokens: int = 0) -> tuple[torch.Tensor, dict]:
     """Decoupled PPO (Hilton et al. 2021; AReaL, Fu et al. 2025): ``w * max(-A r, -A clip(r, 1-eps, 1+eps))``.
 
     ``r = exp(logp - prox_logp)`` is clipped against the proximal policy (the weights before this
@@ -146,7 +144,7 @@ def decoupled_policy_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, b
     """
     per_token, stats = _clipped_surrogate(logprobs, prox_logprobs, advantages, mask, clip_eps)
     weights, weight_stats = behaviour_weights(prox_logprobs, behav_logprobs, mask, weight_cap)
-    return aggregate(weights * per_token, mask, cu_seqlens, agg), stats | weight_stats
+    return aggregate(weights * per_token, mask, cu_seqlens, agg, norm_tokens), stats | weight_stats
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -143,7 +143,8 @@ def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig
          state: base.AlgoState) -> tuple[torch.Tensor, dict]:
     p: Params = state.params
     if mfc_name == ACTOR_TRAIN:
-        return _policy.actor_loss(micro_batch, outputs, p, at=offpolicy.train_version(cfg, state))
+        return _policy.actor_loss(micro_batch, outputs, p, at=offpolicy.train_version(cfg, state),
+                                  norm_tokens=cfg.generation.max_new_tokens)
     if mfc_name == CRITIC_TRAIN:
         mask = base.answer_mask(micro_batch)
         predicted = ops.shift_right(outputs["values"].float(), micro_batch.cu_seqlens)
