@@ -110,6 +110,23 @@ class RewardsConfig:
 
 
 @dataclass(frozen=True)
+class EnvironmentConfig:
+    """Multi-turn episodes with tool calls (algorithms/environments.py, runtime/multi_turn.py); name "" : off."""
+
+    name: str = ""  # a registered environment (tool_use) or module:function; "": one answer per prompt
+    tools: tuple[str, ...] = ()  # registered tools (algorithms/tools.py): calculator, python
+    tool_format: str = "plain"  # plain (<call> NAME ARGS </call>) or chat_template (<tool_call>{json}</tool_call>)
+    max_turns: int = 4  # answers per episode
+    max_episode_tokens: int = 256  # answer plus observation tokens of one episode (its prompt not counted)
+    over_budget_reward: float = 0.0  # an episode cut at its budget or its last turn before it was done gets this
+    tool_call_reward: float = 0.0  # tool_use: added per call that ran
+    failed_call_reward: float = 0.0  # tool_use: added per call that failed (unknown, malformed, raised, timed out)
+    tool_timeout_seconds: float = 5.0  # sandbox wall-clock limit of one call
+    tool_memory_bytes: int = 512 * 2**20  # sandbox address-space limit of one call
+    tool_latency_seconds: float = 0.1  # the estimator's figure for one call (plan/)
+
+
+@dataclass(frozen=True)
 class DashboardsConfig:
     """Copies of the log's scalars for a dashboard (report/dashboards.py); log.h5 stays the source of truth."""
 
@@ -238,6 +255,7 @@ class ExperimentConfig:
     algo: dict[str, Any] = field(default_factory=dict)
     reward_fn: str = ""  # "module:function" rule-based reward instead of a reward model
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     dashboards: DashboardsConfig = field(default_factory=DashboardsConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     cluster: ClusterRef = field(default_factory=ClusterRef)

@@ -1,7 +1,8 @@
 """Running an untrusted answer's Python code against one test, in a confined subprocess.
 
 ``run_test(code, test, limits)`` is True when the answer's code and then the test run to the end in
-the sandbox. Each run gets:
+the sandbox; ``run_program`` runs the same way and also returns what it printed (a tool call's output,
+``algorithms/tools.py``). Each run gets:
 
 * a throwaway working directory (created here, removed after), its only writable place;
 * an environment of ``PATH``, ``HOME`` (the working directory) and ``LANG`` alone: nothing of ours;
@@ -93,6 +94,24 @@ def weaker_fences(network: str, files: str) -> str | None:
 def run_test(code: str, test: str, limits: Limits = Limits(), namespaces: bool = True) -> bool:
     """True when ``code`` then ``test`` run to the end in the sandbox within ``limits``; ``namespaces=False``
     skips the namespace fences (what a machine without user namespaces gets; for tests)."""
+    return run_program(code, test, limits, namespaces).finished
+
+
+@dataclass(frozen=True)
+class ProgramRun:
+    """What a sandboxed run left: whether it ran to the end, whether the wall-clock limit stopped it, its stdout
+    (the nonce line removed, cut to the first ``max_output_chars``) and its stderr's last line (an error)."""
+
+    finished: bool
+    timed_out: bool
+    stdout: str
+    error: str
+
+
+def run_program(code: str, test: str = "", limits: Limits = Limits(), namespaces: bool = True,
+                max_output_chars: int = 4096) -> ProgramRun:
+    """Run ``code`` then ``test`` in the sandbox within ``limits`` (``run_test``'s fences); returns its output too
+    (a tool's observation, ``algorithms/tools.py``)."""
     nonce = secrets.token_hex(16)
     workdir = tempfile.mkdtemp(prefix="restage-sandbox-")
     try:
@@ -108,13 +127,17 @@ def run_test(code: str, test: str, limits: Limits = Limits(), namespaces: bool =
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    start_new_session=True, close_fds=True)
         try:
-            out, _ = process.communicate(json.dumps(request).encode(), timeout=limits.timeout_seconds)
+            out, err = process.communicate(json.dumps(request).encode(), timeout=limits.timeout_seconds)
         except subprocess.TimeoutExpired:
             _kill_group(process)
-            return False
+            return ProgramRun(False, True, "", f"timed out after {limits.timeout_seconds:g} s")
         finally:
             _kill_group(process)  # anything it left behind in its session
-        return process.returncode == 0 and _passed(out.decode(errors="replace"), nonce)
+        text = out.decode(errors="replace")
+        finished = process.returncode == 0 and _passed(text, nonce)
+        body = text.rstrip().rpartition("\n")[0] if finished else text
+        error = err.decode(errors="replace").strip().rpartition("\n")[2]
+        return ProgramRun(finished, False, body.strip("\n")[:max_output_chars], "" if finished else error)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
