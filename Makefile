@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-scale test-multinode test-fast lint typecheck clean
+.PHONY: install demo test test-scale test-multinode test-fast test-trl lint typecheck clean
 
 $(STAMP): setup.cfg pyproject.toml scripts/install_system.sh
 	bash scripts/install_system.sh
@@ -34,6 +34,12 @@ test-scale: install
 
 test-multinode: install
 	bash scripts/run_tests.sh -s -m multinode tests/multinode
+
+# restage's GRPO-family losses against TRL's GRPOTrainer (tests/algorithms/test_trl_parity_on_cpu.py): makes TRL's own
+# venv first (bench/.venv-trl, pip install trl==1.16.0, about 5 minutes once); make test skips these without it.
+test-trl: install
+	$(BIN)/python -c "import sys; sys.path.insert(0, 'bench'); import e2e_cpu; e2e_cpu.ensure_trl_venv()"
+	$(BIN)/python -m pytest -q tests/algorithms/test_trl_parity_on_cpu.py
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not multirank and not slurm and not e2e and not multinode"
