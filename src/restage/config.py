@@ -230,11 +230,11 @@ class SlurmConfig:
     partition: str = ""
     account: str = ""
     qos: str = ""
-    time_minutes: int = 60
-    mem_gb: int = 0
-    exclusive: bool = False
+    time_minutes: int = 0  # per attempt; 0: the partition's time limit (sinfo), else 24 h (launch/resources.py)
+    mem_gb: int = 0  # 0: all of each node's memory (--mem=0) when exclusive, else the site's default
+    exclusive: bool = True  # whole nodes: --exclusive, --mem=0, --cpus-per-task = the node's CPUs / ranks per node
     constraint: str = ""
-    launcher: str = "mpirun"  # mpirun or srun
+    launcher: str = "auto"  # auto: srun where the site's srun offers PMIx, else mpirun; or srun, mpirun
     requeue: bool = True
     template_vars: dict[str, str] = field(default_factory=dict)
     cpus_per_task: int = 0  # cores per rank; 0: the node's CPUs in the allocation / ranks per node

@@ -13,6 +13,13 @@ SELFTEST = {
 }
 
 
+@pytest.fixture(autouse=True)
+def no_site(monkeypatch):
+    """The scripts of these tests do not depend on this machine's SLURM (sinfo, srun): a test that needs a site
+    patches restage.launch.site."""
+    monkeypatch.setenv("RESTAGE_SITE_PROBE", "0")
+
+
 @pytest.fixture
 def write_config(tmp_path):
     """Write a self-test experiment config (results under tmp_path) with nested updates; return its path."""

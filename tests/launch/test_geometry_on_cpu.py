@@ -71,6 +71,9 @@ def test_submit_on_two_gpu_nodes_derives_run_nprocs(job, capsys, monkeypatch):
 
     from restage import cli
 
+    # The geometry alone: with the runtime as the program, submit also checks the models and plans
+    # (tests/launch/test_submit_checks_on_cpu.py), and gpu_ppo_300m's model directory is built only for GPU checks.
+    monkeypatch.setenv("RESTAGE_PROGRAM", "restage.launch.selftest")
     with contextlib.chdir(Path(__file__).resolve().parents[2]):
         code = cli.main(["submit", job, "--dry-run", "cluster.name=h100-80gb", "cluster.nodes=2",
                          "cluster.devices_per_node=0"])

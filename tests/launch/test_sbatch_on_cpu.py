@@ -12,7 +12,9 @@ from restage.launch.slurm import render_template, sbatch_error, signal_delay_sec
 SITE_VARS = ["slurm.template=example-site", "slurm.template_vars.cuda_module=cuda/12.4",
              "slurm.template_vars.nccl_module=nccl/2.21", "slurm.template_vars.container_image=/img/restage.sqsh",
              "slurm.template_vars.ib_interface=ib0"]
-BIG = ["cluster.name=h100-80gb", "cluster.nodes=16", "cluster.devices_per_node=0", "slurm.program=",
+# The self-test program: the script's text is the runtime's but for the module, and it needs no model (the runtime's
+# jobs are checked and planned before the script is printed: tests/launch/test_submit_checks_on_cpu.py).
+BIG = ["cluster.name=h100-80gb", "cluster.nodes=16", "cluster.devices_per_node=0",
        "slurm.partition=gpu", "slurm.account=proj1", "slurm.qos=high", "slurm.time_minutes=120", "slurm.mem_gb=512",
        "slurm.exclusive=true", "slurm.constraint=h100", "slurm.cpus_per_task=12", *SITE_VARS]
 
@@ -49,7 +51,7 @@ def test_dry_run_rendezvous_and_binding(big_script):
     launch = next(line for line in lines if "mpirun" in line and " -n " in line)
     assert " -n 128 " in launch
     assert "--host " + ",".join(f"<host{i}>:8" for i in range(16)) in launch
-    assert "restage.launch.rank restage.runtime.spmd <trial_dir>/schedule.json" in launch
+    assert "restage.launch.rank restage.launch.selftest <trial_dir>/schedule.json" in launch
     assert ("# rank r runs on host r // 8 as LOCAL_RANK r % 8, CUDA_VISIBLE_DEVICES = the node's 8 GPUs, "
             "device index LOCAL_RANK") in lines
     assert "--map-by slot:PE=12 --bind-to core" in launch  # slurm.cpus_per_task=12 cores per rank
@@ -93,7 +95,7 @@ def test_dry_run_with_the_default_template_16_by_8(write_config, capsys, launche
         assert " -n 128 --allow-run-as-root --host " in launch or " -n 128 --host " in launch
         assert f"--map-by slot:PE={cpus} --bind-to core" in launch
         assert "-x NCCL_SOCKET_IFNAME" not in launch  # no interface configured: nothing pinned
-    assert launch.endswith("restage.launch.rank restage.runtime.spmd <trial_dir>/schedule.json")
+    assert launch.endswith("restage.launch.rank restage.launch.selftest <trial_dir>/schedule.json")
 
 
 def test_every_shipped_template_renders():
@@ -147,7 +149,8 @@ def test_sbatch_error_is_one_line():
 
 
 def test_the_job_gets_absolute_paths_for_what_exists_here(tmp_path, monkeypatch):
-    """The job may start in another directory: paths that exist where `restage submit` runs are made absolute."""
+    """The job may start in another directory: every relative path of the config file is made absolute against its
+    directory (config_paths.py), a hub id too (refused where it is read, with the hub hint)."""
     from restage.launch.submit import resolved_dict
 
     (tmp_path / "model").mkdir()
@@ -158,8 +161,9 @@ def test_the_job_gets_absolute_paths_for_what_exists_here(tmp_path, monkeypatch)
                       "dataset: {path: prompts.jsonl, tokenizer: missing-dir}\nrun: {results_dir: out}\n")
     data = resolved_dict(load_config(config))
     assert data["models"]["actor"]["path"] == str(tmp_path / "model")
-    assert data["models"]["ref"]["path"] == "org/hub-name"  # not here: a hub name or a cluster path, kept
-    assert (data["dataset"]["path"], data["dataset"]["tokenizer"]) == (str(tmp_path / "prompts.jsonl"), "missing-dir")
+    assert data["models"]["ref"]["path"] == str(tmp_path / "org" / "hub-name")
+    assert (data["dataset"]["path"], data["dataset"]["tokenizer"]) == (str(tmp_path / "prompts.jsonl"),
+                                                                       str(tmp_path / "missing-dir"))
     assert data["run"]["results_dir"] == str(tmp_path / "out")
 
 

@@ -1,16 +1,19 @@
 """The tiny PPO job across two nodes of the multinode cluster (scripts/slurm_multinode.sh), two ranks each.
 
-Through both launch paths (srun with PMIx, and mpirun): every rank's host, local rank, device index (the one
-DeepSpeed's set_device(LOCAL_RANK) and the runtime use among the node's GPUs, which SLURM's GRES gives as
-CUDA_VISIBLE_DEVICES=0,1), CPU set (task/affinity: one core of its own per rank) and rendezvous host (the
-first node, never localhost). Then a results directory the nodes do not share is refused before any rank
-starts, and a whole node killed mid-run ends the job, which SLURM requeues and which resumes to the same
-final weights as the uninterrupted run. Timings are printed (pytest -s) for the report.
+Through both launch paths (srun with PMIx, chosen by slurm.launcher=auto, and mpirun), each job asking for whole
+nodes: every rank's host, local rank, device index (the one DeepSpeed's set_device(LOCAL_RANK) and the runtime use
+among the node's GPUs, which SLURM's GRES gives as CUDA_VISIBLE_DEVICES=0,1), CPU set (task/affinity: one core of
+its own per rank) and rendezvous host (the first node, never localhost). Then a results directory the nodes do not
+share is refused before any rank starts, and a whole node killed mid-run ends the job, which SLURM requeues and
+which resumes to the same final weights as the uninterrupted run.
+Timings are printed (pytest -s) for the report.
 """
 
+import re
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,13 +52,20 @@ def two_node_run(launcher: str, tmp_path_factory):
     return RUNS[launcher]
 
 
-@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+@pytest.mark.parametrize("launcher", ["auto", "mpirun"])
 def test_ppo_tiny_on_two_nodes_places_every_rank(launcher, tiny_model, tmp_path_factory):
+    """auto (the default): this cluster's srun offers PMIx, so the ranks start under srun. Either way the job
+    asks for whole nodes: --exclusive, --mem=0 and the node's 2 CPUs / 2 ranks per task."""
     job_id, trial, wall_seconds = two_node_run(launcher, tmp_path_factory)
     attempt = read_json(trial / "job.json")["attempts"][0]
     print(f"\nmultinode: {launcher} job {job_id}, {STEPS} PPO steps on 2 nodes x 2 ranks: "
           f"{wall_seconds:.1f} s from submission to completion; hosts {attempt['hosts']}")
     assert attempt["outcome"] == "completed"
+    launcher = {"auto": "srun"}.get(launcher, launcher)
+    assert attempt["launcher"] == launcher
+    script = Path(read_json(trial / "submission.json")["script"]).read_text()
+    flags = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S*))?$", script, re.M))
+    assert "exclusive" in flags and (flags["mem"], flags["cpus-per-task"], flags["time"]) == ("0", "1", "20")
     hosts = attempt["hosts"]
     assert len(hosts) == NODES and len(set(hosts)) == NODES
     facts = rank_facts(trial)

@@ -25,7 +25,9 @@ SELFTEST = {
     "cluster": {"name": "local-cpu", "nodes": 1, "devices_per_node": 3},
     "run": {"steps": 4},
     "algo": {"selftest_sleep_seconds": 0.0},
-    "slurm": {"template": "local", "program": "restage.launch.selftest", "time_minutes": 5},
+    # One node shared by the tests' jobs, side by side: not whole nodes; mpirun, as these tests were written for.
+    "slurm": {"template": "local", "program": "restage.launch.selftest", "time_minutes": 5, "exclusive": False,
+              "launcher": "mpirun"},
 }
 # The demo's plan (restage.demo): the actor trains in tp2 and generates in dp2, so it is reallocated every step.
 RELAYOUT_PLAN = ("plan.mode=manual", "plan.layouts.actor_gen=ranks:0-1 dp2", "plan.layouts.ref_inf=ranks:0-1 dp2",
@@ -39,7 +41,8 @@ SAVE_EVERY = 2
 def real_overrides(results: Path, trial: str, *more: str) -> list[str]:
     """Overrides that put a shipped tiny job on the local cluster with its results under ``results``."""
     return [f"run.results_dir={results}", f"trial={trial}", "cluster.nodes=1", f"cluster.devices_per_node={REAL_RANKS}",
-            f"run.nprocs={REAL_RANKS}", "slurm.template=local", "slurm.time_minutes=5", *more]
+            f"run.nprocs={REAL_RANKS}", "slurm.template=local", "slurm.time_minutes=5", "slurm.exclusive=false",
+            "slurm.launcher=mpirun", *more]
 
 
 def reference_overrides() -> tuple[str, ...]:

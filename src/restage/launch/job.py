@@ -2,8 +2,8 @@
 
 submitit runs ``TrialJob()(config_dict, trial_dir)`` in the batch step. The driver writes the
 resolved config, plans the trial if the program needs a schedule, starts every rank with
-mpirun or srun (``slurm.launcher``) through ``restage.launch.rank``, copies their output to
-``output.log`` and records each attempt in ``job.json``.
+mpirun or srun (``slurm.launcher``; ``auto`` as ``launch.resources`` decides) through
+``restage.launch.rank``, copies their output to ``output.log`` and records each attempt in ``job.json``.
 
 Time limits: the driver asks SLURM when this attempt ends and hands it to every rank as
 ``RESTAGE_DEADLINE``; the runtime's master checkpoints and stops at the last step boundary that
@@ -72,6 +72,17 @@ def program_module(cfg) -> str:
         hint = (f"; to test the launch path alone set slurm.program={SELFTEST_MODULE}" if module == RUNTIME_MODULE else "")
         raise LaunchError(f"program {module} is not importable from {sys.executable}{hint}")
     return module
+
+
+def node_launcher(setting: str) -> str:
+    """srun or mpirun: ``restage submit`` resolved ``auto`` where it ran; a config that still says ``auto`` (a job
+    submitted by other means) is resolved here, on the node, the same way."""
+    if setting != "auto":
+        return setting
+    from restage.launch.resources import choose_launcher
+    from restage.launch.site import srun_mpi_plugins
+
+    return choose_launcher(setting, srun_mpi_plugins())[0]
 
 
 def allocation_hosts(env: Mapping[str, str] = os.environ) -> list[str]:
@@ -281,11 +292,12 @@ def _attempt(config_dict: dict, trial_dir: str, resume: bool, holder: dict | Non
     deadline = attempt_deadline(os.environ.get("SLURM_JOB_ID"))
     rank_env = {**rank_environment(paths, geometry, module, resume, host, port, cpus),
                 **interface_environment(interface), **deadline}
-    extra = shlex.split(os.environ.get(f"RESTAGE_{cfg.slurm.launcher.upper()}_ARGS", ""))
-    command = launch_command(cfg.slurm.launcher, geometry, hosts, rank_program(module, paths.schedule),
+    launcher = node_launcher(cfg.slurm.launcher)
+    extra = shlex.split(os.environ.get(f"RESTAGE_{launcher.upper()}_ARGS", ""))
+    command = launch_command(launcher, geometry, hosts, rank_program(module, paths.schedule),
                              forwarded_names({**os.environ, **rank_env}), extra, cpus, interface)
     attempt = record_attempt(paths, **_job_ids(), restarts=restarts, resume=resume, hosts=hosts or [],
-                             launcher=cfg.slurm.launcher, command=shlex.join(command))
+                             launcher=launcher, command=shlex.join(command))
     if hosts is not None and len(hosts) > 1:
         try:
             check_shared_directory(paths.root, hosts)  # before any rank starts

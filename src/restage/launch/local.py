@@ -21,18 +21,14 @@ from pathlib import Path
 
 import torch
 
-from restage.algorithms.interface import get_algorithm
 from restage.cluster import load_cluster
-from restage.config import ExperimentConfig, config_from_dict, load_config
-from restage.data.datasets import check_positions, load_splits
+from restage.config import ExperimentConfig, config_from_dict
 from restage.errors import ConfigError, LaunchError, LogError
 from restage.launch import watchdog
+from restage.launch.checks import load_job_config, plan_job, validate
 from restage.launch.mpirun import mpirun_command
 from restage.launch.resume import resumed_config, write_trial_overrides
 from restage.launch.trial import trial_lock
-from restage.models.config import ModelConfig
-from restage.plan.planner import make_plan
-from restage.plan.schedule import build_schedule
 from restage.report.journal import journal_path
 from restage.report.log import read_log
 from restage.runtime.checkpoint_dir import complete_steps, latest
@@ -69,34 +65,25 @@ def check_local_devices(cfg: ExperimentConfig, cuda_devices: int) -> str:
 
 
 def prepare(cfg: ExperimentConfig) -> None:
-    """One-line refusals for inputs that would otherwise fail inside the ranks."""
+    """One-line refusals for inputs that would otherwise fail inside the ranks (``checks.validate``, which
+    ``restage submit`` runs too), and this machine's devices against the plan's."""
     warning = check_local_devices(cfg, torch.cuda.device_count())
     if warning:
         print(f"restage: {warning}", file=sys.stderr, flush=True)
-    positions = {}
-    for name, spec in cfg.models.items():
-        if not spec.path:
-            raise ConfigError(f"models.{name}.path: a checkpoint directory is needed to run (arch alone only plans)")
-        positions[name] = ModelConfig.from_pretrained(spec.path).max_positions
-    algo = get_algorithm(cfg.algorithm)
-    algo.validate(cfg)
-    train, held_out = load_splits(cfg)
-    if cfg.run.batch_size > len(train):
-        raise ConfigError(f"run.batch_size {cfg.run.batch_size} exceeds the {len(train)} training examples of "
-                          f"{cfg.dataset.path}")
-    check_positions(cfg, (train, held_out), positions)
+    validate(cfg, plan=False)
 
 
 def plan_trial(cfg: ExperimentConfig, trial_dir: Path) -> Path:
-    outcome = make_plan(cfg, with_baselines=False)
-    return write_schedule(build_schedule(cfg, outcome), trial_dir / "schedule.json")
+    return write_schedule(plan_job(cfg), trial_dir / "schedule.json")
 
 
 def main(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.nproc and not args.resume:  # a resumed trial keeps its plan: -n need only match it (checked below)
         overrides += [f"run.nprocs={args.nproc}", f"cluster.devices_per_node={args.nproc}", "cluster.nodes=1"]
-    cfg = load_config(args.config, overrides)  # picks the trial; on --resume, resume.resumed_config decides the rest
+    cfg, overrides, notes = load_job_config(args.config, overrides)  # picks the trial; on --resume,
+    for note in notes:  # resume.resumed_config decides the rest
+        print(note, file=sys.stderr, flush=True)
     with trial_lock(cfg.trial_dir):  # before anything of the trial is read or written
         return _run(args, cfg, overrides)
 

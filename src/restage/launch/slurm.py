@@ -1,7 +1,7 @@
 """The sbatch side: submitit parameters from the config, the cluster preamble from ``templates/<name>.sh``.
 
-A job is one sbatch script: resources from the config (nodes, ranks and GPUs per node, time,
-partition, account, QoS, memory, exclusive, constraint), then the rendered template (module
+A job is one sbatch script: resources from the config and the site (nodes, ranks and GPUs per node, time,
+partition, account, QoS, memory, exclusive, constraint, CPUs per task: ``launch.resources``), then the rendered template (module
 loads, environment, container flags), then restage's block (rendezvous host and port, rank
 geometry), then the job driver: submitit's ``_submit`` runs ``restage.launch.job.TrialJob``
 in the batch step itself (``exec``, no srun), so the pre-timeout signal (``B:USR2``) reaches
@@ -30,6 +30,7 @@ from submitit.slurm.slurm import _make_sbatch_string
 
 from restage.errors import ConfigError, LaunchError
 from restage.launch.geometry import JobGeometry
+from restage.launch.resources import Resources
 
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 PREEMPT_SIGNAL = "USR2"  # submitit's default; NCCL may use USR1
@@ -95,9 +96,11 @@ def preamble(cfg, geometry: JobGeometry) -> str:
     return render_template(path.read_text(), template_variables(cfg, geometry), f"template {path.name}")
 
 
-def restage_block(geometry: JobGeometry, launcher: str, launch_preview: str) -> list[str]:
-    """Shell lines that fix the rendezvous and the rank geometry for the driver and every rank."""
+def restage_block(geometry: JobGeometry, launcher: str, launch_preview: str, reasons: tuple[str, ...] = ()) -> list[str]:
+    """Shell lines that fix the rendezvous and the rank geometry for the driver and every rank; ``reasons``: why
+    each resource was asked for (comments)."""
     return [
+        *(f"# restage: {line}" for line in reasons),
         "# restage: rendezvous on the first host of the allocation; rank geometry",
         'export RESTAGE_HOSTS=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)',
         "export RESTAGE_RENDEZVOUS_HOST=${RESTAGE_HOSTS%%,*}",
@@ -125,23 +128,24 @@ def signal_delay_seconds(slurm) -> int:
     return max(0, min(slurm.signal_delay_seconds, slurm.time_minutes * 60 // 2 - SIGNAL_EARLY_SECONDS))
 
 
-def executor_parameters(cfg, geometry: JobGeometry, setup: list[str]) -> dict[str, Any]:
-    """``SlurmExecutor.update_parameters`` keywords for this config."""
+def executor_parameters(cfg, geometry: JobGeometry, setup: list[str], resources: Resources) -> dict[str, Any]:
+    """``SlurmExecutor.update_parameters`` keywords for this config; ``cfg.slurm.time_minutes`` is the job's
+    (``resources.time_minutes``, which ``submit.prepare`` writes into the job's config)."""
     slurm = cfg.slurm
     params: dict[str, Any] = {  # submitit's keywords, each of the type submitit declares for it
-        "job_name": job_name(cfg), "time": slurm.time_minutes, "nodes": geometry.nodes,
+        "job_name": job_name(cfg), "time": resources.time_minutes, "nodes": geometry.nodes,
         "ntasks_per_node": geometry.ranks_per_node, "setup": setup, "use_srun": False,
         "signal_delay_s": signal_delay_seconds(slurm), "stderr_to_stdout": True,
     }
     if geometry.gpus_per_node:
         params["gpus_per_node"] = geometry.gpus_per_node
-    if slurm.cpus_per_task:
-        params["cpus_per_task"] = slurm.cpus_per_task
+    if resources.cpus_per_task:
+        params["cpus_per_task"] = resources.cpus_per_task
     for key in ("partition", "account", "qos", "constraint"):
         if getattr(slurm, key):
             params[key] = getattr(slurm, key)
-    if slurm.mem_gb:
-        params["mem"] = f"{slurm.mem_gb}GB"
+    if resources.mem:
+        params["mem"] = resources.mem
     if slurm.exclusive:
         params["exclusive"] = True
     # B: sends the signal to the batch step only (the driver); requeue must be allowed for submitit's requeue.

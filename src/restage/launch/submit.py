@@ -1,21 +1,26 @@
 """``restage submit CONFIG [--dry-run] [--resume] [key=value ...]``: one trial as one SLURM job.
 
 submitit writes the sbatch script (see ``restage.launch.slurm``) into ``<trial>/slurm/`` and
-submits it; the job runs ``restage.launch.job.TrialJob``. ``--dry-run`` prints the script it
+submits it; the job runs ``restage.launch.job.TrialJob``. Before anything is queued the config gets
+``restage run``'s checks (``launch.checks``: models, data set, plan), and the plan is written as the
+trial's ``schedule.json``, which the job runs. ``--dry-run`` checks the same, prints the script it
 would submit and submits nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from restage.config import load_config
+from restage.config import config_from_dict
 from restage.errors import LaunchError
 from restage.launch import slurm
+from restage.launch.checks import load_job_config, validate
 from restage.launch.geometry import JobGeometry, job_geometry
 from restage.launch.job import (
     RUNTIME_MODULE,
@@ -29,7 +34,9 @@ from restage.launch.job import (
     rank_environment,
     rank_program,
 )
+from restage.launch.resources import site_resources
 from restage.launch.trial import TrialPaths, write_json_atomic
+from restage.schedule.file import write_schedule
 
 
 @dataclass(frozen=True)
@@ -75,13 +82,26 @@ def launch_preview(cfg, geometry: JobGeometry) -> str:
 
 
 def prepare(cfg) -> PreparedJob:
-    """Check the config, render the preamble, compute submitit's parameters (no SLURM call)."""
+    """Check the config, ask the site (``launch.resources``), render the preamble, compute submitit's parameters
+    (no job is queued). The job's config carries the time and launcher chosen here."""
     geometry = job_geometry(cfg)
+    resources = site_resources(cfg.slurm, geometry)
+    cfg = dataclasses.replace(cfg, slurm=dataclasses.replace(cfg.slurm, time_minutes=resources.time_minutes,
+                                                             launcher=resources.launcher))
     data = resolved_dict(cfg)
     paths = TrialPaths(Path(data["run"]["results_dir"]) / cfg.experiment / cfg.trial)
     setup = slurm.preamble(cfg, geometry).rstrip("\n").splitlines() + [""]
-    setup += slurm.restage_block(geometry, cfg.slurm.launcher, launch_preview(cfg, geometry))
-    return PreparedJob(data, paths, geometry, slurm.executor_parameters(cfg, geometry, setup))
+    setup += slurm.restage_block(geometry, resources.launcher, launch_preview(cfg, geometry), resources.reasons)
+    return PreparedJob(data, paths, geometry, slurm.executor_parameters(cfg, geometry, setup, resources))
+
+
+def validate_job(job: PreparedJob, module: str, resume: bool):
+    """``restage run``'s checks (``checks.validate``: models, data set, plan) on the job's config, when the ranks
+    run restage's runtime; the schedule, or None when not planned (another program, or a resumed trial that
+    keeps its schedule)."""
+    if module != RUNTIME_MODULE:
+        return None
+    return validate(config_from_dict(job.config_dict), plan=not (resume and job.paths.schedule.is_file()))
 
 
 def check_fresh(paths: TrialPaths, resume: bool) -> None:
@@ -107,15 +127,23 @@ def allow_options_between_overrides(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg, _, notes = load_job_config(args.config, args.overrides)
+    for note in notes:
+        print(note, file=sys.stderr, flush=True)
     job = prepare(cfg)
+    module = program_module(cfg)  # refuse now, not in the queue, when the program cannot be imported
+    schedule = validate_job(job, module, args.resume)
     folder = job.paths.slurm_folder
     if args.dry_run:
         print(slurm.sbatch_script(job.params, folder), end="")
+        if schedule is not None:
+            print(f"restage: checked: models, data set and a plan for {job.geometry.world_size} ranks "
+                  f"({job.geometry.nodes} x {job.geometry.ranks_per_node}) that fits", file=sys.stderr)
         return 0
-    program_module(cfg)  # refuse now, not in the queue, when the program cannot be imported
     check_fresh(job.paths, args.resume)
     job.paths.root.mkdir(parents=True, exist_ok=True)
+    if schedule is not None:  # the job runs what was checked here (it plans only when there is no schedule)
+        write_schedule(schedule, job.paths.schedule)
 
     executor = slurm.make_executor(folder, job.params, cfg.slurm.max_requeues)
     with slurm.quiet_submission():
