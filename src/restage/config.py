@@ -107,6 +107,13 @@ class RewardsConfig:
     format_pattern: str = ""  # format: a regex the whole answer must match
     code_timeout_seconds: float = 5.0  # code: wall-clock limit of one test run
     code_memory_bytes: int = 512 * 2**20  # code: address-space limit of one test run
+    # Time limits (docs/algorithms.md, "Time limits"): one call of the reward (an answer of a per-sample reward, the
+    # batch of a batched one), and one batch's scoring from its start; either > 0 runs the reward in worker
+    # processes killed at the limit (algorithms/timelimit.py); 0 and 0: no limit, on threads as before.
+    timeout_seconds: float = 0.0
+    batch_timeout_seconds: float = 0.0
+    on_timeout: str = "score"  # score: such answers score timeout_score (one line, <mfc>/reward_timed_out); or stop
+    timeout_score: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -212,6 +219,9 @@ class RunConfig:
     # Before a reallocation its ranks wait for each other over the rendezvous store (no watchdog),
     # so a receiver does not queue an irecv while its senders are still generating or training.
     peer_wait_timeout_seconds: float = 7200.0
+    # The watchdog warns (one line, once per activity) when a rank has spent longer than this in one activity of a
+    # step (an MFC, a transfer) even when no peer waits on it: a reward that never returns; 0: off.
+    activity_timeout_seconds: float = 1800.0
     # ranks of the job; 0: derived, cluster.nodes x devices per node (cluster.devices_per_node, else the cluster
     # file's). A value set here must equal that (launch/geometry.py refuses one that does not).
     nprocs: int = 0
@@ -416,6 +426,12 @@ def _check_user_data(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"rewards.on_error: {rewards.on_error!r} must be zero or stop")
     if not rewards.code_timeout_seconds > 0 or rewards.code_memory_bytes < 2**20:
         raise ConfigError("rewards.code_timeout_seconds must be > 0 and rewards.code_memory_bytes >= 1 MiB")
+    if not (rewards.timeout_seconds >= 0 and rewards.batch_timeout_seconds >= 0):
+        raise ConfigError("rewards.timeout_seconds and rewards.batch_timeout_seconds must be >= 0 (0: no limit)")
+    if rewards.on_timeout not in ("score", "stop"):
+        raise ConfigError(f"rewards.on_timeout: {rewards.on_timeout!r} must be score or stop")
+    if not float("-inf") < rewards.timeout_score < float("inf"):
+        raise ConfigError(f"rewards.timeout_score: {rewards.timeout_score} must be a finite number")
     if cfg.dashboards.wandb not in ("off", "offline", "online"):
         raise ConfigError(f"dashboards.wandb: {cfg.dashboards.wandb!r} must be off, offline or online")
 

@@ -68,7 +68,8 @@ def test_an_edited_learning_rate_is_refused_with_the_diff(trial):
         "--resume cannot change models.actor.optim.lr 1e-05 -> 3e-05 (the checkpoint was trained with the old value); "
         "undo it, or start a new trial=NAME (on resume only run.steps, run.stop_at_step, run.save_every, "
         "run.keep_checkpoints, run.eval_every, run.log_every, run.startup_timeout_seconds, run.collective_timeout_seconds, "
-        "run.peer_wait_timeout_seconds, run.nonfinite, run.max_skipped_steps, run.save_before_end_seconds, slurm.* may change)")
+        "run.peer_wait_timeout_seconds, run.activity_timeout_seconds, run.nonfinite, run.max_skipped_steps, "
+        "run.save_before_end_seconds, slurm.* may change)")
 
 
 def test_an_override_that_changes_the_batch_is_refused(trial):

@@ -179,3 +179,31 @@ def test_the_failure_line_puts_the_watchdog_first_and_names_the_busy_peer_of_a_t
         "rank 1 on node-a (pid 101) is stopped (SIGSTOP or a debugger): ...")
     clear_failures(tmp_path)
     assert list(folder.iterdir()) == []
+
+
+def test_a_step_activity_past_its_bound_is_warned_of_once_with_no_peer_waiting_and_the_job_goes_on(tmp_path):
+    clock, said = Clock(), []
+    dog = Watchdog(tmp_path, 2, replace(LIMITS, activity_seconds=20.0), clock=clock, say=said.append,
+                   state=lambda beat: "S")
+    for beat in range(1, 31):  # both ranks beat every second: rank 0 in one generation, rank 1 in a long startup
+        _write(tmp_path, _beat(0, beat=beat, activity="step 1: run actor_gen", activity_seconds=float(beat)))
+        _write(tmp_path, _beat(1, beat=beat, activity="start-up: loading", startup=True, activity_seconds=float(beat)))
+        assert dog.check() is None
+        clock.now += 1.0
+    warned = [line for line in said if line.startswith("restage: watchdog:")]
+    assert warned == ["restage: watchdog: rank 0 on node-a (pid 100) has spent 21 s in step 1: run actor_gen, over "
+                    "run.activity_timeout_seconds=20; still running (a reward that never returns? "
+                    "rewards.timeout_seconds bounds one)"]
+    # A new activity that runs long is warned of again; a wait (bounded by peer_wait_timeout_seconds) is not.
+    for beat in range(31, 53):
+        _write(tmp_path, _beat(0, beat=beat, activity="step 2: run actor_gen", activity_seconds=float(beat - 30)))
+        _write(tmp_path, _beat(1, beat=beat, activity="step 2: waiting for every rank", waiting=True,
+                               activity_seconds=float(beat - 30)))
+        assert dog.check() is None
+        clock.now += 1.0
+    warned = [line for line in said if line.startswith("restage: watchdog:")]
+    assert len(warned) == 2 and warned[1].startswith("restage: watchdog: rank 0 on node-a (pid 100) has spent 21 s in "
+                                                 "step 2: run actor_gen")
+    assert Limits.from_run(type("Run", (), {"startup_timeout_seconds": 1, "collective_timeout_seconds": 2,
+                                            "peer_wait_timeout_seconds": 3, "activity_timeout_seconds": 4})
+                           ).activity_seconds == 4

@@ -55,7 +55,9 @@ def resolve_reward(spec: str, options: RewardsConfig | None = None) -> RewardFn:
     """The function a ``reward_fn`` value names (a verifier built from ``options``); a one-line ConfigError
     when it cannot be found."""
     if spec in _VERIFIERS and spec not in _REWARDS:
-        return _resolve(_VERIFIERS[spec], spec)(options or RewardsConfig())
+        fn = _resolve(_VERIFIERS[spec], spec)(options or RewardsConfig())
+        fn.__dict__["rebuild"] = (_VERIFIERS[spec], options or RewardsConfig())  # how a worker process builds it
+        return fn
     return _resolve(_REWARDS.get(spec, spec), spec)
 
 

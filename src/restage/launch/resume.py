@@ -24,7 +24,7 @@ TRIAL_KEYS = ("experiment", "trial", "run.results_dir")  # they pick the trial; 
 # how the run is kept and watched. Entries ending in "." cover a whole section.
 SAFE_ON_RESUME = ("run.steps", "run.stop_at_step", "run.save_every", "run.keep_checkpoints", "run.eval_every",
                   "run.log_every", "run.startup_timeout_seconds", "run.collective_timeout_seconds", "run.peer_wait_timeout_seconds",
-                  "run.nonfinite", "run.max_skipped_steps", "run.save_before_end_seconds", "slurm.")
+                  "run.activity_timeout_seconds", "run.nonfinite", "run.max_skipped_steps", "run.save_before_end_seconds", "slurm.")
 OVERRIDES_FILE = "overrides.json"
 
 

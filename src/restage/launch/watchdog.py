@@ -13,6 +13,12 @@ and reads the ranks' heartbeat files (``runtime/heartbeat.py``) about once a sec
   wait on (the longest in a non-waiting activity), or, when every rank waits, the longest waiter;
 * **missing**: a rank wrote no heartbeat within ``run.startup_timeout_seconds`` of the launch.
 
+One case only warns: a rank that has spent longer than ``run.activity_timeout_seconds`` in one activity of a step
+(an MFC, a transfer; not a wait, not start-up) gets one line, once per activity, even when no peer waits on it (a
+reward that never returns, on a one-rank run or in async generation). It warns and does not stop: from outside, a
+slow step (a long generation of a large model) looks the same as a hung one; the reward's own limit
+(``rewards.timeout_seconds``) is what stops a hung reward.
+
 It also prints one line each time every rank has passed a start-up phase (rank 0 says the last, "ready",
 itself: the watchdog looks once a second, and a small job is past it by then), and while start-up is slow,
 which rank is furthest behind and what it is doing.
@@ -42,11 +48,13 @@ class Limits:
     startup_seconds: float
     collective_seconds: float
     wait_seconds: float
+    activity_seconds: float = 0.0  # one step activity longer than this is warned of; 0: never
 
     @classmethod
     def from_run(cls, run) -> Limits:
         """From a ``RunConfig``."""
-        return cls(run.startup_timeout_seconds, run.collective_timeout_seconds, run.peer_wait_timeout_seconds)
+        return cls(run.startup_timeout_seconds, run.collective_timeout_seconds, run.peer_wait_timeout_seconds,
+                   run.activity_timeout_seconds)
 
     @property
     def silent_seconds(self) -> float:
@@ -81,6 +89,7 @@ class Watchdog:
         self.all_running = False
         self.stalled: Beat | None = None  # the rank a failure line names
         self.last_notice = self.started
+        self.warned: dict[int, tuple[str, float]] = {}  # rank -> (the activity warned of, its seconds then)
 
     def read(self) -> dict[int, Beat]:
         now = self.clock()
@@ -99,7 +108,34 @@ class Watchdog:
         beats = self.read()
         now = self.clock()
         self._say_progress(beats, now)
+        self._warn_long(beats, now)
         return self._silent(beats, now) or self._overdue(beats, now) or self._missing(beats, now)
+
+    def _warn_long(self, beats: dict[int, Beat], now: float) -> None:
+        """One line for the ranks that passed ``run.activity_timeout_seconds`` in a step activity since the last
+        look (each activity warned of once): the longest named in full, the others by number."""
+        bound = self.limits.activity_seconds
+        if bound <= 0:
+            return
+        over = {}
+        for rank, beat in beats.items():
+            if beat.done or beat.waiting or beat.startup:
+                continue
+            seconds = self._elapsed(rank, beat, now)
+            earlier = self.warned.get(rank)
+            if seconds > bound and not (earlier and earlier[0] == beat.activity and seconds >= earlier[1]):
+                over[rank] = seconds
+        if not over:
+            return
+        for rank, seconds in over.items():
+            self.warned[rank] = (beats[rank].activity, seconds)
+        rank = max(over, key=lambda r: over[r])
+        beat = beats[rank]
+        others = sorted(set(over) - {rank})
+        also = f" (so have rank(s) {', '.join(map(str, others))})" if others else ""
+        self.say(f"restage: watchdog: rank {rank} on {beat.host} (pid {beat.pid}) has spent {over[rank]:.0f} s in "
+                 f"{beat.activity}, over run.activity_timeout_seconds={bound:g}{also}; still running (a reward that "
+                 "never returns? rewards.timeout_seconds bounds one)")
 
     def _elapsed(self, rank: int, beat: Beat, now: float) -> float:
         """Seconds in the current activity, counting the time since the beat was written."""

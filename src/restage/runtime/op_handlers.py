@@ -27,6 +27,7 @@ import torch.distributed as dist
 from restage.algorithms.base import AlgoState, PendingRewards
 from restage.algorithms.estimators import ema_master, ema_mix_
 from restage.algorithms.interface import Algorithm
+from restage.algorithms.scoring import limited
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
 from restage.data.datasets import Dataset
@@ -59,6 +60,8 @@ class StepData:
     outputs: dict[str, Batch] = field(default_factory=dict)  # MFC name -> this rank's output
     inputs: dict[str, list[Batch]] = field(default_factory=dict)  # MFC name -> parts transferred to this rank
     scoring: dict[str, PendingRewards] = field(default_factory=dict)  # generate MFC -> its rewards, still scored
+    # rewards under a time limit (rewards.timeout_seconds): the share of each settled batch's answers that ran past it
+    reward_stats: list[StatsShare] = field(default_factory=list)
 
     def keep(self, mfc_name: str, batch: Batch, state: AlgoState) -> None:
         """Keep an MFC's output; function rewards its ``after_generate`` started stay pending until ``settle``."""
@@ -74,7 +77,11 @@ class StepData:
     def settle(self, producer: str | None = None) -> None:
         """Wait for the rewards of ``producer`` (or of every generate MFC) and attach them to its output."""
         for name in [producer] if producer is not None else list(self.scoring):
-            self.outputs[name] = self.scoring.pop(name).attach(self.outputs[name])
+            pending = self.scoring.pop(name)
+            batch = self.outputs[name] = pending.attach(self.outputs[name])
+            if limited(pending.scores.options):
+                share = pending.scores.timed_out() / max(1, batch.n_seqs)
+                self.reward_stats.append(StatsShare({f"{name}/reward_timed_out": share}, batch.n_samples))
 
 
 class OpHandlers:

@@ -263,6 +263,7 @@ class Worker:
                 case _:
                     assert_never(op)
         data.settle()  # none left today (every reward key is sent somewhere); a reward's error still ends this step
+        record.stats.extend(data.reward_stats)  # <mfc>/reward_timed_out, under a reward time limit
         return record
 
     def evaluate(self, record: StepRecord, version: int) -> None:
