@@ -36,6 +36,27 @@ def ensure_llama_256x4(root: Path = Path("."), seed: int = 0) -> Path:
                               num_layers=4, num_heads=8, num_kv_heads=4, max_positions=128)
 
 
+def ensure_arith_model(root: Path = Path("."), seed: int = 0) -> Path:
+    """A random tiny LLaMA over the calculator task's 24-token vocabulary (``restage.data.arith``) with that tokenizer
+    (jobs/grpo_calculator_tiny.yaml), built once: ``root/results/assets/tiny-llama-arith``."""
+    path = root / ASSETS / "tiny-llama-arith"
+    if (path / "config.json").is_file():
+        return path
+    from restage.data import arith
+
+    tokenizer = root / arith.DEFAULT_DIR / "tokenizer"
+    if not tokenizer.is_dir():
+        arith.make(root / arith.DEFAULT_DIR)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny(tmp, family="llama", seed=seed, vocab_size=len(arith.VOCAB), tokenizer=False, hidden_size=64,
+               intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=64)
+    for file in tokenizer.iterdir():
+        shutil.copy(file, tmp / file.name)
+    tmp.replace(path)
+    return path
+
+
 # The model of jobs/gpu_ppo_300m.yaml (scripts/gpu_check.sh's `costs` part): a random LLaMA of about 300M parameters
 # over the sort vocabulary, wide enough that a GPU's GEMMs, not kernel launches, dominate its training passes.
 LLAMA_300M_SIZES = dict(hidden_size=1536, intermediate_size=4096, num_layers=12, num_heads=12, num_kv_heads=4,

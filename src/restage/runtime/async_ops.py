@@ -17,7 +17,8 @@ from restage.data.batch import Batch
 from restage.device import DTYPES
 from restage.layout import Layout
 from restage.models.parallel import ParallelContext
-from restage.runtime.execute import run_generate, step_seed
+from restage.runtime.execute import step_seed
+from restage.runtime.multi_turn import generate_batch
 from restage.runtime.op_handlers import OpHandlers, StepData, reallocate_when_ready
 from restage.runtime.partial_rollouts import run_partial_generate
 from restage.runtime.records import StatsShare, StepRecord
@@ -80,7 +81,7 @@ class AsyncOps:
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             begin = h.clock.now_synced()
-            result = run_generate(slot.at(layout), mfc, prompts, h.algo, h.cfg, h.state, seed, version)
+            result = generate_batch(slot.at(layout), mfc, prompts, h.algo, h.cfg, h.state, seed, version)
             end = h.clock.now_synced()
             assert result.batch is not None
             self.buffer.put(mfc.name, target, Buffered(result.batch, version, h.state.pending_rewards.pop(mfc.name, None)))

@@ -38,8 +38,9 @@ from restage.models.parallel import ParallelContext
 from restage.runtime.clock import Clock, peak_memory_bytes
 from restage.runtime.control import wait_for_ranks
 from restage.runtime.engines import engine_groups
-from restage.runtime.execute import MFCResult, run_generate, run_inference, run_train, step_seed
+from restage.runtime.execute import MFCResult, run_inference, run_train, step_seed
 from restage.runtime.model_store import ModelStore
+from restage.runtime.multi_turn import generate_batch
 from restage.runtime.nonfinite import NonFiniteError, any_rank, nonfinite_samples, nonfinite_stats
 from restage.runtime.realloc import ReallocResult, execute_reallocation
 from restage.runtime.records import MFCRecord, StatsShare, StepRecord
@@ -109,7 +110,7 @@ class OpHandlers:
         if mfc.kind == "generate":
             # A model ZeRO-3 partitions (generating on its training layout): gathered once, or its replicas in lockstep.
             with generation_module(slot.at(layout), layout, self.groups) as module:
-                result = run_generate(module, mfc, batch, self.algo, self.cfg, self.state, step_seed(self.cfg.seed, step))
+                result = generate_batch(module, mfc, batch, self.algo, self.cfg, self.state, step_seed(self.cfg.seed, step))
         elif mfc.kind == "inference":
             agree = slot.sharded.group if slot.sharded is not None else None  # its dp ranks gather in step
             result = run_inference(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state, agree)

@@ -1,0 +1,351 @@
+"""Multi-turn episodes of a generate MFC (``environment.name`` set): answers, tool calls, observations, rewards.
+
+Each sample's ``group_size`` episodes start from its prompt (``Environment.reset``; the built-in ``tool_use``
+keeps the dataset's prompt ids). A turn is one answer of the policy; it ends at EOS, at the end of a tool call
+(``tools.CALL_END`` of the format, when it is one token) or at its cap. The environment's ``step`` runs on a
+thread (tools in the sandbox) while the rollout engine decodes the other episodes (``models/rollout_turns.py``);
+its observation is encoded (text as it is; chat messages by the tokenizer's template, ``observation_ids``) and
+appended, and the episode's next turn joins the batch.
+
+An episode ends when ``step`` says done, after ``environment.max_turns`` answers, or when its token budget
+(``environment.max_episode_tokens``: answer and observation tokens) has no room for an observation and one more
+token. An episode cut before it was done gets ``environment.over_budget_reward`` as its reward; otherwise its
+reward is the sum of its steps' rewards.
+
+The output batch is one sequence per episode: prompt, then each answer and observation in order. Its
+``prompt_mask`` is 1 on every token the policy did not write (the prompt and every observation), so every
+consumer of the answer mask (losses, advantages, GAE's steps, KL, entropy, token counts) sees only what the policy
+wrote (docs/algorithms.md, "Multi-turn episodes"); ``logprobs`` and async mode's ``versions`` are 0 and -1 there.
+
+Determinism: turn ``t`` of an episode seeded ``s`` samples with ``request_seed(s, t)`` (turn 0 with ``s``, as a
+single-turn generation), so its tokens depend on its context and weights alone, not on its batch or layout.
+Under tp or pp the replica's first rank runs the environments and broadcasts, at each check, the turns it
+admits and, at the end, the episodes (``ReplicaChannel``): every rank of the replica admits the same turns.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from restage.algorithms.base import AlgoState
+from restage.algorithms.environments import (
+    Environment,
+    EnvironmentError,
+    EpisodeContext,
+    Observation,
+    StepResult,
+    check_reset,
+    check_step,
+    validate,
+)
+from restage.algorithms.interface import Algorithm
+from restage.algorithms.rewards import resolve_reward
+from restage.algorithms.tools import CALL_END
+from restage.config import ExperimentConfig
+from restage.data.batch import Batch, pack_sequences
+from restage.data.chat import chat_prompt_ids
+from restage.errors import ConfigError
+from restage.graph import MFC
+from restage.models.decoder import StageModule
+from restage.models.rollout import RolloutLimits
+from restage.models.rollout_turns import NextTurn, TurnEngine
+from restage.models.sampling import request_seed
+from restage.runtime.execute import MFCResult, prompt_lists, request_seeds, run_generate, sampling_params
+
+# The conversation a tool message is rendered after, to cut the template's rendering of the message alone.
+_BEFORE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+def observation_ids(tokenizer: Any, observation: Observation) -> list[int]:
+    """Token ids of an observation: text encoded as it is; messages as the chat template renders them after an
+    assistant turn, with the next generation prompt (the template's tokens after ``_BEFORE``)."""
+    if isinstance(observation, str):
+        return [int(t) for t in tokenizer.encode(observation, add_special_tokens=False)] if observation else []
+    before = tokenizer.apply_chat_template(_BEFORE, tokenize=True)
+    before = before["input_ids"] if hasattr(before, "keys") else before
+    after = chat_prompt_ids(tokenizer, [*_BEFORE, *(dict(m) for m in observation)])
+    if list(after[:len(before)]) != list(before):
+        raise ConfigError(f"the chat template of {tokenizer.name_or_path} renders an assistant turn differently when "
+                          "tool messages follow it; use environment.tool_format=plain with text observations")
+    return after[len(before):]
+
+
+@dataclass
+class Episode:
+    """One episode as it grows (owned by its feed): its tokens, which the policy wrote, their log-probs, rewards."""
+
+    env: Environment
+    ids: list[int]
+    policy: list[bool]
+    logprobs: list[float]
+    prompt_len: int
+    turns: int = 0
+    reward: float = 0.0
+    done: bool = False
+    cut: bool = False
+    tool_calls: int = 0
+    ok_calls: int = 0
+    final_score: float | None = None
+
+    @property
+    def used(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+
+class EpisodeFeed:
+    """The ``TurnFeed`` of a replica's first rank: environment steps on a thread pool, next turns built from them."""
+
+    def __init__(self, episodes: list[Episode], cfg: ExperimentConfig, tokenizer: Any, pool: cf.Executor):
+        self.episodes, self.cfg, self.tokenizer, self.pool = episodes, cfg, tokenizer, pool
+        self.options = cfg.environment
+        self.running: dict[cf.Future[Any], int] = {}  # environment step -> its turn's row
+
+    def first_max_new(self, episode: Episode) -> int:
+        return min(self.cfg.generation.max_new_tokens, self.options.max_episode_tokens - episode.used)
+
+    def turn_done(self, row: int, tokens: list[int], logprobs: list[float]) -> None:
+        e, t = divmod(row, self.options.max_turns)
+        episode = self.episodes[e]
+        episode.ids += tokens
+        episode.policy += [True] * len(tokens)
+        episode.logprobs += logprobs
+        episode.turns = t + 1
+        answer = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        self.running[self.pool.submit(episode.env.step, answer)] = row
+
+    def take_ready(self, block: bool) -> list[NextTurn]:
+        if not self.running:
+            return []
+        done, _ = cf.wait(list(self.running), timeout=None if block else 0, return_when=cf.FIRST_COMPLETED)
+        ready = []
+        for future in sorted(done, key=lambda f: self.running[f]):  # row order: the same admissions on every run
+            row = self.running.pop(future)
+            turn = self._after_step(row, check_step(future.result(), self.options.name))
+            if turn is not None:
+                ready.append(turn)
+        return ready
+
+    def pending(self) -> bool:
+        return bool(self.running)
+
+    def _after_step(self, row: int, result: StepResult) -> NextTurn | None:
+        e, t = divmod(row, self.options.max_turns)
+        episode = self.episodes[e]
+        episode.reward += float(result.reward)
+        episode.tool_calls += len(result.tool_results)
+        episode.ok_calls += sum(r.status == "ok" for r in result.tool_results)
+        if result.done:
+            episode.done = True
+            episode.final_score = getattr(episode.env, "final_score", None)
+            return None
+        observation = observation_ids(self.tokenizer, result.observation)
+        room = self.options.max_episode_tokens - episode.used - len(observation)
+        if t + 1 >= self.options.max_turns or room < 1:
+            episode.cut = True
+            return None
+        episode.ids += observation
+        episode.policy += [False] * len(observation)
+        episode.logprobs += [0.0] * len(observation)
+        return NextTurn(row + 1, tuple(episode.ids), min(self.cfg.generation.max_new_tokens, room))
+
+
+class ReplicaChannel:
+    """Makes every rank of a tp/pp replica take its first rank's turns (``ReplicaFeed``) and episodes."""
+
+    def __init__(self, module: StageModule):
+        ctx = module.ctx
+        self.ctx, self.device = ctx, next(module.parameters()).device
+        self.single = ctx.tp_size * ctx.pp_size == 1
+        self.first = ctx.tp_rank == 0 and ctx.pp_stage == 0
+
+    def share(self, value: Any) -> Any:
+        """The first rank's ``value`` on every rank of the replica (over pp from stage 0, then over tp)."""
+        if self.single:
+            return value
+        box = [value]
+        device = self.device if self.device.type == "cuda" else None
+        if self.ctx.pp_group is not None:
+            dist.broadcast_object_list(box, src=self.ctx.pp_ranks[0], group=self.ctx.pp_group, device=device)
+        if self.ctx.tp_group is not None:
+            dist.broadcast_object_list(box, src=self.ctx.tp_ranks[0], group=self.ctx.tp_group, device=device)
+        return box[0]
+
+
+class ReplicaFeed:
+    """A feed every rank of a replica calls alike: the first rank's ``EpisodeFeed`` decides, the others follow."""
+
+    def __init__(self, feed: EpisodeFeed | None, channel: ReplicaChannel):
+        self.feed, self.channel, self._pending = feed, channel, False
+
+    def turn_done(self, row: int, tokens: list[int], logprobs: list[float]) -> None:
+        if self.feed is not None:
+            self.feed.turn_done(row, tokens, logprobs)
+
+    def take_ready(self, block: bool) -> list[NextTurn]:
+        mine = (self.feed.take_ready(block), self.feed.pending()) if self.feed is not None else None
+        turns, self._pending = self.channel.share(mine)
+        return list(turns)
+
+    def pending(self) -> bool:
+        return self._pending
+
+
+def _contexts(prompts: Batch, cfg: ExperimentConfig, state: AlgoState, group: int) -> list[EpisodeContext]:
+    options = cfg.environment
+    reward_fn = resolve_reward(cfg.reward_fn, cfg.rewards) if cfg.reward_fn else None
+    texts = state.tokenizer.batch_decode(prompt_lists(prompts), skip_special_tokens=True)
+    ids = list(prompts.ids) if prompts.ids else list(range(prompts.n_samples))
+    return [EpisodeContext(texts[i], dict(state.sample_fields.get(ids[i], {})), ids[i], options, cfg.rewards,
+                           reward_fn) for i in range(prompts.n_samples) for _ in range(group)]
+
+
+def _first_ids(tokenizer: Any, first: Observation, ctx: EpisodeContext, dataset_ids: list[int]) -> list[int]:
+    """The episode's prompt ids: the dataset's when ``reset`` gave the prompt back unchanged, else its text
+    (after BOS) or its messages through the chat template."""
+    if first == ctx.prompt:
+        return list(dataset_ids)
+    if isinstance(first, str):
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        return bos + observation_ids(tokenizer, first)
+    return chat_prompt_ids(tokenizer, [dict(m) for m in first])
+
+
+@dataclass(frozen=True)
+class EpisodeRecord:
+    """A finished episode as the batch and the statistics take it (sent whole from a replica's first rank)."""
+
+    ids: tuple[int, ...]
+    policy: tuple[bool, ...]
+    logprobs: tuple[float, ...]
+    prompt_len: int
+    reward: float
+    turns: int
+    tool_calls: int
+    ok_calls: int
+    cut: bool
+    final_score: float | None
+
+    @classmethod
+    def of(cls, e: Episode, over_budget_reward: float) -> EpisodeRecord:
+        return cls(tuple(e.ids), tuple(e.policy), tuple(e.logprobs), e.prompt_len,
+                   over_budget_reward if e.cut else e.reward, e.turns, e.tool_calls, e.ok_calls, e.cut, e.final_score)
+
+
+def stop_ids(module: StageModule, tokenizer: Any, tool_format: str) -> list[int]:
+    """The ids that end a turn: the model's stop tokens and the tool call's end marker when it is one token."""
+    ids = list(module.cfg.stop_token_ids)
+    end = tokenizer.encode(CALL_END[tool_format], add_special_tokens=False)
+    return ids + ([int(end[0])] if len(end) == 1 and int(end[0]) != tokenizer.unk_token_id else [])
+
+
+@torch.no_grad()
+def run_episodes(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm, cfg: ExperimentConfig,
+                 state: AlgoState, seed: int, version: int | None = None) -> MFCResult:
+    """``group_size`` episodes per prompt (see the module's docstring); the batch ``run_generate`` would give, one
+    sequence per episode, with the episodes' rewards under the MFC's reward key."""
+    factory = validate(cfg.environment)
+    options, tokenizer = cfg.environment, state.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"{mfc.name}: multi-turn episodes need the state's tokenizer")
+    group = int(mfc.options.get("group_size", 1))
+    channel = ReplicaChannel(module)
+    params = sampling_params(module, mfc, cfg, seed)
+    dataset_ids = [p for p in prompt_lists(prompts) for _ in range(group)]
+    seeds = request_seeds(prompts, group, seed)
+    episodes: list[Episode] = []
+    with cf.ThreadPoolExecutor(max(1, min(cfg.rewards.workers, len(dataset_ids)))) as pool:
+        feed = None
+        if channel.first:
+            for ctx, ids in zip(_contexts(prompts, cfg, state, group), dataset_ids):
+                env = factory(ctx)
+                first = _first_ids(tokenizer, check_reset(env.reset(), options.name), ctx, ids)
+                episodes.append(Episode(env, first, [False] * len(first), [0.0] * len(first), len(first)))
+            feed = EpisodeFeed(episodes, cfg, tokenizer, pool)
+        firsts = channel.share([(tuple(e.ids), min(cfg.generation.max_new_tokens, options.max_episode_tokens))
+                                for e in episodes] if feed is not None else None)
+        # Sibling episodes with one first context share its prefill.
+        unique: dict[tuple[int, ...], int] = {}
+        prompt_of = [unique.setdefault(ids, len(unique)) for ids, _ in firsts]
+        row_seeds = [request_seed(s, t) if t else s for s in seeds for t in range(options.max_turns)]
+        longest = max(len(ids) for ids, _ in firsts) + options.max_episode_tokens
+        if longest > module.cfg.max_positions:
+            raise ConfigError(f"a prompt of {longest - options.max_episode_tokens} tokens + environment."
+                              f"max_episode_tokens={options.max_episode_tokens} exceeds the model's "
+                              f"{module.cfg.max_positions} positions; lower max_episode_tokens or the prompts")
+        engine = TurnEngine(module, list(unique), prompt_of, options.max_turns, [m for _, m in firsts],
+                            options.max_episode_tokens, row_seeds, params, stop_ids(module, tokenizer,
+                                                                                     options.tool_format),
+                            RolloutLimits.of(params.kv_cache_gib, params.max_slots), ReplicaFeed(feed, channel))
+        engine.run()
+    records = channel.share([EpisodeRecord.of(e, options.over_budget_reward) for e in episodes]
+                            if feed is not None else None)
+    return episodes_result(mfc, prompts, records, version, algo, cfg, state, engine.prefill_tokens)
+
+
+def episodes_result(mfc: MFC, prompts: Batch, records: list[EpisodeRecord], version: int | None, algo: Algorithm,
+                    cfg: ExperimentConfig, state: AlgoState, prefill_tokens: int) -> MFCResult:
+    """The generate MFC's output batch of finished episodes, and the episodes' statistics."""
+    group = int(mfc.options.get("group_size", 1))
+    reward_keys = [k for k in mfc.outputs if k.endswith("rewards")]
+    if not reward_keys:
+        raise ConfigError(f"environment.name: {mfc.name} must output the episodes' rewards; set reward_fn (the "
+                          "environment's rewards replace it) instead of a reward model")
+    seqs = [list(r.ids) for r in records]
+    batch = pack_sequences(seqs, group_size=group, key=mfc.outputs[0], prompt_lens=[len(s) for s in seqs],
+                           ids=prompts.ids)
+    not_policy = torch.tensor([not p for r in records for p in r.policy], dtype=torch.bool)
+    tokens = {"prompt_mask": not_policy}
+    if "logprobs" in mfc.outputs:
+        tokens["logprobs"] = torch.tensor([x for r in records for x in r.logprobs], dtype=torch.float32)
+    if "versions" in mfc.outputs:
+        if version is None:
+            raise ValueError(f"{mfc.name} outputs versions but the runtime gave no policy version")
+        tokens["versions"] = torch.where(not_policy, -1, version).to(torch.int64)
+    batch = batch.with_keys(tokens=tokens, seqs={reward_keys[0]: torch.tensor([r.reward for r in records])})
+    if mfc.outputs[1] != "prompt_mask":
+        batch = batch.renamed({"prompt_mask": mfc.outputs[1]})
+    batch = algo.after_generate(mfc.name, batch, cfg, state)
+    n = max(1, len(records))
+    policy_tokens = sum(sum(r.policy) for r in records)
+    observed = sum(len(r.policy) - sum(r.policy) - r.prompt_len for r in records)
+    scores = [r.final_score for r in records if r.final_score is not None]
+    stats = {
+        f"{mfc.name}/answer_tokens": policy_tokens / n,
+        f"{mfc.name}/observation_tokens": observed / n,
+        f"{mfc.name}/turns": sum(r.turns for r in records) / n,
+        f"{mfc.name}/tool_calls": sum(r.tool_calls for r in records) / n,
+        f"{mfc.name}/tool_call_rate": sum(r.ok_calls > 0 for r in records) / n,
+        f"{mfc.name}/failed_calls": sum(r.tool_calls - r.ok_calls for r in records) / n,
+        f"{mfc.name}/cut_episodes": sum(r.cut for r in records) / n,
+        f"{mfc.name}/prefill_tokens": prefill_tokens / n,
+    }
+    if scores:
+        stats[f"{mfc.name}/final_score"] = sum(scores) / n
+    return MFCResult(batch, stats, batch.n_tokens)
+
+
+def check_supported(cfg: ExperimentConfig) -> None:
+    """Refuse what multi-turn episodes do not run with, in one line."""
+    if cfg.environment.name and cfg.plan.partial_rollouts:
+        raise ConfigError("environment.name: multi-turn episodes do not run with plan.partial_rollouts (an episode "
+                          "cut across a weight push is not continued); set plan.partial_rollouts=false")
+    if cfg.environment.name and not cfg.reward_fn:
+        raise ConfigError("environment.name: set reward_fn (the environment's rewards take its place; tool_use "
+                          "scores the final answer with it) instead of a reward model")
+
+
+__all__ = ["EnvironmentError", "run_episodes", "observation_ids", "check_supported", "generate_batch"]
+
+
+def generate_batch(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm, cfg: ExperimentConfig,
+                   state: AlgoState, seed: int, version: int | None = None) -> MFCResult:
+    """A generate MFC's batch: multi-turn episodes when ``environment.name`` is set, else ``run_generate``'s answers
+    (sync and async mode alike)."""
+    if cfg.environment.name:
+        return run_episodes(module, mfc, prompts, algo, cfg, state, seed, version)
+    return run_generate(module, mfc, prompts, algo, cfg, state, seed, version)
