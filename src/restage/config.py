@@ -18,6 +18,7 @@ import yaml
 
 from restage.algorithms import algorithm_names, is_algorithm_name
 from restage.cluster import load_cluster
+from restage.config_paths import resolve_file_paths, resolve_paths
 from restage.errors import ConfigError
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -40,6 +41,7 @@ class OptimConfig:
 LORA_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
 LORA_HF_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate", "up_proj": "up",
                  "down_proj": "down"}
+LORA_ALL_LINEAR = "all-linear"  # PEFT's name for every linear layer of the blocks (a mixture's: attention only)
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,13 @@ class LoraSpec:
 
     rank: int = 8
     alpha: float = 16.0
-    target_modules: tuple[str, ...] = ("q", "k", "v", "o")
+    target_modules: tuple[str, ...] = (LORA_ALL_LINEAR,)
     dropout: float = 0.0
 
     def canonical_targets(self) -> tuple[str, ...]:
-        """The targets as canonical names (HF names mapped), in canonical order."""
+        """The targets as canonical names (HF names mapped, all-linear the seven), in canonical order."""
+        if LORA_ALL_LINEAR in self.target_modules:
+            return LORA_MODULES
         names = {LORA_HF_NAMES.get(t, t) for t in self.target_modules}
         return tuple(m for m in LORA_MODULES if m in names)
 
@@ -225,7 +229,7 @@ class RunConfig:
     # ranks of the job; 0: derived, cluster.nodes x devices per node (cluster.devices_per_node, else the cluster
     # file's). A value set here must equal that (launch/geometry.py refuses one that does not).
     nprocs: int = 0
-    results_dir: str = "results"
+    results_dir: str = "results"  # in a config file: beside it (config_paths.py)
     # NaN or inf in a train MFC's inputs: skip that MFC this step, or stop the run (runtime/nonfinite.py);
     # this many consecutive skipped steps of one MFC stop it too.
     nonfinite: str = "skip"
@@ -408,9 +412,12 @@ def _check_lora(name: str, spec: ModelSpec) -> None:
     if not lora.alpha > 0:
         raise ConfigError(f"{key}.alpha: {lora.alpha} must be > 0")
     unknown = [t for t in lora.target_modules if t not in LORA_MODULES and t not in LORA_HF_NAMES]
+    if LORA_ALL_LINEAR in lora.target_modules:
+        unknown = [] if len(lora.target_modules) == 1 else [t for t in lora.target_modules if t != LORA_ALL_LINEAR]
     if unknown or not lora.target_modules:
         raise ConfigError(f"{key}.target_modules: {unknown or 'an empty list'} is not a list of "
-                          f"{', '.join(LORA_MODULES)} (or their HF names {', '.join(LORA_HF_NAMES)})")
+                          f"{', '.join(LORA_MODULES)} (or their HF names {', '.join(LORA_HF_NAMES)}), or "
+                          f"[{LORA_ALL_LINEAR}] alone")
     if lora.dropout != 0:
         raise ConfigError(f"{key}.dropout: {lora.dropout}; LoRA dropout is not implemented, set it to 0")
 
@@ -547,10 +554,11 @@ def apply_override(data: dict, override: str) -> None:
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    """Read a YAML experiment config, apply overrides, validate. Relative paths are resolved from the CWD."""
+    """Read a YAML experiment config, apply overrides, validate. The file's relative paths are made absolute against
+    its directory, the overrides' against the working directory (``config_paths``)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        raise ConfigError(f"config file {path.absolute()} does not exist")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
@@ -559,8 +567,10 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(f"{path}: not valid YAML{where}; fix the syntax") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
+    resolve_file_paths(data, path)
     for override in overrides:
         apply_override(data, override)
+    resolve_paths(data, Path.cwd())
     return config_from_dict(data)
 
 

@@ -51,11 +51,17 @@ class RewardError(RestageError):
 
 
 def hub_hint(path) -> str:
-    """For a path that does not exist: a hint when it looks like a HF hub id, else ''."""
-    text = str(path)
-    owner, _, name = text.partition("/")
+    """For a path that does not exist: a hint when it looks like a HF hub id, else ''.
+
+    The config loader makes a relative value absolute against the config file's directory, so a hub id
+    ``owner/name`` arrives as ``<dir>/owner/name``: its last two parts are taken, when ``<dir>`` exists and
+    ``<dir>/owner`` does not."""
+    parts = os.path.normpath(str(path)).split(os.sep)
+    text = "/".join(parts[-2:])
+    owner_dir, base_dir = os.sep.join(parts[:-1]), os.sep.join(parts[:-2]) or "."
     # owner/name, where no local directory "owner" exists and the name is not a data file's
-    if _HUB_ID.match(text) and not os.path.exists(owner) and not name.endswith((".jsonl", ".json", ".parquet")):
+    if (_HUB_ID.match(text) and not os.path.exists(owner_dir) and os.path.isdir(base_dir)
+            and not parts[-1].endswith((".jsonl", ".json", ".parquet"))):
         return (f"; {text!r} looks like a HF hub id, but restage loads only local directories: fetch it where there "
                 f"is network (`huggingface-cli download {text} --local-dir DIR`, or for a data set "
                 f"`datasets.load_dataset({text!r}).save_to_disk(DIR)`), copy DIR here and give its path")

@@ -25,10 +25,10 @@ def test_lora_checkpoints_hold_peft_adapters_and_resume_exactly(tmp_path):
     actor = straight / "step-3" / "actor"
     assert sorted(p.name for p in actor.iterdir()) == ["adapter", "engine"]
     config = json.loads((actor / "adapter" / "adapter_config.json").read_text())
-    assert (config["peft_type"], config["r"], config["target_modules"]) == ("LORA", 4, ["k_proj", "o_proj", "q_proj",
-                                                                                         "v_proj"])
+    assert (config["peft_type"], config["r"], config["target_modules"]) == (
+        "LORA", 4, ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"])  # all-linear
     first, last = hf_weights(straight / "step-1" / "actor" / "adapter"), hf_weights(actor / "adapter")
-    assert len(last) == 2 * 4 * 2  # A and B of q, k, v, o in each of the tiny model's 2 layers
+    assert len(last) == 2 * 7 * 2  # A and B of the 7 linears in each of the tiny model's 2 layers
     assert all(k.startswith("base_model.model.model.layers.") for k in last)
     assert any(not torch.equal(first[k], last[k]) for k in last)  # trained between the checkpoints
 

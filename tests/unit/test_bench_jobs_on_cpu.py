@@ -28,7 +28,7 @@ def test_the_256x4_job_and_model_have_the_benchmarks_shape(tmp_path):
     (tmp_path / "data" / "synthetic").mkdir(parents=True)
     (tmp_path / "data" / "synthetic" / "tokenizer").symlink_to(REPO / "data" / "synthetic" / "tokenizer")
     path = ensure_llama_256x4(tmp_path)
-    assert path == tmp_path / cfg.models["actor"].path
+    assert path.relative_to(tmp_path) == Path(cfg.models["actor"].path).relative_to(REPO)  # the job's, in the repo
     hf = json.loads((path / "config.json").read_text())
     assert (hf["hidden_size"], hf["num_hidden_layers"], hf["vocab_size"], hf["eos_token_id"]) == (256, 4, 16, 2)
     assert hf["max_position_embeddings"] >= cfg.dataset.max_prompt_tokens + cfg.generation.max_new_tokens
@@ -47,8 +47,9 @@ def test_the_gpu_costs_job_plans_on_cpu_for_one_h200_with_the_model_demo_builds(
     (tmp_path / "data").symlink_to(REPO / "data")
     monkeypatch.chdir(tmp_path)
     path = ensure_llama_300m(tmp_path)
-    cfg = load_config(REPO / "jobs" / "gpu_ppo_300m.yaml")
-    assert path == tmp_path / cfg.models["actor"].path == tmp_path / cfg.models["critic"].path
+    job = REPO / "jobs" / "gpu_ppo_300m.yaml"
+    assert {Path(spec.path).relative_to(REPO) for spec in load_config(job).models.values()} == {path.relative_to(tmp_path)}
+    cfg = load_config(job, [f"models.{name}.path={path}" for name in ("actor", "critic", "ref")])
     assert built == dict(family="llama", vocab_size=16, dtype=torch.bfloat16, **LLAMA_300M_SIZES)
     arch = ModelConfig.from_pretrained(path)
     params = arch.num_layers * block_shape(arch, 1).weight_params

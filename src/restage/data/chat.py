@@ -30,7 +30,9 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """The template's ids for ``messages`` with the assistant's generation prompt after them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"dataset.chat_template is true but the tokenizer in {tokenizer.name_or_path} has no "
-                          "chat_template; use a checkpoint whose tokenizer_config.json has one, or set it false")
+                          "chat_template: neither a chat_template.jinja file (where transformers 5 saves it) nor a "
+                          "chat_template entry in tokenizer_config.json (older checkpoints); use a checkpoint with "
+                          "one, add one of the two, or set dataset.chat_template=false")
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = out["input_ids"] if hasattr(out, "keys") else out  # transformers 5 returns a BatchEncoding
     return [int(t) for t in ids]

@@ -26,6 +26,7 @@ from restage.config import ExperimentConfig, config_from_dict
 from restage.errors import ConfigError, LaunchError, LogError
 from restage.launch import watchdog
 from restage.launch.checks import load_job_config, plan_job, validate
+from restage.launch.data_check import ACCEPT_OPTION, check_trial_data
 from restage.launch.mpirun import mpirun_command
 from restage.launch.resume import resumed_config, write_trial_overrides
 from restage.launch.trial import trial_lock
@@ -45,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from the trial's last checkpoint")
     parser.add_argument("--schedule", default="", help="use this schedule.json instead of planning")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing trial's log and checkpoints")
+    parser.add_argument(ACCEPT_OPTION, action="store_true", dest="accept_changed_data",
+                        help="--resume on data that changed since the checkpoint (recorded in the trial's data.json)")
 
 
 def check_local_devices(cfg: ExperimentConfig, cuda_devices: int) -> str:
@@ -119,6 +122,9 @@ def _run(args: argparse.Namespace, cfg: ExperimentConfig, overrides: list[str]) 
     began = time.monotonic()
     print(f"restage: start-up: checking the config, data and models of {trial_dir}", flush=True)
     prepare(cfg)
+    for line in check_trial_data(trial_dir, cfg, args.resume, args.accept_changed_data,
+                                 complete_steps(trial_dir)[-1] if args.resume else None):
+        print(line, flush=True)
     trial_dir.mkdir(parents=True, exist_ok=True)
     (trial_dir / "config.yaml").write_text(cfg.to_yaml())
     if recorded is not None:

@@ -2,7 +2,7 @@
 
 ::
 
-    base: ppo_tiny.yaml          # experiment config, relative to this file
+    base: ppo_tiny.yaml          # experiment config, relative to this file (its own paths: to its directory)
     name: lr-sweep               # the sweep's directory: results/<experiment>/<name>/
     overrides: [run.steps=20]    # optional, applied to every trial (a list of key=value or a mapping)
     grid:                        # every combination...
@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from restage.config import ExperimentConfig, apply_override, config_from_dict
+from restage.config_paths import resolve_file_paths, resolve_paths
 from restage.errors import ConfigError
 from restage.launch import slurm
 from restage.launch.job import TrialJob, program_module
@@ -115,6 +116,9 @@ def load_sweep(path: str | Path) -> tuple[str, list[Trial]]:
     if not base_path.is_file():
         raise ConfigError(f"{path}: base config {base_path} does not exist")
     base = yaml.safe_load(base_path.read_text()) or {}
+    if not isinstance(base, dict):
+        raise ConfigError(f"{base_path.resolve()}: the top level must be a mapping")
+    resolve_file_paths(base, base_path)  # the base's paths against its directory, the sweep's against this file's
     _apply_overrides(base, spec.get("overrides") or [])
     name = str(spec.get("name") or path.stem)
     grid, zipped = spec.get("grid") or {}, spec.get("zip") or {}
@@ -136,6 +140,7 @@ def load_sweep(path: str | Path) -> tuple[str, list[Trial]]:
         for key, value in values.items():
             _set(data, key, value)
         data["trial"] = f"{name}/{index:03d}"
+        resolve_paths(data, path.resolve().parent)
         try:
             trials.append(Trial(index, values, config_from_dict(data)))
         except ConfigError as err:

@@ -5,6 +5,7 @@
     config.yaml        the resolved config (absolute paths), written by the job before ranks start
     schedule.json      the execution plan for this trial's cluster (restage plan, run inside the job)
     submission.json    what `restage submit` / `restage sweep` submitted: job id, script, submitit folder
+    data.json          the data's fingerprint (size, rows, content hash) and accepted changes (launch/data_check.py)
     job.json           one row per attempt of the job (requeues add rows): ids, hosts, launch line, outcome
     output.log         every rank's stdout and stderr, appended across attempts
     log.h5             the runtime's metrics log (master rank, steps from 1; restage.report.log); while

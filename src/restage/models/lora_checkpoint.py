@@ -2,7 +2,7 @@
 
 A saved adapter directory is what ``peft.PeftModel.from_pretrained(base, dir)`` loads:
 ``adapter_config.json`` (``peft_type: LORA``, ``r``, ``lora_alpha``, ``target_modules`` in HF names,
-``base_model_name_or_path``) and ``adapter_model.safetensors`` with the HF names PEFT gives them
+``base_model_name_or_path``: the base's absolute directory) and ``adapter_model.safetensors`` with the HF names PEFT gives them
 (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``; a critic's scalar head as a
 module PEFT saves whole, ``base_model.model.score.weight``). ``merge_lora`` writes ``W + (alpha / r) B A``
 into a copy of the base checkpoint that ``transformers`` loads with no PEFT at all.
@@ -43,15 +43,21 @@ def peft_key(cfg: ModelConfig, name: str) -> str:
     return f"{PEFT_PREFIX}{base}.{factor}.weight"
 
 
-def adapter_config(cfg: ModelConfig, base_model_name_or_path: str) -> dict:
-    """PEFT's ``adapter_config.json`` for ``cfg.lora``."""
+def base_reference(path: str | Path) -> str:
+    """What ``base_model_name_or_path`` holds: the base's absolute directory, which loads from anywhere (a relative
+    one only from where the run started), or a value that is no local path (a hub id) as given."""
+    return str(Path(path).resolve()) if str(path) and Path(path).exists() else str(path)
+
+
+def adapter_config(cfg: ModelConfig, base_model_name_or_path: str | Path) -> dict:
+    """PEFT's ``adapter_config.json`` for ``cfg.lora`` (the base as ``base_reference`` writes it)."""
     lora = cfg.lora
     assert lora is not None  # callers save LoRA models only
     return {"peft_type": "LORA", "task_type": "SEQ_CLS" if cfg.is_critic else "CAUSAL_LM", "r": lora.rank,
             "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False,
             "target_modules": sorted(HF_TARGETS[t] for t in lora.target_modules), "use_rslora": False,
             "modules_to_save": ["score"] if cfg.is_critic else None, "init_lora_weights": True,
-            "inference_mode": True, "base_model_name_or_path": base_model_name_or_path}
+            "inference_mode": True, "base_model_name_or_path": base_reference(base_model_name_or_path)}
 
 
 def save_adapters(module: StageModule, path: str | Path, base_model_name_or_path: str) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from restage.cluster import ClusterSpec
-from restage.config import LoraSpec
+from restage.config import LORA_ALL_LINEAR, LoraSpec
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout, Strategy
@@ -97,11 +97,14 @@ def with_lora(name: str, arch: ModelConfig, spec: LoraSpec) -> ModelConfig:
     if arch.family == "gpt2":
         raise ConfigError(f"models.{name}.lora: LoRA supports the LLaMA family (llama, mistral, qwen2), not GPT-2; "
                           f"remove models.{name}.lora")
-    mlp = sorted(set(spec.canonical_targets()) & {"gate", "up", "down"})
+    targets = spec.canonical_targets()
+    if arch.is_moe and LORA_ALL_LINEAR in spec.target_modules:  # the default: every linear that takes adapters
+        targets = tuple(t for t in targets if t not in ("gate", "up", "down"))
+    mlp = sorted(set(targets) & {"gate", "up", "down"})
     if arch.is_moe and mlp:
         raise ConfigError(f"models.{name}.lora: a mixture of experts takes no adapters on its MLP ({', '.join(mlp)}) "
                           f"yet; target attention only (q, k, v, o)")
-    return replace(arch, lora=LoraConfig(spec.rank, spec.alpha, spec.canonical_targets(), spec.dropout))
+    return replace(arch, lora=LoraConfig(spec.rank, spec.alpha, targets, spec.dropout))
 
 
 def mesh_options(cluster: ClusterSpec) -> list[tuple[int, int]]:
