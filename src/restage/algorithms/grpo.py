@@ -124,10 +124,15 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
     grouped = rewards.view(-1, p.group_size)
     # A group whose answers all score the same teaches nothing; its spread says how much signal there is.
     spread = grouped.std(-1) if p.group_size > 1 else torch.zeros(grouped.shape[0])
+    raw = batch["rewards"].float().view(-1, p.group_size)
+    informative = raw.max(-1).values > raw.min(-1).values
     stats = {
         "reward": float(ops.masked_mean(batch["rewards"].float(), all_seqs, reduce)),
         "group_reward_std": float(ops.masked_mean(spread, torch.ones_like(spread, dtype=torch.bool), reduce)),
         "answer_tokens": float(ops.masked_sum(mask.float(), mask, reduce)[1]),
+        "sequences": float(ops.masked_sum(torch.ones(batch.n_seqs), all_seqs, reduce)[1]),  # the whole batch's
+        # the share of groups whose (unshaped) rewards differ: DAPO's dynamic sampling raises it to 1
+        "informative_groups": float(ops.masked_mean(informative.float(), torch.ones_like(informative), reduce)),
     }
     if p.overlong_buffer > 0:
         stats["overlong_penalty"] = float(ops.masked_mean(penalty, all_seqs, reduce))

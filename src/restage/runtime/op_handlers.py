@@ -34,7 +34,9 @@ from restage.data.datasets import Dataset
 from restage.device import DTYPES
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout, ProcessGroups
+from restage.models.decoder import StageModule
 from restage.models.parallel import ParallelContext
+from restage.runtime import dynamic_sampling
 from restage.runtime.clock import Clock, peak_memory_bytes
 from restage.runtime.control import wait_for_ranks
 from restage.runtime.engines import engine_groups
@@ -107,7 +109,10 @@ class OpHandlers:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         begin = self.clock.now_synced()
-        if mfc.kind == "generate":
+        if mfc.kind == "generate" and dynamic_sampling.OPTION in mfc.options:
+            with generation_module(slot.at(layout), layout, self.groups) as module:
+                result = self.generate_filled(module, mfc, layout, batch, step, data)
+        elif mfc.kind == "generate":
             # A model ZeRO-3 partitions (generating on its training layout): gathered once, or its replicas in lockstep.
             with generation_module(slot.at(layout), layout, self.groups) as module:
                 result = generate_batch(module, mfc, batch, self.algo, self.cfg, self.state, step_seed(self.cfg.seed, step))
@@ -136,6 +141,16 @@ class OpHandlers:
         if result.batch is not None:
             data.keep(mfc.name, result.batch, self.state)
         self.record_run(mfc, layout, ctx, batch, result, begin, end, record)
+
+    def generate_filled(self, module: StageModule, mfc: MFC, layout: Layout, batch: Batch, step: int,
+                        data: StepData) -> MFCResult:
+        """A generate MFC under DAPO's dynamic sampling: groups whose rewards are all equal are replaced by fresh
+        prompts' groups, the layout's ranks agreeing on each extra round (runtime/dynamic_sampling.py)."""
+        group = self.groups.get(layout.mesh) if layout.size > 1 else None
+        return dynamic_sampling.fill_batch(
+            dynamic_sampling.generator(module, mfc, self.algo, self.cfg, self.state), mfc, batch, data.source.batch,
+            len(data.source), self.state, step_seed(self.cfg.seed, step), step, self.cfg.seed,
+            lambda flag: any_rank(flag, group, self.device))
 
     def record_run(self, mfc: MFC, layout: Layout, ctx: ParallelContext, batch: Batch, result: MFCResult, begin: float,
                    end: float, record: StepRecord) -> None:
