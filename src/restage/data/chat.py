@@ -38,21 +38,30 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return [int(t) for t in ids]
 
 
-def prompt_ids(tokenizer, value, max_tokens: int, chat_template: bool) -> tuple[int, ...]:
-    """The prompt's ids (see module doc); ``value`` is text, a message list or a tuple of ids."""
+def full_prompt_ids(tokenizer, value, chat_template: bool) -> list[int]:
+    """The prompt's ids before any cut (see module doc); ``value`` is text, a message list or a tuple of ids."""
     if isinstance(value, tuple):
-        ids = list(value)
-    elif chat_template:
-        ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": value}] if isinstance(value, str) else value)
-    elif isinstance(value, list):
+        return list(value)
+    if chat_template:
+        return chat_prompt_ids(tokenizer, [{"role": "user", "content": value}] if isinstance(value, str) else value)
+    if isinstance(value, list):
         raise ConfigError("a prompt is a list of chat messages; set dataset.chat_template=true to apply the "
                           "tokenizer's chat template")
-    else:
-        return encode_prompt(tokenizer, value, max_tokens)
-    keep_first = bool(ids) and ids[0] == tokenizer.bos_token_id and len(ids) > max_tokens
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + list(tokenizer.encode(value, add_special_tokens=False))
+
+
+def cut_prompt(ids: list[int], max_tokens: int, bos_token_id: int | None) -> tuple[int, ...]:
+    """``ids`` cut from the left to ``max_tokens``, a leading BOS kept."""
+    keep_first = bool(ids) and ids[0] == bos_token_id and len(ids) > max_tokens
     head = ids[:1] if keep_first else []
     room = max(0, max_tokens - len(head))
     return tuple(head + (ids[max(len(head), len(ids) - room):] if room else []))
+
+
+def prompt_ids(tokenizer, value, max_tokens: int, chat_template: bool) -> tuple[int, ...]:
+    """The prompt's ids (see module doc), cut to ``max_tokens``; ``value`` is text, a message list or a tuple of ids."""
+    return cut_prompt(full_prompt_ids(tokenizer, value, chat_template), max_tokens, tokenizer.bos_token_id)
 
 
 def answer_ids(tokenizer, value, max_tokens: int) -> tuple[int, ...]:

@@ -9,9 +9,10 @@ Rows come from JSONL, parquet or a HF ``datasets`` directory, with field names m
   (chosen then rejected, ``group_size`` 2)
 
 A prompt is ``[BOS] + prompt tokens`` (or the chat template's ids, or pre-tokenised ids: ``data/chat.py``),
-cut from the left to ``max_prompt_tokens`` (BOS kept); an answer is ``answer tokens + [EOS]``, cut from
-the right to ``max_answer_tokens``. The held-out split is the last ``round(n * eval_fraction)`` rows, or
-the ``eval_split`` of the same directory, or the rows of ``eval_path``. A row's other fields stay with its
+cut from the left to ``max_prompt_tokens`` (BOS kept; ``cut_prompts_warning``, the master's one line at
+start-up, says how many); an answer is ``answer tokens + [EOS]``, cut from the right to ``max_answer_tokens``.
+The held-out split is the last ``round(n * eval_fraction)`` rows, or the ``eval_split`` of the same directory,
+or the rows of ``eval_path``. A row's other fields stay with its
 example (``Example.fields``) for the reward function.
 """
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch, pack_sequences
-from restage.data.chat import answer_ids, prompt_ids
+from restage.data.chat import answer_ids, cut_prompt, full_prompt_ids
 from restage.data.sources import ROLES as FIELDS
 from restage.data.sources import read_rows, select_roles
 from restage.data.tokenizer import load_tokenizer
@@ -41,15 +42,19 @@ class Example:
 
 
 def tokenize(rows: Sequence[dict], kind: str, tokenizer, max_prompt_tokens: int, max_answer_tokens: int,
-             first_index: int = 0, chat_template: bool = False) -> list[Example]:
-    """Encode rows of one layout; refuses an empty prompt or answer with its line number."""
+             first_index: int = 0, chat_template: bool = False, cut: list[tuple[int, int]] | None = None) -> list[Example]:
+    """Encode rows of one layout; refuses an empty prompt or answer with its line number. ``cut`` (when given)
+    receives (line number, tokens before the cut) of each prompt cut to ``max_prompt_tokens``."""
     if kind not in FIELDS:
         raise ConfigError(f"dataset.kind: {kind!r} must be one of {', '.join(FIELDS)}")
     if max_prompt_tokens < 1 or max_answer_tokens < 1:
         raise ConfigError("dataset.max_prompt_tokens and dataset.max_answer_tokens must be >= 1")
     out = []
     for i, row in enumerate(rows, first_index):
-        prompt = prompt_ids(tokenizer, row["prompt"], max_prompt_tokens, chat_template)
+        full = full_prompt_ids(tokenizer, row["prompt"], chat_template)
+        prompt = cut_prompt(full, max_prompt_tokens, tokenizer.bos_token_id)
+        if cut is not None and len(full) > max_prompt_tokens:
+            cut.append((i - first_index + 1, len(full)))
         if not prompt:
             raise ConfigError(f"line {i + 1}: the prompt encodes to no tokens")
         answers = tuple(answer_ids(tokenizer, row[name], max_answer_tokens) for name in FIELDS[kind][1:])
@@ -76,6 +81,8 @@ def collate(examples: Sequence[Example], kind: str) -> Batch:
 class Dataset:
     kind: str
     examples: tuple[Example, ...]
+    # (file, line number, tokens before the cut) of each prompt longer than dataset.max_prompt_tokens
+    cut_prompts: tuple[tuple[str, int, int], ...] = ()
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -169,20 +176,34 @@ def load_splits(cfg: ExperimentConfig, tokenizer=None) -> tuple[Dataset, Dataset
         raise ConfigError(f"dataset.eval_fraction: {ds.eval_fraction} must be in [0, 1)")
     tokenizer = tokenizer or load_tokenizer(default_tokenizer_dir(cfg))
 
-    def encode(path: str, split: str, first_index: int) -> list[Example]:
+    def encode(path: str, split: str, first_index: int) -> Dataset:
         rows = select_roles(read_rows(path, split), ds.kind, ds.fields, path)
-        return tokenize(rows, ds.kind, tokenizer, ds.max_prompt_tokens, ds.max_answer_tokens, first_index,
-                        ds.chat_template)
+        cut: list[tuple[int, int]] = []
+        examples = tokenize(rows, ds.kind, tokenizer, ds.max_prompt_tokens, ds.max_answer_tokens, first_index,
+                            ds.chat_template, cut)
+        return Dataset(ds.kind, tuple(examples), tuple((path, line, tokens) for line, tokens in cut))
 
-    examples = encode(ds.path, ds.split, 0)
+    train = encode(ds.path, ds.split, 0)
     if ds.eval_split or ds.eval_path:  # sample ids go on after the training rows': one id space
-        held_out = encode(ds.eval_path or ds.path, ds.eval_split or ds.split, len(examples))
-        return Dataset(ds.kind, tuple(examples)), Dataset(ds.kind, tuple(held_out))
-    n_eval = round(len(examples) * ds.eval_fraction)
-    if n_eval == len(examples):
+        return train, encode(ds.eval_path or ds.path, ds.eval_split or ds.split, len(train))
+    n_eval = round(len(train) * ds.eval_fraction)
+    if n_eval == len(train):
         raise ConfigError(f"dataset.eval_fraction {ds.eval_fraction} leaves no training examples")
-    cut = len(examples) - n_eval
-    return Dataset(ds.kind, tuple(examples[:cut])), Dataset(ds.kind, tuple(examples[cut:]))
+    first_held_out = len(train) - n_eval  # row position = sample id = line - 1
+    return (Dataset(ds.kind, train.examples[:first_held_out], tuple(c for c in train.cut_prompts if c[1] <= first_held_out)),
+            Dataset(ds.kind, train.examples[first_held_out:], tuple(c for c in train.cut_prompts if c[1] > first_held_out)))
+
+
+def cut_prompts_warning(cfg: ExperimentConfig, *splits: Dataset) -> str:
+    """One line when prompts were cut to ``dataset.max_prompt_tokens`` (silently dropping their start), else ""."""
+    cut = [c for split in splits for c in split.cut_prompts]
+    if not cut:
+        return ""
+    path, line, tokens = max(cut, key=lambda c: c[2])
+    total = sum(len(split) for split in splits)
+    return (f"warning: {len(cut):,} of {total:,} prompts are longer than dataset.max_prompt_tokens="
+            f"{cfg.dataset.max_prompt_tokens} and are cut from the left (the longest: {path}:{line}, {tokens:,} "
+            "tokens); raise dataset.max_prompt_tokens to keep them whole, or shorten them")
 
 
 def sample_fields(*splits: Dataset) -> dict[int, Mapping]:

@@ -27,7 +27,7 @@ from restage.algorithms.interface import get_algorithm
 from restage.algorithms.rewards import resolve_accuracy
 from restage.algorithms.scoring import RewardPool
 from restage.config import ExperimentConfig, config_from_dict
-from restage.data.datasets import default_tokenizer_dir, load_splits, sample_fields
+from restage.data.datasets import cut_prompts_warning, default_tokenizer_dir, load_splits, sample_fields
 from restage.data.tokenizer import load_tokenizer
 from restage.device import rank_device
 from restage.errors import ConfigError, LayoutError
@@ -78,6 +78,8 @@ class Worker:
         self.tokenizer = load_tokenizer(default_tokenizer_dir(cfg))
         self.state = self.algo.init_state(cfg, self.tokenizer)
         self.train_set, self.eval_set = load_splits(cfg, self.tokenizer)
+        if control.is_master and (warning := cut_prompts_warning(cfg, self.train_set, self.eval_set)):
+            print(f"restage: {warning}", flush=True)  # once per run, before the first step
         self.state.sample_fields = sample_fields(self.train_set, self.eval_set)  # for the rewards' keywords
         self.state.reward_pool = RewardPool(cfg.rewards.workers)  # rewards score behind the next ops (op_handlers)
         offloaded = frozenset(op.model for op in self.ops if isinstance(op, Offload))
