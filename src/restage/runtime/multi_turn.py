@@ -164,15 +164,16 @@ class ReplicaChannel:
         self.first = ctx.tp_rank == 0 and ctx.pp_stage == 0
 
     def share(self, value: Any) -> Any:
-        """The first rank's ``value`` on every rank of the replica (over pp from stage 0, then over tp)."""
+        """The first rank's ``value`` on every rank of the replica: over tp on every stage (stage 0's tp ranks then
+        hold it), then over pp from stage 0."""
         if self.single:
             return value
         box = [value]
         device = self.device if self.device.type == "cuda" else None
-        if self.ctx.pp_group is not None:
-            dist.broadcast_object_list(box, src=self.ctx.pp_ranks[0], group=self.ctx.pp_group, device=device)
         if self.ctx.tp_group is not None:
             dist.broadcast_object_list(box, src=self.ctx.tp_ranks[0], group=self.ctx.tp_group, device=device)
+        if self.ctx.pp_group is not None:
+            dist.broadcast_object_list(box, src=self.ctx.pp_ranks[0], group=self.ctx.pp_group, device=device)
         return box[0]
 
 
