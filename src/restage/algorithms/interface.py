@@ -20,6 +20,7 @@ import torch
 
 from restage.algorithms import algorithm_module, algorithm_names, base
 from restage.algorithms._graphs import ACTOR_PROX, is_async
+from restage.algorithms.episode_sizes import episode_mfcs
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
@@ -109,7 +110,7 @@ def get_algorithm(name: str) -> Algorithm:
 def build_graph(cfg: ExperimentConfig) -> DataflowGraph:
     """The dataflow graph of the config's algorithm, sized by its batch and sequence lengths (the one place it is built)."""
     algorithm = get_algorithm(cfg.algorithm)
-    graph = DataflowGraph(tuple(algorithm.mfcs(cfg)))
+    graph = DataflowGraph(tuple(episode_mfcs(cfg, algorithm.mfcs(cfg))))  # multi-turn episodes' sizes
     if is_async(cfg) and ACTOR_PROX not in {m.name for m in graph}:
         raise ConfigError(f"{cfg.algorithm} has no asynchronous mode (its graph has no {ACTOR_PROX}; policy-gradient "
                           "algorithms add it with base.with_proximal): set plan.execution=sync")

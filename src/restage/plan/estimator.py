@@ -218,8 +218,11 @@ class Estimator:
         m = 1 if mfc.kind == "generate" else (micro_batches or max(mfc.micro_batches, s.pp))
         engine = engine or self.engine
         links = tuple(bus_bandwidth(self.cluster, _worst_group(layout, k)) for k in ("tp", "dp", "pp", "ep"))
-        # An MFC's options are not part of its hash; a generation's group size is part of its cost.
-        gen_key = (engine, int(mfc.options.get("group_size", 1))) if mfc.kind == "generate" else None
+        # An MFC's options are not part of its hash; a generation's group size and multi-turn figures are part of its
+        # cost.
+        gen_key = (engine, int(mfc.options.get("group_size", 1)),
+                   *(mfc.options.get(k) for k in ("turns", "observation_tokens", "tool_seconds"))
+                   ) if mfc.kind == "generate" else None
         key = (mfc, role, s, m, links, gen_key)
         if key not in self._cache:
             self._cache[key] = self._estimate(mfc, role, layout, m, engine)
@@ -460,12 +463,15 @@ def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc
     cfg, s, e = role.arch, layout.strategy, role.bytes_per_element
     b = int(sequences_per_rank(mfc, s.dp))
     prompt, gen = mfc.prompt_tokens, mfc.gen_tokens
+    # Multi-turn episodes (algorithms/episode_sizes.py): observation tokens share the cache, later turns prefill.
+    turns, observed = int(mfc.options.get("turns", 1)), int(mfc.options.get("observation_tokens", 0))
     tp_group, pp_group = _worst_group(layout, "tp"), _worst_group(layout, "pp")
     layers = _max_stage_layers(cfg, s.pp)
     hidden_bytes = cfg.hidden_size * e
-    window = min(prompt + gen, cfg.sliding_window) if cfg.sliding_window else prompt + gen
+    length = prompt + gen + observed
+    window = min(length, cfg.sliding_window) if cfg.sliding_window else length
     kv_token_bytes = 2 * layers * block_shape(cfg, s.tp).kv_out * e  # one token's keys and values on the stage
-    filled = prompt + (gen + 1) / 2  # the average cache length while decoding
+    filled = prompt + (gen + observed + 1) / 2  # the average cache length while decoding
     match engine:
         case OneBatchEngine():  # every prompt prefilled whole (the head gives the first token), the batch held to the end
             live, prompts, prefix, head, graphs, checks = b, b, prompt, b, False, 0
@@ -475,8 +481,8 @@ def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc
             prompts, prefix, head = math.ceil(b / int(mfc.options.get("group_size", 1))), prompt - 1, 0
             groups = group_count(engine.limits.pp_groups, s.pp) if s.pp > 1 else 1
             graphs = replays_graphs(cluster, engine, cfg, s)
-            attended = prompt + gen if graphs else filled  # a graph's SDPA attends over the whole slot, masked
-            cached = prompt + gen  # a slot holds max_len tokens whatever the window
+            attended = length if graphs else filled  # a graph's SDPA attends over the whole slot, masked
+            cached = length  # a slot holds max_len tokens whatever the window
             checks = math.ceil(decode_rounds(b, live) * gen / engine.limits.check_every_steps) if cluster.has_gpus else 0
         case _:
             assert_never(engine)
@@ -490,6 +496,8 @@ def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc
     # A group's siblings copy the prompt's keys and values (read and written once each).
     copy = 2 * (b - prompts) * prefix * kv_token_bytes / cluster.achievable_memory_bandwidth()
     prefill = s.pp * (prefill_stage + prefill_comm) + (s.pp - 1) * prefill_send + prefill_ep + copy
+    turn_prefill = _turn_prefill_seconds(cluster, compute, layout, cfg, b * (turns - 1), filled, hidden_bytes)
+    prefill += turn_prefill
     # A step (a token of every live slot): `calls` stage steps over `batch` slots each, back to back on a stage:
     # the live batch through all pp stages one after the other, or G micro-groups' ticks, every stage busy.
     calls, batch = (groups, math.ceil(live / groups)) if groups > 1 else (s.pp, live)
@@ -511,16 +519,32 @@ def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc
     decode_ep = s.pp * expert_exchange_seconds(cluster, cfg, layout, live, e)
     step = calls * decode_stage + decode_comm + decode_send + decode_ep
     host_checks = checks * HOST_CHECK_SECONDS
-    seconds = batched_generate_seconds(prefill, step, b, live, gen) + host_checks + capture
+    tool = (turns - 1) * float(mfc.options.get("tool_seconds", 0.0))  # an episode's tool calls, one after another
+    seconds = batched_generate_seconds(prefill, step, b, live, gen) + host_checks + capture + tool
     steps = decode_rounds(b, live) * gen
     parts = {"prefill_seconds": prefill, "decode_seconds": steps * step,
              "compute_seconds": s.pp * prefill_stage + steps * calls * decode_stage,
              "tp_comm_seconds": s.pp * prefill_comm + steps * decode_comm,
              "pp_send_seconds": (s.pp - 1) * prefill_send + steps * decode_send, "ep_comm_seconds": prefill_ep + steps * decode_ep}
     parts.update({k: v for k, v in (("kv_copy_seconds", copy), ("host_check_seconds", host_checks),
-                                    ("graph_capture_seconds", capture)) if v})
+                                    ("graph_capture_seconds", capture), ("turn_prefill_seconds", turn_prefill),
+                                    ("tool_seconds", tool)) if v})
     # Memory: the KV cache (allocated for the live sequences' whole length), one admission's prefill workspace, the step's logits.
     kv_cache = kv_token_bytes * cached * live
     transient = (kv_cache + _forward_workspace(cfg, s.tp, min(prompts, live) * prefix, e)
                  + live * block_shape(cfg, s.tp).head_out * LOGIT_BYTES)
     return seconds, transient, parts
+
+
+def _turn_prefill_seconds(cluster: ClusterSpec, compute, layout: Layout, cfg: ModelConfig, prefills: float,
+                          context: float, hidden_bytes: int) -> float:
+    """Multi-turn episodes: ``prefills`` later turns, each prefilling its whole context (about ``context`` tokens)
+    stage after stage, with the TP all-reduces of those tokens."""
+    if prefills <= 0:
+        return 0.0
+    s, seq = layout.strategy, max(1, round(context))
+    stage = _stage_seconds(layout, cfg, compute.block_prefill(prefills, seq, s.tp, s.ep), compute.embed_forward(
+        prefills * seq), 0.0)
+    comm = _max_stage_layers(cfg, s.pp) * 2 * allreduce_seconds(cluster, _worst_group(layout, "tp"),
+                                                               prefills * seq * hidden_bytes)
+    return s.pp * (stage + comm)

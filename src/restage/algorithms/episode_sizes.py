@@ -1,0 +1,35 @@
+"""The sizes of a multi-turn config's MFCs (``environment.name`` set): what the planner costs (``plan/estimator.py``).
+
+An episode is a sequence of its prompt and up to ``environment.max_episode_tokens`` answer and observation tokens,
+so every MFC that reads episodes (inference, training) carries ``gen_tokens = max_episode_tokens``. A generate MFC
+decodes only the answers: ``gen_tokens = min(max_turns x max_new_tokens, max_episode_tokens)`` decode steps per
+episode (the worst case: every turn to its cap), and the rest of the budget is observation tokens (prefilled, not
+decoded). Its ``options`` carry ``turns`` (``max_turns``), ``observation_tokens`` and ``tool_seconds``
+(``environment.tool_latency_seconds``, a figure the user gives: one call's wall time); the estimator adds one
+prefill of the context per later turn (the engine does not keep a turn's cache across its tool call,
+``models/rollout_turns.py``) and ``(turns - 1) x tool_seconds`` on an episode's path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from restage.config import ExperimentConfig
+from restage.graph import MFC
+
+
+def episode_mfcs(cfg: ExperimentConfig, mfcs: list[MFC]) -> list[MFC]:
+    """``mfcs`` sized for multi-turn episodes (the module's docstring); unchanged without an environment."""
+    env = cfg.environment
+    if not env.name:
+        return mfcs
+    decoded = min(env.max_turns * cfg.generation.max_new_tokens, env.max_episode_tokens)
+    out = []
+    for mfc in mfcs:
+        if mfc.kind == "generate":
+            options = {**mfc.options, "turns": env.max_turns, "observation_tokens": env.max_episode_tokens - decoded,
+                       "tool_seconds": env.tool_latency_seconds}
+            out.append(dataclasses.replace(mfc, gen_tokens=decoded, options=options))
+        else:
+            out.append(dataclasses.replace(mfc, gen_tokens=env.max_episode_tokens))
+    return out
