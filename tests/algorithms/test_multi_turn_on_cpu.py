@@ -3,6 +3,10 @@ parsed in both formats and run in the sandbox; bad input is one line each (issue
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,10 +21,11 @@ from restage.algorithms.environments import (
     check_step,
     validate,
 )
-from restage.algorithms.interface import get_algorithm
+from restage.algorithms.interface import build_graph, get_algorithm
+from restage.algorithms.rewards import resolve_reward
 from restage.algorithms.sandbox import Limits
 from restage.algorithms.tools import ToolCall, parse_tool_calls, resolve_tools, run_tool
-from restage.config import EnvironmentConfig, config_from_dict
+from restage.config import EnvironmentConfig, config_from_dict, load_config
 from restage.data import arith
 from restage.data.batch import pack_sequences
 from restage.errors import ConfigError
@@ -192,3 +197,28 @@ def test_multi_turn_reset_and_config_refusals_are_one_line():
         validate(EnvironmentConfig(name="tool_use", tool_format="xml"))
     with pytest.raises(ConfigError, match=r"^environment.max_turns \(0\)"):
         validate(EnvironmentConfig(name="tool_use", max_turns=0))
+
+
+def test_multi_turn_code_job_checks_the_final_answer_by_running_the_rows_tests():
+    cfg = load_config("jobs/grpo_code_tools.yaml")
+    row = json.loads(Path(cfg.dataset.path).read_text().splitlines()[0])
+    ctx = EpisodeContext(row["prompt"], row, 0, cfg.environment, cfg.rewards, resolve_reward(cfg.reward_fn, cfg.rewards))
+    env = validate(cfg.environment)(ctx)
+    code = "def add(a, b):\n    return a + b\nprint(add(2, 3))"
+    call = json.dumps({"name": "python", "arguments": {"code": code}})
+    tried = env.step(f"Let me try it.\n<tool_call>\n{call}\n</tool_call>")
+    assert (tried.observation, tried.done) == ([{"role": "tool", "content": "5"}], False)
+    final = env.step("```python\ndef add(a, b):\n    return a + b\n```")
+    assert (final.reward, final.done) == (1.0, True)  # both of the row's tests pass in the sandbox
+    wrong = validate(cfg.environment)(ctx).step("```python\ndef add(a, b):\n    return a - b\n```")
+    assert (wrong.reward, wrong.done) == (0.0, True)
+
+
+def test_multi_turn_config_refusals_name_the_key():
+    cfg = _cfg("grpo", group_size=2, kl_coef=0.0)
+    env = EnvironmentConfig(name="tool_use", tools=("calculator",))
+    with pytest.raises(ConfigError, match=r"^environment.name: set reward_fn"):
+        build_graph(dataclasses.replace(cfg, environment=env, reward_fn=""))
+    partial = dataclasses.replace(cfg.plan, execution="async", partial_rollouts=True, staleness=2)
+    with pytest.raises(ConfigError, match=r"^environment.name: multi-turn episodes do not run with plan.partial"):
+        build_graph(dataclasses.replace(cfg, environment=env, plan=partial))

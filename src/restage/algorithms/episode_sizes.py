@@ -15,7 +15,18 @@ from __future__ import annotations
 import dataclasses
 
 from restage.config import ExperimentConfig
+from restage.errors import ConfigError
 from restage.graph import MFC
+
+
+def check_supported(cfg: ExperimentConfig) -> None:
+    """Refuse, in one line, what multi-turn episodes do not run with."""
+    if cfg.plan.partial_rollouts:
+        raise ConfigError("environment.name: multi-turn episodes do not run with plan.partial_rollouts (an episode "
+                          "cut across a weight push is not continued); set plan.partial_rollouts=false")
+    if not cfg.reward_fn:
+        raise ConfigError("environment.name: set reward_fn (the episodes' rewards take its place; tool_use scores the "
+                          "final answer with it) instead of a reward model")
 
 
 def episode_mfcs(cfg: ExperimentConfig, mfcs: list[MFC]) -> list[MFC]:
@@ -23,6 +34,7 @@ def episode_mfcs(cfg: ExperimentConfig, mfcs: list[MFC]) -> list[MFC]:
     env = cfg.environment
     if not env.name:
         return mfcs
+    check_supported(cfg)
     decoded = min(env.max_turns * cfg.generation.max_new_tokens, env.max_episode_tokens)
     out = []
     for mfc in mfcs:

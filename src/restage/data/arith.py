@@ -1,12 +1,12 @@
-"""The calculator task of jobs/grpo_calculator_tiny.yaml: multiply two numbers, which the tiny policy can do only
-with its calculator tool.
+"""The calculator task of jobs/grpo_calculator_tiny.yaml: multiply a digit by a two-digit number, which the tiny policy
+can do only with its calculator tool.
 
-Prompt ``compute 4 7 * 8 3 :`` (one word per character, for the word-level tokenizer of
+Prompt ``compute 7 * 4 8 :`` (one word per character, for the word-level tokenizer of
 ``data/arith/tokenizer``); the episode the policy should learn (``environment.name: tool_use_spelled``)::
 
-    <call> calculator 4 7 * 8 3 </call>      <- the policy's first turn (ends at </call>)
-    <result> 3 9 0 1 </result>               <- observation: the sandboxed calculator's output
-    3 9 0 1 [EOS]                            <- the policy's final answer
+    <call> calculator 7 * 4 8 </call>      <- the policy's first turn (ends at </call>)
+    <result> 3 3 6 </result>               <- observation: the sandboxed calculator's output
+    3 3 6 [EOS]                            <- the policy's final answer
 
 The reward of the final answer is dense, as the sort task's is: 1.0 for the exact product; otherwise half the
 fraction of its digits in the right place. ``python -m restage.data.arith`` writes ``data/arith/``.
@@ -36,7 +36,7 @@ def make_prompt(a: int, op: str, b: int) -> str:
 
 
 def target(prompt: str) -> str:
-    """The right answer's digits, spelled (``3 9 0 1``); '' when the prompt is not one of this task's."""
+    """The right answer's digits, spelled (``3 3 6``); '' when the prompt is not one of this task's."""
     words = prompt.split()
     if TASK_WORD not in words or END_OF_PROMPT not in words:
         return ""
@@ -68,11 +68,11 @@ def correct(prompts: Sequence[str], answers: Sequence[str]) -> list[bool]:
 
 
 def make(out_dir: str | Path = DEFAULT_DIR, seed: int = 0, size: int = 500) -> Path:
-    """Write ``prompts.jsonl`` (two-digit products) and the word-level tokenizer under ``out_dir``."""
+    """Write ``prompts.jsonl`` (a digit 2-9 times a number 12-99) and the word-level tokenizer under ``out_dir``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
-    rows = [{"prompt": make_prompt(rng.randint(10, 99), "*", rng.randint(10, 99))} for _ in range(size)]
+    rows = [{"prompt": make_prompt(rng.randint(2, 9), "*", rng.randint(12, 99))} for _ in range(size)]
     (out_dir / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     build_word_tokenizer(VOCAB, out_dir / "tokenizer")
     return out_dir

@@ -330,17 +330,7 @@ def episodes_result(mfc: MFC, prompts: Batch, records: list[EpisodeRecord], vers
     return MFCResult(batch, stats, batch.n_tokens)
 
 
-def check_supported(cfg: ExperimentConfig) -> None:
-    """Refuse what multi-turn episodes do not run with, in one line."""
-    if cfg.environment.name and cfg.plan.partial_rollouts:
-        raise ConfigError("environment.name: multi-turn episodes do not run with plan.partial_rollouts (an episode "
-                          "cut across a weight push is not continued); set plan.partial_rollouts=false")
-    if cfg.environment.name and not cfg.reward_fn:
-        raise ConfigError("environment.name: set reward_fn (the environment's rewards take its place; tool_use "
-                          "scores the final answer with it) instead of a reward model")
-
-
-__all__ = ["EnvironmentError", "run_episodes", "observation_ids", "check_supported", "generate_batch"]
+__all__ = ["EnvironmentError", "run_episodes", "observation_ids", "generate_batch"]
 
 
 def generate_batch(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm, cfg: ExperimentConfig,
