@@ -80,3 +80,22 @@ def test_multi_turn_episode_over_its_budget_is_cut_with_the_documented_reward(ar
         assert len(ids) - 8 <= 14
     cut = result.stats["actor_gen/cut_episodes"]
     assert cut > 0 and result.batch["rewards"].tolist().count(-1.0) == round(cut * 6)
+
+
+def test_multi_turn_episodes_run_on_a_lora_actor(arith):
+    from restage.models.config import LoraConfig
+
+    path, module = arith
+    Scripted.delays = {}
+    cfg = config(path, path)
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=("q", "k", "v", "o"))
+    adapted = load_stage(path, ONE_RANK, None, 0, lora=lora)
+    assert sequences(episodes(adapted, cfg).batch) == sequences(episodes(module, cfg).batch)  # fresh adapters: B = 0
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if ".lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator))
+    changed = episodes(adapted, cfg)
+    assert sequences(changed.batch) != sequences(episodes(module, cfg).batch)  # the adapters are in every turn
+    assert changed.stats["actor_gen/turns"] == 3.0
