@@ -76,8 +76,7 @@ def test_multi_turn_episode_over_its_budget_is_cut_with_the_documented_reward(ar
     Scripted.delays = {}
     cfg = config(path, path, max_episode_tokens=14, over_budget_reward=-1.0)
     result = episodes(module, cfg)
-    for ids, policy in sequences(result.batch):
-        assert len(ids) - 8 <= 14
+    assert all(len(ids) - 8 <= 14 for ids, _ in sequences(result.batch))
     cut = result.stats["actor_gen/cut_episodes"]
     assert cut > 0 and result.batch["rewards"].tolist().count(-1.0) == round(cut * 6)
 
