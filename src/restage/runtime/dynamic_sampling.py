@@ -34,7 +34,8 @@ from restage.config import ExperimentConfig
 from restage.data.batch import Batch, concat
 from restage.graph import MFC
 from restage.models.decoder import StageModule
-from restage.runtime.execute import MFCResult, run_generate
+from restage.runtime.execute import MFCResult
+from restage.runtime.multi_turn import generate_batch
 
 OPTION = "dynamic_sampling_rounds"
 
@@ -43,8 +44,9 @@ Generate = Callable[[Batch, int], MFCResult]
 
 
 def generator(module: StageModule, mfc: MFC, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState) -> Generate:
-    """``generate(prompts, seed)``: one round of the MFC's generation on ``module`` (``execute.run_generate``)."""
-    return lambda prompts, seed: run_generate(module, mfc, prompts, algo, cfg, state, seed)
+    """``generate(prompts, seed)``: one round of the MFC's generation on ``module`` (``multi_turn.generate_batch``:
+    single answers, or multi-turn episodes with ``environment.name``)."""
+    return lambda prompts, seed: generate_batch(module, mfc, prompts, algo, cfg, state, seed)
 
 
 def replacement_position(seed: int, step: int, round_: int, sample_id: int, size: int) -> int:
