@@ -130,7 +130,7 @@ class EnvironmentConfig:
     max_turns: int = 4  # answers per episode
     max_episode_tokens: int = 256  # answer plus observation tokens of one episode (its prompt not counted)
     over_budget_reward: float = 0.0  # an episode cut at its budget or its last turn before it was done gets this
-    tool_call_reward: float = 0.0  # tool_use: added per call that ran
+    tool_call_reward: float = 0.0  # tool_use: added once when a call ran
     failed_call_reward: float = 0.0  # tool_use: added per call that failed (unknown, malformed, raised, timed out)
     tool_timeout_seconds: float = 5.0  # sandbox wall-clock limit of one call
     tool_memory_bytes: int = 512 * 2**20  # sandbox address-space limit of one call

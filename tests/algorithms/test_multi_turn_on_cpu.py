@@ -122,6 +122,9 @@ def test_tool_call_formats_parse_both_ways():
     assert parse_tool_calls("<call> calculator 4 7 * 8 3 </call> then 3 9 0 1", "plain") == [
         ToolCall("calculator", {"input": "4 7 * 8 3"})]
     assert parse_tool_calls("no call here", "plain") == []
+    # With one tool its name may be left out; a named call still names it.
+    assert parse_tool_calls("<call> 7 * 4 8 </call> <call> calculator 2 </call>", "plain", "calculator") == [
+        ToolCall("calculator", {"input": "7 * 4 8"}), ToolCall("calculator", {"input": "2"})]
 
 
 @pytest.mark.parametrize("text, status, output", [

@@ -14,8 +14,8 @@ tokens, which take no gradient (docs/algorithms.md, "Multi-turn episodes").
 Built in: ``tool_use``. It starts from the dataset's prompt; each answer's tool calls (``algorithms/tools.py``)
 are run in the sandbox and their outputs are the observation; an answer with no call ends the episode, scored by
 the config's ``reward_fn`` (the dataset fields passed as for single-turn rewards), plus
-``environment.tool_call_reward`` for each call that ran (``ok``) and ``environment.failed_call_reward`` for each
-that did not (unknown tool, malformed, raised, timed out).
+``environment.tool_call_reward`` once when a call ran (``ok``) and ``environment.failed_call_reward`` for each
+call that did not (unknown tool, malformed, raised, timed out).
 """
 
 from __future__ import annotations
@@ -118,18 +118,21 @@ class ToolUse:
         self.limits = Limits(timeout_seconds=ctx.options.tool_timeout_seconds,
                              memory_bytes=ctx.options.tool_memory_bytes)
         self.shaping = 0.0
+        self.called = False  # a call has run (tool_call_reward is given once)
         self.final_score: float | None = None  # the reward_fn's score of the final answer, once done
 
     def reset(self) -> Observation:
         return [{"role": "user", "content": self.ctx.prompt}] if self.format == "chat_template" else self.ctx.prompt
 
     def step(self, answer: str) -> StepResult:
-        calls = parse_tool_calls(answer, self.format)
+        calls = parse_tool_calls(answer, self.format, next(iter(self.tools)) if len(self.tools) == 1 else "")
         if not calls:
             return StepResult("", self.shaping + self._final_reward(answer), True)
         results = tuple(run_tool(c, self.tools, self.limits, self.ctx.namespaces) for c in calls)
         opts = self.ctx.options
-        self.shaping += sum(opts.tool_call_reward if r.status == "ok" else opts.failed_call_reward for r in results)
+        if not self.called and any(r.status == "ok" for r in results):
+            self.called, self.shaping = True, self.shaping + opts.tool_call_reward
+        self.shaping += opts.failed_call_reward * sum(r.status != "ok" for r in results)
         if self.format == "chat_template":
             return StepResult([{"role": "tool", "content": self.format_output(r.output)} for r in results], 0.0, False,
                               results)

@@ -11,9 +11,11 @@ A tool call is found in an answer's text in one of two formats (``environment.to
 
 * ``plain`` (any tokenizer, the word-level ones of the tiny jobs included): the tool's name and its argument
   text between ``<call>`` and ``</call>``, separated by whitespace; the argument text becomes the argument
-  ``input``::
+  ``input``. Where the episode has one tool, its name may be left out (a first word that names no tool is then
+  part of the argument text)::
 
       <call> calculator 3 7 * 4 8 </call>      ->  calculator(input="3 7 * 4 8")
+      <call> 3 7 * 4 8 </call>                 ->  calculator(input="3 7 * 4 8")   (calculator the only tool)
 
 A tool is a ``Tool``: a name and a function that turns the call's arguments into a Python program; the
 program runs in the sandbox (``sandbox.run_program``, the code verifier's fences and limits) and what it
@@ -73,13 +75,14 @@ class Tool:
     program: Callable[[Mapping[str, object]], str]
 
 
-def parse_tool_calls(text: str, tool_format: ToolFormat) -> list[ToolCall]:
-    """Every tool call in an answer's text, in order; a call whose text does not parse is kept with its ``problem``."""
+def parse_tool_calls(text: str, tool_format: ToolFormat, only_tool: str = "") -> list[ToolCall]:
+    """Every tool call in an answer's text, in order; a call whose text does not parse is kept with its ``problem``.
+    ``only_tool``: the episode's one tool, which a plain call may leave unnamed."""
     match tool_format:
         case "chat_template":
             return [_template_call(body) for body in TEMPLATE_CALL.findall(text)]
         case "plain":
-            return [_plain_call(body) for body in PLAIN_CALL.findall(text)]
+            return [_plain_call(body, only_tool) for body in PLAIN_CALL.findall(text)]
     raise ConfigError(f"environment.tool_format: {tool_format!r} must be one of {', '.join(TOOL_FORMATS)}")
 
 
@@ -101,8 +104,10 @@ def _template_call(body: str) -> ToolCall:
     return ToolCall(data["name"], arguments)
 
 
-def _plain_call(body: str) -> ToolCall:
+def _plain_call(body: str, only_tool: str = "") -> ToolCall:
     name, _, rest = body.strip().partition(" ")
+    if only_tool and name != only_tool:
+        return ToolCall(only_tool, {"input": body.strip()})
     if not name:
         return ToolCall("", {}, "the tool call names no tool (write <call> NAME ARGUMENTS </call>)")
     return ToolCall(name, {"input": rest.strip()})

@@ -4,7 +4,7 @@ can do only with its calculator tool.
 Prompt ``compute 7 * 4 8 :`` (one word per character, for the word-level tokenizer of
 ``data/arith/tokenizer``); the episode the policy should learn (``environment.name: tool_use_spelled``)::
 
-    <call> calculator 7 * 4 8 </call>      <- the policy's first turn (ends at </call>)
+    <call> 7 * 4 8 </call>                 <- the policy's first turn (ends at </call>; the one tool unnamed)
     <result> 3 3 6 </result>               <- observation: the sandboxed calculator's output
     3 3 6 [EOS]                            <- the policy's final answer
 
