@@ -1,5 +1,6 @@
 """A LoRA actor's checkpoints hold its adapters in PEFT's layout (no base weights), and a run stopped after step 2
-and resumed ends with the adapters of a run that never stopped."""
+and resumed ends with the adapters of a run that never stopped; a corrupted export in the checkpoint resumed from
+is said and rewritten from the engine state."""
 
 import json
 
@@ -33,6 +34,16 @@ def test_lora_checkpoints_hold_peft_adapters_and_resume_exactly(tmp_path):
     assert any(not torch.equal(first[k], last[k]) for k in last)  # trained between the checkpoints
 
     _ok(restage_run(tmp_path, *JOB, "trial=split", "run.stop_at_step=2"))
-    _ok(restage_run(tmp_path, "jobs/grpo_tiny.yaml", "-n", "2", "trial=split", "--resume"))
+    # The export a user loads, corrupted in the checkpoint the resume reads its engine state from: said and rewritten.
+    export = tmp_path / "grpo-tiny" / "split" / "checkpoints" / "step-2" / "actor" / "adapter" / "adapter_model.safetensors"
+    saved = export.read_bytes()
+    assert saved == (straight / "step-2" / "actor" / "adapter" / "adapter_model.safetensors").read_bytes()
+    export.write_bytes(saved[:-8] + bytes(8))
+    done = restage_run(tmp_path, "jobs/grpo_tiny.yaml", "-n", "2", "trial=split", "--resume")
+    _ok(done)
+    assert [line for line in done.stdout.splitlines() if "rewritten from" in line] == [
+        f"restage: {export}: its SHA-256 differs from the one recorded at save; rewritten from step-2/actor/engine, "
+        "the state this resume loaded (its SHA-256 now equals the one recorded at save)"]
+    assert export.read_bytes() == saved
     resumed = hf_weights(tmp_path / "grpo-tiny" / "split" / "checkpoints" / "step-3" / "actor" / "adapter")
     assert resumed.keys() == last.keys() and all(torch.equal(resumed[k], last[k]) for k in last)

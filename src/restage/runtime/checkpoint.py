@@ -32,6 +32,7 @@ from restage.models.sharding import is_adapter
 from restage.runtime import checkpoint_dir
 from restage.runtime.control import Control
 from restage.runtime.engines import Engine, barriers_on, engine_groups
+from restage.runtime.export_check import EXPORTS_KEY, bad_exports, export_digests, export_path, sha256
 from restage.runtime.master import Master
 from restage.runtime.model_store import ModelSlot, ModelStore
 from restage.runtime.nonfinite import NonFiniteError, any_rank, finite_files, finite_weights
@@ -80,8 +81,9 @@ def save(trial_dir: Path, step: int, store: ModelStore, groups: ProcessGroups, c
         ranks.mkdir(exist_ok=True)
         torch.save(_rank_state(algo_state, buffer), ranks / f"rank{store.rank}.pt")
         control.barrier()
-        if master is not None:
-            checkpoint_dir.commit(trial_dir, step, master.checkpoint_state(), keep_checkpoints)
+        if master is not None:  # with the exports' digests, which a resume checks (runtime/export_check.py)
+            exports = {EXPORTS_KEY: export_digests(path, _lora_models(store))}
+            checkpoint_dir.commit(trial_dir, step, {**master.checkpoint_state(), **exports}, keep_checkpoints)
         control.barrier()
 
 
@@ -131,6 +133,7 @@ def load(trial_dir: Path, store: ModelStore, groups: ProcessGroups, control: Con
         if loaded is None:
             raise CheckpointError(f"{path / name / 'engine'}: DeepSpeed found no state for rank {store.rank}; "
                                   "resume with the same schedule and number of ranks")
+    _repair_exports(path, manifest, store, control)
     if any_rank(not finite_weights(_trained(store)), dist.group.WORLD, store.device):
         # the master reads the older checkpoints' files, on this failure path only
         raise CheckpointError(control.bcast(nonfinite_refusal(trial_dir, path) if control.is_master else None))
@@ -145,6 +148,33 @@ def load(trial_dir: Path, store: ModelStore, groups: ProcessGroups, control: Con
         master.load_checkpoint_state(manifest)
     dist.barrier()
     return int(manifest["step"])
+
+
+def _lora_models(store: ModelStore) -> list[str]:
+    """The trained LoRA models, whose ``adapter/`` export every checkpoint holds (the same list on every rank)."""
+    return [name for name, slot in store.slots.items() if slot.entry.trainable and slot.cfg.lora is not None]
+
+
+def _repair_exports(path: Path, manifest: dict[str, Any], store: ModelStore, control: Control) -> None:
+    """Collective: rewrite each LoRA export of checkpoint ``path`` that is not what was saved (the master checks,
+    ``export_check.bad_exports``) from the engine state just loaded, and say so in one line each."""
+    models = _lora_models(store)
+    bad = control.bcast(bad_exports(path, models, manifest) if control.is_master and models else None) or {}
+    for name in models:
+        slot = store.slots[name]
+        if export_path(name) in bad and slot.engine is not None:
+            assert slot.module is not None, f"{name}: an engine without its module"
+            with _gathered_adapters(slot):
+                save_adapters(slot.module, path / name / "adapter", slot.entry.path)
+    if bad:
+        control.barrier()  # every export rewritten
+    if control.is_master:
+        recorded = manifest.get(EXPORTS_KEY) or {}
+        for rel, why in bad.items():
+            same = (" (its SHA-256 now equals the one recorded at save)"
+                    if recorded.get(rel) == sha256(path / rel) else "")
+            print(f"restage: {path / rel}: {why}; rewritten from {path.name}/{rel.split('/')[0]}/engine, the state "
+                  f"this resume loaded{same}", flush=True)
 
 
 def nonfinite_refusal(trial_dir: Path, path: Path) -> str:
