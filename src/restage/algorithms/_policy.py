@@ -140,7 +140,8 @@ def actor_loss(micro_batch: Batch, outputs: dict, params: PolicyParams,
     ``prox_logprobs`` and weighted by the capped importance weights against ``logprobs`` (the behaviour
     policy's), after checking every token's age; the version-gap and weight statistics join the stats.
     Sync mode with ``algo.is_correction``: clipped against ``prox_logprobs`` (the training layout's log-probs of
-    the generating weights) and weighted by ``is_correction.importance_weights`` against ``logprobs``."""
+    the generating weights) and weighted by ``is_correction.importance_weights`` against ``logprobs`` (in async
+    mode too, then in place of ``behav_imp_weight_cap``'s dropping)."""
     mask = base.answer_mask(micro_batch)
     cu = micro_batch.cu_seqlens
     new_logprobs = outputs["logprobs"].float()
@@ -155,8 +156,9 @@ def actor_loss(micro_batch: Batch, outputs: dict, params: PolicyParams,
         per_token, stats = surrogate(new_logprobs, prox, micro_batch["advantages"], mask, cu, low, high)
         if at is not None:
             stats |= offpolicy.version_gap_stats(micro_batch["versions"], mask, at)
+        if at is not None and params.is_correction == "none":
             weights, weight_stats = losses.behaviour_weights(prox, gen_logprobs, mask, params.behav_imp_weight_cap)
-        else:
+        else:  # sync, or async with is_correction: truncated or masked at is_cap instead of dropped at the cap
             weights, weight_stats = is_correction.importance_weights(prox, gen_logprobs, mask, params.is_correction,
                                                                      params.is_cap)
         stats |= weight_stats
