@@ -9,6 +9,7 @@ import pytest
 import yaml
 from runs import ROOT, restage_run
 
+from restage.config_paths import resolve_file_paths
 from restage.report.log import read_log
 from restage.runtime.threads import cgroup_cpus, threads_for
 
@@ -41,6 +42,7 @@ def test_a_trial_that_failed_before_its_first_step_starts_again(tmp_path):
 def _job_yaml(path, **run):
     """jobs/ppo_tiny.yaml with these run keys, written to ``path`` (the test edits it between runs)."""
     data = yaml.safe_load((ROOT / "jobs" / "ppo_tiny.yaml").read_text())
+    resolve_file_paths(data, ROOT / "jobs" / "ppo_tiny.yaml")  # its paths are relative to jobs/, not to ``path``
     data["run"].update(run)
     path.write_text(yaml.safe_dump(data))
     return data

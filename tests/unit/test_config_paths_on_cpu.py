@@ -82,3 +82,23 @@ def test_a_missing_path_is_named_absolute_and_a_hub_id_still_gets_its_hint(tmp_p
     assert hub_hint(cfg.models["actor"].path) == hub_hint(str(tmp_path / "no" / "results" / "assets" / "x")) == ""
     with pytest.raises(ConfigError, match=f"config file {tmp_path / 'nope.yaml'} does not exist"):
         load_config("nope.yaml")
+
+
+def test_a_trial_saved_with_paths_relative_to_its_run_directory_still_resumes(tmp_path, monkeypatch):
+    """A trial from before this rule saved the paths as given (relative to where it ran): read against the working
+    directory, they equal the job's own, so a resume finds no change."""
+    from restage.launch.resume import resumed_config, saved_config
+
+    job = _write(tmp_path / "jobs" / "job.yaml", models={"actor": {"path": "../ckpt", "trainable": True}},
+                 dataset={"path": "../data/train.jsonl"}, run={"results_dir": "../results", "steps": 4})
+    trial = tmp_path / "results" / "x" / "default"
+    trial.mkdir(parents=True)
+    old = load_config(job).to_dict()
+    old["models"]["actor"]["path"], old["dataset"]["path"], old["run"]["results_dir"] = "ckpt", "data/train.jsonl", \
+        "results"
+    (trial / "config.yaml").write_text(yaml.safe_dump(old))
+    (trial / "overrides.json").write_text("[]")  # the YAML is read again and compared
+    monkeypatch.chdir(tmp_path)  # where that trial ran
+    assert saved_config(trial).models["actor"].path == str(tmp_path / "ckpt")
+    cfg, _, lines = resumed_config(job, [], trial, saved_step=2)
+    assert lines == [] and cfg.dataset.path == str(tmp_path / "data" / "train.jsonl")

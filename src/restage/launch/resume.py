@@ -16,7 +16,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from restage.config import ExperimentConfig, apply_override, config_from_dict, load_config
+from restage.config_paths import resolve_paths
 from restage.errors import ConfigError
 
 TRIAL_KEYS = ("experiment", "trial", "run.results_dir")  # they pick the trial; they are not changes to it
@@ -74,6 +77,18 @@ def write_trial_overrides(trial_dir: Path, overrides: list[str]) -> None:
     (trial_dir / OVERRIDES_FILE).write_text(json.dumps(kept, indent=1) + "\n")
 
 
+def saved_config(trial_dir: Path) -> ExperimentConfig:
+    """The trial's ``config.yaml``. Its paths are absolute; a trial saved before paths were resolved against the
+    config file (config_paths.py) holds them relative to the directory it ran in, which this one is taken to be."""
+    path = trial_dir / "config.yaml"
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return load_config(path)  # its one-line error
+    resolve_paths(data, Path.cwd())
+    return config_from_dict(data)
+
+
 def resumed_config(config_path: str | Path, overrides: list[str], trial_dir: Path,
                    saved_step: int) -> tuple[ExperimentConfig, list[str] | None, list[str]]:
     """(the config to continue with, the overrides that make it from the YAML or None where unknown, one line
@@ -82,12 +97,13 @@ def resumed_config(config_path: str | Path, overrides: list[str], trial_dir: Pat
     ``saved_step``: the step of the checkpoint the run continues from. Refuses (ConfigError) a change
     outside ``SAFE_ON_RESUME`` with the diff, and a run with no steps left to do.
     """
-    saved = load_config(trial_dir / "config.yaml")
+    saved = saved_config(trial_dir)
     earlier = trial_overrides(trial_dir)
     if earlier is None:  # which keys the YAML gave is unknown: this command's overrides on the saved config
         data = saved.to_dict()
         for override in overrides:
             apply_override(data, override)
+        resolve_paths(data, Path.cwd())  # an override's path: against the working directory, as load_config does
         requested = config_from_dict(data)
     else:
         requested = load_config(config_path, [*earlier, *overrides])
