@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, assert_never
 import torch
 
 from restage.algorithms.rewards import AccuracyFn, RewardFn, decode, seq_sample_ids
-from restage.algorithms.scoring import score
+from restage.algorithms.scoring import RewardPool, score
 from restage.config import ExperimentConfig, RewardsConfig, RunConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
@@ -173,7 +173,7 @@ def run_eval(handlers: OpHandlers, op: Run, data: StepData, record: StepRecord, 
             reward_fn = handlers.state.reward_fn
             assert reward_fn is not None  # no reward model: the config names a reward_fn (check_reward_source)
             rewards, correct = rule_scores(answered, reward_fn, accuracy_fn, tokenizer, ids_key, mask_key,
-                                           handlers.state.sample_fields, handlers.cfg.rewards)
+                                           handlers.state.sample_fields, handlers.cfg.rewards, handlers.state.reward_pool)
         for key, value in score_sums(answered, mask_key, rewards, correct).items():
             record.eval_sums[key] = record.eval_sums.get(key, 0.0) + value
 
@@ -187,13 +187,17 @@ def answer_tokens(batch: Batch, mask_key: str) -> torch.Tensor:
 
 def rule_scores(batch: Batch, reward_fn: RewardFn, accuracy_fn: AccuracyFn | None, tokenizer: PreTrainedTokenizerBase,
                 ids_key: str, mask_key: str, fields_of: Mapping[int, Mapping[str, Any]] | None = None,
-                options: RewardsConfig | None = None
+                options: RewardsConfig | None = None, pool: RewardPool | None = None
                 ) -> tuple[torch.Tensor, list[bool] | None]:
     """Rewards of generated answers under the rule reward (given each sample's dataset fields, ``fields_of``),
-    and which are right where the task says (a right-or-wrong verifier's: those scoring 1)."""
+    and which are right where the task says (a right-or-wrong verifier's: those scoring 1). Scored on ``pool``
+    (the run's: its worker processes, under a time limit, are started once) or on a pool made for the call."""
     prompts, answers = decode(batch, tokenizer, ids_key, mask_key)
-    rewards = torch.tensor(score(reward_fn, prompts, answers, seq_sample_ids(batch), fields_of,
-                                 options or RewardsConfig()), dtype=torch.float32)
+    options = options or RewardsConfig()
+    ids = seq_sample_ids(batch)
+    values = (pool.submit(reward_fn, prompts, answers, ids, fields_of, options).result() if pool is not None
+              else score(reward_fn, prompts, answers, ids, fields_of, options))
+    rewards = torch.tensor(values, dtype=torch.float32)
     if accuracy_fn is None and getattr(reward_fn, "right_or_wrong", False):
         return rewards, [bool(v == 1.0) for v in rewards.tolist()]
     return rewards, (None if accuracy_fn is None else [bool(v) for v in accuracy_fn(prompts, answers)])
