@@ -63,6 +63,13 @@ def test_every_trained_token_is_within_the_staleness_bound(tmp_path, job, mfcs, 
     for name in {"actor_gen", "actor_greedy_gen"} & set(mfcs):
         generated = [int((rows[rows["name"] == name]["step"] == s + 1).sum()) for s in range(steps)]
         assert sum(generated) == steps and generated[0] == min(ahead + 1, steps)  # each batch once; the warm-up first
+    # A step's tokens (its row, the progress line's and the report's tokens/s) are those of the batch it trains on,
+    # which the reference scores on rank 0 that step; not the batches generated that step (two at the first, none
+    # at the last: it printed 0 tokens/s).
+    ref = rows[rows["name"] == "ref_inf"]
+    trained = [int(ref["tokens"][ref["step"] == s + 1].sum()) for s in range(steps)]
+    assert min(trained) > 0
+    np.testing.assert_array_equal(log.steps["tokens"][np.argsort(log.steps["step"])], trained)
 
 
 WINDOW = 5  # steps averaged at each end of the reward curve, as tests/e2e/test_rl_learning.py

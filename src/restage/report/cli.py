@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
     parser.add_argument("--png", metavar="DIR", help="also write the plots as PNG files into DIR")
     parser.add_argument("--last", type=int, default=20, metavar="N", help="window of the recent-throughput column (20)")
-    parser.add_argument("--step", type=int, default=None, help="step of the timeline plot (default: the last complete)")
+    parser.add_argument("--step", type=int, default=None,
+                        help="step of the timeline plot (default: the median-length step of those running every MFC)")
 
 
 def main(args: argparse.Namespace) -> int:

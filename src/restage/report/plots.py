@@ -1,7 +1,7 @@
 """PNG plots of a run (headless: matplotlib's Agg backend). Pixel sizes are fixed by the data, never by "tight" boxes.
 
-* ``timeline.png``: one iteration, a row per rank, MFCs coloured, reallocations and transfers hatched;
-  1200 x min(1600, 240 + 40 * ranks) px.
+* ``timeline.png``: one iteration (``throughput.representative_step`` unless ``--step``), a row per rank, MFCs
+  coloured, reallocations and transfers hatched; 1200 x min(1600, 240 + 40 * ranks) px.
 * ``throughput.png``: samples/s and tokens/s per step, then one panel per distinct statistic (up to 6:
   losses first, then reward, KL, the evaluation's curves, the rest); 1200 x 300 * ceil((2 + panels) / 2) px.
 * ``predicted.png``: predicted against measured seconds and peak memory per MFC (memory measured only
@@ -25,7 +25,7 @@ from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from restage.report.log import RunLog  # noqa: E402
-from restage.report.throughput import layout_ranks, mfc_order  # noqa: E402
+from restage.report.throughput import layout_ranks, mfc_order, representative_step  # noqa: E402
 
 DPI = 100
 MAX_STAT_PANELS = 6
@@ -58,8 +58,9 @@ def mfc_colors(names: list[str]) -> dict[str, tuple]:
 
 
 def plot_timeline(log: RunLog, path: Path, step: int | None = None) -> Path:
-    """Gantt chart of one iteration (default: the last complete step), times from the step's start."""
-    step = log.last_complete_step if step is None else step
+    """Gantt chart of one iteration (default: ``representative_step``), times from the step's start."""
+    chosen = step is None
+    step = representative_step(log) if step is None else step
     row = log.steps[log.steps["step"] == step]
     if len(row) == 0:
         raise ValueError(f"step {step} is not a complete step of {log.path}")
@@ -96,7 +97,8 @@ def plot_timeline(log: RunLog, path: Path, step: int | None = None) -> Path:
     ax.set_xlim(0, wall * 1.01)
     ax.axvline(wall, color="black", linestyle="--", linewidth=0.8)
     ax.set_xlabel("seconds since the start of the step")
-    ax.set_title(f"{log.path.parent.name}: iteration timeline of step {step} ({wall:.3f} s wall, dashed line = step end)")
+    why = ", the median step of those running every MFC" if chosen else ""
+    ax.set_title(f"{log.path.parent.name}: iteration timeline of step {step}{why} ({wall:.3f} s wall, dashed line = step end)")
     handles = [Patch(facecolor=colors[n], edgecolor="black", label=n) for n in names]
     handles += [Patch(facecolor="white", edgecolor=c, hatch=h, label=k) for k, (c, h) in MOVE_STYLE.items()]
     fig.legend(handles=handles, loc="lower center", ncol=min(8, len(handles)), fontsize=8, frameon=False)

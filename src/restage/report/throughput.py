@@ -213,6 +213,32 @@ def mfc_order(log: RunLog) -> list[str]:
     return sorted((name for (name,) in groups), key=lambda n: float(np.median(offsets[groups[(n,)]])))
 
 
+def representative_step(log: RunLog) -> int:
+    """The step ``timeline.png`` draws by default: a step that runs what a typical step runs, of typical length.
+
+    Of the complete steps that run every MFC of the log, those whose MFC rows (how many of each, over all ranks)
+    are the most common such pattern (async mode: not the first step, whose warm-up generates several batches;
+    never a last step, which generates none), the one of median wall seconds (the lower of the two middle ones, so
+    it is a step that ran; ties: the earlier step). Falls back to every complete step when no step runs every MFC.
+    """
+    steps = log.steps["step"].tolist()
+    if not steps:
+        raise ValueError(f"{log.path} has no complete step")
+    seconds = dict(zip(steps, (log.steps["end_seconds"] - log.steps["start_seconds"]).tolist()))
+    every = set(log.mfcs["name"].tolist())
+    rows: dict[int, dict[str, int]] = {step: {} for step in steps}
+    for step, name in zip(log.mfcs["step"].tolist(), log.mfcs["name"].tolist()):
+        if step in rows:
+            rows[step][name] = rows[step].get(name, 0) + 1
+    full = [step for step in steps if set(rows[step]) == every] or steps
+    patterns: dict[tuple, list[int]] = {}
+    for step in full:
+        patterns.setdefault(tuple(sorted(rows[step].items())), []).append(step)
+    typical = max(patterns.values(), key=len)  # the first-seen pattern among equally common ones
+    ordered = sorted(typical, key=lambda step: (seconds[step], step))
+    return int(ordered[(len(ordered) - 1) // 2])
+
+
 def mfc_table(log: RunLog, predictions: dict[str, Prediction],
               accuracy: tuple[Band, ProcessBaseline] | None = None) -> list[dict]:
     """One entry per MFC in run order: model, kind, ranks, measured and predicted seconds, errors, peak memory, tokens, FLOPs.

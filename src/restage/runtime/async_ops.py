@@ -115,6 +115,7 @@ class AsyncOps:
             data.scoring[op.mfc] = entry.pending
         coord = op.layout.coord(self.handlers.rank)
         if coord is not None and coord.tp == 0 and coord.pp == op.layout.strategy.pp - 1:
+            record.taken_tokens[op.mfc] = int(entry.batch.n_tokens)  # the step's tokens (master.step_tokens)
             stats = {f"{op.mfc}/buffer_batches": float(self.buffer.occupancy(op.mfc)),
                      f"{op.mfc}/behaviour_version": float(entry.version)}
             if "versions" in entry.batch.tokens:

@@ -79,6 +79,19 @@ def progress_stats(stats: dict[str, float]) -> dict[str, float]:
     return shown
 
 
+def step_tokens(records: list[StepRecord], first_mfc: str) -> int:
+    """The tokens of the batch a step trains on (its step row's ``tokens``, the progress line's tokens/s).
+
+    Sync mode: what the step's first MFC (the generation, where there is one) handled, summed over its ranks.
+    Async mode: the batch the step took from the rollout buffer (``AsyncOps.take``). The generate rows of a step
+    are another step's batches (the first step's warm-up generates ``ahead + 1`` of them, the last steps none), so
+    counting them gave the first step several batches' tokens and the last ``0 tokens/s``."""
+    taken = [record.taken_tokens[first_mfc] for record in records if first_mfc in record.taken_tokens]
+    if taken:
+        return sum(taken)
+    return sum(m.tokens for r in records for m in r.mfcs if m.name == first_mfc)
+
+
 class Master:
     def __init__(self, control: Control, cfg: ExperimentConfig, schedule: Schedule, trial_dir: Path, train_set: Dataset,
                  resume: bool):
@@ -147,7 +160,7 @@ class Master:
             log.stats(done, stats)
         start = min(r.step_start_seconds for r in records)
         end = max(r.step_end_seconds for r in records)
-        tokens = sum(m.tokens for r in records for m in r.mfcs if m.name == self.first_mfc)
+        tokens = step_tokens(records, self.first_mfc)
         flops = sum(m.flops for r in records for m in r.mfcs)
         samples = self.cfg.run.batch_size
         log.end_step(done, start, end, samples, tokens, flops)

@@ -78,6 +78,9 @@ class StepRecord:
     eval_sums: dict[str, float] = field(default_factory=dict)
     eval_span: Span | None = None
     eval_version: int = -1
+    # async mode: per producer MFC, the tokens of the batch this step took from the rollout buffer (the batch it
+    # trains on; one rank per DP replica reports its share), whenever that batch was generated
+    taken_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
