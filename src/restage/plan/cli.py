@@ -11,6 +11,7 @@ from restage.cluster import device_is_gpu, load_cluster
 from restage.config import load_config
 from restage.plan.async_plan import ModeChoice
 from restage.plan.baselines import BASELINES, LABELS
+from restage.plan.behind import behind_line
 from restage.plan.planner import GIB, PlanOutcome, make_plan
 from restage.plan.schedule import build_schedule
 from restage.schedule.file import Schedule, write_schedule
@@ -75,13 +76,16 @@ def summary(schedule: Schedule, outcome: PlanOutcome) -> dict:
 
 def render(schedule: Schedule, outcome: PlanOutcome) -> str:
     c, p = schedule.cluster, schedule.predicted
+    ep_head = f" {'ep':>3}" if any(m.layout.strategy.ep > 1 for m in schedule.mfcs) else ""  # mixtures split over ep
     lines = [f"{schedule.experiment}: {c['nodes']} node(s) x {c['devices_per_node']} {c['name']}, plan mode {outcome.mode}, "
              f"estimator {', '.join(p['estimator'])}",
-             f"{'MFC':<20} {'mesh':<10} {'dp':>3} {'tp':>3} {'pp':>3} {'mb':>4} {'seconds':>9} {'start':>8} {'plan GiB':>9}"]
+             f"{'MFC':<20} {'mesh':<10} {'dp':>3} {'tp':>3} {'pp':>3}{ep_head} {'mb':>4} {'seconds':>9} {'start':>8} "
+             f"{'plan GiB':>9}"]
     for m in schedule.mfcs:
         mesh, s, pr = list(m.layout.mesh), m.layout.strategy, m.predicted
         ranks = f"{mesh[0]}-{mesh[-1]}" if mesh == list(range(mesh[0], mesh[-1] + 1)) else ",".join(map(str, mesh))
-        lines.append(f"{m.mfc.name:<20} {ranks:<10} {s.dp:>3} {s.tp:>3} {s.pp:>3} "
+        ep = f" {s.ep:>3}" if ep_head else ""
+        lines.append(f"{m.mfc.name:<20} {ranks:<10} {s.dp:>3} {s.tp:>3} {s.pp:>3}{ep} "
                      f"{m.mfc.micro_batches:>4} {pr['seconds']:>9.3f} {pr['start_seconds']:>8.3f} "
                      f"{pr['peak_memory_bytes'] / GIB:>9.2f}")
     for step in schedule.steps:
@@ -113,6 +117,8 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
             else:
                 lines.append(f"  vs {what}: {ev.iteration_seconds:.3f} s, this plan is "
                              f"{ev.iteration_seconds / p['iteration_seconds']:.2f}x as fast")
+                if group and (behind := behind_line(outcome, name, ev)):
+                    lines.append(behind)  # a peer ahead: which MFC, and what bears on it (plan/behind.py)
     return "\n".join(lines)
 
 

@@ -431,7 +431,7 @@ def _forward_workspace(cfg: ModelConfig, tp: int, tokens: float, e: int) -> floa
     return forward_workspace_elements_per_token(cfg, tp) * tokens * e
 
 
-def _restage_live(cluster: ClusterSpec, engine: RestageEngine, mfc: MFC, role: ModelRole, layout: Layout) -> int:
+def restage_live(cluster: ClusterSpec, engine: RestageEngine, mfc: MFC, role: ModelRole, layout: Layout) -> int:
     """The rollout engine's slots on one DP rank of ``layout`` (``engines.restage_slots``; slots of prompt + gen tokens)."""
     cfg, s, e = role.arch, layout.strategy, role.bytes_per_element
     kv_token_bytes = 2 * _max_stage_layers(cfg, s.pp) * block_shape(cfg, s.tp).kv_out * e
@@ -444,7 +444,7 @@ def lockstep_forwards(cluster: ClusterSpec, engine: RestageEngine, mfc: MFC, rol
     ``runtime/zero3_generation.py``): its decode steps (every answer ``gen_tokens`` long) and, per round of
     ``check_every_steps`` of them, one prefill or empty join (``models/rollout.py``)."""
     b = int(sequences_per_rank(mfc, layout.strategy.dp))
-    steps = decode_rounds(b, _restage_live(cluster, engine, mfc, role, layout)) * mfc.gen_tokens
+    steps = decode_rounds(b, restage_live(cluster, engine, mfc, role, layout)) * mfc.gen_tokens
     return steps + math.ceil(steps / engine.limits.check_every_steps)
 
 
@@ -477,7 +477,7 @@ def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc
             live, prompts, prefix, head, graphs, checks = b, b, prompt, b, False, 0
             attended, cached, groups = filled, window, 1
         case RestageEngine():  # slots; a group's prompt less its last token prefilled once, the siblings copy it
-            live = _restage_live(cluster, engine, mfc, role, layout)
+            live = restage_live(cluster, engine, mfc, role, layout)
             prompts, prefix, head = math.ceil(b / int(mfc.options.get("group_size", 1))), prompt - 1, 0
             groups = group_count(engine.limits.pp_groups, s.pp) if s.pp > 1 else 1
             graphs = replays_graphs(cluster, engine, cfg, s)
