@@ -225,3 +225,25 @@ def test_multi_turn_config_refusals_name_the_key():
     partial = dataclasses.replace(cfg.plan, execution="async", partial_rollouts=True, staleness=2)
     with pytest.raises(ConfigError, match=r"^environment.name: multi-turn episodes do not run with plan.partial"):
         build_graph(dataclasses.replace(cfg, environment=env, plan=partial))
+
+
+QWEN_LIKE = ("{% for m in messages %}{% if m.role == 'tool' %}<|im_start|> user <tool_response> {{ m.content }} "
+             "</tool_response> <|im_end|> {% else %}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endif %}"
+             "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def test_multi_turn_chat_template_observation_tokens_are_the_templates_tool_turn(tmp_path):
+    from restage.data.tokenizer import build_word_tokenizer, load_tokenizer
+    from restage.runtime.multi_turn import observation_ids
+
+    words = ["<|im_start|>", "<|im_end|>", "user", "assistant", "tool", "<tool_response>", "</tool_response>", "x",
+             "y", "42", "7"]
+    build_word_tokenizer(["[PAD]", "[BOS]", "[EOS]", "[UNK]", *words], tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN_LIKE}))
+    tokenizer = load_tokenizer(tmp_path)
+    ids = observation_ids(tokenizer, [{"role": "tool", "content": "42"}, {"role": "tool", "content": "7"}])
+    want = "<|im_start|> user <tool_response> 42 </tool_response> <|im_end|> " \
+           "<|im_start|> user <tool_response> 7 </tool_response> <|im_end|> <|im_start|> assistant"
+    assert ids == tokenizer.encode(want, add_special_tokens=False)
+    assert observation_ids(tokenizer, "<|im_start|> 7") == tokenizer.encode("<|im_start|> 7", add_special_tokens=False)
