@@ -3,7 +3,10 @@
 
 import os
 import pickle
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import hanging_reward
 import pytest
@@ -103,3 +106,29 @@ def test_a_reward_a_worker_cannot_import_is_refused_in_one_line_and_bad_options_
                          ({"timeout_score": float("nan")}, "rewards.timeout_score")):
         with pytest.raises(ConfigError, match=key):
             config_from_dict({**base, "rewards": rewards})
+
+
+def test_a_worker_in_a_call_that_never_returns_exits_when_its_parent_dies():
+    script = f"""
+import os, sys, threading, time
+sys.path.insert(0, {str(Path(hanging_reward.__file__).parent)!r})
+import hanging_reward
+from restage.algorithms.timelimit import TimeLimitedWorkers
+workers = TimeLimitedWorkers(1)
+threading.Thread(target=workers.call, args=(hanging_reward.forever, ([], [])), daemon=True).start()
+while not workers._busy or not workers._busy.copy().pop().loaded:
+    time.sleep(0.05)
+print(workers._busy.copy().pop().process.pid, flush=True)
+os._exit(0)  # as a rank killed mid-step: no close()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    pid = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
