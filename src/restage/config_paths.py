@@ -57,3 +57,19 @@ def resolve_file_paths(data: dict, config_file: Path) -> None:
     if isinstance(run, dict) and "results_dir" not in run:
         run["results_dir"] = DEFAULT_RESULTS_DIR
     resolve_paths(data, base)
+
+
+def absolute_override(override: str, base: Path) -> str:
+    """``key=value`` with a relative path value made absolute against ``base`` (the trial records its overrides
+    so, and a resume from another directory finds the same files); any other override as it is."""
+    key, sep, value = override.partition("=")
+    parts = key.strip().split(".")
+    data: dict = {}
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    for mapping, name in path_keys(data):
+        if mapping.get(name) == value and value:
+            return f"{key}{sep}{absolute(value, base)}"
+    return override

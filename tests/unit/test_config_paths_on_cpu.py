@@ -102,3 +102,13 @@ def test_a_trial_saved_with_paths_relative_to_its_run_directory_still_resumes(tm
     assert saved_config(trial).models["actor"].path == str(tmp_path / "ckpt")
     cfg, _, lines = resumed_config(job, [], trial, saved_step=2)
     assert lines == [] and cfg.dataset.path == str(tmp_path / "data" / "train.jsonl")
+
+
+def test_the_trial_records_a_path_override_absolute(tmp_path):
+    from restage.config_paths import absolute_override
+
+    assert absolute_override("dataset.path=b/q.parquet", tmp_path) == f"dataset.path={tmp_path / 'b' / 'q.parquet'}"
+    assert absolute_override("models.actor.path=ckpt", tmp_path) == f"models.actor.path={tmp_path / 'ckpt'}"
+    assert absolute_override("cluster.name=mine.yaml", tmp_path) == f"cluster.name={tmp_path / 'mine.yaml'}"
+    for kept in ("cluster.name=h100-80gb", "run.steps=4", "dataset.path=/abs/q.jsonl", "dataset.fields.prompt=q"):
+        assert absolute_override(kept, tmp_path) == kept

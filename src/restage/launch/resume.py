@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from restage.config import ExperimentConfig, apply_override, config_from_dict, load_config
-from restage.config_paths import resolve_paths
+from restage.config_paths import absolute_override, resolve_paths
 from restage.errors import ConfigError
 
 TRIAL_KEYS = ("experiment", "trial", "run.results_dir")  # they pick the trial; they are not changes to it
@@ -73,7 +73,7 @@ def trial_overrides(trial_dir: Path) -> list[str] | None:
 
 
 def write_trial_overrides(trial_dir: Path, overrides: list[str]) -> None:
-    kept = [o for o in overrides if o.split("=", 1)[0].strip() not in TRIAL_KEYS]
+    kept = [absolute_override(o, Path.cwd()) for o in overrides if o.split("=", 1)[0].strip() not in TRIAL_KEYS]
     (trial_dir / OVERRIDES_FILE).write_text(json.dumps(kept, indent=1) + "\n")
 
 
