@@ -64,7 +64,7 @@ def test_prompt_plus_answer_past_the_positions_is_refused():
     data = Dataset("sft", (Example(0, (1,) * 9, ((5,) * 7,)), Example(1, (1,) * 20, ((5,) * 50,))))
     with pytest.raises(ConfigError) as err:
         check_positions(cfg, [data], {"actor": 64})
-    assert str(err.value) == ("data/synthetic/sft.jsonl:2: prompt and answer are 20 + 50 = 70 tokens, but models.actor "
+    assert str(err.value) == (f"{ROOT / 'data/synthetic/sft.jsonl'}:2: prompt and answer are 20 + 50 = 70 tokens, but models.actor "
                               "has 64 positions (max_position_embeddings); lower dataset.max_prompt_tokens and "
                               "dataset.max_answer_tokens to sum to <= 64")
     check_positions(cfg, [data], {"actor": 70})
