@@ -112,3 +112,21 @@ def test_restage_run_resume_refuses_reordered_data_in_one_line_before_ranks(tmp_
     assert time.monotonic() - began < 30
     assert restage_main([*argv, "--resume", "--accept-changed-data"]) == 0 and len(started) == 3
     assert "restage: --accept-changed-data: continuing on changed data" in capsys.readouterr().out
+
+
+def test_restage_submit_resume_refuses_reordered_data_before_anything_is_queued(tmp_path, capsys):
+    from restage.config import load_config
+
+    ensure_tiny_model(ROOT)
+    data = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"sort {i} {j} :"} for i in range(4) for j in range(4)])
+    overrides = [f"run.results_dir={tmp_path}", "trial=s", f"dataset.path={data}", "run.batch_size=2"]
+    cfg = load_config(ROOT / "jobs" / "grpo_tiny.yaml", overrides)
+    check_trial_data(cfg.trial_dir, cfg, resume=False, accept_changed=False)  # what the first submit recorded
+    (cfg.trial_dir / "checkpoints" / "step-3").mkdir(parents=True)
+    (cfg.trial_dir / "checkpoints" / "step-3" / "manifest.json").write_text('{"step": 3}')
+    data.write_text("".join(reversed(data.read_text().splitlines(keepends=True))))
+    assert restage_main(["submit", str(ROOT / "jobs" / "grpo_tiny.yaml"), *overrides, "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"restage: error: --resume: dataset.path {data} changed since "
+                                               "checkpoint step-3 was trained on it: the same 16 rows in another order")
+    assert not (cfg.trial_dir / "submission.json").exists() and not (cfg.trial_dir / "slurm").exists()

@@ -21,6 +21,7 @@ from restage.config import config_from_dict
 from restage.errors import LaunchError
 from restage.launch import slurm
 from restage.launch.checks import load_job_config, validate
+from restage.launch.data_check import ACCEPT_OPTION, check_trial_data
 from restage.launch.geometry import JobGeometry, job_geometry
 from restage.launch.job import (
     RUNTIME_MODULE,
@@ -36,6 +37,7 @@ from restage.launch.job import (
 )
 from restage.launch.resources import site_resources
 from restage.launch.trial import TrialPaths, write_json_atomic
+from restage.runtime.checkpoint_dir import complete_steps
 from restage.schedule.file import write_schedule
 
 
@@ -117,6 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. cluster.nodes=2")
     parser.add_argument("--dry-run", action="store_true", help="print the sbatch script and submit nothing")
     parser.add_argument("--resume", action="store_true", help="continue a trial that already has checkpoints")
+    parser.add_argument(ACCEPT_OPTION, action="store_true", dest="accept_changed_data",
+                        help="--resume on data that changed since the checkpoint (recorded in the trial's data.json)")
     allow_options_between_overrides(parser)
 
 
@@ -142,6 +146,11 @@ def main(args: argparse.Namespace) -> int:
         return 0
     check_fresh(job.paths, args.resume)
     job.paths.root.mkdir(parents=True, exist_ok=True)
+    if module == RUNTIME_MODULE:  # the data's fingerprint, kept with the trial; --resume refuses changed data
+        steps = complete_steps(job.paths.root) if args.resume else []
+        for line in check_trial_data(job.paths.root, config_from_dict(job.config_dict), args.resume,
+                                     args.accept_changed_data, steps[-1] if steps else None):
+            print(line, flush=True)
     if schedule is not None:  # the job runs what was checked here (it plans only when there is no schedule)
         write_schedule(schedule, job.paths.schedule)
 
