@@ -21,7 +21,7 @@ def test_multi_turn_calculator_task_learns_to_call_its_tool(tmp_path):
     run = restage_run(tmp_path, "grpo_calculator_tiny", 1, "e2e", f"run.steps={STEPS}", timeout=3000)
     rate, score = run.stat("actor_gen/tool_call_rate"), run.stat("actor_gen/final_score")
     start, end = float(rate[:WINDOW].mean()), float(rate[-WINDOW:].mean())
-    assert start <= 0.05 and end - start >= 0.3, f"tool-call rate {start:.3f} -> {end:.3f} in {STEPS} steps"
+    assert start <= 0.1 and end - start >= 0.5, f"tool-call rate {start:.3f} -> {end:.3f} in {STEPS} steps"
     report("multi_turn_calculator", steps=STEPS, tool_call_rate_start=start, tool_call_rate_end=end,
            final_score_start=float(score[:WINDOW].mean()), final_score_end=float(score[-WINDOW:].mean()),
            seconds=run.seconds)
