@@ -1,8 +1,8 @@
 """Multi-turn episodes of a generate MFC (``environment.name`` set): answers, tool calls, observations, rewards.
 
 Each sample's ``group_size`` episodes start from its prompt (``Environment.reset``; the built-in ``tool_use``
-keeps the dataset's prompt ids). A turn is one answer of the policy; it ends at EOS, at the end of a tool call
-(``tools.CALL_END`` of the format, when it is one token) or at its cap. The environment's ``step`` runs on a
+keeps the dataset's prompt ids). A turn is one answer of the policy; it ends at EOS, at the end of a plain-format
+tool call (``</call>``, when it is one token) or at its cap. The environment's ``step`` runs on a
 thread (tools in the sandbox) while the rollout engine decodes the other episodes (``models/rollout_turns.py``);
 its observation is encoded (text as it is; chat messages by the tokenizer's template, ``observation_ids``) and
 appended, and the episode's next turn joins the batch.
@@ -238,8 +238,11 @@ class EpisodeRecord:
 
 
 def stop_ids(module: StageModule, tokenizer: Any, tool_format: str) -> list[int]:
-    """The ids that end a turn: the model's stop tokens and the tool call's end marker when it is one token."""
+    """The ids that end a turn: the model's stop tokens, and in the plain format the call's end marker when it is one
+    token (a chat template's assistant turn ends at its own end token, after the call, as the template writes it)."""
     ids = list(module.cfg.stop_token_ids)
+    if tool_format != "plain":
+        return ids
     end = tokenizer.encode(CALL_END[tool_format], add_special_tokens=False)
     return ids + ([int(end[0])] if len(end) == 1 and int(end[0]) != tokenizer.unk_token_id else [])
 
