@@ -68,7 +68,8 @@ def test_resume_applies_an_edited_step_count_and_refuses_an_edited_learning_rate
         "restage: error: --resume cannot change models.actor.optim.lr 0.001 -> 0.002 (the checkpoint was trained "
         "with the old value); undo it, or start a new trial=NAME (on resume only run.steps, run.stop_at_step, "
         "run.save_every, run.keep_checkpoints, run.eval_every, run.log_every, run.startup_timeout_seconds, "
-        "run.collective_timeout_seconds, run.peer_wait_timeout_seconds, run.nonfinite, run.max_skipped_steps, "
+        "run.collective_timeout_seconds, run.peer_wait_timeout_seconds, run.activity_timeout_seconds, run.nonfinite, "
+        "run.max_skipped_steps, "
         "run.save_before_end_seconds, slurm.* may change)"]
     assert (trial / "log.h5").read_bytes() == log_bytes  # no rank started
 
