@@ -247,3 +247,16 @@ def test_multi_turn_chat_template_observation_tokens_are_the_templates_tool_turn
            "<|im_start|> user <tool_response> 7 </tool_response> <|im_end|> <|im_start|> assistant"
     assert ids == tokenizer.encode(want, add_special_tokens=False)
     assert observation_ids(tokenizer, "<|im_start|> 7") == tokenizer.encode("<|im_start|> 7", add_special_tokens=False)
+
+
+def test_multi_turn_arith_tools_pays_for_the_calls_expression():
+    from restage.algorithms.arith_env import ArithTools
+
+    def episode(call: str, final: str) -> float:
+        env = ArithTools(_context("compute 7 * 4 8 :"))
+        assert not env.step(call).done
+        return env.step(final).reward
+
+    assert episode("<call> 7 * 4 8 </call>", "3 3 6") == pytest.approx(0.25 + 1.0)  # the whole expression, right answer
+    assert episode("<call> 3 </call>", "3 3 6") == pytest.approx(0.25 * 0.25 + 1.0)  # a call that ran, nothing in place
+    assert episode("<call> 7 * 4 </call>", "9") == pytest.approx(0.25 * (0.25 + 0.75 * 3 / 4) + 0.0)

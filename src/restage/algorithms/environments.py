@@ -122,7 +122,7 @@ class ToolUse:
         self.final_score: float | None = None  # the reward_fn's score of the final answer, once done
 
     def reset(self) -> Observation:
-        return [{"role": "user", "content": self.ctx.prompt}] if self.format == "chat_template" else self.ctx.prompt
+        return self.ctx.prompt  # the dataset's prompt ids are kept as they are (chat template applied or not)
 
     def step(self, answer: str) -> StepResult:
         calls = parse_tool_calls(answer, self.format, next(iter(self.tools)) if len(self.tools) == 1 else "")
@@ -130,14 +130,19 @@ class ToolUse:
             return StepResult("", self.shaping + self._final_reward(answer), True)
         results = tuple(run_tool(c, self.tools, self.limits, self.ctx.namespaces) for c in calls)
         opts = self.ctx.options
-        if not self.called and any(r.status == "ok" for r in results):
-            self.called, self.shaping = True, self.shaping + opts.tool_call_reward
+        credit = self.call_credit(results)
+        if not self.called and credit > 0:
+            self.called, self.shaping = True, self.shaping + opts.tool_call_reward * credit
         self.shaping += opts.failed_call_reward * sum(r.status != "ok" for r in results)
         if self.format == "chat_template":
             return StepResult([{"role": "tool", "content": self.format_output(r.output)} for r in results], 0.0, False,
                               results)
         return StepResult(" ".join(f"<result> {self.format_output(r.output)} </result>" for r in results), 0.0, False,
                           results)
+
+    def call_credit(self, results: tuple[ToolResult, ...]) -> float:
+        """The share of ``tool_call_reward`` a step's calls earn (given once per episode): 1 when one ran."""
+        return 1.0 if any(r.status == "ok" for r in results) else 0.0
 
     def format_output(self, output: str) -> str:
         return output
@@ -159,7 +164,8 @@ class SpelledToolUse(ToolUse):
         return "error" if output.startswith("error:") else " ".join(output.replace(" ", ""))
 
 
-_ENVIRONMENTS: dict[str, EnvironmentFactory | str] = {"tool_use": ToolUse, "tool_use_spelled": SpelledToolUse}
+_ENVIRONMENTS: dict[str, EnvironmentFactory | str] = {"tool_use": ToolUse, "tool_use_spelled": SpelledToolUse,
+                                                      "arith_tools": "restage.algorithms.arith_env:ArithTools"}
 
 
 def register_environment(name: str, factory: EnvironmentFactory | str) -> None:
