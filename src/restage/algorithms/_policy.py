@@ -7,7 +7,15 @@ from typing import TypeVar
 
 import torch
 
-from restage.algorithms import base, estimators, is_correction, losses, offpolicy, registry
+from restage.algorithms import (
+    base,
+    estimators,
+    is_correction,
+    losses,
+    offpolicy,
+    registry,
+    variants,  # noqa: F401  (fills the registries with the built-in parts)
+)
 from restage.algorithms._graphs import ACTOR_TRAIN
 from restage.algorithms.interface import build_graph
 from restage.config import ExperimentConfig

@@ -18,7 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from restage.algorithms import _policy, base, losses, offpolicy, ops, registry
+from restage.algorithms import (
+    _policy,
+    base,
+    losses,
+    offpolicy,
+    ops,
+    registry,
+    variants,  # noqa: F401  (fills the registries with the built-in parts)
+)
 from restage.algorithms._graphs import ACTOR_GEN, ACTOR_TRAIN, REF_INF, REWARD_INF, reward_source, sizes, with_proximal
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch

@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from restage.algorithms import registry
+from restage.algorithms import (
+    aggregations,  # noqa: F401  (fills registry.AGGREGATIONS)
+    registry,
+)
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 

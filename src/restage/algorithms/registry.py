@@ -7,7 +7,8 @@ A variant is one registered function (verl's ``register_adv_est`` / ``register_p
 
 and a config picks it by name (``algo.advantage: rloo``). The names a config may give are the registry's keys,
 written once here: ``validate`` checks ``algo.*`` against ``names(...)``. The built-in parts live in
-``algorithms/variants.py`` (imported below, so every registry is full once this module is).
+``algorithms/variants.py`` (advantages, policy losses; imported by the algorithms that look them up) and
+``algorithms/aggregations.py`` (imported by ``losses``).
 docs/algorithms.md lists each built-in part with its source paper and config keys.
 """
 
@@ -83,5 +84,3 @@ def names(table: dict) -> tuple[str, ...]:
     """The registered names, the allowed values of the config key that picks from ``table``."""
     return tuple(table)
 
-
-from restage.algorithms import variants  # noqa: E402,F401  (fills the registries with the built-in parts)

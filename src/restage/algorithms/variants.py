@@ -1,6 +1,6 @@
-"""The built-in advantage estimators, policy losses and loss aggregations (``registry``); docs/algorithms.md has each
-one's paper and config keys. Every function takes the answer-token mask as given: a token the mask leaves out (a
-prompt token, or an observation token of a multi-turn episode) gets no advantage, no loss and no count.
+"""The built-in advantage estimators and policy losses (``registry``; the aggregations are ``aggregations.py``);
+docs/algorithms.md has each one's paper and config keys. Every function takes the answer-token mask as given: a
+token the mask leaves out (a prompt token, or an observation token of a multi-turn episode) gets no advantage, no loss and no count.
 """
 
 from __future__ import annotations
@@ -8,12 +8,7 @@ from __future__ import annotations
 import torch
 
 from restage.algorithms import estimators, losses, ops
-from restage.algorithms.registry import (
-    AdvantageInputs,
-    register_advantage,
-    register_aggregation,
-    register_policy_loss,
-)
+from restage.algorithms.registry import AdvantageInputs, register_advantage, register_policy_loss
 
 # -- advantages ------------------------------------------------------------------------------------------------
 
@@ -93,42 +88,3 @@ def gspo(logprobs: torch.Tensor, anchor: torch.Tensor, advantages: torch.Tensor,
     per_token, stats = losses._clipped_surrogate(per_token_log_ratio, torch.zeros_like(per_token_log_ratio),
                                                  advantages, mask, clip_low, clip_high)
     return per_token, stats
-
-
-# -- aggregations ----------------------------------------------------------------------------------------------
-
-
-@register_aggregation("token_mean")
-def token_mean(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, norm_tokens: int) -> torch.Tensor:
-    """Mean over the micro-batch's answer tokens (DAPO's token-level loss; TRL's ``bnpo``)."""
-    m = mask.to(per_token.dtype)
-    return (per_token * m).sum() / m.sum().clamp(min=1)
-
-
-@register_aggregation("seq_mean")
-def seq_mean(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, norm_tokens: int) -> torch.Tensor:
-    """Mean over sequences (with answer tokens) of each one's token mean (GRPO's; TRL's ``grpo``)."""
-    m = mask.to(per_token.dtype)
-    counts = ops.seq_sum(m, cu_seqlens)
-    per_seq = ops.seq_sum(per_token * m, cu_seqlens) / counts.clamp(min=1)
-    has_tokens = counts > 0
-    return per_seq[has_tokens].sum() / has_tokens.sum().clamp(min=1)
-
-
-@register_aggregation("seq_mean_token_sum")
-def seq_mean_token_sum(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor,
-                       norm_tokens: int) -> torch.Tensor:
-    """Mean over sequences of each one's token sum (verl's ``seq-mean-token-sum``)."""
-    m = mask.to(per_token.dtype)
-    return ops.seq_sum(per_token * m, cu_seqlens).mean()
-
-
-@register_aggregation("seq_mean_token_sum_norm")
-def seq_mean_token_sum_norm(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor,
-                            norm_tokens: int) -> torch.Tensor:
-    """Dr. GRPO (Liu et al. 2025): the token sum over ``n_seqs * max_new_tokens``, a constant, so no answer's
-    length scales its tokens' weight (TRL's ``dr_grpo``)."""
-    if norm_tokens <= 0:
-        raise ValueError("seq_mean_token_sum_norm needs the generation's max_new_tokens (norm_tokens > 0)")
-    m = mask.to(per_token.dtype)
-    return (per_token * m).sum() / ((cu_seqlens.numel() - 1) * norm_tokens)
