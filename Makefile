@@ -35,10 +35,9 @@ test-scale: install
 test-multinode: install
 	bash scripts/run_tests.sh -s -m multinode tests/multinode
 
-# restage's GRPO-family losses against TRL's GRPOTrainer (tests/algorithms/test_trl_parity_on_cpu.py): makes TRL's own
-# venv first (bench/.venv-trl, pip install trl==1.16.0, about 5 minutes once); make test skips these without it.
+# restage's GRPO-family losses against TRL's GRPOTrainer alone (tests/algorithms/test_trl_parity_on_cpu.py; make test
+# runs it too: trl is in the test extra).
 test-trl: install
-	$(BIN)/python -c "import sys; sys.path.insert(0, 'bench'); import e2e_cpu; e2e_cpu.ensure_trl_venv()"
 	$(BIN)/python -m pytest -q tests/algorithms/test_trl_parity_on_cpu.py
 
 test-fast: install

@@ -1,8 +1,9 @@
 """restage's GRPO-family losses equal TRL's GRPOTrainer's, loss and gradients, on one fixed batch (issue 31).
 
-TRL runs in its own venv (bench/.venv-trl, as bench/e2e_cpu.py makes it: ``pip install trl==1.16.0`` with torch and
-transformers pinned to restage's); it is never a dependency of restage. ``make test-trl`` makes that venv (about
-5 minutes on a fresh machine) and runs this file; without the venv these tests skip and say so.
+TRL is a test-only extra (``trl==1.16.0`` in setup.cfg's ``test``: it adds nothing else to the test venv), never a
+dependency of restage; its loss runs in a child process (tests/algorithms/trl_loss.py), so this test's process never
+imports it. Without TRL in the test venv the child runs in bench/.venv-trl (bench/e2e_cpu.py's), and without either
+these tests skip and say so.
 
 Each case maps one TRL setting onto restage's config keys:
 
@@ -18,10 +19,12 @@ All with ``beta=0.04`` (k3 KL per token, as restage's GRPO ``kl_coef``/``kl_esti
 ``use_bias_correction_kl``, on by default in 1.16, weights the KL by the ratio, so it is set off) and once with ``beta=0``.
 """
 
+import importlib.util
 import json
 import math
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,7 +36,7 @@ from restage.config import config_from_dict
 from restage.data.batch import pack_sequences
 
 ROOT = Path(__file__).resolve().parents[2]
-TRL_PYTHON = ROOT / "bench" / ".venv-trl" / "bin" / "python"
+BENCH_TRL_PYTHON = ROOT / "bench" / ".venv-trl" / "bin" / "python"
 TOKENIZER = ROOT / "data" / "synthetic" / "tokenizer"
 GROUP, PROMPT, WIDTH = 4, 5, 7
 
@@ -100,11 +103,18 @@ def restage_loss(model, packed, keys, beta):
     return loss.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}
 
 
+def trl_interpreter() -> str | None:
+    """The Python that has TRL: this test venv's (the test extra), else the benchmark's TRL venv, else None."""
+    if importlib.util.find_spec("trl") is not None:
+        return sys.executable
+    return str(BENCH_TRL_PYTHON) if BENCH_TRL_PYTHON.is_file() else None
+
+
 @pytest.fixture(scope="module")
 def trl_results(tmp_path_factory):
-    if not TRL_PYTHON.is_file():
-        pytest.skip(f"no TRL venv at {TRL_PYTHON.parent.parent}: `make test-trl` makes it (pip install trl==1.16.0, "
-                    "about 5 minutes) and runs these tests")
+    trl_python = trl_interpreter()
+    if trl_python is None:
+        pytest.skip(f"TRL is not installed: `make install` puts trl==1.16.0 in the test venv (or make {BENCH_TRL_PYTHON})")
     work = tmp_path_factory.mktemp("trl")
     model = tiny_model(seed=5)
     model.save_pretrained(work / "model")
@@ -116,7 +126,7 @@ def trl_results(tmp_path_factory):
              for name, (t, _) in CASES.items()]
     args = {"model": str(work / "model"), "batch": str(work / "batch.pt"), "out": str(work / "out.pt"),
             "group_size": GROUP, "cases": cases}
-    done = subprocess.run([str(TRL_PYTHON), str(Path(__file__).with_name("trl_loss.py")), json.dumps(args)],
+    done = subprocess.run([trl_python, str(Path(__file__).with_name("trl_loss.py")), json.dumps(args)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return model, packed, torch.load(work / "out.pt")
