@@ -205,3 +205,24 @@ def test_sinfo_partitions(monkeypatch):
     assert site.partition() == site.Partition("gpu", 112, 2880)  # the default; its smallest nodes
     assert site.partition("debug") == site.Partition("debug", 64, 30)
     assert site.partition("nosuch") is None
+
+
+def test_a_sweep_checks_every_trial_as_submit_does_and_names_the_one_that_fails(one_gpu_job, h100_site, tmp_path,
+                                                                                capsys):
+    config = one_gpu_job(**{"cluster.name": "local-cpu", "cluster.devices_per_node": 1})
+    missing = tmp_path / "no-such-model"
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(yaml.safe_dump({"base": config.name, "name": "sw",
+                                     "grid": {"models.actor.path": [TINY, str(missing)]}}))
+    assert cli.main(["sweep", str(sweep), "--dry-run"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[-1] == (
+        f"restage: error: sweep trial 001 {{'models.actor.path': '{missing}'}}: checkpoint directory {missing} does "
+        "not exist; point the model's path at a HF model directory")
+    assert not (tmp_path / "results").exists()
+    sweep.write_text(yaml.safe_dump({"base": config.name, "name": "sw", "grid": {"run.batch_size": [16, 100000]}}))
+    assert cli.main(["sweep", str(sweep), "--dry-run"]) == 2
+    assert "sweep trial 001 {'run.batch_size': 100000}: run.batch_size 100000 exceeds the" in capsys.readouterr().err
+    sweep.write_text(yaml.safe_dump({"base": config.name, "name": "sw", "grid": {"run.steps": [2, 3]}}))
+    assert cli.main(["sweep", str(sweep), "--dry-run"]) == 0
+    assert capsys.readouterr().out.count("#SBATCH --array=0-1%2") == 1

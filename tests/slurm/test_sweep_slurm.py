@@ -39,7 +39,7 @@ def test_two_trial_sweep_of_real_jobs_is_one_job_array(tiny_model, tmp_path, cap
         log = read_log(trial_dir / "log.h5")  # its own log, with its own number of steps
         assert (log.closed, log.world_size, [int(s) for s in log.steps["step"]]) == (True, REAL_RANKS, list(range(1, steps + 1)))
         assert yaml.safe_load(log.config)["trial"] == t["trial"]
-        assert read_schedule(trial_dir / "schedule.json").world_size == REAL_RANKS  # planned in its job
+        assert read_schedule(trial_dir / "schedule.json").world_size == REAL_RANKS  # planned by restage sweep
         attempts = read_json(trial_dir / "job.json")["attempts"]
         array_task = [(f"{a['array_job_id']}_{a['array_task_id']}", a["launcher"], a["outcome"]) for a in attempts]
         assert array_task == [(t["job_id"], "srun", "completed")]

@@ -11,8 +11,10 @@
       seed: [1, 2]
       run.batch_size: [8, 16]
 
-Trial ``i`` is ``results/<experiment>/<name>/<i:03d>/`` (config ``trial = <name>/<i:03d>``), with its own
-plan computed in the job for its own cluster size. ``index.json`` in the sweep directory lists
+Trial ``i`` is ``results/<experiment>/<name>/<i:03d>/`` (config ``trial = <name>/<i:03d>``). Every trial is
+checked as ``restage submit`` checks a job (``launch.checks.validate``: models, data set, its own plan for its own
+cluster size) before anything is queued, ``--dry-run`` included; a trial that fails is named in the one-line error,
+and the plan that was checked is the one its job runs. ``index.json`` in the sweep directory lists
 every trial: its number, directory, swept values and SLURM job id. Trials whose sbatch resources
 are equal share one job array; a sweep that changes the resources (say ``cluster.nodes``) gets one
 array per distinct allocation.
@@ -33,11 +35,13 @@ import yaml
 
 from restage.config import ExperimentConfig, apply_override, config_from_dict
 from restage.config_paths import resolve_file_paths, resolve_paths
-from restage.errors import ConfigError
+from restage.errors import ConfigError, RestageError
 from restage.launch import slurm
+from restage.launch.data_check import check_trial_data
 from restage.launch.job import TrialJob, program_module
-from restage.launch.submit import PreparedJob, check_fresh, prepare
+from restage.launch.submit import PreparedJob, check_fresh, prepare, validate_job
 from restage.launch.trial import TrialPaths, write_json_atomic
+from restage.schedule.file import write_schedule
 
 _SWEEP_KEYS = ("base", "name", "overrides", "grid", "zip")
 _FIXED = ("experiment", "trial", "run.results_dir")  # they place the sweep directory
@@ -152,6 +156,14 @@ def _group_key(job: PreparedJob) -> str:
     return repr(sorted((k, repr(v)) for k, v in job.params.items()))
 
 
+def _checked(trial: Trial, job: PreparedJob, module: str):
+    """``restage submit``'s checks on one trial (its schedule, or None for another program); the error names it."""
+    try:
+        return validate_job(job, module, resume=False)
+    except RestageError as err:  # the same kind of error, naming the trial
+        raise type(err)(f"sweep trial {trial.index:03d} {trial.values}: {err}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("sweep", help="sweep YAML (base config, grid, zip)")
     parser.add_argument("--dry-run", action="store_true", help="print the trials and sbatch script(s); submit nothing")
@@ -160,6 +172,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     name, trials = load_sweep(args.sweep)
     jobs = [(trial, prepare(trial.config)) for trial in trials]
+    module = program_module(trials[0].config)  # refuse now, not in the queue, when the program cannot be imported
+    schedules = [_checked(trial, job, module) for trial, job in jobs]
     sweep_dir = jobs[0][1].paths.root.parent
     groups: dict[str, list] = {}
     for trial, job in jobs:
@@ -174,8 +188,13 @@ def main(args: argparse.Namespace) -> int:
         return 0
     for _, job in jobs:
         check_fresh(job.paths, resume=False)
-
-    program_module(trials[0].config)
+    for (trial, job), schedule in zip(jobs, schedules):
+        if schedule is None:
+            continue
+        job.paths.root.mkdir(parents=True, exist_ok=True)  # the trial runs the plan checked here, on this data
+        write_schedule(schedule, job.paths.schedule)
+        for line in check_trial_data(job.paths.root, trial.config, False, False, None):
+            print(line, flush=True)
     entries = []
     for members in groups.values():
         executor = slurm.make_executor(folder, members[0][1].params, trials[0].config.slurm.max_requeues)
