@@ -26,11 +26,13 @@ test: install typecheck
 	$(BIN)/ruff check src tests bench
 	bash scripts/run_tests.sh
 
-# The whole 8/16-rank layout matrix and the layout fuzzer (tests/scale; about an hour on 2 cores), and matrix cases
-# over two nodes of scripts/slurm_multinode.sh's cluster (root). RESTAGE_FUZZ_COUNT sets the fuzzer's seed count
-# (default 8), RESTAGE_SCALE_REPORT=FILE collects each case's figures as JSON lines.
+# The whole 8/16-rank layout matrix and the layout fuzzer (tests/scale; about an hour on 2 cores), matrix cases over two
+# nodes of scripts/slurm_multinode.sh's cluster (root), then every other test marked scale: the long cases kept out of
+# make test's time bound (per-variant and multi-turn learning, the two-node time limit, some async parametrizations).
+# RESTAGE_FUZZ_COUNT sets the fuzzer's seed count (default 8), RESTAGE_SCALE_REPORT=FILE collects each case's figures.
 test-scale: install
 	bash scripts/run_tests.sh --scale tests/scale tests/multinode/test_layout_scale_multinode.py
+	bash scripts/run_tests.sh --scale -m scale --ignore=tests/scale --ignore=tests/multinode/test_layout_scale_multinode.py tests
 
 test-multinode: install
 	bash scripts/run_tests.sh -s -m multinode tests/multinode

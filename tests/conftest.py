@@ -19,7 +19,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 def pytest_addoption(parser):
     parser.addoption("--scale", action="store_true",
-                     help="also run the tests marked scale (the whole 8/16-rank matrix and the layout fuzzer)")
+                     help="also run the tests marked scale (make test-scale: the 8/16-rank matrix, the fuzzer, long cases)")
 
 
 def pytest_collection_modifyitems(config, items):

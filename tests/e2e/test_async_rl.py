@@ -33,7 +33,8 @@ def behaviour_version(step: int, staleness: int, push_every: int) -> int:
 
 @pytest.mark.parametrize("job, mfcs, staleness, push_every, steps", [
     ("grpo_tiny", GRPO_MFCS, 1, 1, 4), ("grpo_tiny", GRPO_MFCS, 2, 2, 6),
-    ("remax_tiny", REMAX_MFCS, 1, 1, 4),  # two generate MFCs ahead: sampled answers and the greedy baseline
+    # two generate MFCs ahead: sampled answers and the greedy baseline (make test-scale: make test's time bound)
+    pytest.param("remax_tiny", REMAX_MFCS, 1, 1, 4, marks=pytest.mark.scale),
 ])
 def test_every_trained_token_is_within_the_staleness_bound(tmp_path, job, mfcs, staleness, push_every, steps):
     run = restage_run(tmp_path, job, 2, "async", f"run.steps={steps}", *async_overrides(staleness, push_every, mfcs))
@@ -75,7 +76,9 @@ def test_every_trained_token_is_within_the_staleness_bound(tmp_path, job, mfcs, 
 WINDOW = 5  # steps averaged at each end of the reward curve, as tests/e2e/test_rl_learning.py
 
 
-@pytest.mark.parametrize("job, steps, mfcs", [("ppo_tiny", 40, PPO_MFCS), ("grpo_tiny", 50, GRPO_MFCS)])
+# PPO's case in make test-scale (make test's time bound); GRPO's in make test
+@pytest.mark.parametrize("job, steps, mfcs", [pytest.param("ppo_tiny", 40, PPO_MFCS, marks=pytest.mark.scale),
+                                              ("grpo_tiny", 50, GRPO_MFCS)])
 def test_async_raises_reward_by_the_sync_margin(tmp_path, job, steps, mfcs):
     """The sync learning test's job, steps and margin (tests/e2e/test_rl_learning.py), trained one version stale."""
     margin = 0.10

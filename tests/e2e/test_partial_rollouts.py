@@ -30,7 +30,9 @@ def pushed(step: int, push_every: int) -> int:
 
 
 @pytest.mark.parametrize("job, mfcs, staleness, push_every, steps", [
-    ("grpo_tiny", GRPO_MFCS, 2, 1, 8), ("grpo_tiny", GRPO_MFCS, 3, 2, 9), ("ppo_tiny", PPO_MFCS, 2, 1, 6),
+    # two of the four in make test-scale only (make test's time bound)
+    pytest.param("grpo_tiny", GRPO_MFCS, 2, 1, 8, marks=pytest.mark.scale), ("grpo_tiny", GRPO_MFCS, 3, 2, 9),
+    pytest.param("ppo_tiny", PPO_MFCS, 2, 1, 6, marks=pytest.mark.scale),
     ("remax_tiny", REMAX_MFCS, 2, 1, 6),  # two producers: sampled answers and the greedy baseline
 ])
 def test_tokens_span_two_versions_within_the_bound(tmp_path, job, mfcs, staleness, push_every, steps):

@@ -33,7 +33,8 @@ from restage.launch.trial import read_json
 from restage.report.log import read_log
 from restage.runtime import checkpoint_dir
 
-pytestmark = pytest.mark.multinode
+# make test-scale runs it (make test's time bound); tests/slurm/test_time_limit_slurm.py is the one-node run in make test
+pytestmark = [pytest.mark.multinode, pytest.mark.scale]
 TRAINED = ("actor", "critic")
 STEPS = 3
 SAME_RUN = (f"run.steps={STEPS}", "run.save_every=0", "slurm.max_requeues=10")
