@@ -20,12 +20,12 @@ call that did not (unknown tool, malformed, raised, timed out).
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from restage.algorithms.rewards import resolve_callable
 from restage.algorithms.sandbox import Limits
 from restage.algorithms.scoring import score
 from restage.algorithms.tools import TOOL_FORMATS, ToolFormat, ToolResult, parse_tool_calls, resolve_tools, run_tool
@@ -179,21 +179,8 @@ def environment_names() -> tuple[str, ...]:
 
 def resolve_environment(spec: str) -> EnvironmentFactory:
     """The factory ``environment.name`` names; a one-line ConfigError when it cannot be found."""
-    target = _ENVIRONMENTS.get(spec, spec)
-    if callable(target):
-        return target
-    if ":" not in target:
-        raise ConfigError(f"environment.name: {spec!r} is neither a registered environment "
-                          f"({', '.join(environment_names())}) nor module:function")
-    module_name, _, attr = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"environment.name: cannot import module {module_name!r} ({err})") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"environment.name: module {module_name!r} has no callable {attr!r}")
-    return factory
+    return resolve_callable(_ENVIRONMENTS.get(spec, spec), spec, "environment.name", "environment",
+                            environment_names())
 
 
 def validate(options: EnvironmentConfig) -> EnvironmentFactory:

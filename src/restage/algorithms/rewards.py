@@ -62,19 +62,24 @@ def resolve_reward(spec: str, options: RewardsConfig | None = None) -> RewardFn:
 
 
 def _resolve(target, spec: str):
+    return resolve_callable(target, spec, "reward_fn", "reward", reward_names())
+
+
+def resolve_callable(target, spec: str, key: str, kind: str, names: Sequence[str]) -> Callable:
+    """``target`` (a registry's entry for ``spec``, or ``spec`` itself) when callable, else the ``module:function`` it
+    names, imported; a one-line ConfigError naming the config ``key`` otherwise (rewards, environments)."""
     if callable(target):
         return target
     if ":" not in target:
-        raise ConfigError(f"reward_fn: {spec!r} is neither a registered reward ({', '.join(reward_names())}) nor "
-                          "module:function")
+        raise ConfigError(f"{key}: {spec!r} is neither a registered {kind} ({', '.join(names)}) nor module:function")
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ConfigError(f"reward_fn: cannot import module {module_name!r} ({err})") from None
+        raise ConfigError(f"{key}: cannot import module {module_name!r} ({err})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ConfigError(f"reward_fn: module {module_name!r} has no function {attr!r}")
+        raise ConfigError(f"{key}: module {module_name!r} has no callable {attr!r}")
     return fn
 
 
