@@ -14,7 +14,7 @@ import pytest
 from plan_helpers import ppo_config
 
 from restage.config import ClusterRef, load_config
-from restage.demo import ensure_tiny_model
+from restage.demo import ensure_arith_model, ensure_tiny_model
 from restage.layout import Layout, Strategy
 from restage.plan.baselines import all_baselines, all_references, starting_plans
 from restage.plan.estimator import dp_size_ok
@@ -43,6 +43,7 @@ def _tied(cfg):
 
 def _tiny_job(name: str, devices: int, nodes: int = 1):
     ensure_tiny_model(REPO)
+    ensure_arith_model(REPO)  # jobs/grpo_calculator_tiny.yaml's model (a fresh clone has neither)
     cfg = load_config(REPO / "jobs" / name)
     models = {m: dataclasses.replace(spec, path=str(REPO / spec.path)) if spec.path else spec
               for m, spec in cfg.models.items()}
