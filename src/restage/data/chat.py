@@ -3,7 +3,11 @@
 * text, ``dataset.chat_template`` off: ``[BOS] + tokens`` (``encode_prompt``);
 * text or a message list, ``dataset.chat_template`` on: ``tokenizer.apply_chat_template(messages,
   add_generation_prompt=True)`` (text becomes one user message); the template owns the special tokens;
-* token ids (pre-tokenised): taken as they are.
+* token ids (pre-tokenised): taken as they are;
+* an SFT answer given as a list of turns (``[{"role": "assistant", "content": "<call> 7 * 4 8 </call>"},
+  {"role": "tool", "content": "<result> 3 3 6 </result>"}, {"role": "assistant", "content": "3 3 6"}]``, chat
+  template off): a multi-turn episode, each turn's text encoded on its own; the non-assistant turns take no loss
+  (``episode_answer_ids``).
 
 Prompts are cut from the left to ``max_tokens`` (a leading BOS kept), answers from the right, after
 an EOS is appended when the ids do not end with one.
@@ -64,10 +68,25 @@ def prompt_ids(tokenizer, value, max_tokens: int, chat_template: bool) -> tuple[
     return cut_prompt(full_prompt_ids(tokenizer, value, chat_template), max_tokens, tokenizer.bos_token_id)
 
 
+def episode_answer_ids(tokenizer, turns: list[dict], max_tokens: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """A multi-turn episode's answer (an SFT demonstration): the ids of its turns' texts, each encoded on its own
+    as the episode driver encodes them (``runtime/multi_turn.py``), then EOS, cut from the right; and the mask of
+    the tokens the policy does not write (every turn whose role is not ``assistant``: tool outputs, observations),
+    which SFT, like RL, gives no loss."""
+    ids: list[int] = []
+    observed: list[bool] = []
+    for turn in turns:
+        part = list(tokenizer.encode(turn["content"], add_special_tokens=False))
+        ids += part
+        observed += [turn["role"] != "assistant"] * len(part)
+    return tuple((ids + [tokenizer.eos_token_id])[:max_tokens]), tuple((observed + [False])[:max_tokens])
+
+
 def answer_ids(tokenizer, value, max_tokens: int) -> tuple[int, ...]:
     """The answer's ids: text or pre-tokenised ids, then EOS, cut from the right."""
     if isinstance(value, list):
-        raise ConfigError("an answer is a list of chat messages; give answers as text or token ids")
+        raise ConfigError("an answer is a list of chat messages; give answers as text or token ids (an SFT "
+                          "answer may be a list of turns: dataset.kind=sft, dataset.chat_template=false)")
     if isinstance(value, str):
         return encode_answer(tokenizer, value, max_tokens)
     ids = list(value)

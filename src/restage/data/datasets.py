@@ -5,6 +5,7 @@ Rows come from JSONL, parquet or a HF ``datasets`` directory, with field names m
 
 * ``prompt``      ``{"prompt": str}``                              -> key ``prompts``
 * ``sft``         ``{"prompt": str, "answer": str}``               -> keys ``packed_input_ids``, ``prompt_mask``
+  (an answer may be a multi-turn episode, a list of turns: ``prompt_mask`` is then 1 on its non-assistant turns too)
 * ``preference``  ``{"prompt": str, "chosen": str, "rejected": str}`` -> keys ``packed_pair_ids``, ``prompt_mask``
   (chosen then rejected, ``group_size`` 2)
 
@@ -22,9 +23,11 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch, pack_sequences
-from restage.data.chat import answer_ids, cut_prompt, full_prompt_ids
+from restage.data.chat import answer_ids, cut_prompt, episode_answer_ids, full_prompt_ids
 from restage.data.sources import ROLES as FIELDS
 from restage.data.sources import read_rows, select_roles
 from restage.data.tokenizer import load_tokenizer
@@ -39,6 +42,7 @@ class Example:
     prompt: tuple[int, ...]
     answers: tuple[tuple[int, ...], ...] = ()
     fields: Mapping = field(default_factory=dict, compare=False)  # the row's other fields, for the reward
+    observed: tuple[bool, ...] = ()  # sft episodes: True on the answer's tokens the policy did not write
 
 
 def tokenize(rows: Sequence[dict], kind: str, tokenizer, max_prompt_tokens: int, max_answer_tokens: int,
@@ -51,12 +55,19 @@ def tokenize(rows: Sequence[dict], kind: str, tokenizer, max_prompt_tokens: int,
         raise ConfigError("dataset.max_prompt_tokens and dataset.max_answer_tokens must be >= 1")
     out = []
     for i, row in enumerate(rows, first_index):
+        if chat_template and kind == "sft" and isinstance(row["answer"], list):
+            raise ConfigError(f"line {i + 1}: an answer given as turns is read as plain text; set "
+                              "dataset.chat_template=false")
         full = full_prompt_ids(tokenizer, row["prompt"], chat_template)
         prompt = cut_prompt(full, max_prompt_tokens, tokenizer.bos_token_id)
         if cut is not None and len(full) > max_prompt_tokens:
             cut.append((i - first_index + 1, len(full)))
         if not prompt:
             raise ConfigError(f"line {i + 1}: the prompt encodes to no tokens")
+        if kind == "sft" and isinstance(row["answer"], list):  # a multi-turn episode (data/chat.py)
+            answer, observed = episode_answer_ids(tokenizer, row["answer"], max_answer_tokens)
+            out.append(Example(i, prompt, (answer,), row.get("fields", {}), observed))
+            continue
         answers = tuple(answer_ids(tokenizer, row[name], max_answer_tokens) for name in FIELDS[kind][1:])
         out.append(Example(i, prompt, answers, row.get("fields", {})))
     return out
@@ -68,8 +79,12 @@ def collate(examples: Sequence[Example], kind: str) -> Batch:
     if kind == "prompt":
         return pack_sequences([e.prompt for e in examples], key="prompts", ids=ids)
     if kind == "sft":
-        return pack_sequences([e.prompt + e.answers[0] for e in examples], key="packed_input_ids",
-                              prompt_lens=[len(e.prompt) for e in examples], ids=ids)
+        batch = pack_sequences([e.prompt + e.answers[0] for e in examples], key="packed_input_ids",
+                               prompt_lens=[len(e.prompt) for e in examples], ids=ids)
+        if any(e.observed for e in examples):  # episodes: observation tokens join the prompt in prompt_mask
+            batch.tokens["prompt_mask"] = torch.tensor(
+                [b for e in examples for b in (True,) * len(e.prompt) + (e.observed or (False,) * len(e.answers[0]))])
+        return batch
     if kind == "preference":
         seqs = [e.prompt + answer for e in examples for answer in e.answers]
         return pack_sequences(seqs, group_size=2, key="packed_pair_ids",
