@@ -1,6 +1,7 @@
 """The code reward's sandbox: hostile answers score 0 and change nothing outside their throwaway directory."""
 
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -14,6 +15,18 @@ from restage.config import RewardsConfig
 
 TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
 OPTIONS = RewardsConfig(code_timeout_seconds=3.0)
+
+
+@pytest.fixture(autouse=True)
+def private_tempdir(monkeypatch):
+    """The sandboxes of these tests go under a temp dir of their own, so another process's sandboxes (a suite or a
+    run beside this one) never show up in ``sandboxes_left``; traversable, as /tmp is, for the sandbox's own uid."""
+    root = Path(tempfile.mkdtemp(prefix="restage-sbtest-"))
+    os.chmod(root, 0o755)
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    yield root
+    monkeypatch.undo()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def sandboxes_left() -> list[str]:

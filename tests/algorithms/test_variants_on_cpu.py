@@ -74,6 +74,20 @@ def test_reinforce_pp_with_kl_in_reward_charges_each_token_the_kl_after_it():
                                           returns[mask].std(unbiased=False)).tolist(), rel=1e-5)
 
 
+@pytest.mark.parametrize("advantage", ["rloo", "dr_grpo", "grpo"])
+def test_rloo_and_the_group_estimators_with_kl_in_reward_charge_each_answer_its_summed_kl(advantage):
+    # Two groups of two; the answers' KL sums are 6, 0 | 1, 3 (prompt tokens hold KL the mask must ignore).
+    kl = torch.tensor([9.0, 9, 1, 2, 3, 9, 9, 0, 0, 9, 9, 1, 0, 9, 9, 1, 2, 0])
+    batch, ctx = inputs(2, [3, 2, 2, 3], token_kl=kl, kl_coef=0.1)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    charged = rewards - 0.1 * torch.tensor([6.0, 0.0, 1.0, 3.0])
+    _, plain = inputs(2, [3, 2, 2, 3])  # kl_coef 0: the KL is in the loss, not the reward
+    got = per_seq(registry.ADVANTAGES[advantage](rewards, ctx), batch)
+    assert got == pytest.approx(per_seq(registry.ADVANTAGES[advantage](charged, plain), batch), rel=1e-6)
+    if advantage == "rloo":  # r_i - r_j in a group of two: 0.4 - 0, and 0.4 - 0.2
+        assert got == pytest.approx([0.4, -0.4, 0.2, -0.2], rel=1e-6)
+
+
 def test_aggregations_of_grpo_dapo_and_dr_grpo_on_one_batch():
     x = torch.tensor([9.0, 1.0, 2.0, 9.0, 3.0, 3.0, 3.0])
     mask = torch.tensor([False, True, True, False, True, True, True])

@@ -17,17 +17,27 @@ def _on_tokens(seq_advantages: torch.Tensor, ctx: AdvantageInputs) -> torch.Tens
     return ops.broadcast_seq(seq_advantages.float(), ctx.cu_seqlens) * ctx.mask
 
 
+def _kl_charged(rewards: torch.Tensor, ctx: AdvantageInputs) -> torch.Tensor:
+    """The sequence rewards less ``kl_coef`` x each answer's summed KL (``kl_in_reward``; ``kl_coef`` is 0 otherwise):
+    how a sequence-level estimator takes the KL into its reward, as TRL's RLOOTrainer does (``rewards - beta * kl``,
+    the per-token KL summed over the answer) before the baseline is subtracted."""
+    if ctx.kl_coef == 0:
+        return rewards.float()
+    return rewards.float() - ctx.kl_coef * ops.seq_sum(ctx.token_kl.float() * ctx.mask, ctx.cu_seqlens)
+
+
 @register_advantage("grpo")
 def grpo(rewards: torch.Tensor, ctx: AdvantageInputs) -> torch.Tensor:
     """Shao et al. 2024 (DeepSeekMath): ``(r - mean_group) / (std_group + eps)`` on every answer token."""
-    return _on_tokens(estimators.group_normalise(rewards, ctx.group_size, ctx.eps, use_std=True), ctx)
+    return _on_tokens(estimators.group_normalise(_kl_charged(rewards, ctx), ctx.group_size, ctx.eps, use_std=True), ctx)
 
 
 @register_advantage("dr_grpo")
 def dr_grpo(rewards: torch.Tensor, ctx: AdvantageInputs) -> torch.Tensor:
     """Liu et al. 2025 (Understanding R1-Zero-Like Training): ``r - mean_group``, no division by the group's std.
     (Dr. GRPO's other half, no division by the answer length, is ``loss_agg: seq_mean_token_sum_norm``.)"""
-    return _on_tokens(estimators.group_normalise(rewards, ctx.group_size, ctx.eps, use_std=False), ctx)
+    return _on_tokens(estimators.group_normalise(_kl_charged(rewards, ctx), ctx.group_size, ctx.eps, use_std=False),
+                      ctx)
 
 
 @register_advantage("rloo")
@@ -37,7 +47,7 @@ def rloo(rewards: torch.Tensor, ctx: AdvantageInputs) -> torch.Tensor:
     g = ctx.group_size
     if g == 1:
         return torch.zeros_like(ctx.mask, dtype=torch.float32)
-    grouped = rewards.float().view(-1, g)
+    grouped = _kl_charged(rewards, ctx).view(-1, g)
     leave_one_out = (grouped.sum(-1, keepdim=True) - grouped) / (g - 1)
     return _on_tokens((grouped - leave_one_out).view(-1), ctx)
 
