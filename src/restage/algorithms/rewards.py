@@ -24,9 +24,9 @@ from restage.errors import ConfigError
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 AccuracyFn = Callable[[list[str], list[str]], Sequence[bool]]
-_REWARDS: dict[str, RewardFn | str] = {"sort": "restage.data.tasks:reward"}
+_REWARDS: dict[str, RewardFn | str] = {"sort": "restage.data.tasks:reward", "arith": "restage.data.arith:reward"}
 # A task whose answers are right or wrong also names that test: evaluation reports its accuracy.
-_ACCURACY: dict[str, AccuracyFn | str] = {"sort": "restage.data.tasks:correct"}
+_ACCURACY: dict[str, AccuracyFn | str] = {"sort": "restage.data.tasks:correct", "arith": "restage.data.arith:correct"}
 # Verifiers: factories that build a per-sample reward from the config's ``rewards`` options.
 _VERIFIERS = {name: f"restage.algorithms.verifiers:{name}_reward" for name in ("math", "format", "code")}
 
@@ -42,8 +42,10 @@ def register_reward(name: str, fn: RewardFn | str, accuracy: AccuracyFn | str | 
 
 
 def resolve_accuracy(spec: str) -> AccuracyFn | None:
-    """The right-or-wrong test registered with the reward ``spec``, or None when the task has none."""
-    target = _ACCURACY.get(spec)
+    """The right-or-wrong test registered with the reward ``spec`` (its name, or the ``module:function`` a name
+    stands for), or None when the task has none."""
+    target = _ACCURACY.get(spec) or next((_ACCURACY[n] for n, t in _REWARDS.items() if t == spec and n in _ACCURACY),
+                                         None)
     return None if target is None else _resolve(target, spec)
 
 

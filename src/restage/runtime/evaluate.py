@@ -25,11 +25,16 @@ over its prompts; the master logs, at the step the evaluation follows, ``eval/re
 reward), ``eval/accuracy`` (fraction right, where the task has a right-or-wrong test),
 ``eval/length`` (answer tokens, EOS included), ``eval/prompts``, ``eval/seconds`` and
 ``eval/policy_version`` (``master.merge_eval``). Evaluation time lies between two steps' rows, so it is not iteration time.
+
+A multi-turn job (``environment.name``) plays one greedy episode per held-out prompt through its environment and
+tools (``multi_turn.eval_episodes``); ``eval/reward`` is the episodes' reward, ``eval/length`` the tokens the policy
+wrote, ``eval/accuracy`` the task's test of the final answer (after the last observation), and it adds
+``eval/turns``, ``eval/tool_call_rate`` and ``eval/final_score`` (``episode_sums``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, assert_never
 
@@ -44,6 +49,7 @@ from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout
 from restage.models.parallel import ParallelContext
 from restage.runtime.execute import run_eval_generate, run_inference
+from restage.runtime.multi_turn import EpisodeRecord, eval_episodes, final_answer
 from restage.runtime.op_handlers import OpHandlers, StepData
 from restage.runtime.records import StepRecord
 from restage.runtime.zero3_generation import generation_module
@@ -156,7 +162,14 @@ def run_eval(handlers: OpHandlers, op: Run, data: StepData, record: StepRecord, 
     ctx = ParallelContext.from_layout(layout, handlers.groups, handlers.rank)
     batch = handlers.input_batch(mfc, layout, ctx.coord.dp, data)
     ids_key, mask_key = plan.generate.outputs[:2]
+    reporter = ctx.coord.tp == 0 and ctx.coord.pp == ctx.strategy.pp - 1  # one per DP replica
     rewards = None
+    if mfc.kind == "generate" and handlers.cfg.environment.name:
+        with generation_module(module, layout, handlers.groups) as generating:
+            records = eval_episodes(generating, mfc, batch, handlers.cfg, handlers.state)
+        if reporter:
+            _add(record.eval_sums, episode_sums(records, tokenizer, accuracy_fn))
+        return
     if mfc.kind == "generate":
         with generation_module(module, layout, handlers.groups) as generating:  # ZeRO-3: gathered once, or lockstep
             answered = data.outputs[mfc.name] = run_eval_generate(generating, mfc, batch, handlers.cfg)
@@ -167,15 +180,36 @@ def run_eval(handlers: OpHandlers, op: Run, data: StepData, record: StepRecord, 
         assert scored is not None  # run_inference always returns its batch
         rewards = scored["rewards"]
     scoring = (plan.reward or plan.generate).name == mfc.name
-    if scoring and ctx.coord.tp == 0 and ctx.coord.pp == ctx.strategy.pp - 1:  # one reporter per DP replica
+    if scoring and reporter:
         correct = None
         if rewards is None:
             reward_fn = handlers.state.reward_fn
             assert reward_fn is not None  # no reward model: the config names a reward_fn (check_reward_source)
             rewards, correct = rule_scores(answered, reward_fn, accuracy_fn, tokenizer, ids_key, mask_key,
                                            handlers.state.sample_fields, handlers.cfg.rewards, handlers.state.reward_pool)
-        for key, value in score_sums(answered, mask_key, rewards, correct).items():
-            record.eval_sums[key] = record.eval_sums.get(key, 0.0) + value
+        _add(record.eval_sums, score_sums(answered, mask_key, rewards, correct))
+
+
+def _add(sums: dict[str, float], more: Mapping[str, float]) -> None:
+    for key, value in more.items():
+        sums[key] = sums.get(key, 0.0) + value
+
+
+def episode_sums(records: Sequence[EpisodeRecord], tokenizer: PreTrainedTokenizerBase,
+                 accuracy_fn: AccuracyFn | None) -> dict[str, float]:
+    """Sums over one rank's held-out episodes (``environment.name``): their rewards (the environment's, shaping
+    included), the tokens the policy wrote, turns, the share with a tool call that ran, the reward_fn's score of the
+    final answer (``tool_use``) and, where the task has a right-or-wrong test, whether the final answer is right."""
+    sums = {"reward": sum(r.reward for r in records), "length": float(sum(sum(r.policy) for r in records)),
+            "prompts": float(len(records)), "turns": float(sum(r.turns for r in records)),
+            "tool_call_rate": float(sum(r.ok_calls > 0 for r in records))}
+    if any(r.final_score is not None for r in records):
+        sums["final_score"] = sum(r.final_score or 0.0 for r in records)
+    if accuracy_fn is not None:
+        prompts = [str(tokenizer.decode(list(r.ids[:r.prompt_len]), skip_special_tokens=True)) for r in records]
+        finals = [str(tokenizer.decode(list(final_answer(r)), skip_special_tokens=True)) for r in records]
+        sums["accuracy"] = float(sum(bool(v) for v in accuracy_fn(prompts, finals)))
+    return sums
 
 
 def answer_tokens(batch: Batch, mask_key: str) -> torch.Tensor:

@@ -26,6 +26,7 @@ admits and, at the end, the episodes (``ReplicaChannel``): every rank of the rep
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,11 +248,33 @@ def stop_ids(module: StageModule, tokenizer: Any, tool_format: str) -> list[int]
     return ids + ([int(end[0])] if len(end) == 1 and int(end[0]) != tokenizer.unk_token_id else [])
 
 
-@torch.no_grad()
 def run_episodes(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm, cfg: ExperimentConfig,
                  state: AlgoState, seed: int, version: int | None = None) -> MFCResult:
     """``group_size`` episodes per prompt (see the module's docstring); the batch ``run_generate`` would give, one
     sequence per episode, with the episodes' rewards under the MFC's reward key."""
+    records, prefill_tokens = play_episodes(module, mfc, prompts, cfg, state, seed)
+    return episodes_result(mfc, prompts, records, version, algo, cfg, state, prefill_tokens)
+
+
+def eval_episodes(module: StageModule, mfc: MFC, prompts: Batch, cfg: ExperimentConfig,
+                  state: AlgoState) -> list[EpisodeRecord]:
+    """One greedy episode per held-out prompt (evaluation during training, runtime/evaluate.py), every rank of the
+    replica holding them all. Greedy turns take no random numbers: the run's streams are as without evaluation."""
+    one_each = dataclasses.replace(mfc, greedy=True, options={**mfc.options, "group_size": 1})
+    return play_episodes(module, one_each, prompts, cfg, state, seed=0)[0]
+
+
+def final_answer(record: EpisodeRecord) -> tuple[int, ...]:
+    """The ids the policy wrote after the episode's last observation (after its prompt when it made no call)."""
+    last = max(i for i, policy in enumerate(record.policy) if not policy)
+    return record.ids[last + 1:]
+
+
+@torch.no_grad()
+def play_episodes(module: StageModule, mfc: MFC, prompts: Batch, cfg: ExperimentConfig, state: AlgoState,
+                  seed: int) -> tuple[list[EpisodeRecord], int]:
+    """The finished episodes of ``prompts`` (``group_size`` each; every rank of the replica gets them all) and the
+    tokens the engine prefilled."""
     factory = validate(cfg.environment)
     options, tokenizer = cfg.environment, state.tokenizer
     if tokenizer is None:
@@ -288,7 +311,7 @@ def run_episodes(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm,
         engine.run()
     records = channel.share([EpisodeRecord.of(e, options.over_budget_reward) for e in episodes]
                             if feed is not None else None)
-    return episodes_result(mfc, prompts, records, version, algo, cfg, state, engine.prefill_tokens)
+    return records, engine.prefill_tokens
 
 
 def episodes_result(mfc: MFC, prompts: Batch, records: list[EpisodeRecord], version: int | None, algo: Algorithm,
@@ -333,7 +356,7 @@ def episodes_result(mfc: MFC, prompts: Batch, records: list[EpisodeRecord], vers
     return MFCResult(batch, stats, batch.n_tokens)
 
 
-__all__ = ["EnvironmentError", "run_episodes", "observation_ids", "generate_batch"]
+__all__ = ["EnvironmentError", "run_episodes", "eval_episodes", "final_answer", "observation_ids", "generate_batch"]
 
 
 def generate_batch(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm, cfg: ExperimentConfig,
