@@ -3,6 +3,10 @@ tests put tests/runtime on PYTHONPATH): outcomes that depend on what the policy 
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 from restage.algorithms.environments import EpisodeContext, StepResult
 from restage.algorithms.tools import ToolCall, ToolResult
 from restage.data import arith
@@ -11,7 +15,10 @@ from restage.data import arith
 class Graded:
     """An observation after each of the first two answers, done after the third. A step's reward is 0.1 per word of
     the answer; an answer holding a digit counts as a call that ran, one without as a failed call; the final score
-    is the calculator task's score of the last answer."""
+    is the calculator task's score of the last answer.
+
+    With ``GRADED_HANG_AFTER=<path>`` and ``GRADED_HANG_MARK=<dir>`` set, an episode's second step, once ``path``
+    exists (a checkpoint, say), marks ``dir`` and sleeps: the run is caught in the middle of its episodes."""
 
     def __init__(self, ctx: EpisodeContext):
         self.ctx, self.turn = ctx, 0
@@ -21,6 +28,10 @@ class Graded:
         return self.ctx.prompt
 
     def step(self, answer: str) -> StepResult:
+        after, mark = os.environ.get("GRADED_HANG_AFTER"), os.environ.get("GRADED_HANG_MARK")
+        if self.turn == 1 and after and mark and Path(after).exists():
+            (Path(mark) / f"sample-{self.ctx.sample_id}").touch()
+            time.sleep(3600)
         self.turn += 1
         ran = any(c.isdigit() for c in answer)
         result = ToolResult(ToolCall("calculator", {"input": answer}), "ok" if ran else "error", "")
