@@ -1,11 +1,13 @@
 """Tool-call rate and accuracy of a policy on the calculator task's episodes (issue 31's before/after figures).
 
-    python bench/multi_turn_eval.py MODEL_DIR [--job jobs/grpo_calculator_tiny.yaml] [--prompts 64] [--seed 7]
+    python bench/multi_turn_eval.py MODEL_DIR [--job jobs/grpo_calculator_tiny.yaml] [--prompts 64] [--seed 7 ...]
+                                              [--show N]
 
-Runs one episode per prompt (the last ``--prompts`` rows of the job's data, sampled at the job's temperature,
-one rank, the job's environment and tools) through ``runtime.multi_turn.run_episodes`` and prints one line:
-the fraction of episodes with a call that ran, the fraction whose final answer is exactly right
-(``restage.data.arith.correct``), the mean final score and turns.
+Runs one episode per prompt and seed (the last ``--prompts`` rows of the job's data, the held-out prompts of
+``restage.data.arith``; sampled at the job's temperature, one rank, the job's environment and tools) through
+``runtime.multi_turn.run_episodes`` and prints one line, pooled over the seeds: the fraction of episodes with a
+call that ran, the fraction whose final answer is exactly right (``restage.data.arith.correct``), the mean final
+score and turns; ``--show N`` prints the first N episodes first.
 """
 
 from __future__ import annotations
@@ -25,34 +27,48 @@ from restage.models.checkpoint import load_stage
 from restage.runtime.multi_turn import run_episodes
 
 
+def evaluate(model: str, job: str = "jobs/grpo_calculator_tiny.yaml", prompts: int = 64, seeds: tuple[int, ...] = (7,),
+             show: int = 0) -> dict[str, float]:
+    """The figures of the printed line, pooled over one episode per prompt and seed (each seed's episodes sample
+    with their own noise)."""
+    cfg = load_config(job)
+    cfg = dataclasses.replace(cfg, algo={**cfg.algo, "group_size": 1})
+    tokenizer = load_tokenizer(cfg.dataset.tokenizer)
+    algo = get_algorithm(cfg.algorithm)
+    state = algo.init_state(cfg, tokenizer)
+    rows = [json.loads(line)["prompt"] for line in Path(cfg.dataset.path).read_text().splitlines()][-prompts:]
+    ids = [[tokenizer.bos_token_id] + tokenizer.encode(p, add_special_tokens=False) for p in rows]
+    packed = pack_sequences(ids, key="prompts", ids=list(range(len(ids))))
+    module = load_stage(model, Layout((0,), Strategy()), None, 0)
+    keys = ("tool_call_rate", "final_score", "turns")
+    totals = dict.fromkeys(("accuracy", *keys), 0.0)
+    for seed in seeds:
+        result = run_episodes(module, state.graph["actor_gen"], packed, algo, cfg, state, seed=seed)
+        batch, start, finals = result.batch, 0, []
+        for n in batch.seqlens:
+            seq, mask = batch["seqs"][start:start + n].tolist(), batch["prompt_mask"][start:start + n].tolist()
+            start += n
+            last = max(i for i, m in enumerate(mask) if m)  # the final answer follows the last observation or prompt
+            finals.append(tokenizer.decode(seq[last + 1:], skip_special_tokens=True))
+            if seed == seeds[0] and len(finals) <= show:
+                print(" ".join(tokenizer.convert_ids_to_tokens(seq)))
+        totals["accuracy"] += sum(arith.correct(rows, finals)) / len(rows)
+        for key in keys:
+            totals[key] += float(result.stats.get(f"actor_gen/{key}", 0.0))
+    return {**{k: v / len(seeds) for k, v in totals.items()}, "episodes": len(rows) * len(seeds)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("--job", default="jobs/grpo_calculator_tiny.yaml")
     parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--seed", type=int, nargs="+", default=[7], help="one episode per prompt for each seed")
+    parser.add_argument("--show", type=int, default=0, help="print this many episodes (their tokens)")
     args = parser.parse_args(argv)
-    cfg = load_config(args.job)
-    cfg = dataclasses.replace(cfg, algo={**cfg.algo, "group_size": 1})
-    tokenizer = load_tokenizer(cfg.dataset.tokenizer)
-    algo = get_algorithm(cfg.algorithm)
-    state = algo.init_state(cfg, tokenizer)
-    rows = [json.loads(line)["prompt"] for line in Path(cfg.dataset.path).read_text().splitlines()][-args.prompts:]
-    ids = [[tokenizer.bos_token_id] + tokenizer.encode(p, add_special_tokens=False) for p in rows]
-    prompts = pack_sequences(ids, key="prompts", ids=list(range(len(ids))))
-    module = load_stage(args.model, Layout((0,), Strategy()), None, 0)
-    result = run_episodes(module, state.graph["actor_gen"], prompts, algo, cfg, state, seed=args.seed)
-    batch, start, finals = result.batch, 0, []
-    for n in batch.seqlens:
-        seq, mask = batch["seqs"][start:start + n].tolist(), batch["prompt_mask"][start:start + n].tolist()
-        start += n
-        last = max(i for i, m in enumerate(mask) if m)  # the final answer follows the last observation or the prompt
-        finals.append(tokenizer.decode(seq[last + 1:], skip_special_tokens=True))
-    accuracy = sum(arith.correct(rows, finals)) / len(rows)
-    stats = result.stats
-    print(f"{args.model}: tool_call_rate={stats['actor_gen/tool_call_rate']:.3f} accuracy={accuracy:.3f} "
-          f"final_score={stats.get('actor_gen/final_score', 0.0):.3f} turns={stats['actor_gen/turns']:.2f} "
-          f"episodes={len(rows)}")
+    out = evaluate(args.model, args.job, args.prompts, tuple(args.seed), args.show)
+    print(f"{args.model}: tool_call_rate={out['tool_call_rate']:.3f} accuracy={out['accuracy']:.3f} "
+          f"final_score={out['final_score']:.3f} turns={out['turns']:.2f} episodes={out['episodes']}")
     return 0
 
 
