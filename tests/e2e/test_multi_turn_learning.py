@@ -7,7 +7,7 @@ last five steps. Its exact accuracy stays 0 (docs/algorithms.md, "Multi-turn epi
 
 From the SFT warm start (jobs/sft_calculator_tiny.yaml), GRPO raises the exact accuracy on the held-out prompts
 (``bench/multi_turn_eval.py``, the last 64 prompts, one episode per prompt and seed, 4 seeds), the tool-call rate
-kept. Marked ``scale`` (``make test-scale``): each takes about 10 minutes on 2 loaded CPU cores.
+kept. Marked ``scale`` (``make test-scale``): each takes 7-12 minutes on 2 loaded CPU cores.
 """
 
 import pytest
@@ -47,7 +47,7 @@ def test_multi_turn_tool_call_accuracy_rises_under_rl_after_an_sft_warm_start(tm
            tool_call_rate_sft=before["tool_call_rate"], accuracy_sft=before["accuracy"],
            tool_call_rate_rl=after["tool_call_rate"], accuracy_rl=after["accuracy"], sft_seconds=sft.seconds,
            rl_seconds=rl.seconds)
-    # Measured (256 episodes each): SFT tool-call rate 0.969, accuracy 0.047; after 150 RL steps 0.984, 0.184 (a run
-    # that also trained on the 64 held-out prompts: 0.148); the bar is under half the gain.
+    # Measured (256 episodes each): SFT tool-call rate 0.969, accuracy 0.047; after 150 RL steps 0.984, 0.184 and, in
+    # this test (7.4 min), 0.996, 0.148 (RL runs are not bitwise repeatable); the bar is under the smaller gain's 2/3.
     assert before["tool_call_rate"] >= 0.9 and before["accuracy"] <= 0.1, before
     assert after["tool_call_rate"] >= 0.9 and after["accuracy"] - before["accuracy"] >= 0.06, (before, after)
