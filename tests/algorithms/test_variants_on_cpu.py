@@ -97,6 +97,33 @@ def test_aggregations_of_grpo_dapo_and_dr_grpo_on_one_batch():
                                  "seq_mean_token_sum_norm": 12 / (2 * 10)})
 
 
+def test_every_aggregation_with_the_steps_loss_norm_averages_over_micro_batches_to_the_whole_steps_value():
+    """DeepSpeed averages the micro-batches' (and dp ranks') losses; with the step's ``LossNorm`` that average is the
+    aggregation of the whole step, whatever the cut (here: one short answer, then three, one of them empty)."""
+    x = torch.tensor([9.0, 1.0, 2.0, 9.0, 3.0, 3.0, 3.0, 9.0, 5.0, 9.0, 9.0, 7.0, 1.0, 4.0, 2.0])
+    mask = torch.tensor([0, 1, 1, 0, 1, 1, 1, 0, 1, 0, 0, 1, 1, 1, 1], dtype=torch.bool)
+    cu = torch.tensor([0, 3, 7, 9, 10, 15])  # the 4th sequence has no answer token
+    whole = {name: float(losses.aggregate(x, mask, cu, name, norm_tokens=10)) for name in registry.AGGREGATIONS}
+    cuts = [(0, 1), (1, 5)]  # micro-batches of sequences [0] and [1, 2, 3, 4]
+    norm = registry.LossNorm(tokens=int(mask.sum()) / 2, seqs=5 / 2, answered_seqs=4 / 2)
+    for name in registry.AGGREGATIONS:
+        parts, unnormed = [], []
+        for first, last in cuts:
+            lo, hi = int(cu[first]), int(cu[last])
+            args = (x[lo:hi], mask[lo:hi], cu[first:last + 1] - lo, name, 10)
+            parts.append(float(losses.aggregate(*args, norm=norm)))
+            unnormed.append(float(losses.aggregate(*args)))
+        assert sum(parts) / 2 == pytest.approx(whole[name], rel=1e-6), name
+        if name != "seq_mean_token_sum_norm":  # each micro-batch's own mean weighs the short one's tokens more
+            assert sum(unnormed) / 2 != pytest.approx(whole[name], rel=1e-3), name
+    # The critic's value loss: a token mean too.
+    values, returns = x / 2, torch.zeros_like(x)
+    loss_whole, _ = losses.value_loss(values, values, returns, mask, 0.0)
+    halves = [losses.value_loss(values[int(cu[a]):int(cu[b])], values[int(cu[a]):int(cu[b])], returns[int(cu[a]):int(cu[b])],
+                                mask[int(cu[a]):int(cu[b])], 0.0, norm)[0] for a, b in cuts]
+    assert float(sum(halves)) / 2 == pytest.approx(float(loss_whole), rel=1e-6)
+
+
 def test_dapo_decoupled_clip_clips_above_at_its_own_bound():
     logprobs = torch.log(torch.tensor([1.25, 1.25, 0.7, 0.85]))
     anchor = torch.zeros(4)

@@ -10,7 +10,8 @@ that data-parallel training averages (DeepSpeed's mean over dp of the mean over 
 aggregate too) equal the one-rank mean exactly, and a run at any layout must equal the one-rank run up to the order
 of floating-point sums. What "equal" allows is ``WEIGHT_RTOL`` / ``STAT_RTOL`` below; a broken layout (a gradient
 not averaged, a shard left out, a stage's parameters not updated) moves the weights by orders of magnitude more.
-With answers of different lengths dp training weighs tokens by micro-batch, not globally, and would not be exact.
+Losses divide by the optimizer step's counts (``execute.loss_norm``), so answers of different lengths would train
+to the same weights too, but the logged statistics are each micro-batch's own means and would differ.
 """
 
 from __future__ import annotations

@@ -170,21 +170,31 @@ def actor_loss(micro_batch: Batch, outputs: dict, params: PolicyParams,
             weights, weight_stats = is_correction.importance_weights(prox, gen_logprobs, mask, params.is_correction,
                                                                      params.is_cap)
         stats |= weight_stats
-    value = losses.aggregate(per_token if weights is None else weights * per_token, mask, cu, params.loss_agg,
-                             norm_tokens)
-    stats["policy_loss"] = float(value.detach())
+    # The loss divides by the train step's counts (``registry.LossNorm``, from the runtime; None: this
+    # micro-batch's), so its gradient is the same in every layout. Its statistics are this micro-batch's own means,
+    # which the runtime averages over micro-batches and the master over dp ranks by their samples.
+    norm = outputs.get(registry.LOSS_NORM)
+
+    def term(per_token_term: torch.Tensor, name: str) -> torch.Tensor:
+        value = losses.aggregate(per_token_term, mask, cu, params.loss_agg, norm_tokens, norm)
+        local = value if norm is None else losses.aggregate(per_token_term.detach(), mask, cu, params.loss_agg,
+                                                            norm_tokens)
+        stats[name] = float(local.detach())
+        return value
+
+    value = term(per_token if weights is None else weights * per_token, "policy_loss")
+    reported = stats["policy_loss"]
     if params.entropy_coef > 0:
-        entropy = losses.aggregate(outputs["entropy"].float(), mask, cu, params.loss_agg, norm_tokens)
-        value = value - params.entropy_coef * entropy
-        stats["entropy"] = float(entropy.detach())
+        value = value - params.entropy_coef * term(outputs["entropy"].float(), "entropy")
+        reported -= params.entropy_coef * stats["entropy"]
     if kl_per_token is not None:
-        kl = losses.aggregate(kl_per_token, mask, cu, params.loss_agg, norm_tokens)
-        value = value + kl_coef * kl
-        stats["kl"] = float(kl.detach())
+        value = value + kl_coef * term(kl_per_token, "kl")
+        reported += kl_coef * stats["kl"]
     stop = (params.early_stop_ratio > 0 and stats["ratio_dev"] > params.early_stop_ratio) or (
         params.early_stop_kl > 0 and stats["approx_kl"] > params.early_stop_kl)
     stats["early_stop"] = float(stop)
     if stop:
         value = value * 0.0  # keeps the graph (every rank still runs backward) but moves nothing
-    stats["loss"] = float(value.detach())
+        reported = 0.0
+    stats["loss"] = reported
     return value, stats

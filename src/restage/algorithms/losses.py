@@ -14,12 +14,13 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str = "token_mean",
-              norm_tokens: int = 0) -> torch.Tensor:
+              norm_tokens: int = 0, norm: registry.LossNorm | None = None) -> torch.Tensor:
     """Scalar loss from per-token terms by the registered aggregation ``mode`` (``registry.AGGREGATIONS``:
-    ``token_mean``, ``seq_mean``, ...); ``norm_tokens`` is the generation's ``max_new_tokens`` (Dr. GRPO's norm)."""
+    ``token_mean``, ``seq_mean``, ...); ``norm_tokens`` is the generation's ``max_new_tokens`` (Dr. GRPO's norm),
+    ``norm`` the train step's counts (``registry.LossNorm``; None: this micro-batch's)."""
     if mode not in registry.AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {registry.names(registry.AGGREGATIONS)}, got {mode!r}")
-    return registry.AGGREGATIONS[mode](per_token, mask, cu_seqlens, norm_tokens)
+    return registry.AGGREGATIONS[mode](per_token, mask, cu_seqlens, norm_tokens, norm)
 
 
 def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -151,8 +152,9 @@ def decoupled_policy_loss(logprobs: torch.Tensor, prox_logprobs: torch.Tensor, b
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip_eps: float) -> tuple[torch.Tensor, float]:
-    """Clipped value loss ``0.5 max((v - R)^2, (v_old + clip(v - v_old, -eps, eps) - R)^2)``, token mean.
+               clip_eps: float, norm: registry.LossNorm | None = None) -> tuple[torch.Tensor, float]:
+    """Clipped value loss ``0.5 max((v - R)^2, (v_old + clip(v - v_old, -eps, eps) - R)^2)``, token mean (over the
+    train step's tokens with ``norm``, ``registry.LossNorm``; else over the micro-batch's).
 
     ``clip_eps <= 0`` turns clipping off. Returns the loss and the fraction of tokens where the clipped term won.
     """
@@ -165,4 +167,5 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     else:
         per_token, frac = err, 0.0
     m = mask.to(values.dtype)
-    return 0.5 * (per_token * m).sum() / m.sum().clamp(min=1), frac
+    denominator = m.sum() if norm is None else torch.tensor(norm.tokens, dtype=values.dtype)
+    return 0.5 * (per_token * m).sum() / denominator.clamp(min=1), frac

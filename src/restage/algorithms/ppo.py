@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from restage.algorithms import _policy, base, estimators, losses, offpolicy, ops
+from restage.algorithms import _policy, base, estimators, losses, offpolicy, ops, registry
 from restage.algorithms._graphs import (
     ACTOR_GEN,
     ACTOR_TRAIN,
@@ -149,6 +149,6 @@ def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig
         mask = base.answer_mask(micro_batch)
         predicted = ops.shift_right(outputs["values"].float(), micro_batch.cu_seqlens)
         value, clip_fraction = losses.value_loss(predicted, micro_batch["old_values"], micro_batch["returns"], mask,
-                                                 p.value_clip_eps)
+                                                 p.value_clip_eps, outputs.get(registry.LOSS_NORM))
         return value, {"loss": float(value.detach()), "value_clip_fraction": clip_fraction}
     raise ValueError(f"ppo has no train MFC {mfc_name!r}")

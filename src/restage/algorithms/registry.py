@@ -40,13 +40,31 @@ class AdvantageInputs:
     reduce: Reduce = None
 
 
+@dataclass(frozen=True)
+class LossNorm:
+    """What a loss aggregation divides by in a train step (``execute.loss_norm``): the optimizer step's answer
+    tokens, sequences and sequences holding answer tokens, summed over its micro-batches and dp ranks, each divided
+    by the number of loss parts whose gradients DeepSpeed averages (micro-batches x dp ranks). A part's loss
+    ``sum / (N / parts)`` then averages to the step's ``sum / N``: one gradient whatever the dp degree and the
+    micro-batch count (TRL's ``dapo`` normalises by the whole batch's tokens so). None (outside a train step: tests,
+    tools): the micro-batch's own counts."""
+
+    tokens: float
+    seqs: float
+    answered_seqs: float
+
+
+# The key of ``outputs`` (the loss function's model outputs) under which a train step gives its ``LossNorm``.
+LOSS_NORM = "loss_norm"
+
 # advantage(rewards [n_seqs], inputs) -> per-token advantages [T], 0 off the mask
 AdvantageFn = Callable[[torch.Tensor, AdvantageInputs], torch.Tensor]
 # policy_loss(logprobs, anchor_logprobs, advantages, mask, cu_seqlens, clip_low, clip_high) -> (per-token loss, stats)
 PolicyLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float],
                         tuple[torch.Tensor, dict]]
-# aggregation(per_token, mask, cu_seqlens, norm_tokens) -> scalar; norm_tokens: the generation's max_new_tokens
-AggregationFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# aggregation(per_token, mask, cu_seqlens, norm_tokens, norm) -> scalar; norm_tokens: the generation's
+# max_new_tokens; norm: the train step's LossNorm (None: the micro-batch's own counts)
+AggregationFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, "LossNorm | None"], torch.Tensor]
 
 ADVANTAGES: dict[str, AdvantageFn] = {}
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from restage.algorithms import estimators, ops
-from restage.algorithms.base import AlgoState
+from restage.algorithms.base import AlgoState, answer_mask
 from restage.algorithms.interface import Algorithm
+from restage.algorithms.registry import LOSS_NORM, LossNorm
 from restage.config import ExperimentConfig
 from restage.data.batch import Batch, pack_sequences
 from restage.device import rank_device
@@ -282,12 +283,16 @@ def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: Expe
     extremes: dict[str, float] = {}  # the *_max and *_min statistics (records.merge_rule)
     count = 0
 
+    params = getattr(state, "params", None)
+    step_norm: list[LossNorm | None] = [None]  # the current optimizer step's (loss_norm), for aggregated losses
+
     def loss_fn(output: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        outputs = forward_results(module, output, mb, wanted, temperature)
+        outputs: dict[str, Any] = dict(forward_results(module, output, mb, wanted, temperature))
+        if step_norm[0] is not None:
+            outputs[LOSS_NORM] = step_norm[0]
         loss, stats = algo.loss(mfc.name, mb.extra.to(output.device), outputs, cfg, state)
         return loss, stats
 
-    params = getattr(state, "params", None)
     can_stop = getattr(params, "early_stop_ratio", 0.0) > 0 or getattr(params, "early_stop_kl", 0.0) > 0
     done = [0]  # backward passes in the current minibatch
     n_micro = [1]
@@ -312,6 +317,8 @@ def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: Expe
             # Fewer samples than micro-batches on this minibatch: accumulate over what there is.
             engine.set_train_batch_size(len(micro) * engine.train_micro_batch_size_per_gpu() * engine.dp_world_size)
         done[0], n_micro[0] = 0, len(micro)
+        if hasattr(params, "loss_agg"):  # a policy loss aggregated by algo.loss_agg (ppo, grpo, remax)
+            step_norm[0] = loss_norm(micro, dp_group)
         results = train_1f1b(module, micro, loss_fn, backward_fn, sync_tied=False, routing=routing)
         stop = can_stop and _early_stop_anywhere(engine, results)
         if stop:
@@ -335,6 +342,25 @@ def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: Expe
     if routing is not None:
         stats.update({f"{mfc.name}/{k}": v for k, v in router_stats(routing, module.ctx, rank_device()).items()})
     return MFCResult(None, stats, batch.n_tokens * mfc.epochs)
+
+
+def loss_norm(micro: list[MicroBatch], dp_group: dist.ProcessGroup | None) -> LossNorm:
+    """The optimizer step's answer tokens, sequences and sequences with answer tokens, over every micro-batch of
+    this rank and (a sum over ``dp_group``) of its dp peers, per loss part (``registry.LossNorm``). Every rank of the
+    dp group calls it at the same point of the step (the all-reduce is a collective)."""
+    counts = torch.zeros(3, dtype=torch.float64)
+    for mb in micro:
+        batch: Batch = mb.extra
+        mask = answer_mask(batch)
+        per_seq = ops.seq_sum(mask.double(), batch.cu_seqlens)
+        counts += torch.tensor([float(mask.sum()), batch.n_seqs, float((per_seq > 0).sum())], dtype=torch.float64)
+    parts = len(micro)
+    if dp_group is not None:
+        counts = counts.to(rank_device())
+        dist.all_reduce(counts, group=dp_group)
+        parts *= dist.get_world_size(dp_group)
+    tokens, seqs, answered = (float(c) / parts for c in counts.cpu())
+    return LossNorm(tokens, seqs, answered)
 
 
 def _early_stop_anywhere(engine: Engine, results: list[tuple[Any, dict[str, float]]] | None) -> bool:
