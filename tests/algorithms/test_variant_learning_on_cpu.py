@@ -115,6 +115,7 @@ def assert_learns(tokenizer, algo_keys: dict, **kw) -> list[dict]:
         scores, seed_stats = variant_rewards(tokenizer, algo_keys, seed=seed, **kw)
         gains.append(gain(scores))
         stats += seed_stats
+    print(f"\n{algo_keys} {kw}: gains {[round(g, 3) for g in gains]}, mean {sum(gains) / len(gains):.3f}")  # -s
     assert min(gains) > 0.05 and sum(gains) / len(gains) > 0.10, gains
     return stats
 
