@@ -7,7 +7,7 @@ last five steps. Its exact accuracy stays 0 (docs/algorithms.md, "Multi-turn epi
 
 From the SFT warm start (jobs/sft_calculator_tiny.yaml), GRPO raises the exact accuracy on the held-out prompts
 (``bench/multi_turn_eval.py``, the last 64 prompts, one episode per prompt and seed, 4 seeds), the tool-call rate
-kept. Marked ``scale`` (``make test-scale``): each takes 7-12 minutes on 2 loaded CPU cores.
+kept. Marked ``scale`` (``make test-scale``): each takes 3.5-12 minutes on 2 shared CPU cores (3.5 and 7.4 min at the last runs).
 """
 
 import pytest
