@@ -24,7 +24,8 @@ from restage.data.batch import pack_sequences
 from restage.data.tokenizer import load_tokenizer
 from restage.layout import Layout, Strategy
 from restage.models.checkpoint import load_stage
-from restage.runtime.multi_turn import run_episodes
+from restage.runtime.evaluate import episode_sums
+from restage.runtime.multi_turn import play_episodes
 
 
 def evaluate(model: str, job: str = "jobs/grpo_calculator_tiny.yaml", prompts: int = 64, seeds: tuple[int, ...] = (7,),
@@ -40,21 +41,17 @@ def evaluate(model: str, job: str = "jobs/grpo_calculator_tiny.yaml", prompts: i
     ids = [[tokenizer.bos_token_id] + tokenizer.encode(p, add_special_tokens=False) for p in rows]
     packed = pack_sequences(ids, key="prompts", ids=list(range(len(ids))))
     module = load_stage(model, Layout((0,), Strategy()), None, 0)
-    keys = ("tool_call_rate", "final_score", "turns")
-    totals = dict.fromkeys(("accuracy", *keys), 0.0)
+    mfc = state.graph["actor_gen"]
+    totals: dict[str, float] = {}
     for seed in seeds:
-        result = run_episodes(module, state.graph["actor_gen"], packed, algo, cfg, state, seed=seed)
-        batch, start, finals = result.batch, 0, []
-        for n in batch.seqlens:
-            seq, mask = batch["seqs"][start:start + n].tolist(), batch["prompt_mask"][start:start + n].tolist()
-            start += n
-            last = max(i for i, m in enumerate(mask) if m)  # the final answer follows the last observation or prompt
-            finals.append(tokenizer.decode(seq[last + 1:], skip_special_tokens=True))
-            if seed == seeds[0] and len(finals) <= show:
-                print(" ".join(tokenizer.convert_ids_to_tokens(seq)))
-        totals["accuracy"] += sum(arith.correct(rows, finals)) / len(rows)
-        for key in keys:
-            totals[key] += float(result.stats.get(f"actor_gen/{key}", 0.0))
+        records, _ = play_episodes(module, mfc, packed, cfg, state, seed)
+        if seed == seeds[0]:
+            for record in records[:show]:
+                print(" ".join(tokenizer.convert_ids_to_tokens(list(record.ids))))
+        # evaluate.episode_sums: the sums run.eval_every logs, the final answer after the last observation
+        for key, value in episode_sums(records, tokenizer, arith.correct).items():
+            totals[key] = totals.get(key, 0.0) + value / len(rows)
+    totals = {k: totals[k] for k in ("accuracy", "tool_call_rate", "final_score", "turns")}
     return {**{k: v / len(seeds) for k, v in totals.items()}, "episodes": len(rows) * len(seeds)}
 
 
