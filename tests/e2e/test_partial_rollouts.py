@@ -86,3 +86,31 @@ def test_async_grpo_with_partial_rollouts_raises_reward_by_the_sync_margin(tmp_p
     assert (run.stat("actor_train/version_gap_max") <= STALENESS).all()
     report("async grpo, partial rollouts", steps=steps, reward_start=start, reward_end=end, gain=end - start,
            mixed=float(run.stat("actor_gen/mixed_version_samples").mean()), seconds=run.seconds)
+
+
+def test_multi_turn_partial_rollouts_carry_episodes_within_the_bound(tmp_path):
+    """Multi-turn episodes (the calculator job's tool calls) under partial rollouts: batch s + 2's episodes begun at
+    step s are finished at step s + 1 (``runtime/partial_episodes.py``); their tokens span the two versions and stay
+    within the staleness bound."""
+    from e2e_jobs import ROOT
+
+    from restage.demo import ensure_arith_model
+
+    ensure_arith_model(ROOT)
+    steps = 4
+    run = restage_run(tmp_path, "grpo_calculator_tiny", 2, "partial", f"run.steps={steps}", "run.batch_size=4",
+                      "algo.group_size=4", "dataset.eval_fraction=0",
+                      *partial_overrides(mfcs=("actor_gen", "actor_prox", "actor_train")))
+    cut_samples, cut_tokens = run.stat("actor_gen/cut_samples"), run.stat("actor_gen/cut_tokens")
+    assert len(cut_samples) == steps - 1 and cut_samples[-1] == 0 and cut_tokens[-1] == 0
+    assert (cut_tokens[:-1] > 0).all()  # every batch but the last is begun a step early
+    # Batch t >= 2 was begun at step t - 2 and finished at step t - 1 (a push every step): its oldest token is
+    # t - 2 where step t - 2 wrote any of it, and only episodes begun then span two versions.
+    expected = [0.0, 0.0] + [float(t - 2 if cut_tokens[t - 2] > 0 else t - 1) for t in range(2, steps)]
+    np.testing.assert_array_equal(run.stat("actor_gen/behaviour_version"), expected)
+    mixed = run.stat("actor_gen/mixed_version_samples")
+    assert (mixed[:2] == 0).all() and (mixed[2:] <= cut_samples[:steps - 2] + 1e-9).all()
+    gap = {g: run.stat(f"actor_train/version_gap_{g}") for g in range(STALENESS + 1)}
+    np.testing.assert_allclose(sum(gap.values()), 1.0, rtol=0, atol=1e-12)  # no answer token past the bound
+    assert (run.stat("actor_train/version_gap_max") <= STALENESS).all()
+    assert (run.stat("actor_gen/turns") >= 1).all()

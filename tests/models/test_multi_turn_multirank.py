@@ -1,6 +1,7 @@
 """Multi-turn episodes on 4 real gloo ranks: the same episodes (three turns, observations between) give every rank of
 every replica the same tokens, masks and rewards under dp4, tp2 x pp2, dp2 x tp2 and dp2 x pp2 as one rank, and
-async mode's batch (``versions`` given) the same tokens as sync mode's (issue 31, must-show)."""
+async mode's batch (``versions`` given) the same tokens as sync mode's (issue 31, must-show); and partial rollouts
+(one call begins a batch's episodes, the next finishes them) the same under tp2 x pp2 and dp2 x tp2."""
 
 from __future__ import annotations
 
@@ -31,12 +32,33 @@ def _run(rank, world_size, path):
         module = load_stage(path, layout, groups, rank)
         result = episodes(module, cfg)
         out[key] = (sequences(result.batch), result.batch["rewards"].tolist())
+        if key in ("tp2pp2", "dp2tp2"):
+            out[f"{key}-partial"] = _partial(module, cfg)
         if key == "dp4":
             async_cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, execution="async"))
             batch = episodes(module, async_cfg, version=7).batch
             out["async"] = (sequences(batch), batch["rewards"].tolist())
             out["versions"] = sorted(set(batch["versions"].tolist()))
     return out
+
+
+def _partial(module, cfg):
+    """Call 1 finishes a batch seeded 9 and begins ``episodes``'s (seed 5); call 2 finishes it."""
+    from multi_turn_cases import prompts_batch, sequences
+
+    from restage.algorithms.interface import get_algorithm
+    from restage.data.tokenizer import load_tokenizer
+    from restage.runtime.partial_episodes import run_partial_episodes
+
+    cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, execution="async", partial_rollouts=True,
+                                                            staleness=2))
+    tokenizer = load_tokenizer(cfg.dataset.tokenizer)
+    algo = get_algorithm(cfg.algorithm)
+    state = algo.init_state(cfg, tokenizer)
+    prompts, mfc = prompts_batch(tokenizer), state.graph["actor_gen"]
+    _, _, begun = run_partial_episodes(module, mfc, prompts, None, prompts, algo, cfg, state, (9, 5), 1)
+    result, _, _ = run_partial_episodes(module, mfc, prompts, begun, None, algo, cfg, state, (5, 6), 2)
+    return sequences(result.batch), result.batch["rewards"].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +76,7 @@ def test_multi_turn_episodes_equal_one_rank_under_dp_tp_pp_and_async(results):
     reference = results[0]["dp4"]  # each rank its own replica: the one-rank episodes
     assert all(r["dp4"] == reference for r in results)
     assert sum(sum(policy) for _, policy in reference[0]) > 0 and reference[1] == [1.5] * 6
-    for key in ("tp2pp2", "dp2tp2", "dp2pp2", "async"):
+    for key in ("tp2pp2", "dp2tp2", "dp2pp2", "async", "tp2pp2-partial", "dp2tp2-partial"):
         for rank, result in enumerate(results):
             assert result[key] == reference, (key, rank)
     assert results[0]["versions"] == [-1, 7]

@@ -21,9 +21,6 @@ from restage.graph import MFC
 
 def check_supported(cfg: ExperimentConfig) -> None:
     """Refuse, in one line, what multi-turn episodes do not run with."""
-    if cfg.plan.partial_rollouts:
-        raise ConfigError("environment.name: multi-turn episodes do not run with plan.partial_rollouts (an episode "
-                          "cut across a weight push is not continued); set plan.partial_rollouts=false")
     if not cfg.reward_fn:
         raise ConfigError("environment.name: set reward_fn (the episodes' rewards take its place; tool_use scores the "
                           "final answer with it) instead of a reward model")

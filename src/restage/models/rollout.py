@@ -242,7 +242,7 @@ class RolloutEngine:
     def __init__(self, module: StageModule, prompts: Sequence[Sequence[int]], prompt_of: Sequence[int],
                  max_new: Sequence[int], keys: torch.Tensor, params: SamplingParams, eos_ids: Sequence[int],
                  limits: RolloutLimits, decode_mode: DecodeMode | None = None, started: Sequence[int] | None = None,
-                 must_finish: int | None = None):
+                 must_finish: int | None = None, max_len: int | None = None):
         self.module, self.prompts, self.prompt_of, self.max_new = module, prompts, list(prompt_of), list(max_new)
         self.params, self.limits = params, limits
         self.device = device = next(module.parameters()).device
@@ -250,8 +250,9 @@ class RolloutEngine:
         self.started = list(started) if started is not None else [0] * requests
         self.must_finish = must_finish if must_finish is not None else requests
         width = max(self.max_new, default=1)
-        max_len = max((len(prompts[p]) + m - s for p, m, s in zip(self.prompt_of, self.max_new, self.started)),
-                      default=1)
+        if max_len is None:  # a slot's length: the longest prompt + answer (TurnEngine gives its episodes')
+            max_len = max((len(prompts[p]) + m - s for p, m, s in zip(self.prompt_of, self.max_new, self.started)),
+                          default=1)
         self.num_slots = slots = plan_slots(module, self.must_finish, max_len, limits)
         self.cache = module.new_cache(slots, max_len) if slots else None
         self.queue = deque(range(requests))

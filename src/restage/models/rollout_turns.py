@@ -17,6 +17,11 @@ tokens alone (prefill runs at compute speed, a few decode steps' time for a few 
 estimator charges (``plan/estimator.py``'s ``multi_turn_tokens``). Sibling episodes of a group share their first
 turn's prefill as ``RolloutEngine`` does.
 
+Partial rollouts (``runtime/partial_episodes.py``): the rows cover two batches' episodes, ``run`` stops once the
+first batch's (``required``) are done, and ``open_turns`` gives the later ones' turns begun or queued, each with its
+tokens so far; a start with tokens (``NextTurn.tokens``) is such a turn continued: prefilled as context + tokens and
+decoded on from its position (``RolloutEngine.started``), so its noise continues where it stopped.
+
 A replica of several ranks (tp, pp) must admit the same turns at the same step: the feed of its first rank
 decides (``TurnFeed.take_ready`` is called on every rank; ``runtime/multi_turn.py`` broadcasts the first rank's
 choice). Replicas that step in lockstep (ep, ZeRO-3 partitioned) and micro-groups in flight through pp stages
@@ -41,11 +46,14 @@ from restage.models.sampling import SamplingParams, request_keys
 
 @dataclass(frozen=True)
 class NextTurn:
-    """A turn ready to run: its row, the whole context so far, and how many tokens it may write."""
+    """A turn ready to run: its row, the whole context before it, how many tokens it may write, and the tokens it
+    wrote before (with their log-probs): a turn a partial rollout cut is continued, else empty."""
 
     row: int
     context: tuple[int, ...]
     max_new: int
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
 
 
 class TurnFeed(Protocol):
@@ -53,44 +61,69 @@ class TurnFeed(Protocol):
         """Row ``row``'s turn wrote ``tokens`` (its stop token included); start its environment step."""
 
     def take_ready(self, block: bool) -> list[NextTurn]:
-        """The next turns whose observations are ready (``block``: wait for at least one when any is pending)."""
+        """The next turns whose observations are ready (``block``: wait for at least one of a required episode's
+        when any is pending)."""
 
     def pending(self) -> bool:
-        """Whether an environment step is still running (its episode may have a next turn)."""
+        """Whether an environment step of a required episode is still running (it may have a next turn)."""
 
 
 class TurnEngine(RolloutEngine):
-    """``RolloutEngine`` over (episode, turn) rows fed by a ``TurnFeed``; see the module's docstring."""
+    """``RolloutEngine`` over (episode, turn) rows fed by a ``TurnFeed``; see the module's docstring.
 
-    def __init__(self, module: StageModule, prompts: Sequence[Sequence[int]], prompt_of: Sequence[int],
-                 max_turns: int, first_max_new: Sequence[int], episode_tokens: int, seeds: Sequence[int],
-                 params: SamplingParams, eos_ids: Sequence[int], limits: RolloutLimits, feed: TurnFeed):
-        episodes = len(prompt_of)
+    ``starts``: the turns queued at the start (required episodes' first), each a first turn or a turn to continue;
+    ``episodes``: how many episodes the rows cover; ``required``: ``run`` stops once episodes ``0 .. required - 1``
+    are done (partial rollouts: the later ones are left as ``open_turns`` and the feed's pending steps);
+    ``max_len``: a slot's length, the longest episode's prompt + ``episode_tokens``."""
+
+    def __init__(self, module: StageModule, starts: Sequence[NextTurn], episodes: int, required: int, max_turns: int,
+                 episode_tokens: int, max_len: int, seeds: Sequence[int], params: SamplingParams,
+                 eos_ids: Sequence[int], limits: RolloutLimits, feed: TurnFeed):
         limits = dataclasses.replace(limits, pp_groups=1)
-        # Sized for the longest episode: its prompt plus every answer and observation token of its budget.
-        super().__init__(module, list(prompts), prompt_of, [episode_tokens] * episodes,
-                         torch.zeros(episodes, dtype=torch.int64), params, eos_ids, limits, decode_mode="eager")
+        prompts: list[tuple[int, ...]] = []
+        unique: dict[tuple[int, ...], int] = {}  # sibling first turns with one context share its prefill
+        for turn in starts:
+            if turn.tokens:
+                prompts.append(turn.context + turn.tokens)
+            elif turn.context not in unique:
+                unique[turn.context] = len(prompts)
+                prompts.append(turn.context)
+        # The slots are sized for the required episodes (partial rollouts: later ones take slots they free).
+        super().__init__(module, prompts, [0] * len(starts), [episode_tokens] * len(starts),
+                         torch.zeros(len(starts), dtype=torch.int64), params, eos_ids, limits, decode_mode="eager",
+                         must_finish=max(1, required), max_len=max_len)
         if lockstep_group(module) is not None:
             raise ConfigError("multi-turn episodes (environment.name) cannot generate on a layout whose replicas step "
                               "in lockstep (expert parallelism, or ZeRO-3 generation in place); give actor_gen a "
                               "layout with ep 1 and no ZeRO-3 partitioning")
         rows = episodes * max_turns
-        self.feed, self.max_turns = feed, max_turns
-        self.contexts = [tuple(p) for p in prompts]  # grows: each later turn's context is a new prompt
+        self.feed, self.max_turns, self.required_rows = feed, max_turns, required * max_turns
+        self.contexts = prompts  # grows: each later turn's context is a new prompt
         self.prompts = self.contexts
         self.prompt_of = [-1] * rows
         self.max_new = [0] * rows
         self.started = [0] * rows
-        for e in range(episodes):
-            self.prompt_of[e * max_turns] = prompt_of[e]
-            self.max_new[e * max_turns] = first_max_new[e]
-        self.must_finish = rows
         self.keys = request_keys(list(seeds)).to(self.device)
-        width = self.tokens.shape[1]
-        self.tokens = torch.full((rows + 1, width), params.pad_token_id, dtype=torch.int64, device=self.device)
-        self.logprobs = torch.zeros(rows + 1, width, dtype=torch.float32, device=self.device)
+        self.tokens = torch.full((rows + 1, episode_tokens), params.pad_token_id, dtype=torch.int64, device=self.device)
+        self.logprobs = torch.zeros(rows + 1, episode_tokens, dtype=torch.float32, device=self.device)
         self.lengths = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
-        self.queue = deque(e * max_turns for e in range(episodes))
+        fresh = 0
+        for turn in starts:
+            if turn.tokens:
+                n = len(turn.tokens)
+                self.prompt_of[turn.row] = prompts.index(turn.context + turn.tokens)
+                self.started[turn.row] = n
+                self.tokens[turn.row, :n] = torch.tensor(turn.tokens, dtype=torch.int64).to(self.device)
+                self.logprobs[turn.row, :n] = torch.tensor(turn.logprobs, dtype=torch.float32).to(self.device)
+                self.lengths[turn.row] = n
+            else:
+                self.prompt_of[turn.row] = unique[turn.context]
+                fresh += 1
+            if not 0 < turn.max_new <= episode_tokens or len(turn.tokens) >= turn.max_new:
+                raise ValueError(f"turn row {turn.row}: max_new {turn.max_new} outside {len(turn.tokens) + 1}.."
+                                 f"{episode_tokens}")
+            self.max_new[turn.row] = turn.max_new
+        self.queue = deque(turn.row for turn in starts)
         self.finished_rows: list[int] = []
         self.prefill_tokens = 0  # tokens prefilled over the run (every turn's context; the estimator's figure)
 
@@ -116,21 +149,29 @@ class TurnEngine(RolloutEngine):
 
     def _queue_ready(self, block: bool) -> None:
         for turn in self.feed.take_ready(block):
-            if not 0 < turn.max_new <= self.tokens.shape[1] or turn.row % self.max_turns == 0:
+            if not 0 < turn.max_new <= self.tokens.shape[1] or turn.row % self.max_turns == 0 or turn.tokens:
                 raise ValueError(f"turn row {turn.row}: max_new {turn.max_new} outside 1..{self.tokens.shape[1]}")
             self.contexts.append(turn.context)
             self.prompt_of[turn.row] = len(self.contexts) - 1
             self.max_new[turn.row] = turn.max_new
             self.queue.append(turn.row)
+        if self.required_rows < len(self.prompt_of):  # required episodes' turns first (a stable sort)
+            self.queue = deque(sorted(self.queue, key=lambda row: row >= self.required_rows))
+
+    def required_done(self) -> bool:
+        """Whether the required episodes are all done: none of their turns waits, decodes or awaits its tool."""
+        return (all(row >= self.required_rows for row in self.queue)
+                and all(not 0 <= row < self.required_rows for row in self.request) and not self.feed.pending())
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Run every episode to its end: ``(tokens [rows, W], logprobs [rows, W], lengths [rows])``, row per turn."""
+        """Run the required episodes to their ends: ``(tokens [rows, W], logprobs [rows, W], lengths [rows])``, row
+        per turn (a later episode's open turn holds its tokens so far)."""
         while True:
             self.reap()
             self._hand_over()
             idle = not self.queue and self.bound() == 0
             self._queue_ready(block=idle)
-            if not self.queue and self.bound() == 0 and not self.feed.pending():
+            if self.required_done():
                 break
             self._admit(join_if_empty=False)
             for _ in range(self.limits.check_every_steps):
@@ -140,3 +181,20 @@ class TurnEngine(RolloutEngine):
                     break
                 self._decode()
         return self.tokens[:-1], self.logprobs[:-1], self.lengths[:-1]
+
+    def open_turns(self) -> list[NextTurn]:
+        """After ``run``: the turns begun or queued and not finished (later episodes'), in row order, each with its
+        context and the tokens written so far (one read of their rows)."""
+        rows = sorted([r for r in self.request if r >= 0] + list(self.queue))
+        if not rows:
+            return []
+        index = torch.tensor(rows).to(self.device)
+        lengths = self.lengths.index_select(0, index).tolist()
+        tokens = self.tokens.index_select(0, index).tolist()
+        logprobs = self.logprobs.index_select(0, index).tolist()
+        out = []
+        for row, n, t, lp in zip(rows, lengths, tokens, logprobs):
+            prompt = self.contexts[self.prompt_of[row]]
+            context = tuple(prompt[:len(prompt) - self.started[row]])
+            out.append(NextTurn(row, context, self.max_new[row], tuple(t[:n]), tuple(lp[:n])))
+        return out

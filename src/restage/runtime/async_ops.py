@@ -20,9 +20,10 @@ from restage.models.parallel import ParallelContext
 from restage.runtime.execute import step_seed
 from restage.runtime.multi_turn import generate_batch
 from restage.runtime.op_handlers import OpHandlers, StepData, reallocate_when_ready
+from restage.runtime.partial_episodes import EpisodesInFlight, run_partial_episodes
 from restage.runtime.partial_rollouts import run_partial_generate
 from restage.runtime.records import StatsShare, StepRecord
-from restage.runtime.rollout_buffer import Buffered, RolloutBuffer
+from restage.runtime.rollout_buffer import Begun, Buffered, RolloutBuffer
 from restage.schedule.ops import Generate, Push, TakeBuffered
 
 
@@ -98,8 +99,16 @@ class AsyncOps:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         begin = h.clock.now_synced()
-        result, oldest, started = run_partial_generate(h.store.slots[mfc.model].at(op.layout), mfc, prompts, begun, later,
-                                               h.algo, h.cfg, h.state, seeds, version)
+        module = h.store.slots[mfc.model].at(op.layout)
+        started: Begun | None
+        if h.cfg.environment.name:  # multi-turn episodes (runtime/partial_episodes.py)
+            assert begun is None or isinstance(begun, EpisodesInFlight)
+            result, oldest, started = run_partial_episodes(module, mfc, prompts, begun, later, h.algo, h.cfg,
+                                                           h.state, seeds, version)
+        else:
+            assert begun is None or isinstance(begun, tuple)
+            result, oldest, started = run_partial_generate(module, mfc, prompts, begun, later, h.algo, h.cfg,
+                                                           h.state, seeds, version)
         end = h.clock.now_synced()
         assert result.batch is not None
         self.buffer.put(mfc.name, target, Buffered(result.batch, oldest, h.state.pending_rewards.pop(mfc.name, None)))

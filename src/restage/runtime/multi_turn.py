@@ -55,7 +55,7 @@ from restage.graph import MFC
 from restage.models.decoder import StageModule
 from restage.models.rollout import RolloutLimits
 from restage.models.rollout_turns import NextTurn, TurnEngine
-from restage.models.sampling import request_seed
+from restage.models.sampling import SamplingParams, request_seed
 from restage.runtime.execute import MFCResult, prompt_lists, request_seeds, run_generate, sampling_params
 
 # The conversation a tool message is rendered after, to cut the template's rendering of the message alone.
@@ -78,12 +78,14 @@ def observation_ids(tokenizer: Any, observation: Observation) -> list[int]:
 
 @dataclass
 class Episode:
-    """One episode as it grows (owned by its feed): its tokens, which the policy wrote, their log-probs, rewards."""
+    """One episode as it grows (owned by its feed): its tokens, which the policy wrote, their log-probs and policy
+    versions (-1 on tokens the policy did not write), rewards."""
 
     env: Environment
     ids: list[int]
     policy: list[bool]
     logprobs: list[float]
+    versions: list[int]
     prompt_len: int
     turns: int = 0
     reward: float = 0.0
@@ -99,30 +101,43 @@ class Episode:
 
 
 class EpisodeFeed:
-    """The ``TurnFeed`` of a replica's first rank: environment steps on a thread pool, next turns built from them."""
+    """The ``TurnFeed`` of a replica's first rank: environment steps on a thread pool, next turns built from them.
 
-    def __init__(self, episodes: list[Episode], cfg: ExperimentConfig, tokenizer: Any, pool: cf.Executor):
+    ``required``: the episodes the engine must finish (the first ones; partial rollouts begin later ones behind
+    them); ``version``: the policy version its turns' tokens record; ``begun_versions``: row -> the versions of a
+    continued turn's tokens written before."""
+
+    def __init__(self, episodes: list[Episode], cfg: ExperimentConfig, tokenizer: Any, pool: cf.Executor,
+                 required: int | None = None, version: int = -1):
         self.episodes, self.cfg, self.tokenizer, self.pool = episodes, cfg, tokenizer, pool
         self.options = cfg.environment
+        self.required_rows = (len(episodes) if required is None else required) * self.options.max_turns
+        self.version = version
         self.running: dict[cf.Future[Any], int] = {}  # environment step -> its turn's row
+        self.begun_versions: dict[int, tuple[int, ...]] = {}
 
-    def first_max_new(self, episode: Episode) -> int:
-        return min(self.cfg.generation.max_new_tokens, self.options.max_episode_tokens - episode.used)
+    def first_turns(self, first: int, count: int) -> list[NextTurn]:
+        """The first turns of episodes ``first .. first + count - 1``."""
+        cap = min(self.cfg.generation.max_new_tokens, self.options.max_episode_tokens)
+        return [NextTurn(e * self.options.max_turns, tuple(self.episodes[e].ids), cap) for e in range(first, first + count)]
 
     def turn_done(self, row: int, tokens: list[int], logprobs: list[float]) -> None:
         e, t = divmod(row, self.options.max_turns)
         episode = self.episodes[e]
+        before = self.begun_versions.pop(row, ())
         episode.ids += tokens
         episode.policy += [True] * len(tokens)
         episode.logprobs += logprobs
+        episode.versions += [*before, *[self.version] * (len(tokens) - len(before))]
         episode.turns = t + 1
         answer = self.tokenizer.decode(tokens, skip_special_tokens=True)
         self.running[self.pool.submit(episode.env.step, answer)] = row
 
     def take_ready(self, block: bool) -> list[NextTurn]:
-        if not self.running:
-            return []
-        done, _ = cf.wait(list(self.running), timeout=None if block else 0, return_when=cf.FIRST_COMPLETED)
+        required = [f for f, row in self.running.items() if row < self.required_rows]
+        if block and required:
+            cf.wait(required, return_when=cf.FIRST_COMPLETED)
+        done = [f for f in self.running if f.done()]
         ready = []
         for future in sorted(done, key=lambda f: self.running[f]):  # row order: the same admissions on every run
             row = self.running.pop(future)
@@ -132,7 +147,7 @@ class EpisodeFeed:
         return ready
 
     def pending(self) -> bool:
-        return bool(self.running)
+        return any(row < self.required_rows for row in self.running.values())
 
     def _after_step(self, row: int, result: StepResult) -> NextTurn | None:
         e, t = divmod(row, self.options.max_turns)
@@ -152,6 +167,7 @@ class EpisodeFeed:
         episode.ids += observation
         episode.policy += [False] * len(observation)
         episode.logprobs += [0.0] * len(observation)
+        episode.versions += [-1] * len(observation)
         return NextTurn(row + 1, tuple(episode.ids), min(self.cfg.generation.max_new_tokens, room))
 
 
@@ -231,11 +247,13 @@ class EpisodeRecord:
     ok_calls: int
     cut: bool
     final_score: float | None
+    versions: tuple[int, ...] = ()  # each token's policy version (-1 where the policy did not write it)
 
     @classmethod
     def of(cls, e: Episode, over_budget_reward: float) -> EpisodeRecord:
         return cls(tuple(e.ids), tuple(e.policy), tuple(e.logprobs), e.prompt_len,
-                   over_budget_reward if e.cut else e.reward, e.turns, e.tool_calls, e.ok_calls, e.cut, e.final_score)
+                   over_budget_reward if e.cut else e.reward, e.turns, e.tool_calls, e.ok_calls, e.cut, e.final_score,
+                   tuple(e.versions))
 
 
 def stop_ids(module: StageModule, tokenizer: Any, tool_format: str) -> list[int]:
@@ -252,7 +270,7 @@ def run_episodes(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm,
                  state: AlgoState, seed: int, version: int | None = None) -> MFCResult:
     """``group_size`` episodes per prompt (see the module's docstring); the batch ``run_generate`` would give, one
     sequence per episode, with the episodes' rewards under the MFC's reward key."""
-    records, prefill_tokens = play_episodes(module, mfc, prompts, cfg, state, seed)
+    records, prefill_tokens = play_episodes(module, mfc, prompts, cfg, state, seed, version)
     return episodes_result(mfc, prompts, records, version, algo, cfg, state, prefill_tokens)
 
 
@@ -270,46 +288,65 @@ def final_answer(record: EpisodeRecord) -> tuple[int, ...]:
     return record.ids[last + 1:]
 
 
+def start_episodes(prompts: Batch, cfg: ExperimentConfig, state: AlgoState, group: int) -> list[Episode]:
+    """``group`` new episodes per prompt, reset (a replica's first rank)."""
+    factory = validate(cfg.environment)
+    tokenizer = state.tokenizer
+    if tokenizer is None:
+        raise ValueError("multi-turn episodes need the state's tokenizer")
+    dataset_ids = [p for p in prompt_lists(prompts) for _ in range(group)]
+    episodes = []
+    for ctx, ids in zip(_contexts(prompts, cfg, state, group), dataset_ids):
+        env = factory(ctx)
+        first = _first_ids(tokenizer, check_reset(env.reset(), cfg.environment.name), ctx, ids)
+        episodes.append(Episode(env, first, [False] * len(first), [0.0] * len(first), [-1] * len(first), len(first)))
+    return episodes
+
+
+def env_pool(cfg: ExperimentConfig, episodes: int) -> cf.ThreadPoolExecutor:
+    """The threads environment steps run on (``rewards.workers``)."""
+    return cf.ThreadPoolExecutor(max(1, min(cfg.rewards.workers, episodes)))
+
+
+def run_turns(module: StageModule, cfg: ExperimentConfig, state: AlgoState, params: SamplingParams,
+              channel: ReplicaChannel, feed: EpisodeFeed | None, starts: list[NextTurn], seeds: list[int],
+              required: int) -> TurnEngine:
+    """Run the engine over the episodes seeded ``seeds`` (the feed's, on the replica's first rank, whose ``starts``
+    every rank takes) until the first ``required`` are done; returns it."""
+    options = cfg.environment
+    if state.tokenizer is None:
+        raise ValueError("multi-turn episodes need the state's tokenizer")
+    starts, longest = channel.share((starts, max((e.prompt_len for e in feed.episodes), default=0))
+                                    if feed is not None else None)
+    if longest + options.max_episode_tokens > module.cfg.max_positions:
+        raise ConfigError(f"a prompt of {longest} tokens + environment.max_episode_tokens={options.max_episode_tokens}"
+                          f" exceeds the model's {module.cfg.max_positions} positions; lower max_episode_tokens or the "
+                          "prompts")
+    row_seeds = [request_seed(s, t) if t else s for s in seeds for t in range(options.max_turns)]
+    engine = TurnEngine(module, starts, len(seeds), required, options.max_turns, options.max_episode_tokens,
+                        longest + options.max_episode_tokens, row_seeds, params,
+                        stop_ids(module, state.tokenizer, options.tool_format),
+                        RolloutLimits.of(params.kv_cache_gib, params.max_slots), ReplicaFeed(feed, channel))
+    engine.run()
+    return engine
+
+
 @torch.no_grad()
 def play_episodes(module: StageModule, mfc: MFC, prompts: Batch, cfg: ExperimentConfig, state: AlgoState,
-                  seed: int) -> tuple[list[EpisodeRecord], int]:
+                  seed: int, version: int | None = None) -> tuple[list[EpisodeRecord], int]:
     """The finished episodes of ``prompts`` (``group_size`` each; every rank of the replica gets them all) and the
     tokens the engine prefilled."""
-    factory = validate(cfg.environment)
-    options, tokenizer = cfg.environment, state.tokenizer
-    if tokenizer is None:
-        raise ValueError(f"{mfc.name}: multi-turn episodes need the state's tokenizer")
     group = int(mfc.options.get("group_size", 1))
     channel = ReplicaChannel(module)
-    params = sampling_params(module, mfc, cfg, seed)
-    dataset_ids = [p for p in prompt_lists(prompts) for _ in range(group)]
     seeds = request_seeds(prompts, group, seed)
-    episodes: list[Episode] = []
-    with cf.ThreadPoolExecutor(max(1, min(cfg.rewards.workers, len(dataset_ids)))) as pool:
+    with env_pool(cfg, len(seeds)) as pool:
         feed = None
         if channel.first:
-            for ctx, ids in zip(_contexts(prompts, cfg, state, group), dataset_ids):
-                env = factory(ctx)
-                first = _first_ids(tokenizer, check_reset(env.reset(), options.name), ctx, ids)
-                episodes.append(Episode(env, first, [False] * len(first), [0.0] * len(first), len(first)))
-            feed = EpisodeFeed(episodes, cfg, tokenizer, pool)
-        firsts = channel.share([(tuple(e.ids), min(cfg.generation.max_new_tokens, options.max_episode_tokens))
-                                for e in episodes] if feed is not None else None)
-        # Sibling episodes with one first context share its prefill.
-        unique: dict[tuple[int, ...], int] = {}
-        prompt_of = [unique.setdefault(ids, len(unique)) for ids, _ in firsts]
-        row_seeds = [request_seed(s, t) if t else s for s in seeds for t in range(options.max_turns)]
-        longest = max(len(ids) for ids, _ in firsts) + options.max_episode_tokens
-        if longest > module.cfg.max_positions:
-            raise ConfigError(f"a prompt of {longest - options.max_episode_tokens} tokens + environment."
-                              f"max_episode_tokens={options.max_episode_tokens} exceeds the model's "
-                              f"{module.cfg.max_positions} positions; lower max_episode_tokens or the prompts")
-        engine = TurnEngine(module, list(unique), prompt_of, options.max_turns, [m for _, m in firsts],
-                            options.max_episode_tokens, row_seeds, params, stop_ids(module, tokenizer,
-                                                                                     options.tool_format),
-                            RolloutLimits.of(params.kv_cache_gib, params.max_slots), ReplicaFeed(feed, channel))
-        engine.run()
-    records = channel.share([EpisodeRecord.of(e, options.over_budget_reward) for e in episodes]
+            feed = EpisodeFeed(start_episodes(prompts, cfg, state, group), cfg, state.tokenizer, pool,
+                               version=-1 if version is None else version)
+        engine = run_turns(module, cfg, state, sampling_params(module, mfc, cfg, seed), channel, feed,
+                           feed.first_turns(0, len(seeds)) if feed is not None else [], seeds, len(seeds))
+    records = channel.share([EpisodeRecord.of(e, cfg.environment.over_budget_reward) for e in feed.episodes]
                             if feed is not None else None)
     return records, engine.prefill_tokens
 
@@ -332,7 +369,7 @@ def episodes_result(mfc: MFC, prompts: Batch, records: list[EpisodeRecord], vers
     if "versions" in mfc.outputs:
         if version is None:
             raise ValueError(f"{mfc.name} outputs versions but the runtime gave no policy version")
-        tokens["versions"] = torch.where(not_policy, -1, version).to(torch.int64)
+        tokens["versions"] = torch.tensor([v for r in records for v in r.versions], dtype=torch.int64)
     batch = batch.with_keys(tokens=tokens, seqs={reward_keys[0]: torch.tensor([r.reward for r in records])})
     if mfc.outputs[1] != "prompt_mask":
         batch = batch.renamed({"prompt_mask": mfc.outputs[1]})

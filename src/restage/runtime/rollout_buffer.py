@@ -6,8 +6,9 @@ the policy version of the weights that generated it. Its depth is bounded by the
 ``staleness - push_every + 1`` steps ahead. A checkpoint saves it whole (rewards settled), so a resumed run trains
 on the very batches an uninterrupted one would (docs/runtime.md, "Asynchronous training").
 
-With partial rollouts it also holds the batch begun behind the last one finished (``InFlight``: each request's
-answer so far, its log-probs and each token's version), saved and restored with the rest.
+With partial rollouts it also holds the batch begun behind the last one finished (each request's ``Answer`` so
+far: its tokens, their log-probs and versions), saved and restored with the rest; multi-turn episodes begun
+(``partial_episodes.EpisodesInFlight``, live environments) are not saved: a resumed run starts them again.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from restage.algorithms.base import PendingRewards
 from restage.data.batch import Batch
+from restage.runtime.partial_episodes import EpisodesInFlight
 
 
 @dataclass
@@ -41,18 +43,21 @@ class Answer:
     finished: bool = False
 
 
+Begun = tuple[Answer, ...] | EpisodesInFlight  # a batch begun by partial rollouts: answers, or live episodes
+
+
 class RolloutBuffer:
     """(generate MFC, step) -> this rank's part of that step's generated batch; and the batches still in flight."""
 
     def __init__(self) -> None:
         self.entries: dict[tuple[str, int], Buffered] = {}
-        self.in_flight: dict[tuple[str, int], tuple[Answer, ...]] = {}  # partial rollouts: answers so far, per request
+        self.in_flight: dict[tuple[str, int], Begun] = {}  # partial rollouts: answers (or episodes) so far
 
-    def keep_in_flight(self, mfc: str, step: int, answers: tuple[Answer, ...]) -> None:
+    def keep_in_flight(self, mfc: str, step: int, answers: Begun) -> None:
         assert (mfc, step) not in self.in_flight, f"{mfc}: step {step + 1}'s batch begun twice"
         self.in_flight[(mfc, step)] = answers
 
-    def resume_in_flight(self, mfc: str, step: int) -> tuple[Answer, ...] | None:
+    def resume_in_flight(self, mfc: str, step: int) -> Begun | None:
         """The answers of step ``step``'s batch begun earlier (None: not begun); they leave the buffer."""
         return self.in_flight.pop((mfc, step), None)
 
@@ -86,7 +91,7 @@ class RolloutBuffer:
         flight = [{"mfc": mfc, "step": step, "tokens": [list(a.tokens) for a in answers],
                    "logprobs": [list(a.logprobs) for a in answers], "versions": [list(a.versions) for a in answers],
                    "finished": [a.finished for a in answers]}
-                  for (mfc, step), answers in sorted(self.in_flight.items())]
+                  for (mfc, step), answers in sorted(self.in_flight.items()) if isinstance(answers, tuple)]
         return {"entries": out, "in_flight": flight}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
