@@ -24,8 +24,9 @@ decoded on from its position (``RolloutEngine.started``), so its noise continues
 
 A replica of several ranks (tp, pp) must admit the same turns at the same step: the feed of its first rank
 decides (``TurnFeed.take_ready`` is called on every rank; ``runtime/multi_turn.py`` broadcasts the first rank's
-choice). Replicas that step in lockstep (ep, ZeRO-3 partitioned) and micro-groups in flight through pp stages
-are not used here: pp stages run one after another (``pp_groups=1``).
+choice). Replicas that step in lockstep (ep, ZeRO-3 partitioned) run the same forwards (``TurnEngine.run``): a
+replica whose episodes wait on tools joins its peers' steps. Micro-groups in flight through pp stages are not used
+here: pp stages run one after another (``pp_groups=1``).
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
-from restage.errors import ConfigError
 from restage.models.decoder import StageModule
-from restage.models.rollout import RolloutEngine, RolloutLimits, lockstep_group
+from restage.models.rollout import RolloutEngine, RolloutLimits, join_step
 from restage.models.sampling import SamplingParams, request_keys
+
+LOCKSTEP_WAIT_SECONDS = 0.02  # how long replicas in lockstep, all waiting on tools, wait before agreeing again
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,9 @@ class TurnFeed(Protocol):
     def turn_done(self, row: int, tokens: list[int], logprobs: list[float]) -> None:
         """Row ``row``'s turn wrote ``tokens`` (its stop token included); start its environment step."""
 
-    def take_ready(self, block: bool) -> list[NextTurn]:
-        """The next turns whose observations are ready (``block``: wait for at least one of a required episode's
-        when any is pending)."""
+    def take_ready(self, block: bool, timeout: float | None = None) -> list[NextTurn]:
+        """The next turns whose observations are ready (``block``: wait, at most ``timeout`` seconds when given,
+        for at least one of a required episode's when any is pending)."""
 
     def pending(self) -> bool:
         """Whether an environment step of a required episode is still running (it may have a next turn)."""
@@ -92,10 +95,6 @@ class TurnEngine(RolloutEngine):
         super().__init__(module, prompts, [0] * len(starts), [episode_tokens] * len(starts),
                          torch.zeros(len(starts), dtype=torch.int64), params, eos_ids, limits, decode_mode="eager",
                          must_finish=max(1, required), max_len=max_len)
-        if lockstep_group(module) is not None:
-            raise ConfigError("multi-turn episodes (environment.name) cannot generate on a layout whose replicas step "
-                              "in lockstep (expert parallelism, or ZeRO-3 generation in place); give actor_gen a "
-                              "layout with ep 1 and no ZeRO-3 partitioning")
         rows = episodes * max_turns
         self.feed, self.max_turns, self.required_rows = feed, max_turns, required * max_turns
         self.contexts = prompts  # grows: each later turn's context is a new prompt
@@ -147,8 +146,8 @@ class TurnEngine(RolloutEngine):
         for row, n, t, lp in zip(rows, lengths, tokens, logprobs):
             self.feed.turn_done(row, t[:n], lp[:n])
 
-    def _queue_ready(self, block: bool) -> None:
-        for turn in self.feed.take_ready(block):
+    def _queue_ready(self, block: bool, timeout: float | None = None) -> None:
+        for turn in self.feed.take_ready(block, timeout):
             if not 0 < turn.max_new <= self.tokens.shape[1] or turn.row % self.max_turns == 0 or turn.tokens:
                 raise ValueError(f"turn row {turn.row}: max_new {turn.max_new} outside 1..{self.tokens.shape[1]}")
             self.contexts.append(turn.context)
@@ -165,22 +164,45 @@ class TurnEngine(RolloutEngine):
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run the required episodes to their ends: ``(tokens [rows, W], logprobs [rows, W], lengths [rows])``, row
-        per turn (a later episode's open turn holds its tokens so far)."""
+        per turn (a later episode's open turn holds its tokens so far).
+
+        Replicas in lockstep (``lockstep_group``: ep, ZeRO-3 in place) run the same forwards: each check, one
+        agreement (all done? all idle?), then one prefill or join and ``check_every_steps`` decodes or joins on
+        every replica, as ``RolloutEngine.run``; a replica whose episodes wait on tools joins its peers' steps
+        instead of blocking, and when every replica waits each waits ``LOCKSTEP_WAIT_SECONDS`` at most on its
+        own tools before they agree again."""
+        lockstep = self.lockstep is not None
         while True:
             self.reap()
             self._hand_over()
             idle = not self.queue and self.bound() == 0
-            self._queue_ready(block=idle)
-            if self.required_done():
+            self._queue_ready(block=idle and not lockstep)
+            done, all_idle = self._agree(self.required_done(), not self.queue and self.bound() == 0)
+            if done:
                 break
-            self._admit(join_if_empty=False)
+            if all_idle:  # lockstep: no replica has a turn to run; wait a little on our tools, then agree again
+                self._queue_ready(block=True, timeout=LOCKSTEP_WAIT_SECONDS)
+                continue
+            self._admit(join_if_empty=lockstep)
             for _ in range(self.limits.check_every_steps):
-                if self.queue and -1 in self.request:
-                    self._admit(join_if_empty=False)
-                if not self.bound():
+                if not lockstep and self.queue and -1 in self.request:
+                    self._admit(join_if_empty=False)  # without lockstep a free slot is filled at once
+                if self.bound():
+                    self._decode()
+                elif lockstep:
+                    join_step(self.module)
+                else:
                     break
-                self._decode()
         return self.tokens[:-1], self.logprobs[:-1], self.lengths[:-1]
+
+    def _agree(self, done: bool, idle: bool) -> tuple[bool, bool]:
+        """(every replica done, every replica idle) over the lockstep group (one all-reduce); ``(done, False)``
+        without one."""
+        if self.lockstep is None:
+            return done, False
+        flags = torch.tensor([int(done), int(idle)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.lockstep)
+        return bool(flags[0].item()), bool(flags[1].item())
 
     def open_turns(self) -> list[NextTurn]:
         """After ``run``: the turns begun or queued and not finished (later episodes'), in row order, each with its

@@ -133,10 +133,10 @@ class EpisodeFeed:
         answer = self.tokenizer.decode(tokens, skip_special_tokens=True)
         self.running[self.pool.submit(episode.env.step, answer)] = row
 
-    def take_ready(self, block: bool) -> list[NextTurn]:
+    def take_ready(self, block: bool, timeout: float | None = None) -> list[NextTurn]:
         required = [f for f, row in self.running.items() if row < self.required_rows]
         if block and required:
-            cf.wait(required, return_when=cf.FIRST_COMPLETED)
+            cf.wait(required, timeout=timeout, return_when=cf.FIRST_COMPLETED)
         done = [f for f in self.running if f.done()]
         ready = []
         for future in sorted(done, key=lambda f: self.running[f]):  # row order: the same admissions on every run
@@ -204,8 +204,8 @@ class ReplicaFeed:
         if self.feed is not None:
             self.feed.turn_done(row, tokens, logprobs)
 
-    def take_ready(self, block: bool) -> list[NextTurn]:
-        mine = (self.feed.take_ready(block), self.feed.pending()) if self.feed is not None else None
+    def take_ready(self, block: bool, timeout: float | None = None) -> list[NextTurn]:
+        mine = (self.feed.take_ready(block, timeout), self.feed.pending()) if self.feed is not None else None
         turns, self._pending = self.channel.share(mine)
         return list(turns)
 
