@@ -40,7 +40,8 @@ def _play(module, cfg, replica: int, counted=None):
     state = algo.init_state(cfg, tokenizer)
     Scripted.delays = {10: 0.3} if replica == 0 else {}
     forwards = [0]
-    hook = (counted if counted is not None else module).register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    counted = counted if counted is not None else module
+    hook = counted.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     result = generate_batch(module, state.graph["actor_gen"], prompts, algo, cfg, state, seed=5)
     hook.remove()
     Scripted.delays = {}
