@@ -1,5 +1,6 @@
 """The registered algorithm variants (issue 31): advantages, losses, aggregations, DAPO's parts, IS correction."""
 
+import dataclasses
 import math
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from restage.algorithms import estimators, grpo, is_correction, losses, registry
 from restage.algorithms.interface import build_graph, get_algorithm
-from restage.config import config_from_dict
+from restage.config import PlanConfig, config_from_dict
 from restage.data.batch import Batch, pack_sequences
 from restage.errors import ConfigError
 from restage.graph import MFC
@@ -205,8 +206,11 @@ def test_variant_config_keys_are_checked_against_the_registries():
         grpo.validate(cfg(policy_loss="gsp"))
     with pytest.raises(ConfigError, match="algo.is_correction: 'x' must be one of none, tis, mis"):
         grpo.validate(cfg(is_correction="x"))
-    with pytest.raises(ConfigError, match="dynamic_sampling runs under plan.execution=sync"):
-        grpo.validate(cfg("async", dynamic_sampling=True))
+    assert grpo.validate(cfg("async", dynamic_sampling=True)).dynamic_sampling  # async fills batches too
+    partial = dataclasses.replace(cfg("async", dynamic_sampling=True), plan=PlanConfig(
+        execution="async", staleness=2, partial_rollouts=True))
+    with pytest.raises(ConfigError, match=r"^algo.dynamic_sampling does not run with plan.partial_rollouts"):
+        grpo.validate(partial)
     with pytest.raises(ConfigError, match="overlong_buffer: 8 must be below generation.max_new_tokens"):
         grpo.validate(cfg(overlong_buffer=8))
 

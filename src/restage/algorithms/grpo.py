@@ -89,9 +89,9 @@ def validate(cfg: ExperimentConfig) -> Params:
                               "on their rewards where they are generated")
         if params.group_size < 2:
             raise ConfigError("algo.dynamic_sampling needs algo.group_size >= 2 (a group of one never has a spread)")
-        if cfg.plan.execution != "sync":
-            raise ConfigError("algo.dynamic_sampling runs under plan.execution=sync only (async generation runs "
-                              "ahead on its own thread); set plan.execution=sync or algo.dynamic_sampling=false")
+        if cfg.plan.partial_rollouts:
+            raise ConfigError("algo.dynamic_sampling does not run with plan.partial_rollouts (a group begun at one "
+                              "step is scored only at the next, after the batch was filled); set one of them false")
         if params.max_sampling_rounds > 100:
             raise ConfigError(f"algo.max_sampling_rounds: {params.max_sampling_rounds} must be <= 100")
     return params

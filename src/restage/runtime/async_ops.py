@@ -17,6 +17,7 @@ from restage.data.batch import Batch
 from restage.device import DTYPES
 from restage.layout import Layout
 from restage.models.parallel import ParallelContext
+from restage.runtime import dynamic_sampling
 from restage.runtime.execute import step_seed
 from restage.runtime.multi_turn import generate_batch
 from restage.runtime.op_handlers import OpHandlers, StepData, reallocate_when_ready
@@ -82,7 +83,10 @@ class AsyncOps:
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             begin = h.clock.now_synced()
-            result = generate_batch(slot.at(layout), mfc, prompts, h.algo, h.cfg, h.state, seed, version)
+            if dynamic_sampling.OPTION in mfc.options:  # DAPO: the batch of step target, its all-equal groups refilled
+                result = h.generate_filled(slot.at(layout), mfc, layout, prompts, target, data, version)
+            else:
+                result = generate_batch(slot.at(layout), mfc, prompts, h.algo, h.cfg, h.state, seed, version)
             end = h.clock.now_synced()
             assert result.batch is not None
             self.buffer.put(mfc.name, target, Buffered(result.batch, version, h.state.pending_rewards.pop(mfc.name, None)))

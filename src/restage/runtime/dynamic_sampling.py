@@ -15,7 +15,9 @@ the generate layout still has an empty slot (one MAX all-reduce over the layout,
 whose slots are full still answers one prompt (discarded) in that round, so replicas stepping in lockstep
 (ZeRO-3 in place, expert parallel) still step together.
 
-Sync mode only (``grpo.validate`` refuses async: the generation runs ahead on its own thread there). Statistics:
+Sync and async mode alike (in async mode the generate op fills the batch of the step it generates for, keyed by
+that step, before buffering it; ``grpo.validate`` refuses partial rollouts, whose groups are begun at one step and
+scored at the next). Statistics:
 ``dynamic_sampling_rounds`` (extra rounds run), ``dynamic_sampling_dropped`` (share of the first round's groups
 with equal rewards), ``dynamic_sampling_unfilled`` (share of slots left with an all-equal group) and
 ``dynamic_sampling_groups`` (groups generated per slot).
@@ -43,10 +45,11 @@ OPTION = "dynamic_sampling_rounds"
 Generate = Callable[[Batch, int], MFCResult]
 
 
-def generator(module: StageModule, mfc: MFC, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState) -> Generate:
+def generator(module: StageModule, mfc: MFC, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState,
+              version: int | None = None) -> Generate:
     """``generate(prompts, seed)``: one round of the MFC's generation on ``module`` (``multi_turn.generate_batch``:
-    single answers, or multi-turn episodes with ``environment.name``)."""
-    return lambda prompts, seed: generate_batch(module, mfc, prompts, algo, cfg, state, seed)
+    single answers, or multi-turn episodes with ``environment.name``); ``version``: async mode's policy version."""
+    return lambda prompts, seed: generate_batch(module, mfc, prompts, algo, cfg, state, seed, version)
 
 
 def replacement_position(seed: int, step: int, round_: int, sample_id: int, size: int) -> int:

@@ -143,12 +143,14 @@ class OpHandlers:
         self.record_run(mfc, layout, ctx, batch, result, begin, end, record)
 
     def generate_filled(self, module: StageModule, mfc: MFC, layout: Layout, batch: Batch, step: int,
-                        data: StepData) -> MFCResult:
+                        data: StepData, version: int | None = None) -> MFCResult:
         """A generate MFC under DAPO's dynamic sampling: groups whose rewards are all equal are replaced by fresh
-        prompts' groups, the layout's ranks agreeing on each extra round (runtime/dynamic_sampling.py)."""
+        prompts' groups, the layout's ranks agreeing on each extra round (runtime/dynamic_sampling.py). ``step``:
+        the step the batch is for; ``version``: async mode's policy version of ``module``."""
         group = self.groups.get(layout.mesh) if layout.size > 1 else None
         return dynamic_sampling.fill_batch(
-            dynamic_sampling.generator(module, mfc, self.algo, self.cfg, self.state), mfc, batch, data.source.batch,
+            dynamic_sampling.generator(module, mfc, self.algo, self.cfg, self.state, version), mfc, batch,
+            data.source.batch,
             len(data.source), self.state, step_seed(self.cfg.seed, step), step, self.cfg.seed,
             lambda flag: any_rank(flag, group, self.device))
 
