@@ -54,7 +54,9 @@ REMAX_DP2 = ["-n", "2", *layout_overrides({m: "ranks:0-1 dp2" for m in ("actor_g
                                            ("actor_gen", "actor_greedy_gen", "ref_inf", "actor_train"))]
 
 
-@pytest.mark.parametrize("job, steps, placement", [("remax_tiny", 60, REMAX_DP2), ("raft_tiny", 40, ["-n", "1"])])
+# remax (about 40 s) in make test-scale only: make test's time bound
+@pytest.mark.parametrize("job, steps, placement", [pytest.param("remax_tiny", 60, REMAX_DP2, marks=pytest.mark.scale),
+                                                   ("raft_tiny", 40, ["-n", "1"])])
 def test_remax_and_raft_raise_reward(tmp_path, job, steps, placement):
     margin = 0.08
     nprocs, overrides = int(placement[1]), placement[2:]

@@ -128,6 +128,7 @@ def _run_zero3(rank, world_size, path):
     return reference, got
 
 
+@pytest.mark.scale  # about 35 s (a DeepSpeed engine): make test's time bound; ep above runs the same lockstep loop
 def test_multi_turn_episodes_on_a_zero3_engine_in_lockstep_equal_one_rank(tmp_path):
     from multi_turn_cases import Scripted  # noqa: F401
 

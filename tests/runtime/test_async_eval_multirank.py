@@ -105,6 +105,7 @@ def test_a_resumed_async_run_evaluates_at_the_same_steps_with_the_same_results(t
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.scale  # about 32 s: make test's time bound
 def test_a_reward_model_on_the_generation_rank_scores_the_async_evaluation(tmp_path):
     """The reward model scores on rank 1 (beside generation): each evaluation's answers move there from the training
     rank by the evaluation's own transfers, and training is still bitwise as without evaluation."""

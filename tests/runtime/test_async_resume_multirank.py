@@ -28,7 +28,8 @@ def _ok(done):
 PARTIAL = [*ASYNC, "plan.staleness=2", "plan.partial_rollouts=true"]
 
 
-@pytest.mark.parametrize("job", [ASYNC, PARTIAL], ids=["whole", "partial"])
+# whole (about 45 s) in make test-scale only: make test's time bound; partial covers its buffer and more
+@pytest.mark.parametrize("job", [pytest.param(ASYNC, marks=pytest.mark.scale), PARTIAL], ids=["whole", "partial"])
 def test_sigkill_then_resume_reaches_the_straight_runs_final_step_and_weights(tmp_path, job):
     _ok(restage_run(tmp_path, *job, "trial=straight"))
     trial = tmp_path / "grpo-tiny" / "killed"

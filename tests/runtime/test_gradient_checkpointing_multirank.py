@@ -15,7 +15,8 @@ LAYOUTS = {"zero3-dp2": ["plan.layouts.actor_gen=ranks:0-1 dp2", "plan.layouts.a
            "tp2": ["plan.layouts.actor_gen=ranks:0-1 dp2", "plan.layouts.actor_train=ranks:0-1 tp2"]}
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+# tp2 (about 30 s) in make test-scale only: make test's time bound
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.scale) if k == "tp2" else k for k in sorted(LAYOUTS)])
 def test_checkpointed_training_logs_the_statistics_of_plain_training(tmp_path, layout):
     for trial, extra in (("plain", []), ("recompute", ["models.actor.gradient_checkpointing=true"])):
         done = restage_run(tmp_path, *GRPO, *LAYOUTS[layout], f"trial={trial}", *extra)

@@ -11,7 +11,7 @@ from runs import hf_weights, last_checkpoint, restage_run, tiny_assets
 
 from restage.report.log import read_log
 
-pytestmark = [pytest.mark.multirank, pytest.mark.e2e]
+pytestmark = [pytest.mark.multirank, pytest.mark.e2e, pytest.mark.scale]  # about 45 s; make test-scale runs it
 
 MFCS = ("actor_gen", "ref_inf", "actor_train")
 JOB = ["jobs/grpo_tiny.yaml", "run.steps=2", "run.save_every=2", "algo.loss_agg=token_mean", "algo.minibatches=1",

@@ -24,7 +24,7 @@ from restage.report.log import read_log
 from restage.runtime.evaluate import episode_sums
 from restage.runtime.multi_turn import eval_episodes
 
-pytestmark = [pytest.mark.multirank, pytest.mark.e2e]
+pytestmark = [pytest.mark.multirank, pytest.mark.e2e, pytest.mark.scale]  # about 35 s: make test's time bound
 
 JOB = ROOT / "jobs" / "grpo_calculator_tiny.yaml"
 HELD_OUT = 6

@@ -2,9 +2,9 @@
 "Multi-turn episodes", Modes): an episode in flight is restarted from its prompt with its step's seeds, so the
 resumed run ends exactly where an uninterrupted one does: the same statistics at every step and the same weights
 (issue 31). The environment (``graded_env.Graded``) holds an episode at its second step once the step-1 checkpoint
-is whole; the test then SIGKILLs every process of the run, and resumes it without the hold. Sync mode runs in make
-test (about 90 s on 2 cores); async mode, where the killed generation rank held episodes generated ahead, in make
-test-scale (about 130 s)."""
+is whole; the test then SIGKILLs every process of the run, and resumes it without the hold. Both modes run in make
+test-scale (make test's time bound): sync about 45 s on 2 cores, async, where the killed generation rank held
+episodes generated ahead, about 130 s."""
 
 import signal
 import time
@@ -16,7 +16,7 @@ from runs import ROOT, hf_weights, last_checkpoint, restage_run
 
 from restage.report.log import read_log
 
-pytestmark = [pytest.mark.multirank, pytest.mark.e2e]
+pytestmark = [pytest.mark.multirank, pytest.mark.e2e, pytest.mark.scale]  # make test's time bound
 
 STEPS = 3
 JOB = [str(ROOT / "jobs" / "grpo_calculator_tiny.yaml"), f"run.steps={STEPS}", "environment.name=graded_env:Graded",
@@ -39,7 +39,7 @@ def _kill_tree(process) -> None:
             pass
 
 
-@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.scale)])  # async: 130 s, scale
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_multi_turn_run_killed_mid_episode_resumes_to_the_uninterrupted_runs_steps_and_weights(tmp_path, mode):
     job = [*JOB, *MODES[mode]]
     _ok(restage_run(tmp_path, *job, "trial=straight"))

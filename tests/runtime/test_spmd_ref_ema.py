@@ -57,6 +57,7 @@ def test_reference_follows_the_actor_by_ema_and_resumes_exactly(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), model
 
 
+@pytest.mark.scale  # about 50 s: make test's time bound
 def test_bf16_reference_mixes_in_its_fp32_master_and_resumes_bit_for_bit(tmp_path):
     # bf16 actor and reference; the reference lives tp2, so each rank's fp32 master (ref/ema/rank<R>.pt) is another
     # half, and the actor trains dp2: every mix is still a reallocation between layouts.
