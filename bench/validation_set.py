@@ -468,7 +468,10 @@ CROSS_SYSTEM_TARGET = 0.25  # issue 30: each published ratio reproduced within 2
 
 _ORLHF_README = ("OpenRLHF README.md, section 'Performance' (2024 version of the README, vLLM 0.4.2 era; found in the "
                  "stored index as file id 3160803063; repository owner at the time OpenLLMAI/OpenRLHF, commit not "
-                 "resolved): https://github.com/OpenRLHF/OpenRLHF (README history)")
+                 "resolved): https://github.com/OpenRLHF/OpenRLHF (README history); the README text and table are quoted "
+                 "on 2024-05-20 in https://github.com/OpenRLHF/OpenRLHF/issues/296, and the same table is in the OpenRLHF "
+                 "paper's first version, arXiv 2405.11143v1 (issue #327 quotes its DSChat 7B row: E2E 855.09 s, generation "
+                 "590.157 s, training 125.69 s)")
 _ORLHF_QUOTE = ("'We optimized DSChat's performance to the greatest extent possible by employing techniques such as enabling "
                 "Adam offload, along with reward model (RM) and reference model (Ref) offload ... We even fixed some bugs in "
                 "DSChat to enable the Hybrid Engine (HE) for LLaMA2. The average time (seconds) it took to train 1024 prompts "
