@@ -105,6 +105,7 @@ def test_a_rank_stuck_in_an_mfc_with_its_heartbeat_running_is_named_by_what_the_
     assert read_log(trial).last_complete_step == 2
 
 
+@pytest.mark.scale  # about 75 s (it waits out a stale lock): make test's time bound
 def test_a_jit_build_lock_left_by_a_dead_rank_is_reported_and_removed_and_the_run_goes_on(tmp_path):
     import shutil
     import socket
