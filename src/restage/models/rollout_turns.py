@@ -85,12 +85,15 @@ class TurnEngine(RolloutEngine):
         limits = dataclasses.replace(limits, pp_groups=1)
         prompts: list[tuple[int, ...]] = []
         unique: dict[tuple[int, ...], int] = {}  # sibling first turns with one context share its prefill
+        start_prompt = []  # each start's prompt: its context (+ its tokens so far, a continued turn)
         for turn in starts:
             if turn.tokens:
+                start_prompt.append(len(prompts))
                 prompts.append(turn.context + turn.tokens)
-            elif turn.context not in unique:
-                unique[turn.context] = len(prompts)
-                prompts.append(turn.context)
+            else:
+                start_prompt.append(unique.setdefault(turn.context, len(prompts)))
+                if start_prompt[-1] == len(prompts):
+                    prompts.append(turn.context)
         # The slots are sized for the required episodes (partial rollouts: later ones take slots they free).
         super().__init__(module, prompts, [0] * len(starts), [episode_tokens] * len(starts),
                          torch.zeros(len(starts), dtype=torch.int64), params, eos_ids, limits, decode_mode="eager",
@@ -106,18 +109,14 @@ class TurnEngine(RolloutEngine):
         self.tokens = torch.full((rows + 1, episode_tokens), params.pad_token_id, dtype=torch.int64, device=self.device)
         self.logprobs = torch.zeros(rows + 1, episode_tokens, dtype=torch.float32, device=self.device)
         self.lengths = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
-        fresh = 0
-        for turn in starts:
+        for turn, prompt in zip(starts, start_prompt):
+            self.prompt_of[turn.row] = prompt
             if turn.tokens:
                 n = len(turn.tokens)
-                self.prompt_of[turn.row] = prompts.index(turn.context + turn.tokens)
                 self.started[turn.row] = n
                 self.tokens[turn.row, :n] = torch.tensor(turn.tokens, dtype=torch.int64).to(self.device)
                 self.logprobs[turn.row, :n] = torch.tensor(turn.logprobs, dtype=torch.float32).to(self.device)
                 self.lengths[turn.row] = n
-            else:
-                self.prompt_of[turn.row] = unique[turn.context]
-                fresh += 1
             if not 0 < turn.max_new <= episode_tokens or len(turn.tokens) >= turn.max_new:
                 raise ValueError(f"turn row {turn.row}: max_new {turn.max_new} outside {len(turn.tokens) + 1}.."
                                  f"{episode_tokens}")
