@@ -22,6 +22,7 @@ from restage.config_paths import resolve_file_paths, resolve_paths
 from restage.errors import ConfigError
 
 DTYPES = ("fp32", "bf16", "fp16")
+KV_CACHE_LAYOUTS = ("paged", "contiguous")  # generation.kv_cache
 AUTO_DTYPE = "auto"  # bf16 on a GPU cluster, fp32 on a CPU one (resolved when the config is built)
 
 
@@ -160,6 +161,10 @@ class GenerationConfig:
     # The rollout engine's KV cache: as many slots (sequences decoding at once) as this budget holds, at most max_slots.
     kv_cache_gib: float = 0.0  # 0: 40% of the free memory on a GPU, 2 GiB on CPU
     max_slots: int = 64
+    # paged: blocks of kv_block_tokens positions taken as answers grow, a group's prompt held once (models/paged_cache.py);
+    # contiguous: one slot of the longest possible sequence per request.
+    kv_cache: str = "paged"
+    kv_block_tokens: int = 0  # 0: 256 where flash-attn's paged kernel serves (CUDA, bf16/fp16), else 16
     # On CUDA, decode steps are captured as one CUDA graph per batch bucket and replayed (models/decode_graphs.py);
     # CPU and the layouts graphs do not cover (pp > 1, tp > 1, mixtures of experts) decode eagerly whatever this says.
     cuda_graphs: bool = True
@@ -352,6 +357,9 @@ class ExperimentConfig:
         if gen.max_slots < 1 or gen.kv_cache_gib < 0:
             raise ConfigError(f"generation.max_slots ({gen.max_slots}) must be >= 1 and generation.kv_cache_gib "
                               f"({gen.kv_cache_gib}) >= 0 (0: sized from free memory)")
+        if gen.kv_cache not in KV_CACHE_LAYOUTS or gen.kv_block_tokens < 0:
+            raise ConfigError(f"generation.kv_cache: {gen.kv_cache!r} must be one of {', '.join(KV_CACHE_LAYOUTS)} and "
+                              f"generation.kv_block_tokens ({gen.kv_block_tokens}) >= 0 (0: automatic)")
         if gen.top_k < 0 or not 0 < gen.top_p <= 1 or not 0 <= gen.min_p < 1:
             raise ConfigError("generation.top_k must be >= 0, generation.top_p in (0, 1] and generation.min_p in [0, 1)")
         if run.save_every < 0 or run.stop_at_step < 0 or run.log_every < 1:

@@ -70,7 +70,8 @@ def test_a_group_prefilled_once_equals_its_prompt_prefilled_per_sample(llama, mo
     assert shared.sequences() == separate.sequences()
     torch.testing.assert_close(shared.logprobs, separate.logprobs, rtol=0, atol=1e-5)  # batch shapes differ
     # The copied prefix holds the very keys/values a prefill of that row computes.
-    engine = RolloutEngine(llama, PROMPTS, [0, 0, 1], [4, 4, 4], request_keys([0, 1, 2]), SAMPLED, [], RolloutLimits())
+    engine = RolloutEngine(llama, PROMPTS, [0, 0, 1], [4, 4, 4], request_keys([0, 1, 2]), SAMPLED, [],
+                           RolloutLimits(paged=False))
     engine._admit(join_if_empty=False)
     assert engine.cache is not None
     for layer in engine.cache.k:
@@ -89,7 +90,8 @@ def test_a_group_copies_its_prefix_to_all_siblings_at_once(llama, monkeypatch):
         original(self, source, targets, num_tokens)
 
     monkeypatch.setattr(KVCache, "copy_prefix", recorded)
-    generate(llama, PROMPTS, SAMPLED, group_size=4)  # 16 requests, 16 slots: every group admitted at once
+    # 16 requests, 16 slots: every group admitted at once (the contiguous cache; paged_cache shares full blocks)
+    generate(llama, PROMPTS, SAMPLED, group_size=4, limits=RolloutLimits(paged=False))
     assert sorted(n for _, _, n in calls) == sorted(len(p) - 1 for p in PROMPTS)
     assert all(len(targets) == 3 and source not in targets for source, targets, _ in calls)
     assert sorted(t for _, targets, _ in calls for t in targets) == sorted(
@@ -142,7 +144,7 @@ def test_slots_come_from_the_memory_budget(llama, monkeypatch):
     with pytest.raises(ConfigError, match="kv_cache_bytes"):
         plan_slots(llama, 1, 40, RolloutLimits(kv_cache_bytes=per_slot - 1))
     # generate takes the budget from the generation config: a tiny one is refused, max_slots bounds the engine.
-    with pytest.raises(ConfigError, match="kv_cache_bytes"):
+    with pytest.raises(ConfigError, match="kv_cache_gib"):
         generate(llama, PROMPTS, SamplingParams(max_new_tokens=4, greedy=True, kv_cache_gib=1e-9))
     seen: list[int] = []
     original = RolloutEngine.run

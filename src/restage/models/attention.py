@@ -1,4 +1,5 @@
-"""Causal attention over packed variable-length sequences, and the KV cache for generation.
+"""Causal attention over packed variable-length sequences, and the contiguous KV cache for generation (the paged
+one is in ``paged_cache.py``).
 
 Two real implementations, chosen per call at run time: flash-attn's varlen kernels when the
 package imports and the tensors are fp16/bf16 on CUDA; PyTorch's scaled_dot_product_attention
@@ -108,18 +109,19 @@ def _sdpa_by_length(q, k, v, batch: PackedBatch, scale: float, window: int | Non
     return out
 
 
-class KVCache:
-    """Keys and values of the layers one stage holds, ``[B, L_max, H_kv_local, D]`` per layer.
+class CacheState:
+    """What every KV cache shares: the rows' lengths on the device, a host bound on them, and the switch between
+    prefill and decode. ``KVCache`` stores rows contiguously; ``paged_cache.PagedKVCache`` in blocks.
 
-    Sequences are stored left-aligned: sequence ``b`` holds ``lengths[b]`` tokens at slots
+    Sequences are stored left-aligned: sequence ``b`` holds ``lengths[b]`` tokens at positions
     ``0 .. lengths[b] - 1``. ``decoding`` switches the attention from "prefill a packed batch
-    into an empty cache" to "one new token per sequence against everything cached".
+    into the cache" to "one new token per sequence against everything cached".
+
+    The host-side hooks (``hold``, ``release``, ``move``, ``flush``) let the rollout engine treat both alike:
+    a contiguous row always has room, so they do nothing there.
     """
 
-    def __init__(self, layers, batch_size: int, max_len: int, kv_heads: int, head_dim: int, dtype, device):
-        shape = (batch_size, max_len, kv_heads, head_dim)
-        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
-        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+    def __init__(self, batch_size: int, max_len: int, device):
         # What a decode step's layers share (the rows' write index and the attention mask), made by its first
         # layer; dropped whenever lengths or longest change (their setters, set_lengths, advance).
         self._step_index: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -164,6 +166,47 @@ class KVCache:
         self.lengths += (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).to(self.lengths)
         self.longest += max(batch.seqlens)
 
+    # Host-side room management (the rollout engine's calls); a contiguous row holds max_len tokens from the start.
+    def hold(self, row: int, tokens: int, share_from: int | None = None, shared_tokens: int = 0) -> bool:
+        """Make row ``row`` able to hold ``tokens`` tokens; False (nothing taken) when there is no room."""
+        return tokens <= self.max_len
+
+    def release(self, row: int) -> None:
+        """Row ``row``'s sequence left: what it held is free again."""
+
+    def move(self, source: int, target: int, num_tokens: int) -> None:
+        """Row ``source``'s first ``num_tokens`` keys/values now belong to row ``target`` (``source`` left empty)."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Bring the device's view of the rows' storage up to date with the host's (before a forward)."""
+
+    def _decode_index(self, rows: int, window: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's row index ``[B]`` and attention mask ``[B, 1, 1, longest + 1]`` (a key is seen when its slot is
+        filled, within ``window``): made once per step, for the first layer, and shared by the others."""
+        key = (rows, window)
+        if key not in self._step_index:
+            slots = torch.arange(self.longest + 1, device=device)
+            mask = slots.unsqueeze(0) <= self.lengths.unsqueeze(1)
+            if window is not None:
+                mask &= slots.unsqueeze(0) > self.lengths.unsqueeze(1) - window
+            self._step_index[key] = (torch.arange(rows, device=device), mask[:, None, None, :])
+        return self._step_index[key]
+
+
+class KVCache(CacheState):
+    """Keys and values of the layers one stage holds, ``[B, L_max, H_kv_local, D]`` per layer: row ``b`` is one
+    contiguous block of ``L_max`` positions (see ``CacheState``)."""
+
+    def __init__(self, layers, batch_size: int, max_len: int, kv_heads: int, head_dim: int, dtype, device):
+        super().__init__(batch_size, max_len, device)
+        shape = (batch_size, max_len, kv_heads, head_dim)
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+
+    def move(self, source: int, target: int, num_tokens: int) -> None:
+        self.copy_prefix(source, [target], num_tokens)
+
     def prefill(self, layer: int, batch: PackedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a packed batch's keys/values (one sequence per cache row, at their positions)."""
         seq, pos = batch.seq_index(), batch.positions
@@ -194,18 +237,12 @@ class KVCache:
         used = self.longest + 1  # only attend over slots some sequence has filled
         keys = k_cache[:, :used].transpose(1, 2)
         values = v_cache[:, :used].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
-                                             scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
-        return out.squeeze(2)
+        return decode_sdpa(q, keys, values, mask, scale)
 
-    def _decode_index(self, rows: int, window: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's row index ``[B]`` and attention mask ``[B, 1, 1, longest + 1]`` (a key is seen when its slot is
-        filled, within ``window``): made once per step, for the first layer, and shared by the others."""
-        key = (rows, window)
-        if key not in self._step_index:
-            slots = torch.arange(self.longest + 1, device=device)
-            mask = slots.unsqueeze(0) <= self.lengths.unsqueeze(1)
-            if window is not None:
-                mask &= slots.unsqueeze(0) > self.lengths.unsqueeze(1) - window
-            self._step_index[key] = (torch.arange(rows, device=device), mask[:, None, None, :])
-        return self._step_index[key]
+
+def decode_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """One query per sequence (``q`` ``[B, H, D]``) against ``keys``/``values`` ``[B, H_kv, L, D]``; ``[B, H, D]``."""
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
+                                         scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
+    return out.squeeze(2)

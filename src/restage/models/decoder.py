@@ -19,11 +19,12 @@ from torch import nn
 
 from restage.errors import ConfigError, LayoutError
 from restage.layout import Strategy
-from restage.models.attention import KVCache, varlen_attention
+from restage.models.attention import CacheState, KVCache, varlen_attention
 from restage.models.config import ModelConfig
 from restage.models.lora import apply_lora
 from restage.models.moe import MoEMLP, RouterLog
 from restage.models.packing import PackedBatch
+from restage.models.paged_cache import PagedKVCache
 from restage.models.parallel import (
     ColumnParallelLinear,
     ParallelContext,
@@ -113,7 +114,7 @@ class Attention(nn.Module):
         self.q_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, ctx, dtype, device) if cfg.qk_norm else None
         self.k_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, ctx, dtype, device) if cfg.qk_norm else None
 
-    def forward(self, x, batch: PackedBatch, rope: RopeTables | None, cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x, batch: PackedBatch, rope: RopeTables | None, cache: CacheState | None) -> torch.Tensor:
         tokens = x.shape[0]
         x = copy_to_tp(x, self.ctx)
         q = self.q(x).view(tokens, -1, self.head_dim)
@@ -161,7 +162,7 @@ class Block(nn.Module):
         self.mlp: MLP | MoEMLP = MoEMLP(cfg, ctx, layer, dtype, device) if cfg.is_sparse(layer) else MLP(
             cfg, ctx, dtype, device)
 
-    def forward(self, h, batch: PackedBatch, rope: RopeTables | None, cache: KVCache | None, routing: RouterLog | None = None
+    def forward(self, h, batch: PackedBatch, rope: RopeTables | None, cache: CacheState | None, routing: RouterLog | None = None
                 ) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), batch, rope, cache)
         if isinstance(self.mlp, MoEMLP):
@@ -226,7 +227,7 @@ class StageModule(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight
 
-    def forward(self, inputs: torch.Tensor, batch: PackedBatch, cache: KVCache | None = None,
+    def forward(self, inputs: torch.Tensor, batch: PackedBatch, cache: CacheState | None = None,
                 select: torch.Tensor | None = None, routing: RouterLog | None = None) -> torch.Tensor:
         """Run this stage on a packed batch.
 
@@ -279,3 +280,11 @@ class StageModule(nn.Module):
         kv_heads = self.cfg.num_kv_heads // self.ctx.tp_size
         device = next(self.parameters()).device
         return KVCache(range(*self.layer_range), batch_size, max_len, kv_heads, self.cfg.head_dim, self.dtype, device)
+
+    def new_paged_cache(self, rows: int, max_len: int, block_tokens: int, num_blocks: int,
+                        pools: list[tuple[int, int]] | None = None) -> PagedKVCache:
+        """An empty paged KV cache for this stage's layers (``paged_cache.py``)."""
+        kv_heads = self.cfg.num_kv_heads // self.ctx.tp_size
+        device = next(self.parameters()).device
+        return PagedKVCache(range(*self.layer_range), rows, max_len, block_tokens, num_blocks, kv_heads,
+                            self.cfg.head_dim, self.dtype, device, pools)

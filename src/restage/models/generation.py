@@ -68,7 +68,7 @@ def generate(module: StageModule, prompts: Sequence[Sequence[int]], params: Samp
                           f"{cfg.max_positions} positions; shorten the prompts or max_new_tokens")
     eos_ids = list(params.eos_token_ids if params.eos_token_ids is not None else cfg.stop_token_ids)
     if limits is None:
-        limits = RolloutLimits.of(params.kv_cache_gib, params.max_slots)
+        limits = RolloutLimits.of_params(params)
     prompt_of = [r // group_size for r in range(requests)]
     engine = RolloutEngine(module, prompts, prompt_of, caps, request_keys(seeds), params, eos_ids, limits)
     tokens, logprobs, lengths = run_pipelined(engine) if engine.num_groups > 1 else engine.run()
@@ -137,7 +137,7 @@ def continue_generate(module: StageModule, requests: Sequence[PartialRequest], p
                 prompts.append(r.prompt)
             prompt_of.append(index[r.prompt])
     eos_ids = list(params.eos_token_ids if params.eos_token_ids is not None else cfg.stop_token_ids)
-    limits = dataclasses.replace(limits or RolloutLimits.of(params.kv_cache_gib, params.max_slots), pp_groups=1)
+    limits = dataclasses.replace(limits or RolloutLimits.of_params(params), pp_groups=1)
     started = [len(r.answer) for r in requests]
     engine = RolloutEngine(module, prompts, prompt_of, [width] * len(requests), request_keys([r.seed for r in requests]),
                            params, eos_ids, limits, started=started, must_finish=must_finish)

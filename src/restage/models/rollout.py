@@ -46,10 +46,12 @@ import torch
 import torch.distributed as dist
 
 from restage.errors import ConfigError
+from restage.models.attention import CacheState, flash_attn_with_kvcache
 from restage.models.decode_graphs import DecodeGraphs, DecodeMode, choose_decode_mode, stage_inputs
 from restage.models.decoder import StageModule
 from restage.models.moe import MoEMLP
 from restage.models.packing import PackedBatch, pack
+from restage.models.paged_cache import DEFAULT_BLOCK_TOKENS, FLASH_BLOCK_TOKENS, blocks_for
 from restage.models.parallel import gather_from_tp, vocab_sizes
 from restage.models.pipeline import recv_tensor, send_tensor
 from restage.models.sampling import SamplingParams, choose_tokens
@@ -65,11 +67,22 @@ class RolloutLimits:
     # Micro-groups of slots in flight through the pipeline at once (rollout_pipeline.py): None is pp
     # (no bubble), 1 steps all slots through the stages one after another; else at least pp.
     pp_groups: int | None = None
+    # The cache's layout (``generation.kv_cache``): blocks from a shared pool (paged_cache.py; concurrency bounded by
+    # the tokens held), or a slot of the longest possible sequence per request (contiguous).
+    paged: bool = True
+    block_tokens: int = 0  # a block's positions (``generation.kv_block_tokens``); 0: ``block_tokens_for`` decides
 
     @classmethod
-    def of(cls, kv_cache_gib: float, max_slots: int) -> RolloutLimits:
-        """The limits ``generation.kv_cache_gib`` (0: sized from free memory) and ``generation.max_slots`` set."""
-        return cls(kv_cache_bytes=int(kv_cache_gib * (1 << 30)) if kv_cache_gib > 0 else None, max_slots=max_slots)
+    def of(cls, kv_cache_gib: float, max_slots: int, paged: bool = True, block_tokens: int = 0) -> RolloutLimits:
+        """The limits ``generation.kv_cache_gib`` (0: sized from free memory), ``max_slots``, ``kv_cache`` (paged or
+        not) and ``kv_block_tokens`` set."""
+        return cls(kv_cache_bytes=int(kv_cache_gib * (1 << 30)) if kv_cache_gib > 0 else None, max_slots=max_slots,
+                   paged=paged, block_tokens=block_tokens)
+
+    @classmethod
+    def of_params(cls, params) -> RolloutLimits:
+        """``of`` a ``GenerationConfig`` (or the ``SamplingParams`` that extend it)."""
+        return cls.of(params.kv_cache_gib, params.max_slots, params.kv_cache == "paged", params.kv_block_tokens)
 
 
 @dataclass(frozen=True)
@@ -147,18 +160,69 @@ def slot_count(budget_bytes: int, slot_bytes: int, num_requests: int, max_slots:
     return min(max_slots, num_requests, budget_bytes // max(1, slot_bytes))
 
 
+def kv_budget_bytes(module: StageModule, limits: RolloutLimits) -> int:
+    """The bytes this stage's KV cache may take: ``limits.kv_cache_bytes``, or the default budget."""
+    if limits.kv_cache_bytes is not None:
+        return limits.kv_cache_bytes
+    device = next(module.parameters()).device
+    return int(GPU_FREE_MEMORY_FRACTION * cuda_available_bytes(device)) if device.type == "cuda" else CPU_KV_CACHE_BYTES
+
+
 def plan_slots(module: StageModule, num_requests: int, max_len: int, limits: RolloutLimits) -> int:
     """Number of cache slots: as many as the budget holds, at most ``max_slots`` and the request count."""
-    budget = limits.kv_cache_bytes
-    device = next(module.parameters()).device
-    if budget is None:
-        budget = (int(GPU_FREE_MEMORY_FRACTION * cuda_available_bytes(device)) if device.type == "cuda"
-                  else CPU_KV_CACHE_BYTES)
+    budget = kv_budget_bytes(module, limits)
     slot_bytes = kv_bytes_per_slot(module, max_len)
     if num_requests and budget < slot_bytes:
         raise ConfigError(f"a KV cache slot of {max_len} tokens needs {slot_bytes} bytes, over "
                           f"the budget of {budget}; raise kv_cache_bytes or shorten prompts / max_new_tokens")
     return slot_count(budget, slot_bytes, num_requests, limits.max_slots)
+
+
+def block_tokens_for(module: StageModule, limits: RolloutLimits) -> int:
+    """A paged cache's block: ``limits.block_tokens``, else 256 positions where flash-attn's paged decode kernel
+    serves (CUDA, half precision, installed: its blocks must be a multiple of 256), else 16."""
+    if limits.block_tokens:
+        return limits.block_tokens
+    device = next(module.parameters()).device
+    flash = (flash_attn_with_kvcache is not None and device.type == "cuda"
+             and module.dtype in (torch.float16, torch.bfloat16))
+    return FLASH_BLOCK_TOKENS if flash else DEFAULT_BLOCK_TOKENS
+
+
+def least_over_stages(module: StageModule, value: int) -> int:
+    """The smallest ``value`` over the replica's pipeline stages (one all-reduce under pp): every stage keeps the
+    same host state, so its slot and block counts must agree though its layers and free memory differ."""
+    ctx = module.ctx
+    if ctx.pp_size == 1:
+        return value
+    flag = torch.tensor([value], dtype=torch.int64, device=next(module.parameters()).device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ctx.pp_group)
+    return int(flag.item())
+
+
+def new_rollout_cache(module: StageModule, num_requests: int, max_len: int, limits: RolloutLimits,
+                      num_groups: int) -> CacheState | None:
+    """The engine's cache for ``num_requests`` requests (None when there are none) of at most ``max_len`` tokens.
+
+    Contiguous: ``plan_slots`` slots of ``max_len``. Paged: ``min(max_slots, requests)`` rows over a pool of
+    blocks, as many as the budget holds and at most every row's ``max_len`` (more would never be used), split into
+    one pool per micro-group of ``num_groups``; each pool must hold one sequence of ``max_len``."""
+    if not limits.paged:
+        slots = least_over_stages(module, plan_slots(module, num_requests, max_len, limits))
+        return module.new_cache(slots, max_len) if slots else None
+    rows = min(limits.max_slots, num_requests)
+    if not rows:
+        return None
+    block_tokens = block_tokens_for(module, limits)
+    per_row = blocks_for(max_len, block_tokens)
+    budget_blocks = kv_budget_bytes(module, limits) // kv_bytes_per_slot(module, block_tokens)
+    pools = [(g.start, g.stop) for g in slot_groups(rows, num_groups) if g.size]
+    blocks = least_over_stages(module, min(budget_blocks, rows * per_row))
+    if blocks // len(pools) < per_row:
+        raise ConfigError(f"a paged KV cache of {blocks} blocks of {block_tokens} tokens cannot hold one sequence of "
+                          f"{max_len} tokens in each of {len(pools)} micro-group(s) ({per_row} blocks each); raise "
+                          "generation.kv_cache_gib or shorten prompts / max_new_tokens")
+    return module.new_paged_cache(rows, max_len, block_tokens, blocks, pools)
 
 
 def _bucket(n: int, slots: int) -> int:
@@ -253,13 +317,18 @@ class RolloutEngine:
         if max_len is None:  # a slot's length: the longest prompt + answer (TurnEngine gives its episodes')
             max_len = max((len(prompts[p]) + m - s for p, m, s in zip(self.prompt_of, self.max_new, self.started)),
                           default=1)
-        self.num_slots = slots = plan_slots(module, self.must_finish, max_len, limits)
-        self.cache = module.new_cache(slots, max_len) if slots else None
+        ctx, cfg = module.ctx, module.cfg
+        self.num_groups = group_count(limits.pp_groups, ctx.pp_size)
+        self.cache = new_rollout_cache(module, self.must_finish, max_len, limits, self.num_groups)
+        self.num_slots = slots = len(self.cache.lengths) if self.cache is not None else 0
         self.queue = deque(range(requests))
         # Host bookkeeping per slot (exact, never read back from the device).
         self.request = [-1] * slots  # -1: free
         self.length = [0] * slots  # tokens in the cache before this step's input
         self.step = [0] * slots  # answer tokens chosen so far
+        self.admitted = [0] * slots  # when the slot's request was admitted (a count): preemption takes the newest
+        self.admissions = 0
+        self.preempted = 0  # requests preempted (their blocks given back, put back in the queue, recomputed)
         # Device state per slot, and the outputs (one spare row takes the free slots' writes).
         self.next_tokens = torch.zeros(slots, dtype=torch.int64, device=device)
         self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
@@ -273,10 +342,8 @@ class RolloutEngine:
         self.logprobs = torch.zeros(requests + 1, width, dtype=torch.float32, device=device)
         self.lengths = torch.tensor(self.started + [0], dtype=torch.int64, device=device)
         self.vocab_sizes = vocab_sizes(module.cfg.vocab_size, module.ctx)
-        ctx, cfg = module.ctx, module.cfg
         self.whole = SlotGroup(0, slots)
         self.lockstep = lockstep_group(module)  # None: this replica steps on its own
-        self.num_groups = group_count(limits.pp_groups, ctx.pp_size)
         # decode_mode None: CUDA graphs where they serve (decode_graphs.choose_decode_mode), else eager.
         self.decode_mode, self.decode_reason = (decode_mode, "asked for") if decode_mode else (
             ("eager", "micro-groups in flight (rollout_pipeline.py)") if self.num_groups > 1 else choose_decode_mode(
@@ -331,6 +398,8 @@ class RolloutEngine:
     def _retire(self, slots: list[int]) -> None:
         for i in slots:
             self.request[i], self.length[i], self.step[i] = -1, 0, 0
+            assert self.cache is not None  # slots exist when requests do
+            self.cache.release(i)
         if slots:
             self.alive.index_fill_(0, torch.tensor(slots).to(self.device, non_blocking=True), False)
 
@@ -358,9 +427,10 @@ class RolloutEngine:
         high = [i for i in busy if i >= edge]
         low = [i for i in range(group.start, edge) if self.request[i] < 0]
         for source, target in zip(high, low):
-            self.cache.copy_prefix(source, [target], self.length[source])
+            self.cache.move(source, target, self.length[source])
             self.request[target], self.length[target], self.step[target] = (self.request[source], self.length[source],
                                                                            self.step[source])
+            self.admitted[target] = self.admitted[source]
             self.request[source], self.length[source], self.step[source] = -1, 0, 0
         sources, targets = (torch.tensor(x).to(self.device, non_blocking=True) for x in (high, low))
         for state in (self.next_tokens, self.alive, self.slot_keys):
@@ -378,14 +448,27 @@ class RolloutEngine:
 
     def take_slots(self, group: SlotGroup) -> Admission:
         """Waiting requests take the free slots of ``group`` (host state and the slots' device state)."""
-        free = [i for i in range(group.start, group.stop) if self.request[i] < 0][: len(self.queue)]
+        assert self.cache is not None or not self.queue  # slots exist when requests do
         holder = {self.prompt_of[r]: i for i, r in enumerate(self.request) if r >= 0}
         fresh: dict[int, int] = {}  # prompt -> the slot it is prefilled into now
         copies: dict[tuple[int, int], list[int]] = {}  # (source slot, tokens) -> target slots
-        for slot in free:
-            request = self.queue.popleft()
+        free: list[int] = []  # the slots taken now
+        for slot in (i for i in range(group.start, group.stop) if self.request[i] < 0):
+            if not self.queue:
+                break
+            request = self.queue[0]
             prompt = self.prompt_of[request]
             prefix = len(self.prompts[prompt]) - 1
+            source = fresh.get(prompt, holder.get(prompt)) if prefix else None
+            # Room for the prompt and the first answer token's keys (a sibling shares its prompt's full blocks);
+            # without it the queue waits, first come first served, until a request leaves.
+            assert self.cache is not None
+            if not self.cache.hold(slot, prefix + 1, source, prefix):
+                break
+            self.queue.popleft()
+            free.append(slot)
+            self.admissions += 1
+            self.admitted[slot] = self.admissions
             self.request[slot], self.length[slot], self.step[slot] = request, prefix, self.started[request]
             if prefix == 0:
                 continue
@@ -415,6 +498,7 @@ class RolloutEngine:
         """Prefill ``batch`` into cache rows ``slots`` with ``forward`` (``_stage_step``, or a stage alone under a
         pipelined rollout: ``(module, inputs, batch, cache, select)``); returns what it returns."""
         assert self.cache is not None  # slots exist when requests do
+        self.cache.flush()
         self.cache.rows = torch.tensor(slots).to(self.device, non_blocking=True)
         self.cache.decoding = False
         out = forward(self.module, inputs, batch, self.cache, torch.empty(0, dtype=torch.int64, device=self.device))
@@ -428,10 +512,43 @@ class RolloutEngine:
         """Point the cache at ``group``'s first ``bound`` slots for a decode step; their ``stage_inputs`` rows."""
         assert self.cache is not None  # slots exist when requests do
         lo, hi = group.start, group.start + bound
+        self._grow(lo, hi)
         # A graph replays one shape per bucket: attention then covers every cache position, masked.
         self.cache.longest = self.cache.max_len - 1 if self.graphs.fixed_span else max(self.length[lo:hi])
         self.cache.first_row = lo
         return stage_inputs(self.length[lo:hi], self.step[lo:hi], self.request[lo:hi], bound, len(self.tokens) - 1)
+
+    def _grow(self, lo: int, hi: int) -> None:
+        """Give slots ``lo .. hi - 1`` room for this step's keys; where a pool runs out, preempt its newest request
+        (vLLM's rule: the oldest always progress) until there is room or the slot itself was the newest."""
+        assert self.cache is not None  # slots exist when requests do
+        for i in range(lo, hi):
+            while self.request[i] >= 0 and not self.cache.hold(i, self.length[i] + 1):
+                pool = self.cache_pool(i)
+                self._preempt(max((j for j in pool if self.request[j] >= 0), key=lambda j: self.admitted[j]))
+        self.cache.flush()
+
+    def cache_pool(self, slot: int) -> range:
+        """The slots whose cache rows share ``slot``'s block pool (the whole engine, or its pipelined micro-group)."""
+        if self.num_groups == 1:
+            return range(self.num_slots)
+        return next(range(g.start, g.stop) for g in slot_groups(self.num_slots, self.num_groups)
+                    if g.start <= slot < g.stop)
+
+    def _preempt(self, slot: int) -> None:
+        """Put ``slot``'s request back at the head of the queue, its blocks given back and its answer so far
+        dropped: it is recomputed from its prompt when it gets a slot again (its noise is keyed by request and
+        step, so it draws the same tokens)."""
+        request, started = self.request[slot], self.started[self.request[slot]]
+        assert self.cache is not None  # slots exist when requests do
+        self.cache.release(slot)
+        self.request[slot], self.length[slot], self.step[slot] = -1, 0, 0
+        self.alive[slot] = False
+        self.tokens[request, started:] = self.params.pad_token_id
+        self.logprobs[request, started:] = 0.0
+        self.lengths[request] = started
+        self.queue.appendleft(request)  # it was admitted before everything waiting
+        self.preempted += 1
 
     def stage_group(self, group: SlotGroup, bound: int) -> torch.Tensor:
         """Set up a decode step of ``group``'s first ``bound`` slots (eager); returns their staged rows."""

@@ -212,7 +212,8 @@ def run_eval_generate(module: StageModule, mfc: MFC, prompts: Batch, cfg: Experi
     eos = module.cfg.eos_token_id
     pad = module.cfg.pad_token_id if module.cfg.pad_token_id is not None else (eos or 0)
     params = SamplingParams(max_new_tokens=gen.max_new_tokens, min_new_tokens=gen.min_new_tokens, greedy=True,
-                            pad_token_id=pad, cuda_graphs=gen.cuda_graphs)
+                            pad_token_id=pad, cuda_graphs=gen.cuda_graphs, kv_cache_gib=gen.kv_cache_gib,
+                            max_slots=gen.max_slots, kv_cache=gen.kv_cache, kv_block_tokens=gen.kv_block_tokens)
     answers = generate(module, prompt_ids, params).sequences()
     batch = pack_sequences([p + a for p, a in zip(prompt_ids, answers, strict=True)], key=mfc.outputs[0],
                            prompt_lens=[len(p) for p in prompt_ids], ids=prompts.ids)

@@ -326,7 +326,7 @@ def run_turns(module: StageModule, cfg: ExperimentConfig, state: AlgoState, para
     engine = TurnEngine(module, starts, len(seeds), required, options.max_turns, options.max_episode_tokens,
                         longest + options.max_episode_tokens, row_seeds, params,
                         stop_ids(module, state.tokenizer, options.tool_format),
-                        RolloutLimits.of(params.kv_cache_gib, params.max_slots), ReplicaFeed(feed, channel))
+                        RolloutLimits.of_params(params), ReplicaFeed(feed, channel))
     engine.run()
     return engine
 

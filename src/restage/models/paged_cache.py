@@ -1,0 +1,198 @@
+"""A paged KV cache: rows (the rollout engine's slots) hold their keys/values in blocks taken from a shared pool.
+
+Each layer keeps one pool ``[blocks + 1, block_tokens, H_kv_local, D]``; the last block is scratch: the table
+entries a row does not use point at it, so a free slot's decode step writes there and a real row's unused
+positions read there (masked). Row ``r``'s position ``p`` lives in block ``table[r, p // block_tokens]`` at
+offset ``p % block_tokens``.
+
+The host owns the bookkeeping, exactly (nothing is read back from the device): ``held[r]`` lists row ``r``'s
+blocks in position order and ``refs`` counts the rows holding each block. A row takes blocks as its sequence
+grows (``hold``) and gives them back when it leaves (``release``); a prompt's full blocks are held once and
+shared by the siblings that continue it (``hold(..., share_from=...)``: the blocks' count goes up, nothing is
+copied), and only the partial last block is copied for each sibling (``copy_prefix``), since their answers write
+into it. Compacting moves a row by moving its table entries (``move``), no key or value is copied.
+
+The rows may be split into pools (``pools``: one per pipelined micro-group of slots) so that one group's rows
+never wait on another's blocks; a row shares only blocks of its own pool and copies the others.
+
+Attention reads the block table: flash-attn's ``flash_attn_with_kvcache`` with ``block_table`` where it serves
+(CUDA, half precision, installed, blocks a multiple of 256 tokens, its requirement); otherwise one gather of the
+rows' first blocks per layer, then the same masked SDPA as the contiguous cache (``attention.decode_sdpa``),
+which keeps every shape fixed for a CUDA graph when the span is fixed. The block table is a static device buffer
+the host rewrites (``flush``) before a forward whenever a row took or gave back blocks.
+
+Written here rather than taken from vLLM or SGLang: their caches are bound to their own schedulers, kernels and
+process models; the pieces restage needs (a free list, counts, one table) are a few dozen lines.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from restage.models.attention import CacheState, _window_pair, decode_sdpa, flash_attn_with_kvcache, use_flash
+from restage.models.packing import PackedBatch
+
+DEFAULT_BLOCK_TOKENS = 16  # the gather path's block: small blocks waste little of a row's last block
+FLASH_BLOCK_TOKENS = 256  # flash-attn 2's paged kernel needs page_block_size % 256 == 0
+
+
+def blocks_for(tokens: int, block_tokens: int) -> int:
+    """Blocks that hold ``tokens`` positions."""
+    return -(-tokens // block_tokens)
+
+
+class PagedKVCache(CacheState):
+    """Keys and values of one stage's layers in ``num_blocks`` blocks of ``block_tokens`` (see the module doc).
+
+    ``pools``: row ranges ``(start, stop)`` whose rows share one free list; the blocks are split among them as
+    evenly as possible (one pool over all rows when None)."""
+
+    def __init__(self, layers, rows: int, max_len: int, block_tokens: int, num_blocks: int, kv_heads: int,
+                 head_dim: int, dtype, device, pools: list[tuple[int, int]] | None = None):
+        super().__init__(rows, max_len, device)
+        self.block_tokens, self.num_blocks = block_tokens, num_blocks
+        self.max_blocks = blocks_for(max_len, block_tokens)  # table width: a row of max_len tokens
+        self.scratch = num_blocks
+        shape = (num_blocks + 1, block_tokens, kv_heads, head_dim)
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.table = torch.full((rows, self.max_blocks), self.scratch, dtype=torch.int32, device=device)
+        self.held: list[list[int]] = [[] for _ in range(rows)]
+        self.refs = [0] * num_blocks
+        pools = pools or [(0, rows)]
+        self.pool_of_row = [0] * rows
+        self.owner = [0] * num_blocks
+        self.free: list[list[int]] = []
+        for p, (start, stop) in enumerate(pools):
+            self.pool_of_row[start:stop] = [p] * (stop - start)
+            first, last = p * num_blocks // len(pools), (p + 1) * num_blocks // len(pools)
+            self.owner[first:last] = [p] * (last - first)
+            self.free.append(list(range(last - 1, first - 1, -1)))  # pop() gives the lowest first
+        self.dirty = False
+        self.peak_blocks = 0  # most blocks held at once over the cache's life (the bench's and tests' figure)
+
+    # ---- host side -----------------------------------------------------------------------------------------
+    def pool_blocks(self, row: int) -> int:
+        """Blocks of ``row``'s pool (free or held)."""
+        pool = self.pool_of_row[row]
+        return sum(1 for owner in self.owner if owner == pool)
+
+    def blocks_held(self) -> int:
+        return self.num_blocks - sum(len(f) for f in self.free)
+
+    def hold(self, row: int, tokens: int, share_from: int | None = None, shared_tokens: int = 0) -> bool:
+        """Give ``row`` the blocks for ``tokens`` positions: first, when it starts with ``share_from``'s first
+        ``shared_tokens`` positions and the two rows share a pool, that row's full blocks of them (counted, not
+        copied); then new blocks from the pool. False, taking nothing, when the pool has too few."""
+        held = self.held[row]
+        if tokens > self.max_len:
+            return False
+        shared: list[int] = []
+        if not held and share_from is not None and self.pool_of_row[share_from] == self.pool_of_row[row]:
+            shared = self.held[share_from][: shared_tokens // self.block_tokens]
+        need = blocks_for(tokens, self.block_tokens) - len(held) - len(shared)
+        free = self.free[self.pool_of_row[row]]
+        if need > len(free):
+            return False
+        for block in shared:
+            self.refs[block] += 1
+        held.extend(shared)
+        for _ in range(max(0, need)):
+            block = free.pop()
+            self.refs[block] = 1
+            held.append(block)
+        self.dirty = self.dirty or bool(shared) or need > 0
+        self.peak_blocks = max(self.peak_blocks, self.blocks_held())
+        return True
+
+    def release(self, row: int) -> None:
+        for block in self.held[row]:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free[self.owner[block]].append(block)
+        if self.held[row]:
+            self.held[row] = []
+            self.dirty = True
+
+    def move(self, source: int, target: int, num_tokens: int) -> None:
+        assert not self.held[target] and self.pool_of_row[source] == self.pool_of_row[target]
+        self.held[target], self.held[source] = self.held[source], []
+        self.dirty = True
+
+    def flush(self) -> None:
+        """Write the host's block lists into the device table (one copy), if any changed since the last flush."""
+        if not self.dirty:
+            return
+        host = torch.full(tuple(self.table.shape), self.scratch, dtype=torch.int32)
+        for row, blocks in enumerate(self.held):
+            if blocks:
+                host[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self.table.copy_(host, non_blocking=True)  # in place: a captured decode step reads this buffer
+        self.dirty = False
+
+    def copy_prefix(self, source: int, targets: list[int], num_tokens: int) -> None:
+        """Give rows ``targets`` (already holding their blocks) ``source``'s first ``num_tokens`` keys/values:
+        positions in blocks they share with ``source`` are already there; the rest are copied (one indexed copy
+        per pool tensor for all targets)."""
+        src, dst = [], []
+        for target in targets:
+            for j in range(blocks_for(num_tokens, self.block_tokens)):
+                a, b = self.held[source][j], self.held[target][j]
+                if a != b:
+                    count = min(self.block_tokens, num_tokens - j * self.block_tokens)
+                    src.extend(a * self.block_tokens + o for o in range(count))
+                    dst.extend(b * self.block_tokens + o for o in range(count))
+        if not src:
+            return
+        device = self.table.device
+        src_index, dst_index = (torch.tensor(x).to(device, non_blocking=True) for x in (src, dst))
+        for pool in (*self.k.values(), *self.v.values()):
+            flat = pool.view(-1, *pool.shape[2:])
+            flat.index_copy_(0, dst_index, flat.index_select(0, src_index))
+
+    # ---- device side ---------------------------------------------------------------------------------------
+    def _flat(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat pool index (block * block_tokens + offset) of ``positions`` of ``rows``."""
+        blocks = self.table[rows, positions // self.block_tokens].long()
+        return blocks * self.block_tokens + positions % self.block_tokens
+
+    def prefill(self, layer: int, batch: PackedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a packed batch's keys/values (one sequence per row, at their positions) into the rows' blocks."""
+        seq, pos = batch.seq_index(), batch.positions
+        rows = self.rows[seq] if self.rows is not None else seq
+        index = self._flat(rows, pos)
+        for pool, x in ((self.k[layer], k), (self.v[layer], v)):
+            pool.view(-1, *pool.shape[2:]).index_copy_(0, index, x.to(pool.dtype))
+
+    def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         window: int | None = None) -> torch.Tensor:
+        """Append one token per row (``q`` ``[B, H, D]``, rows ``first_row ..``) and attend to its blocks."""
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        table = self.table[self.first_row:self.first_row + q.shape[0]]
+        k_pool, v_pool = self.k[layer], self.v[layer]
+        if use_flash(q) and self.block_tokens % FLASH_BLOCK_TOKENS == 0:
+            out = flash_attn_with_kvcache(q.unsqueeze(1), k_pool, v_pool, k=k.unsqueeze(1), v=v.unsqueeze(1),
+                                          cache_seqlens=self.lengths.to(torch.int32), block_table=table,
+                                          softmax_scale=scale, causal=True, window_size=_window_pair(window))
+            return out.squeeze(1)
+        write, gather, mask = self._paged_index(table, window, q.device)
+        for pool, x in ((k_pool, k), (v_pool, v)):
+            pool.view(-1, *pool.shape[2:]).index_copy_(0, write, x.to(pool.dtype))
+        used = self.longest + 1
+        keys, values = ((pool[gather].flatten(1, 2)[:, :used]).transpose(1, 2) for pool in (k_pool, v_pool))
+        return decode_sdpa(q, keys, values, mask, scale)
+
+    def _paged_index(self, table: torch.Tensor, window: int | None,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This step's write index ``[B]`` (flat pool positions of the new tokens), gather index ``[B, n]`` (each
+        row's first ``n`` blocks, enough for ``longest + 1`` positions) and mask: made for the first layer, shared."""
+        rows, mask = self._decode_index(table.shape[0], window, device)
+        key = (-table.shape[0], window)  # beside _decode_index's (rows, window) entry, dropped with it
+        if key not in self._step_index:
+            blocks = blocks_for(self.longest + 1, self.block_tokens)
+            write = self._flat(self.first_row + rows, self.lengths)
+            self._step_index[key] = (write, table[:, :blocks].long())
+        write, gather = self._step_index[key]
+        return write, gather, mask
