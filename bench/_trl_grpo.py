@@ -11,10 +11,14 @@ Each setting below is TRL 1.16.0's (trl/trainer/grpo_config.py, grpo_trainer.py)
 * ``beta`` is the KL coefficient; at 0 ``GRPOTrainer.__init__`` sets ``ref_model = None`` ("If beta is 0.0,
   the reference model is not needed"; the config's help: "the reference model is not loaded").
 * ``steps_per_generation`` optimizer steps per generation round with ``gradient_accumulation_steps=1``:
-  ``_prepare_inputs`` generates every ``steps_per_generation * num_iterations`` steps and splits the round's
-  completions into that many batches. With ``gradient_accumulation_steps % generate_every == 0``,
-  ``_generate_and_score_completions`` makes no old-log-prob pass (``old_per_token_logps = None``; the loss
-  uses the detached current log-probs), as restage's GRPO reuses the sampling log-probs.
+  ``_prepare_inputs`` generates every ``generate_every = steps_per_generation * num_iterations`` steps and splits
+  the round's completions into that many batches. ``_generate_and_score_completions`` makes an old-policy
+  log-prob pass (a no-grad forward of the policy over the round's completions) unless
+  ``gradient_accumulation_steps % generate_every == 0``: so with one optimizer step per round
+  (``grpo_256x4``) it makes none (``old_per_token_logps = None``; the loss uses the detached current
+  log-probs), and with two (``grpo_tiny``'s ``minibatches: 2``; 1 % 2 != 0) it makes one per round, where
+  restage's GRPO takes the sampling log-probs as the old ones and makes no such pass. It is TRL's own cost
+  of doing that job, so it stays in TRL's time, timed as ``old_logprobs`` (apart from ``reference_logprobs``).
 * Generation (no vLLM: ``use_vllm=False`` by default) is ``model.generate`` with ``GenerationConfig(do_sample=True,
   max_new_tokens=max_completion_length, temperature, top_p, top_k, min_p, eos_token_id=[the tokenizer's EOS,
   ...])``: every answer stops at EOS or ``max_completion_length``, as restage's do.
@@ -114,31 +118,45 @@ def time_methods(trainer) -> None:
     """Time GRPOTrainer's own steps from outside: each wrapped method's calls are appended to SPANS.
 
     rollout: ``_generate_and_score_completions`` (called from ``_prepare_inputs`` inside ``training_step``);
-    within it generation (``_generate``), rewards (``_calculate_rewards``) and inference passes (the no-grad
-    ``_get_per_token_logps_and_entropies`` calls it makes: old or reference log-probs, none at beta 0 with
-    aligned steps); training_step: the whole of ``training_step`` (the rollout, when due, then forward, loss and
-    backward); grad_clip: ``_clip_grad_norm``. The optimizer step is timed by the Timer callback.
+    within it generation (``_generate``), rewards (``_calculate_rewards``) and the no-grad
+    ``_get_per_token_logps_and_entropies`` passes it makes, named by the model they run: ``reference_logprobs``
+    on ``trainer.ref_model`` (beta > 0), ``old_logprobs`` on the policy itself (the old-policy pass; without
+    PEFT, the reference pass never runs on the policy); training_step: the whole of ``training_step`` (the
+    rollout, when due, then forward, loss and backward); grad_clip: ``_clip_grad_norm``. The optimizer step is
+    timed by the Timer callback.
     """
-    inside_rollout = [False]
+    in_rollout = [False]
 
-    def timed(name: str, method, rollout: bool = False):
+    def timed(name: str, method):
         def call(*a, **k):
-            if name == "inference_passes" and not inside_rollout[0]:
-                return method(*a, **k)  # the training forward, inside training_step
             began = time.perf_counter()
-            inside_rollout[0] = inside_rollout[0] or rollout
             try:
                 return method(*a, **k)
             finally:
-                if rollout:
-                    inside_rollout[0] = False
                 SPANS.append((name, began, time.perf_counter()))
         return call
 
-    trainer._generate_and_score_completions = timed("rollout", trainer._generate_and_score_completions, rollout=True)
+    rollout = timed("rollout", trainer._generate_and_score_completions)
+
+    def timed_rollout(*a, **k):
+        in_rollout[0] = True
+        try:
+            return rollout(*a, **k)
+        finally:
+            in_rollout[0] = False
+
+    logprobs = trainer._get_per_token_logps_and_entropies
+    passes = {name: timed(name, logprobs) for name in ("reference_logprobs", "old_logprobs")}
+
+    def timed_logprobs(model, *a, **k):
+        if not in_rollout[0]:
+            return logprobs(model, *a, **k)  # the training forward (compute_loss): part of training_step
+        return passes["reference_logprobs" if model is trainer.ref_model else "old_logprobs"](model, *a, **k)
+
+    trainer._generate_and_score_completions = timed_rollout
     trainer._generate = timed("generation", trainer._generate)
     trainer._calculate_rewards = timed("rewards", trainer._calculate_rewards)
-    trainer._get_per_token_logps_and_entropies = timed("inference_passes", trainer._get_per_token_logps_and_entropies)
+    trainer._get_per_token_logps_and_entropies = timed_logprobs
     trainer.training_step = timed("training_step", trainer.training_step)
     trainer._clip_grad_norm = timed("grad_clip", trainer._clip_grad_norm)  # between training_step and the optimizer
 

@@ -1,8 +1,7 @@
 """End-to-end RL throughput on this CPU machine: restage's GRPO jobs against TRL's GRPOTrainer, and restage's PPO tiny job.
 
-    python bench/e2e_cpu.py [--json] [--jobs grpo_tiny grpo_256x4] [--steps N] [--warmup 5] [--nproc 1 2]
-                            [--repeats 3] [--restage-threads 0] [--trl-threads 1 0] [--skip-trl] [--skip-ppo]
-                            [--only-async]
+    python bench/e2e_cpu.py [--json] [--jobs grpo_tiny grpo_256x4] [--steps N] [--warmup 5] [--cores C]
+                            [--nproc 1 2] [--repeats 3] [--skip-trl] [--skip-ppo] [--only-async]
 
 First, always: GRPO tiny on 2 ranks in sync and in async mode (``async_comparison``) beside what
 ``plan.execution=auto`` chooses, as ``grpo_sync_samples_per_s``, ``grpo_async_samples_per_s``, ``planner_choice``
@@ -18,13 +17,16 @@ Two GRPO jobs, each measured against TRL:
   after about 16 tokens on average), KL 0 (no reference model on either side), one optimizer step per step.
   25 steps by default.
 
-restage runs each job with ``restage run -n NPROC`` (the planner picks the layouts; they are printed),
-with each of ``--restage-threads`` as ``run.threads_per_rank`` (default 0: restage's own rule, the whole
-machine split among the ranks), and reads log.h5: samples (prompts), completions and tokens (prompt + answer tokens of
-every completion) per second over the steps after ``--warmup``, and where a step's time goes: generation
-(generate MFCs), inference passes (inference MFCs), training (train MFCs), data and parameter moves (with
-any wait for other ranks), and overhead (the rest of the step's wall time: control messages, logging,
-building batches), all as rank 0 spends them; and each MFC's span (first start to last end over its ranks).
+Both sides get the same cores, ``--cores`` (default: every core of the machine, 2 here). restage runs each
+job with ``restage run -n NPROC`` for each ``--nproc`` that divides them, with ``run.threads_per_rank`` =
+cores / NPROC (on 2 cores: ``-n 1`` with 2 threads and ``-n 2`` with 1 thread per rank; the driver process
+only waits), and TRL runs in one process with that many torch threads; ranks x threads per rank = TRL's
+threads in every pairing. restage's planner picks the layouts (they are printed). It reads log.h5: samples
+(prompts), completions and tokens (prompt + answer tokens of every completion) per second over the steps after
+``--warmup``, and where a step's time goes: generation (generate MFCs), inference passes (inference MFCs),
+training (train MFCs), data and parameter moves (with any wait for other ranks), and overhead (the rest of the
+step's wall time: control messages, logging, building batches), all as rank 0 spends them; and each MFC's span
+(first start to last end over its ranks).
 
 TRL's GRPOTrainer runs the same job: the same model directory and tokenizer, prompts, prompts x
 completions per generation round, ``max_new_tokens``, temperature (top-k 0, top-p 1 on both sides),
@@ -33,19 +35,26 @@ model: ``GRPOConfig.beta`` docs, and ``GRPOTrainer.__init__`` sets ``ref_model =
 learning rate, AdamW betas, gradient clip, fp32 and no activation checkpointing (TRL defaults to bf16 and
 checkpointing; restage's jobs use neither), and restage's Python sort reward (bench/_trl_grpo.py cites
 each setting). It runs in its own venv (bench/.venv-trl, made on first use with ``pip install trl==1.16.0``;
-never a restage dependency), one process, run with each of ``--trl-threads`` torch thread counts (default one
-thread and every core: two threads ran several times slower than one on the tiny job's 64-wide model) and
-its fastest kept, as restage's fastest rank count is. Its
-rate is taken over the rounds after the warm-up the same way (wall seconds between the end of the last
-warm-up round and the end of the last round), and its time is split by timers around GRPOTrainer's own
-methods (bench/_trl_grpo.py): generation, reward scoring, inference passes made while scoring,
-the training forward/backward and the optimizer step; the rest is overhead.
+never a restage dependency), one process with ``--cores`` torch threads. Its rate is taken over the rounds
+after the warm-up the same way (wall seconds between the end of the last warm-up round and the end of the last
+round), and its time is split by timers around GRPOTrainer's own methods (bench/_trl_grpo.py): generation,
+reward scoring, the no-grad passes made while scoring (``old_logprobs``: the old-policy log-probs TRL computes
+when a round feeds more than one optimizer step, as on grpo_tiny, a pass restage's GRPO does not make since it
+takes the sampling log-probs; ``reference_logprobs``: the reference model's, at KL > 0), the training
+forward/backward and the optimizer step; the rest is overhead. Both passes are TRL's cost of the job and stay
+in its time.
 
-restage and TRL are measured ``--repeats`` times per job, alternating, and the fastest of each is kept
-(other processes on the shared machine only ever slow a run down); ``speedup_vs_trl`` compares restage's
-fastest configuration (rank count, threads) with TRL's fastest (threads), in samples (prompts) per second.
-Mean answer lengths are printed for both sides: they do the same work only while their policies sample
-answers of about the same length.
+Each job is measured ``--repeats`` times (at least 3), alternating: every restage pairing, then TRL, then again
+(restage -n 1, restage -n 2, TRL, restage -n 1, ...). ``speedup_vs_trl`` is the median over the repeats of
+restage's samples (prompts) per second over TRL's in the same repeat, for the pairing with the higher median
+(every pairing's median is printed and in ``speedup_vs_trl_by_config``). A median of per-repeat ratios rather
+than median rate over median rate: the two runs of a repeat run minutes apart at most, so a slow phase of the
+shared machine that spans both cancels in their ratio, and the median then drops the repeat where the load hit
+one side only; a best-of ratio instead keeps whichever side was luckiest. The best-of ratio (restage's fastest
+run over TRL's fastest) stays as ``speedup_vs_trl_best``. Each configuration's figures shown are those of its
+median run, with every repeat's rate and load average beside them. The target (issue 29): ``speedup_vs_trl``
+>= 1.3 on both jobs. Mean answer lengths are printed for both sides: they do the same work only while their
+policies sample answers of about the same length.
 
 Both are steady-state rates: start-up (mpirun, planning, DeepSpeed, TRL's model loading) is reported
 apart, as the whole command's wall seconds. The machine's load average is printed: other processes
@@ -58,6 +67,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -83,6 +93,28 @@ class Job:
 
 JOBS = {"grpo_tiny": Job("grpo_tiny", steps=40), "grpo_256x4": Job("grpo_256x4", steps=25)}
 KINDS = {"generate": "generation", "inference": "inference_passes", "train_step": "training"}
+MIN_REPEATS = 3  # the fewest that make a median differ from a mean or a best-of
+
+
+@dataclass(frozen=True)
+class Pairing:
+    """restage on ``nproc`` ranks of ``threads`` threads each against TRL on ``nproc * threads`` torch threads."""
+
+    nproc: int
+    threads: int
+
+    @property
+    def cores(self) -> int:
+        return self.nproc * self.threads
+
+    @property
+    def key(self) -> str:
+        return f"-n {self.nproc} x {self.threads} threads"
+
+
+def equal_core_pairings(cores: int, nprocs: list[int]) -> list[Pairing]:
+    """One pairing per rank count that divides ``cores``, its ranks sharing them evenly."""
+    return [Pairing(n, cores // n) for n in nprocs if n > 0 and cores % n == 0]
 
 
 def run_restage(job: str, nproc: int, steps: int, overrides: list[str], threads: int = 0,
@@ -190,11 +222,11 @@ def run_trl(cfg, rounds: int, warmup: int, threads: int) -> dict:
         if begin >= since:
             spans[name] = spans.get(name, 0.0) + (end - begin) / measured
     rollout = spans.get("rollout", 0.0)
-    breakdown = {"generation": spans.get("generation", 0.0), "inference_passes": spans.get("inference_passes", 0.0),
-                 "rewards": spans.get("rewards", 0.0),
-                 "training": spans.get("training_step", 0.0) - rollout + spans.get("grad_clip", 0.0)
-                 + spans.get("optimizer", 0.0)}
-    breakdown["rollout_other"] = rollout - breakdown["generation"] - breakdown["inference_passes"] - breakdown["rewards"]
+    breakdown = {"generation": spans.get("generation", 0.0), "old_logprobs": spans.get("old_logprobs", 0.0),
+                 "reference_logprobs": spans.get("reference_logprobs", 0.0), "rewards": spans.get("rewards", 0.0)}
+    breakdown["rollout_other"] = rollout - sum(breakdown.values())
+    breakdown["training"] = (spans.get("training_step", 0.0) - rollout + spans.get("grad_clip", 0.0)
+                             + spans.get("optimizer", 0.0))
     breakdown["overhead"] = seconds / measured - rollout - breakdown["training"]
     lengths = [s["completions/mean_length"] for s in firsts[warmup:] if "completions/mean_length" in s]
     return {"rounds_measured": measured, "seconds": seconds,
@@ -242,49 +274,66 @@ def async_comparison(steps: int, warmup: int, group: int) -> dict:
             "grpo_sync": sync, "grpo_async": asynchronous, "grpo_async_partial": partial}
 
 
-def _best(runs: list[dict]) -> dict:
-    """The fastest of repeated measurements (other processes on a shared machine only ever slow a run down)."""
-    best = dict(max(runs, key=lambda r: r["samples_per_second"]))
-    best["repeats_samples_per_second"] = [r["samples_per_second"] for r in runs]
-    best["repeats_load_average_1min_before"] = [r.get("load_average_1min_before") for r in runs]
-    return best
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median samples/s (the lower middle one for an even count), standing for its configuration;
+    with every repeat's rate and load, their median and the best."""
+    rates = [r["samples_per_second"] for r in runs]
+    middle = sorted(range(len(runs)), key=rates.__getitem__)[(len(runs) - 1) // 2]
+    return dict(runs[middle]) | {"median_samples_per_second": statistics.median(rates),
+                                 "best_samples_per_second": max(rates), "repeats_samples_per_second": rates,
+                                 "repeats_load_average_1min_before": [r["load_average_1min_before"] for r in runs]}
+
+
+def _progress(job: str, side: str, fig: dict) -> None:
+    """One line per run on stderr, so a long benchmark's figures so far survive it being stopped."""
+    print(f"{job}: {side}: {fig['samples_per_second']:.2f} samples/s at load {fig['load_average_1min_before']:.1f}",
+          file=sys.stderr, flush=True)
 
 
 def measure_job(job: Job, args) -> dict:
-    """restage at each rank count and TRL on one GRPO job, alternating, ``args.repeats`` times; the best of each."""
+    """restage in every equal-core pairing and TRL on one GRPO job, alternating, ``args.repeats`` times; the median
+    of the per-repeat ratios as the headline (module docstring)."""
     from restage.config import load_config
 
     cfg = load_config(f"jobs/{job.name}.yaml")
     group = int(cfg.algo["group_size"])
     steps = args.steps or job.steps
-    runs: dict[str, list[dict]] = {}
+    pairings = equal_core_pairings(args.cores, args.nproc)
+    ours: dict[str, list[dict]] = {p.key: [] for p in pairings}
+    theirs: list[dict] = []
     for _ in range(args.repeats):  # alternating, so slow phases of the machine hit both sides alike
-        for n in args.nproc:
-            for threads in args.restage_threads:
-                load = os.getloadavg()[0]
-                trial, wall = run_restage(job.name, n, steps, [], threads)
-                runs.setdefault(_restage_key(n, threads), []).append(restage_figures(trial, args.warmup, group, wall)
-                                                                     | {"load_average_1min_before": load})
+        for p in pairings:
+            load = os.getloadavg()[0]
+            trial, wall = run_restage(job.name, p.nproc, steps, [], p.threads)
+            ours[p.key].append(restage_figures(trial, args.warmup, group, wall) | {"load_average_1min_before": load})
+            _progress(job.name, f"restage {p.key}", ours[p.key][-1])
         if not args.skip_trl:
-            for threads in args.trl_threads:
-                load = os.getloadavg()[0]
-                runs.setdefault("trl", []).append(run_trl(cfg, steps, args.warmup, threads or os.cpu_count() or 1)
-                                                  | {"load_average_1min_before": load})
-    out: dict = {"restage": {k: _best(v) for k, v in runs.items() if k != "trl"}}
-    fastest = max(out["restage"], key=lambda k: out["restage"][k]["samples_per_second"])
-    out["restage_best"] = fastest
-    out["restage_samples_per_second"] = out["restage"][fastest]["samples_per_second"]
-    if not args.skip_trl:
-        out["trl"] = theirs = _best(runs["trl"])
-        ours = out["restage"][fastest]
-        out["trl_samples_per_second"] = theirs["samples_per_second"]
-        out["speedup_vs_trl"] = ours["samples_per_second"] / theirs["samples_per_second"]
-        out["speedup_vs_trl_tokens"] = ours["tokens_per_second"] / theirs["tokens_per_second"]
+            load = os.getloadavg()[0]
+            theirs.append(run_trl(cfg, steps, args.warmup, args.cores) | {"load_average_1min_before": load})
+            _progress(job.name, f"TRL {args.cores} threads", theirs[-1])
+    out: dict = {"cores": args.cores, "restage": {key: _median_run(runs) for key, runs in ours.items()}}
+    if args.skip_trl:
+        chosen = max(ours, key=lambda key: out["restage"][key]["median_samples_per_second"])
+    else:
+        ratios = {key: [a["samples_per_second"] / b["samples_per_second"] for a, b in zip(runs, theirs, strict=True)]
+                  for key, runs in ours.items()}
+        token_ratios = {key: [a["tokens_per_second"] / b["tokens_per_second"] for a, b in zip(runs, theirs, strict=True)]
+                        for key, runs in ours.items()}
+        by_config = {key: statistics.median(r) for key, r in ratios.items()}
+        chosen = max(by_config, key=by_config.__getitem__)
+        out["trl"] = _median_run(theirs)
+        out["trl_samples_per_second"] = out["trl"]["median_samples_per_second"]
+        out["speedup_vs_trl"] = by_config[chosen]
+        out["speedup_vs_trl_repeats"] = ratios[chosen]
+        out["speedup_vs_trl_tokens"] = statistics.median(token_ratios[chosen])
+        out["speedup_vs_trl_by_config"] = by_config
+        out["speedup_vs_trl_best"] = (max(r["samples_per_second"] for runs in ours.values() for r in runs)
+                                      / out["trl"]["best_samples_per_second"])
+        out["method"] = (f"equal cores ({args.cores}): median over {args.repeats} alternating repeats of restage's "
+                         f"samples/s over TRL's in the same repeat; best: fastest restage run over fastest TRL run")
+    out["restage_best"] = chosen
+    out["restage_samples_per_second"] = out["restage"][chosen]["median_samples_per_second"]
     return out
-
-
-def _restage_key(nproc: int, threads: int) -> str:
-    return f"-n {nproc}" + (f" ({threads} threads per rank)" if threads else " (threads per rank: restage's rule)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,18 +345,22 @@ def main(argv: list[str] | None = None) -> int:
     # gave restage longer answers on the tiny job: 1.39x completions/s but 1.48x tokens/s).
     parser.add_argument("--steps", type=int, default=0, help="restage steps and TRL rounds per job (default: the job's)")
     parser.add_argument("--warmup", type=int, default=5, help="steps / rounds left out of the rates (default 5)")
-    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2], help="restage rank counts to measure (default 1 2)")
-    parser.add_argument("--restage-threads", type=int, nargs="+", default=[0],
-                        help="run.threads_per_rank values to run restage with (default 0: restage's rule, the cores "
-                             "split among the ranks)")
-    parser.add_argument("--trl-threads", type=int, nargs="+", default=[1, 0],
-                        help="torch thread counts to run TRL with, its best kept (default 1 0; 0: every core)")
-    # Three repeats, because the shared machine's slow phases last seconds.
-    parser.add_argument("--repeats", type=int, default=3, help="alternating repeats of restage and TRL; best kept")
+    parser.add_argument("--cores", type=int, default=os.cpu_count() or 1,
+                        help="cores each side gets: TRL's torch threads, restage's ranks x threads per rank "
+                             "(default: every core)")
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2],
+                        help="restage rank counts to measure, each that divides --cores (default 1 2)")
+    parser.add_argument("--repeats", type=int, default=MIN_REPEATS,
+                        help=f"alternating repeats of restage and TRL, the median ratio the headline (at least "
+                             f"{MIN_REPEATS}; default {MIN_REPEATS})")
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-ppo", action="store_true", help="leave out restage's PPO tiny job")
     parser.add_argument("--only-async", action="store_true", help="measure only the sync/async GRPO comparison")
     args = parser.parse_args(argv)
+    if args.repeats < MIN_REPEATS:
+        parser.error(f"--repeats {args.repeats}: the headline is a median, so at least {MIN_REPEATS}")
+    if not equal_core_pairings(args.cores, args.nproc):
+        parser.error(f"--nproc {' '.join(map(str, args.nproc))}: none divides --cores {args.cores}")
     os.chdir(ROOT)
     # Libraries imported on the way may log to stdout (DeepSpeed's accelerator notice, through transformers):
     # stdout carries only the result.
@@ -331,12 +384,17 @@ def measure(args) -> dict:
         result["jobs"][name] = measure_job(JOBS[name], args)
     if not args.skip_ppo and not args.only_async:
         result["ppo_tiny"] = {}
-        for n in args.nproc:
-            threads = args.restage_threads[0]
-            trial, wall = run_restage("ppo_tiny", n, args.steps or JOBS["grpo_tiny"].steps, [], threads)
-            result["ppo_tiny"][_restage_key(n, threads)] = restage_figures(trial, args.warmup, 1, wall)
+        for p in equal_core_pairings(args.cores, args.nproc):
+            trial, wall = run_restage("ppo_tiny", p.nproc, args.steps or JOBS["grpo_tiny"].steps, [], p.threads)
+            result["ppo_tiny"][p.key] = restage_figures(trial, args.warmup, 1, wall)
     result["machine"]["load_average_1min_after"] = os.getloadavg()[0]
     return result
+
+
+def _repeats_text(fig: dict) -> str:
+    return ("repeats: " + ", ".join(f"{r:.2f}" for r in fig["repeats_samples_per_second"]) + " samples/s at load "
+            + ", ".join(f"{a:.1f}" for a in fig["repeats_load_average_1min_before"])
+            + f" (median {fig['median_samples_per_second']:.2f}, best {fig['best_samples_per_second']:.2f})")
 
 
 def _breakdown_text(breakdown: dict) -> str:
@@ -370,9 +428,9 @@ def format_text(result: dict, args) -> str:
     for mode in ("grpo_sync", "grpo_async", "grpo_async_partial"):
         lines += _restage_lines(mode, result[mode])
     for name, job in result["jobs"].items():
-        lines.append(f"\n== {name} ==")
-        for n, fig in job["restage"].items():
-            lines += _restage_lines(n, fig)
+        lines.append(f"\n== {name} (equal cores: {job['cores']} for each side; the median run of each shown) ==")
+        for key, fig in job["restage"].items():
+            lines += _restage_lines(key, fig) + ["  " + _repeats_text(fig)]
         if "trl" in job:
             t = job["trl"]
             answer = f", answers {t['answer_tokens_mean']:.1f} tokens" if t["answer_tokens_mean"] is not None else ""
@@ -381,8 +439,14 @@ def format_text(result: dict, args) -> str:
                          f"{t['completions_per_second']:.1f} completions/s, {t['tokens_per_second']:.0f} tokens/s, "
                          f"{t['step_seconds']:.3f} s/round{answer} (command {t['command_wall_seconds']:.0f} s)")
             lines.append("  seconds per round: " + _breakdown_text(t["seconds_per_step"]))
-            lines.append(f"restage ({job['restage_best']}) / TRL: {job['speedup_vs_trl']:.2f}x samples/s, "
-                         f"{job['speedup_vs_trl_tokens']:.2f}x tokens/s (target >= 2x)")
+            lines.append("  " + _repeats_text(t))
+            others = ", ".join(f"{key} {ratio:.2f}x" for key, ratio in job["speedup_vs_trl_by_config"].items())
+            lines.append(f"restage ({job['restage_best']}) / TRL ({t['threads']} threads), median of "
+                         f"{len(job['speedup_vs_trl_repeats'])} repeats: {job['speedup_vs_trl']:.2f}x samples/s "
+                         f"(target >= 1.3; repeats "
+                         + ", ".join(f"{r:.2f}" for r in job["speedup_vs_trl_repeats"])
+                         + f"), {job['speedup_vs_trl_tokens']:.2f}x tokens/s; every pairing: {others}; "
+                         f"best / best {job['speedup_vs_trl_best']:.2f}x")
     for n, fig in result.get("ppo_tiny", {}).items():
         lines += ["", *_restage_lines(f"ppo_tiny {n}", fig)]
     return "\n".join(lines)
