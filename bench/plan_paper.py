@@ -1,6 +1,6 @@
 """Estimated throughput of the searched plan against peers' default plans and restricted searches, per jobs/paper/ config.
 
-    python bench/plan_paper.py [--json] [--search-seconds S] [--only SUBSTRING]
+    python bench/plan_paper.py [--json] [--search-seconds S] [--only SUBSTRING] [--flash-attn auto|yes|no]
 
 Two groups are compared with the searched plan (restage.plan.baselines):
 
@@ -14,6 +14,10 @@ predictions of restage's estimator and simulator, not measurements. The search r
 same budget: seeded with every plan of both groups that restage's runtime can run (re-estimated
 with the config's memory settings; ``search``), and from a cold start, seeded with no baseline or
 reference plan (``cold_search``, its speedups in ``cold_speedup_vs_best_*``).
+
+``--flash-attn``: whether restage's rollout engine is costed with flash-attn installed on the ranks (its paged
+decode kernel and 256-token blocks, ``plan/engines.py``), ``auto`` (the default) as in this process; the peers'
+engines are costed the same either way.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from restage.plan.planner import build_problem, check_fits
 from restage.plan.search import search
 
 ROOT = Path(__file__).resolve().parents[1]
+FLASH_CHOICES = {"auto": None, "yes": True, "no": False}  # --flash-attn: planner.engine_of's flash_attn
 
 
 def throughput(problem, seconds: float) -> dict:
@@ -39,10 +44,11 @@ def throughput(problem, seconds: float) -> dict:
             "pflops_per_second": problem.iteration_flops() / seconds / 1e15}
 
 
-def run_config(path: Path, search_seconds: float, seed: int) -> dict:
+def run_config(path: Path, search_seconds: float, seed: int, flash_attn: bool | None = None) -> dict:
     cfg = load_config(path)
-    problem = build_problem(cfg)
-    row = {"config": path.stem, "cluster": problem.cluster.name, "devices": problem.cluster.world_size}
+    problem = build_problem(cfg, flash_attn=flash_attn)
+    row = {"config": path.stem, "cluster": problem.cluster.name, "devices": problem.cluster.world_size,
+           "flash_attn": problem.estimator.engine.flash_attn}
     started = time.perf_counter()
     try:
         check_fits(problem)
@@ -81,11 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--search-seconds", type=float, default=10.0, help="search time budget per config")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--only", default="", help="run only configs whose name contains this")
+    parser.add_argument("--flash-attn", choices=FLASH_CHOICES, default="auto",
+                        help="cost restage's rollout engine with flash-attn installed on the ranks (auto: as here)")
     args = parser.parse_args(argv)
+    flash_attn = FLASH_CHOICES[args.flash_attn]
     paths = sorted(p for p in (ROOT / "jobs" / "paper").glob("*.yaml") if args.only in p.stem)
     rows = []
     for path in paths:
-        rows.append(run_config(path, args.search_seconds, args.seed))
+        rows.append(run_config(path, args.search_seconds, args.seed, flash_attn))
         if not args.json:
             print(render(rows[-1]), flush=True)
     summary = {"configs": len(rows), "planned": sum("search" in r for r in rows),

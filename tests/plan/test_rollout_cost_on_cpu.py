@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from plan_helpers import ppo_config  # noqa: E402
 
 GIB = 1 << 30
+CONTIGUOUS = RolloutLimits(paged=False)  # generation.kv_cache: contiguous (the paged cache: test_paged_cache_cost_on_cpu.py)
 
 
 @pytest.fixture
@@ -79,7 +80,7 @@ def test_default_slots_are_the_free_fraction_of_what_the_weights_leave(h100):
     assert restage_slots(h100, RestageEngine(RolloutLimits(kv_cache_bytes=5 * GIB + GIB // 2)), slot_bytes,
                          weights, 512) == 5
     # The estimate holds the cache of exactly those slots, each of the whole prompt + answer.
-    est = Estimator(h100).estimate(gen_mfc(512, 1024, 1024), ModelRole("actor", cfg), one_rank())
+    est = Estimator(h100, engine=RestageEngine(CONTIGUOUS)).estimate(gen_mfc(512, 1024, 1024), ModelRole("actor", cfg), one_rank())
     logits = 23 * block_shape(cfg, 1).head_out * 4
     workspace = forward_workspace_elements_per_token(cfg, 1) * 23 * 1023 * 2  # one admission: 23 prompts less their last token
     assert est.transient_bytes == int(23 * slot_bytes + workspace + logits)
@@ -97,7 +98,7 @@ def test_requests_beyond_the_slots_take_rounds_of_refill(h100):
 
 def test_a_group_prompt_is_prefilled_once_and_copied_to_its_siblings(h100):
     cfg = preset("llama-7b")
-    role, est = ModelRole("actor", cfg), Estimator(h100)
+    role, est = ModelRole("actor", cfg), Estimator(h100, engine=RestageEngine(CONTIGUOUS))
     compute = est.compute_for(role)
     prompt = 512
     grouped = parts(est.estimate(gen_mfc(64, prompt, 128, group=8), role, one_rank()))
@@ -221,7 +222,7 @@ def test_pipelined_generation_costs_micro_groups_through_busy_stages(h100):
     default, ``pp_groups`` None), against 2 stage steps over all 64 one after another (``pp_groups=1``)."""
     cfg = preset("llama-7b")
     role, mfc, layout = ModelRole("actor", cfg), gen_mfc(64, 128, 128), Layout.contiguous(0, Strategy(pp=2))
-    pipelined, serial = (Estimator(h100, engine=RestageEngine(RolloutLimits(max_slots=64, pp_groups=g)))
+    pipelined, serial = (Estimator(h100, engine=RestageEngine(RolloutLimits(max_slots=64, pp_groups=g, paged=False)))
                          for g in (None, 1))
     compute = pipelined.compute_for(role)
     attended = 128 + 129 / 2  # eager: the average filled cache

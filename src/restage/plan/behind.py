@@ -57,8 +57,8 @@ def _knob(outcome, name: str, index: int) -> str:
             return (f"restage's rollout engine has KV cache for {live} of a rank's {requests} answers at once: raise "
                     "generation.kv_cache_gib or give generation more ranks")
         return (f"{name} generates with {PEER_ENGINES.get(name, 'its own engine')} (plan/peer_engines.py), whose decode "
-                "steps the estimator costs below restage's rollout engine's (a paged KV cache, CUDA graphs under tp and "
-                "pp); no setting of restage's closes this")
+                "steps the estimator costs below restage's rollout engine's (CUDA graphs under tp and pp, a paged "
+                "attention kernel, restage's only with flash-attn installed); no setting of restage's closes this")
     if mfc.kind == "inference" and not role.trainable and not role.shard_frozen:
         return (f"{name} shards frozen models ZeRO-3 / FSDP style: try plan.shard_frozen=auto (or "
                 f"models.{mfc.model}.shard_frozen=true)")

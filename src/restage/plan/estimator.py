@@ -27,6 +27,7 @@ from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.config import ModelConfig
 from restage.models.flops import block_shape
+from restage.models.paged_cache import blocks_for
 from restage.models.rollout import group_count
 from restage.models.sharding import is_adapter, shard_bytes, shard_specs, stage_layers, validate_strategy
 from restage.plan.activations import (
@@ -47,10 +48,16 @@ from restage.plan.engines import (
     GRAPH_BLOCK_SECONDS,
     HOST_CHECK_SECONDS,
     GenerationEngine,
+    Occupancy,
     OneBatchEngine,
     RestageEngine,
     batched_generate_seconds,
+    block_tokens,
     decode_rounds,
+    flash_decodes,
+    kv_budget_bytes,
+    paged_flash,
+    paged_occupancy,
     replays_graphs,
     restage_slots,
 )
@@ -431,20 +438,43 @@ def _forward_workspace(cfg: ModelConfig, tp: int, tokens: float, e: int) -> floa
     return forward_workspace_elements_per_token(cfg, tp) * tokens * e
 
 
-def restage_live(cluster: ClusterSpec, engine: RestageEngine, mfc: MFC, role: ModelRole, layout: Layout) -> int:
-    """The rollout engine's slots on one DP rank of ``layout`` (``engines.restage_slots``; slots of prompt + gen tokens)."""
+def restage_occupancy(cluster: ClusterSpec, engine: RestageEngine, mfc: MFC, role: ModelRole,
+                      layout: Layout) -> Occupancy:
+    """How restage's rollout engine holds one DP rank's requests: a paged cache (``engines.paged_occupancy``; a
+    multi-turn episode's observation tokens grow its cache as answer tokens do) or, ``generation.kv_cache:
+    contiguous``, ``engines.restage_slots``' slots of prompt + gen tokens."""
     cfg, s, e = role.arch, layout.strategy, role.bytes_per_element
     kv_token_bytes = 2 * _max_stage_layers(cfg, s.pp) * block_shape(cfg, s.tp).kv_out * e
-    return restage_slots(cluster, engine, kv_token_bytes * (mfc.prompt_tokens + mfc.gen_tokens),
-                         _worst_stage(cfg, s)[0] * e, int(sequences_per_rank(mfc, s.dp)))
+    weight_bytes = _worst_stage(cfg, s)[0] * e
+    requests = int(sequences_per_rank(mfc, s.dp))
+    observed = int(mfc.options.get("observation_tokens", 0))
+    if not engine.limits.paged:
+        live = restage_slots(cluster, engine, kv_token_bytes * (mfc.prompt_tokens + mfc.gen_tokens), weight_bytes,
+                             requests)
+        return Occupancy(live=live, cache_bytes=kv_token_bytes * (mfc.prompt_tokens + mfc.gen_tokens + observed) * live)
+    return paged_occupancy(kv_budget_bytes(cluster, engine, weight_bytes), kv_token_bytes, mfc.prompt_tokens,
+                           mfc.gen_tokens + observed, int(mfc.options.get("group_size", 1)), requests,
+                           engine.limits.max_slots, block_tokens(cluster, engine, role.dtype))
+
+
+def restage_live(cluster: ClusterSpec, engine: RestageEngine, mfc: MFC, role: ModelRole, layout: Layout) -> int:
+    """Sequences the rollout engine decodes at once on one DP rank of ``layout`` (``restage_occupancy``)."""
+    return restage_occupancy(cluster, engine, mfc, role, layout).live
+
+
+def restage_decode_steps(occupancy: Occupancy, requests: int, gen_tokens: int) -> float:
+    """Decode steps restage's rollout engine runs for ``requests`` answers: ``decode_rounds`` rounds of
+    ``gen_tokens``, and the steps preempted requests had run, done again at the live batch's rate."""
+    steps = decode_rounds(requests, occupancy.live) * gen_tokens
+    return steps + occupancy.lost_steps / occupancy.live if occupancy.preempted else steps
 
 
 def lockstep_forwards(cluster: ClusterSpec, engine: RestageEngine, mfc: MFC, role: ModelRole, layout: Layout) -> int:
     """Forwards one DP rank of restage's rollout engine runs for ``mfc`` in lockstep (ZeRO-3 generation in place,
-    ``runtime/zero3_generation.py``): its decode steps (every answer ``gen_tokens`` long) and, per round of
-    ``check_every_steps`` of them, one prefill or empty join (``models/rollout.py``)."""
+    ``runtime/zero3_generation.py``): its decode steps (every answer ``gen_tokens`` long, ``restage_decode_steps``)
+    and, per round of ``check_every_steps`` of them, one prefill or empty join (``models/rollout.py``)."""
     b = int(sequences_per_rank(mfc, layout.strategy.dp))
-    steps = decode_rounds(b, restage_live(cluster, engine, mfc, role, layout)) * mfc.gen_tokens
+    steps = math.ceil(restage_decode_steps(restage_occupancy(cluster, engine, mfc, role, layout), b, mfc.gen_tokens))
     return steps + math.ceil(steps / engine.limits.check_every_steps)
 
 
@@ -472,18 +502,27 @@ def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc
     window = min(length, cfg.sliding_window) if cfg.sliding_window else length
     kv_token_bytes = 2 * layers * block_shape(cfg, s.tp).kv_out * e  # one token's keys and values on the stage
     filled = prompt + (gen + observed + 1) / 2  # the average cache length while decoding
+    gathered = 0  # positions a paged cache gathers per row and stage step for SDPA (none: read in place)
     match engine:
         case OneBatchEngine():  # every prompt prefilled whole (the head gives the first token), the batch held to the end
             live, prompts, prefix, head, graphs, checks = b, b, prompt, b, False, 0
-            attended, cached, groups = filled, window, 1
-        case RestageEngine():  # slots; a group's prompt less its last token prefilled once, the siblings copy it
-            live = restage_live(cluster, engine, mfc, role, layout)
+            attended, groups = filled, 1
+            occupancy = Occupancy(live=b, cache_bytes=kv_token_bytes * window * live)
+        case RestageEngine():  # a group's prompt less its last token prefilled once, the siblings copy it
+            occupancy = restage_occupancy(cluster, engine, mfc, role, layout)
+            live = occupancy.live
             prompts, prefix, head = math.ceil(b / int(mfc.options.get("group_size", 1))), prompt - 1, 0
             groups = group_count(engine.limits.pp_groups, s.pp) if s.pp > 1 else 1
-            graphs = replays_graphs(cluster, engine, cfg, s)
-            attended = length if graphs else filled  # a graph's SDPA attends over the whole slot, masked
-            cached = length  # a slot holds max_len tokens whatever the window
-            checks = math.ceil(decode_rounds(b, live) * gen / engine.limits.check_every_steps) if cluster.has_gpus else 0
+            graphs = replays_graphs(cluster, engine, cfg, s, groups)
+            if occupancy.block_tokens and not paged_flash(cluster, engine, role.dtype):
+                # One gather of each row's blocks up to the longest row (a graph: the whole slot; eagerly, in the
+                # steady state some row is near its end), then SDPA over those positions.
+                attended = length
+                gathered = blocks_for(length, occupancy.block_tokens) * occupancy.block_tokens
+            else:  # flash-attn reads each row's own length; SDPA on slots: a graph's over the whole slot, masked
+                attended = length if graphs and not flash_decodes(cluster, engine, role.dtype) else filled
+            checks = (math.ceil(restage_decode_steps(occupancy, b, gen) / engine.limits.check_every_steps)
+                      if cluster.has_gpus else 0)
         case _:
             assert_never(engine)
     tokens = prompts * prefix
@@ -493,8 +532,10 @@ def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc
     prefill_comm = layers * 2 * allreduce_seconds(cluster, tp_group, tokens * hidden_bytes) if tokens else 0.0
     prefill_send = p2p_seconds(cluster, pp_group[0], pp_group[-1], tokens * hidden_bytes) if s.pp > 1 and tokens else 0.0
     prefill_ep = s.pp * expert_exchange_seconds(cluster, cfg, layout, tokens, e)
-    # A group's siblings copy the prompt's keys and values (read and written once each).
-    copy = 2 * (b - prompts) * prefix * kv_token_bytes / cluster.achievable_memory_bandwidth()
+    # A group's siblings copy the prompt's keys and values (read and written once each); in a paged cache only those
+    # of its partial last block, the full ones being shared.
+    copied = prefix % occupancy.block_tokens if occupancy.block_tokens else prefix
+    copy = 2 * (b - prompts) * copied * kv_token_bytes / cluster.achievable_memory_bandwidth()
     prefill = s.pp * (prefill_stage + prefill_comm) + (s.pp - 1) * prefill_send + prefill_ep + copy
     turn_prefill = _turn_prefill_seconds(cluster, compute, layout, cfg, b * (turns - 1), filled, hidden_bytes)
     prefill += turn_prefill
@@ -504,9 +545,12 @@ def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc
     def decode_stage_seconds(step_compute) -> float:
         return _stage_seconds(layout, cfg, step_compute.decode_block(batch, attended, s.tp, s.ep),
                               step_compute.embed_forward(batch), step_compute.head_forward(batch, s.tp))
-    decode_stage = decode_stage_seconds(graph_compute if graphs else compute)
+    # A paged gather reads each row's own blocks (about the tokens it holds; the positions it does not hold read the
+    # one scratch block, which stays in the L2 cache) and writes the whole span side by side for SDPA.
+    gather = batch * (filled + gathered) * kv_token_bytes / cluster.achievable_memory_bandwidth() if gathered else 0.0
+    decode_stage = decode_stage_seconds(graph_compute if graphs else compute) + gather
     # A call captures its bucket's graph once: a warm-up step and the capture, each as long as an eager step.
-    capture = 2 * s.pp * decode_stage_seconds(compute) if graphs else 0.0
+    capture = 2 * s.pp * (decode_stage_seconds(compute) + gather) if graphs else 0.0
     # Per stage call, two all-reduces per block; per step, the sampler gathers the full-vocabulary logits over
     # TP, the hidden states cross the stage boundaries, and the chosen tokens and their log-probabilities are
     # broadcast over TP (unless greedy) and over the pipeline (once a step, or once a tick for its group).
@@ -520,7 +564,12 @@ def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc
     step = calls * decode_stage + decode_comm + decode_send + decode_ep
     host_checks = checks * HOST_CHECK_SECONDS
     tool = (turns - 1) * float(mfc.options.get("tool_seconds", 0.0))  # an episode's tool calls, one after another
-    seconds = batched_generate_seconds(prefill, step, b, live, gen) + host_checks + capture + tool
+    # Preempted requests (a paged cache's first wave, ``engines.paged_occupancy``): their decode steps again, at the
+    # live batch's rate, and their prompts prefilled again.
+    first_prefill = s.pp * (prefill_stage + prefill_comm) + (s.pp - 1) * prefill_send + prefill_ep
+    preemption = (occupancy.lost_steps / live * step + occupancy.preempted / prompts * first_prefill
+                  if occupancy.preempted else 0.0)
+    seconds = batched_generate_seconds(prefill, step, b, live, gen) + host_checks + capture + tool + preemption
     steps = decode_rounds(b, live) * gen
     parts = {"prefill_seconds": prefill, "decode_seconds": steps * step,
              "compute_seconds": s.pp * prefill_stage + steps * calls * decode_stage,
@@ -528,10 +577,12 @@ def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc
              "pp_send_seconds": (s.pp - 1) * prefill_send + steps * decode_send, "ep_comm_seconds": prefill_ep + steps * decode_ep}
     parts.update({k: v for k, v in (("kv_copy_seconds", copy), ("host_check_seconds", host_checks),
                                     ("graph_capture_seconds", capture), ("turn_prefill_seconds", turn_prefill),
-                                    ("tool_seconds", tool)) if v})
-    # Memory: the KV cache (allocated for the live sequences' whole length), one admission's prefill workspace, the step's logits.
-    kv_cache = kv_token_bytes * cached * live
-    transient = (kv_cache + _forward_workspace(cfg, s.tp, min(prompts, live) * prefix, e)
+                                    ("tool_seconds", tool), ("kv_gather_seconds", steps * calls * gather),
+                                    ("preemption_seconds", preemption)) if v})
+    # Memory: the KV cache (slots of the whole length, or a paged cache's pool; ``Occupancy``), a paged gather's one
+    # layer of keys and values, one admission's prefill workspace, the step's logits.
+    gather_workspace = 2 * batch * gathered * block_shape(cfg, s.tp).kv_out * e
+    transient = (occupancy.cache_bytes + gather_workspace + _forward_workspace(cfg, s.tp, min(prompts, live) * prefix, e)
                  + live * block_shape(cfg, s.tp).head_out * LOGIT_BYTES)
     return seconds, transient, parts
 

@@ -15,6 +15,7 @@ from restage.algorithms.interface import build_graph, unused_models
 from restage.cluster import ClusterSpec, cluster_from_config
 from restage.errors import ConfigError, LayoutError, PlanError
 from restage.layout import Layout, Strategy
+from restage.models.attention import flash_attn_with_kvcache
 from restage.models.rollout import RolloutLimits
 from restage.plan.async_plan import STALENESS_CHOICES, ModeChoice, best_async_plan
 from restage.plan.baselines import all_baselines, all_references, baseline, rebased, starting_plans
@@ -51,21 +52,28 @@ class PlanOutcome:
     mode_choice: ModeChoice | None = None  # plan.execution auto: the modes compared
 
 
-def build_problem(cfg, cluster: ClusterSpec | None = None) -> PlanProblem:
+def build_problem(cfg, cluster: ClusterSpec | None = None, flash_attn: bool | None = None) -> PlanProblem:
+    """The planning problem of ``cfg`` on ``cluster`` (default the config's); ``flash_attn`` as ``engine_of``'s."""
     graph = build_graph(cfg)
     for name, why in unused_models(cfg, graph).items():
         print(f"restage: models.{name} is unused, so not planned or loaded: {why}", file=sys.stderr, flush=True)
     cluster = cluster or cluster_from_config(cfg)
     execution = (AsyncExecution(cfg.plan.staleness, cfg.plan.push_every, cfg.run.steps, cfg.plan.partial_rollouts)
                  if cfg.plan.execution == "async" else None)
-    return PlanProblem(graph, roles_from_config(cfg, graph), cluster, estimator=Estimator(cluster, engine=engine_of(cfg)),
+    estimator = Estimator(cluster, engine=engine_of(cfg, flash_attn))
+    return PlanProblem(graph, roles_from_config(cfg, graph), cluster, estimator=estimator,
                        samples_per_iteration=cfg.run.batch_size, execution=execution)
 
 
-def engine_of(cfg) -> RestageEngine:
-    """The rollout engine the config's ``generation`` settings build (``models.generation.generate``'s limits)."""
+def engine_of(cfg, flash_attn: bool | None = None) -> RestageEngine:
+    """The rollout engine the config's ``generation`` settings build (``models.generation.generate``'s limits).
+    ``flash_attn``: whether flash-attn is installed where the ranks run; None: as in this process, which plans on
+    (or as) the ranks' machines (``launch/job.py`` plans inside the job), the runtime asking the same of its own
+    (``models.attention.flash_attn_with_kvcache``)."""
     gen = cfg.generation
-    return RestageEngine(RolloutLimits.of(gen.kv_cache_gib, gen.max_slots), cuda_graphs=gen.cuda_graphs)
+    limits = RolloutLimits.of(gen.kv_cache_gib, gen.max_slots, gen.kv_cache == "paged", gen.kv_block_tokens)
+    flash = flash_attn_with_kvcache is not None if flash_attn is None else flash_attn
+    return RestageEngine(limits, cuda_graphs=gen.cuda_graphs, flash_attn=flash)
 
 
 def lean_plan(problem: PlanProblem) -> Plan | None:
