@@ -22,7 +22,7 @@ from restage.config_paths import resolve_file_paths, resolve_paths
 from restage.errors import ConfigError
 
 DTYPES = ("fp32", "bf16", "fp16")
-KV_CACHE_LAYOUTS = ("paged", "contiguous")  # generation.kv_cache
+KV_CACHE_LAYOUTS = ("auto", "paged", "contiguous")  # generation.kv_cache
 AUTO_DTYPE = "auto"  # bf16 on a GPU cluster, fp32 on a CPU one (resolved when the config is built)
 
 
@@ -162,8 +162,9 @@ class GenerationConfig:
     kv_cache_gib: float = 0.0  # 0: 40% of the free memory on a GPU, 2 GiB on CPU
     max_slots: int = 64
     # paged: blocks of kv_block_tokens positions taken as answers grow, a group's prompt held once (models/paged_cache.py);
-    # contiguous: one slot of the longest possible sequence per request.
-    kv_cache: str = "paged"
+    # contiguous: one slot of the longest possible sequence per request; auto: paged where flash-attn's paged kernel
+    # serves (CUDA, bf16/fp16, installed), contiguous elsewhere (a gather per layer and step would cost more).
+    kv_cache: str = "auto"
     kv_block_tokens: int = 0  # 0: 256 where flash-attn's paged kernel serves (CUDA, bf16/fp16), else 16
     # On CUDA, decode steps are captured as one CUDA graph per batch bucket and replayed (models/decode_graphs.py);
     # CPU and the layouts graphs do not cover (pp > 1, tp > 1, mixtures of experts) decode eagerly whatever this says.

@@ -56,11 +56,13 @@ def test_paged_equals_contiguous_and_preemption_recomputes_the_same_answers(llam
     contiguous = generate(llama, PROMPTS, params, limits=RolloutLimits(max_slots=8, paged=False,
                                                                       pp_groups=pp_groups), **kwargs)
     engines = _engines(monkeypatch)
-    paged = generate(llama, PROMPTS, params, limits=RolloutLimits(max_slots=8, pp_groups=pp_groups), **kwargs)
+    paged = generate(llama, PROMPTS, params, limits=RolloutLimits(max_slots=8, pp_groups=pp_groups, paged=True),
+                     **kwargs)
     # 3 blocks per micro-group: the longest sequence (33 + 14 tokens) fills them. Without EOS every answer runs to
     # its cap, so the requests of a pool outgrow it and the newest are preempted, whatever the tiny model samples.
     groups = 3 if pp_groups else 1
-    tight = RolloutLimits(max_slots=8, pp_groups=pp_groups, kv_cache_bytes=_block_budget(llama, 3 * groups))
+    tight = RolloutLimits(max_slots=8, pp_groups=pp_groups, paged=True,
+                          kv_cache_bytes=_block_budget(llama, 3 * groups))
     to_caps = dataclasses.replace(params, eos_token_ids=())
     squeezed = generate(llama, PROMPTS, to_caps, limits=tight, **kwargs)
     reference = generate(llama, PROMPTS, to_caps, limits=RolloutLimits(max_slots=8, paged=False, pp_groups=pp_groups),
@@ -78,7 +80,7 @@ def test_paged_equals_contiguous_and_preemption_recomputes_the_same_answers(llam
 def test_a_group_holds_its_prompt_once_and_gives_blocks_back(llama):
     prompt = sample_sequences([37], seed=2)[0]  # 36 prefilled positions: 2 full blocks of 16 and 4 in a third
     engine = RolloutEngine(llama, [prompt], [0] * 4, [8] * 4, request_keys(range(4)), PARAMS["greedy"], [],
-                           RolloutLimits())
+                           RolloutLimits(paged=True))
     cache = engine.cache
     assert isinstance(cache, PagedKVCache) and cache.block_tokens == 16
     engine._admit(join_if_empty=False)
@@ -125,11 +127,13 @@ def test_block_bookkeeping_counts_shares_and_refuses_without_room():
 def test_a_budget_below_one_sequence_per_group_is_refused(llama):
     per_row = blocks_for(33 + 20, 16)
     with pytest.raises(ConfigError, match="raise generation.kv_cache_gib"):
-        generate(llama, PROMPTS, PARAMS["greedy"], limits=RolloutLimits(kv_cache_bytes=_block_budget(llama, per_row - 1)))
+        generate(llama, PROMPTS, PARAMS["greedy"],
+                 limits=RolloutLimits(paged=True, kv_cache_bytes=_block_budget(llama, per_row - 1)))
     with pytest.raises(ConfigError, match="in each of 3 micro-group"):
         generate(llama, PROMPTS, PARAMS["greedy"], limits=RolloutLimits(
-            pp_groups=3, kv_cache_bytes=_block_budget(llama, 3 * per_row - 1)))
-    out = generate(llama, PROMPTS, PARAMS["greedy"], limits=RolloutLimits(kv_cache_bytes=_block_budget(llama, per_row)))
+            pp_groups=3, paged=True, kv_cache_bytes=_block_budget(llama, 3 * per_row - 1)))
+    out = generate(llama, PROMPTS, PARAMS["greedy"],
+                   limits=RolloutLimits(paged=True, kv_cache_bytes=_block_budget(llama, per_row)))
     assert out.lengths.min() >= 1
 
 
@@ -137,7 +141,7 @@ def test_compaction_moves_block_tables_without_copying(llama, monkeypatch):
     copies: list[int] = []
     monkeypatch.setattr(PagedKVCache, "copy_prefix", lambda self, s, t, n: copies.append(n))
     engine = RolloutEngine(llama, PROMPTS[:1], [0] * 4, [1, 1, 1, 12], request_keys(range(4)), PARAMS["greedy"], [],
-                           RolloutLimits(check_every_steps=1))
+                           RolloutLimits(check_every_steps=1, paged=True))
     engine._admit(join_if_empty=False)
     before = engine.cache.held[3]
     engine._decode()  # requests 0-2 leave at their cap; the 4th moves down to slot 0 at the next check

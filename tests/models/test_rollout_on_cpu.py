@@ -144,7 +144,7 @@ def test_slots_come_from_the_memory_budget(llama, monkeypatch):
     with pytest.raises(ConfigError, match="kv_cache_bytes"):
         plan_slots(llama, 1, 40, RolloutLimits(kv_cache_bytes=per_slot - 1))
     # generate takes the budget from the generation config: a tiny one is refused, max_slots bounds the engine.
-    with pytest.raises(ConfigError, match="kv_cache_gib"):
+    with pytest.raises(ConfigError, match="kv_cache"):
         generate(llama, PROMPTS, SamplingParams(max_new_tokens=4, greedy=True, kv_cache_gib=1e-9))
     seen: list[int] = []
     original = RolloutEngine.run

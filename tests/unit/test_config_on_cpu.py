@@ -32,6 +32,8 @@ def test_load_with_overrides(config_file):
     ("generation.temperature=0", "generation.temperature: 0.0 must be > 0 (for greedy decoding set generation.greedy=true)"),
     ("generation.min_p=1", "generation.min_p in [0, 1)"),
     ("generation.max_slots=0", "generation.max_slots (0) must be >= 1"),
+    ("generation.kv_cache=pages", "generation.kv_cache: 'pages' must be one of auto, paged, contiguous"),
+    ("generation.kv_block_tokens=-16", "generation.kv_block_tokens (-16) >= 0 (0: automatic)"),
     ("run.save_every=-1", "run.save_every and run.stop_at_step must be >= 0"),
     ("run.keep_checkpoints=0", "run.keep_checkpoints: 0 must be >= 1"),
     ("run.micro_batches=10", "run.micro_batches: 10 is more than run.batch_size (8)"),

@@ -59,6 +59,7 @@ class PagedKVCache(CacheState):
         self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.table = torch.full((rows, self.max_blocks), self.scratch, dtype=torch.int32, device=device)
+        self.host_table = torch.full((rows, self.max_blocks), self.scratch, dtype=torch.int32)  # kept as held changes
         self.held: list[list[int]] = [[] for _ in range(rows)]
         self.refs = [0] * num_blocks
         pools = pools or [(0, rows)]
@@ -98,10 +99,12 @@ class PagedKVCache(CacheState):
             return False
         for block in shared:
             self.refs[block] += 1
-        held.extend(shared)
+            self.host_table[row, len(held)] = block
+            held.append(block)
         for _ in range(max(0, need)):
             block = free.pop()
             self.refs[block] = 1
+            self.host_table[row, len(held)] = block
             held.append(block)
         self.dirty = self.dirty or bool(shared) or need > 0
         self.peak_blocks = max(self.peak_blocks, self.blocks_held())
@@ -113,23 +116,24 @@ class PagedKVCache(CacheState):
             if self.refs[block] == 0:
                 self.free[self.owner[block]].append(block)
         if self.held[row]:
+            self.host_table[row, :len(self.held[row])] = self.scratch
             self.held[row] = []
             self.dirty = True
 
     def move(self, source: int, target: int, num_tokens: int) -> None:
         assert not self.held[target] and self.pool_of_row[source] == self.pool_of_row[target]
         self.held[target], self.held[source] = self.held[source], []
+        self.host_table[target] = self.host_table[source]
+        self.host_table[source] = self.scratch
         self.dirty = True
 
     def flush(self) -> None:
         """Write the host's block lists into the device table (one copy), if any changed since the last flush."""
         if not self.dirty:
             return
-        host = torch.full(tuple(self.table.shape), self.scratch, dtype=torch.int32)
-        for row, blocks in enumerate(self.held):
-            if blocks:
-                host[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        self.table.copy_(host, non_blocking=True)  # in place: a captured decode step reads this buffer
+        # In place: a captured decode step reads this buffer. A copy, not the host tensor itself: a non-blocking
+        # copy from pageable memory may still be reading it when the host changes it next.
+        self.table.copy_(self.host_table.clone() if self.table.is_cuda else self.host_table, non_blocking=True)
         self.dirty = False
 
     def copy_prefix(self, source: int, targets: list[int], num_tokens: int) -> None:

@@ -1,10 +1,11 @@
-"""The rollout engine: continuous batching over a KV cache of fixed slots, one prefill per prompt group.
+"""The rollout engine: continuous batching over a KV cache, one prefill per prompt group.
 
-The cache is allocated once, ``[slots, max_len, H_kv, D]`` per layer, its slot count set by a
-memory budget (``RolloutLimits``). Slots rather than pages: an answer's length is bounded by
-``max_new_tokens``, so a slot wastes at most the gap between a prompt and the longest prompt; in
-exchange the SDPA decode reads each row as a plain strided view (pages would need a gather per
-layer per step on CPU, or a paged kernel) and every buffer keeps one shape for the whole rollout.
+The cache (``new_rollout_cache``) is either contiguous, ``[slots, max_len, H_kv, D]`` per layer with
+as many slots as the memory budget holds (``RolloutLimits``), or paged (``paged_cache.py``): the slots'
+keys/values in blocks from a pool, taken as answers grow and given back when they end, a group's
+prompt blocks held once; when a pool runs out, its newest request is preempted (``_preempt``) and
+recomputed later. ``generation.kv_cache=auto`` pages where flash-attn's paged kernel reads the blocks
+in place (``flash_pages``); elsewhere a gather per layer and step would cost more than slots waste.
 
 Requests wait in a queue that may be longer than the slots. A request takes a free slot with its
 prompt minus the last token already in the cache: the prompt is prefilled once per group (GRPO,
@@ -68,12 +69,14 @@ class RolloutLimits:
     # (no bubble), 1 steps all slots through the stages one after another; else at least pp.
     pp_groups: int | None = None
     # The cache's layout (``generation.kv_cache``): blocks from a shared pool (paged_cache.py; concurrency bounded by
-    # the tokens held), or a slot of the longest possible sequence per request (contiguous).
-    paged: bool = True
+    # the tokens held), or a slot of the longest possible sequence per request (contiguous); None (auto): paged where
+    # flash-attn's paged kernel reads the blocks in place (``flash_pages``), else contiguous.
+    paged: bool | None = None
     block_tokens: int = 0  # a block's positions (``generation.kv_block_tokens``); 0: ``block_tokens_for`` decides
 
     @classmethod
-    def of(cls, kv_cache_gib: float, max_slots: int, paged: bool = True, block_tokens: int = 0) -> RolloutLimits:
+    def of(cls, kv_cache_gib: float, max_slots: int, paged: bool | None = None,
+           block_tokens: int = 0) -> RolloutLimits:
         """The limits ``generation.kv_cache_gib`` (0: sized from free memory), ``max_slots``, ``kv_cache`` (paged or
         not) and ``kv_block_tokens`` set."""
         return cls(kv_cache_bytes=int(kv_cache_gib * (1 << 30)) if kv_cache_gib > 0 else None, max_slots=max_slots,
@@ -82,7 +85,8 @@ class RolloutLimits:
     @classmethod
     def of_params(cls, params) -> RolloutLimits:
         """``of`` a ``GenerationConfig`` (or the ``SamplingParams`` that extend it)."""
-        return cls.of(params.kv_cache_gib, params.max_slots, params.kv_cache == "paged", params.kv_block_tokens)
+        paged = {"auto": None, "paged": True, "contiguous": False}[params.kv_cache]
+        return cls.of(params.kv_cache_gib, params.max_slots, paged, params.kv_block_tokens)
 
 
 @dataclass(frozen=True)
@@ -183,10 +187,16 @@ def block_tokens_for(module: StageModule, limits: RolloutLimits) -> int:
     serves (CUDA, half precision, installed: its blocks must be a multiple of 256), else 16."""
     if limits.block_tokens:
         return limits.block_tokens
+    return FLASH_BLOCK_TOKENS if flash_pages(module) else DEFAULT_BLOCK_TOKENS
+
+
+def flash_pages(module: StageModule) -> bool:
+    """Whether flash-attn's paged decode kernel serves this stage (installed, CUDA, half precision). Without it a
+    paged cache gathers each row's blocks into one span per layer and step, an extra write and read of the keys and
+    values that the contiguous cache does not make: ``generation.kv_cache=auto`` then keeps the contiguous one."""
     device = next(module.parameters()).device
-    flash = (flash_attn_with_kvcache is not None and device.type == "cuda"
-             and module.dtype in (torch.float16, torch.bfloat16))
-    return FLASH_BLOCK_TOKENS if flash else DEFAULT_BLOCK_TOKENS
+    return (flash_attn_with_kvcache is not None and device.type == "cuda"
+            and module.dtype in (torch.float16, torch.bfloat16))
 
 
 def least_over_stages(module: StageModule, value: int) -> int:
@@ -207,7 +217,7 @@ def new_rollout_cache(module: StageModule, num_requests: int, max_len: int, limi
     Contiguous: ``plan_slots`` slots of ``max_len``. Paged: ``min(max_slots, requests)`` rows over a pool of
     blocks, as many as the budget holds and at most every row's ``max_len`` (more would never be used), split into
     one pool per micro-group of ``num_groups``; each pool must hold one sequence of ``max_len``."""
-    if not limits.paged:
+    if not (limits.paged if limits.paged is not None else flash_pages(module)):
         slots = least_over_stages(module, plan_slots(module, num_requests, max_len, limits))
         return module.new_cache(slots, max_len) if slots else None
     rows = min(limits.max_slots, num_requests)

@@ -448,7 +448,9 @@ def restage_occupancy(cluster: ClusterSpec, engine: RestageEngine, mfc: MFC, rol
     weight_bytes = _worst_stage(cfg, s)[0] * e
     requests = int(sequences_per_rank(mfc, s.dp))
     observed = int(mfc.options.get("observation_tokens", 0))
-    if not engine.limits.paged:
+    # generation.kv_cache=auto (None): paged where flash-attn's paged kernel serves, as rollout.flash_pages decides
+    paged = engine.limits.paged if engine.limits.paged is not None else flash_decodes(cluster, engine, role.dtype)
+    if not paged:
         live = restage_slots(cluster, engine, kv_token_bytes * (mfc.prompt_tokens + mfc.gen_tokens), weight_bytes,
                              requests)
         return Occupancy(live=live, cache_bytes=kv_token_bytes * (mfc.prompt_tokens + mfc.gen_tokens + observed) * live)

@@ -71,8 +71,8 @@ def engine_of(cfg, flash_attn: bool | None = None) -> RestageEngine:
     (or as) the ranks' machines (``launch/job.py`` plans inside the job), the runtime asking the same of its own
     (``models.attention.flash_attn_with_kvcache``)."""
     gen = cfg.generation
-    limits = RolloutLimits.of(gen.kv_cache_gib, gen.max_slots, gen.kv_cache == "paged", gen.kv_block_tokens)
     flash = flash_attn_with_kvcache is not None if flash_attn is None else flash_attn
+    limits = RolloutLimits.of_params(gen)  # kv_cache=auto stays None: the estimator decides as the engine does
     return RestageEngine(limits, cuda_graphs=gen.cuda_graphs, flash_attn=flash)
 
 
