@@ -167,7 +167,8 @@ class GenerationConfig:
     kv_cache: str = "auto"
     kv_block_tokens: int = 0  # 0: 256 where flash-attn's paged kernel serves (CUDA, bf16/fp16), else 16
     # On CUDA, decode steps are captured as one CUDA graph per batch bucket and replayed (models/decode_graphs.py);
-    # CPU and the layouts graphs do not cover (pp > 1, tp > 1, mixtures of experts) decode eagerly whatever this says.
+    # CPU and the layouts graphs do not cover (pp > 1, tp > 1 over gloo, mixtures of experts) decode eagerly whatever this
+    # says; tp > 1 over NCCL captures its collectives.
     cuda_graphs: bool = True
 
 

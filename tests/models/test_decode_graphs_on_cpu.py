@@ -65,12 +65,15 @@ def test_run_copies_into_one_static_buffer_and_steps_over_its_view():
     assert graphs.fixed_span and not DecodeGraphs(2, torch.device("cpu"), "eager").fixed_span
 
 
-def test_graphs_are_chosen_for_a_single_cuda_rank_only():
+def test_graphs_are_chosen_for_one_stage_dense_cuda_ranks_with_nccl_tp():
     single = dict(tp_size=1, pp_size=1, ep_size=1, sparse=False)
     assert choose_decode_mode(torch.device("cuda", 0), enabled=True, **single)[0] == "graphs"
+    assert choose_decode_mode(torch.device("cuda", 0), enabled=True, **{**single, "tp_size": 4}) == (
+        "graphs", "one CUDA graph per batch bucket (TP collectives captured)")
     assert choose_decode_mode(torch.device("cpu"), enabled=True, **single) == ("eager", "cpu device")
     assert choose_decode_mode(torch.device("cuda"), enabled=False, **single)[0] == "eager"
-    for change in (dict(tp_size=2), dict(pp_size=2), dict(ep_size=2), dict(sparse=True), dict(partitioned=True)):
+    for change in (dict(tp_size=2, tp_backend="gloo"), dict(pp_size=2), dict(ep_size=2), dict(sparse=True),
+                   dict(partitioned=True)):
         mode, reason = choose_decode_mode(torch.device("cuda"), enabled=True, **{**single, **change})
         assert mode == "eager" and reason
 

@@ -155,3 +155,58 @@ def test_a_batch_continued_under_graphs_equals_its_uninterrupted_generation(tiny
     got = {r: answers[r] for r in range(half, len(requests)) if first.finished[r]}
     got.update(zip(rows, second.output.sequences()))
     assert [got[r] for r in range(half, len(requests))] == whole.sequences()[half:]
+
+
+def test_paged_cache_replays_its_static_steps_and_equals_the_contiguous_cache(tiny_models):
+    """The paged cache's decode step (block-table gather, or flash-attn's paged kernel in half precision) replays
+    as a graph bit for bit, and gives the contiguous cache's tokens."""
+    module = _stage(tiny_models["llama"])
+    requests = len(MANY) * 2
+    runs = {}
+    for paged in (False, True):
+        for mode in ("static", "graphs"):
+            engine = RolloutEngine(module, MANY, [r // 2 for r in range(requests)],
+                                   [CAPS[r // 2] for r in range(requests)],
+                                   request_keys([request_seed(SAMPLED.seed, r) for r in range(requests)]), SAMPLED,
+                                   list(SAMPLED.eos_token_ids or ()),
+                                   RolloutLimits(max_slots=5, check_every_steps=3, paged=paged), decode_mode=mode)
+            runs[(paged, mode)] = engine.run()
+    for paged in (False, True):
+        assert all(torch.equal(a, b) for a, b in zip(runs[(paged, "static")], runs[(paged, "graphs")]))
+    assert torch.equal(runs[(True, "graphs")][0], runs[(False, "graphs")][0])
+    torch.testing.assert_close(runs[(True, "graphs")][1], runs[(False, "graphs")][1], rtol=0, atol=1e-5)
+
+
+def test_nccl_collectives_are_captured_in_a_cuda_graph_on_a_one_rank_group(tmp_path):
+    """What tp > 1 decode graphs rely on (decode_graphs.choose_decode_mode): ProcessGroupNCCL's all-reduce,
+    all-gather and broadcast captured with torch.cuda.graph and replayed over new inputs, on a 1-rank NCCL group."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+    group = dist.new_group([0], backend="nccl")
+    x = torch.arange(8, dtype=torch.float32, device="cuda")
+    out = torch.empty(8, device="cuda")
+
+    def step():
+        y = x * 2
+        dist.all_reduce(y, group=group)
+        parts = [torch.empty_like(y)]
+        dist.all_gather(parts, y, group=group)
+        dist.broadcast(parts[0], src=0, group=group)
+        out.copy_(parts[0] + 1)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # the warm-up: the communicator is made outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        step()
+    for shift in (3.0, -1.0):
+        x.add_(shift)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, x * 2 + 1)

@@ -1,5 +1,6 @@
 """The paged KV cache on 4 real gloo ranks: under dp, tp, pp (micro-groups in flight), tp x pp and ep it gives the
-contiguous cache's tokens and log-probs, greedy and sampled, with a budget that preempts requests too."""
+contiguous cache's tokens and log-probs, greedy and sampled, with a budget that preempts requests too; under tp the
+graph-shaped (static) decode step gives the eager tokens with either cache."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def _run(rank, world_size, paths):
     from restage.models.checkpoint import load_stage
     from restage.models.generation import generate
     from restage.models.rollout import RolloutEngine, RolloutLimits, group_count, kv_bytes_per_slot
+    from restage.models.sampling import request_keys, request_seed
 
     layouts = {key: Layout(tuple(range(world_size)), s) for key, (_, s) in LAYOUTS.items()}
     groups = ProcessGroups([g for layout in layouts.values() for g in layout.all_groups()])
@@ -68,6 +70,16 @@ def _run(rank, world_size, paths):
                     gen = generate(module, PROMPTS, params, group_size=GROUP, max_new_tokens=CAPS, limits=limits)
                     runs[name] = (gen.sequences(), gen.logprobs, gen.lengths, sum(e.preempted for e in preempted))
                 out[(key, mode, eos, rank)] = runs
+        if key == "dp2tp2":  # the graph-shaped step (what tp > 1 over NCCL captures) under tp over gloo, both caches
+            params = _params("sampled", True)
+            requests = len(PROMPTS) * GROUP
+            for paged in (False, True):
+                for decode_mode in ("eager", "static"):
+                    engine = RolloutEngine(module, PROMPTS, [r // GROUP for r in range(requests)], CAPS,
+                                           request_keys([request_seed(params.seed, r) for r in range(requests)]),
+                                           params, list(EOS), RolloutLimits(max_slots=6, paged=paged),
+                                           decode_mode=decode_mode)
+                    out[("static", paged, decode_mode, rank)] = engine.run()
     return out
 
 
@@ -101,3 +113,14 @@ def test_paged_gives_the_contiguous_tokens_under_every_layout(results, key, mode
             assert all(results[(key, mode, eos, rank)]["tight"][3] >= 1 for rank in range(4)), [
                 results[(key, mode, eos, rank)]["tight"][3] for rank in range(4)]
             assert results[(key, mode, eos, 0)]["tight"][2].tolist() == CAPS
+
+
+def test_static_decode_steps_under_tp_give_the_eager_tokens_with_either_cache(results):
+    for rank in range(4):
+        eager = results[("static", False, "eager", rank)]
+        for paged in (False, True):
+            for decode_mode in ("eager", "static"):
+                tokens, logprobs, lengths = results[("static", paged, decode_mode, rank)]
+                assert torch.equal(tokens, eager[0]) and torch.equal(lengths, eager[2]), (rank, paged, decode_mode)
+                torch.testing.assert_close(logprobs, eager[1], rtol=0, atol=1e-5)
+        assert len(set(eager[2].tolist())) >= 4

@@ -24,11 +24,13 @@ Three modes (``choose_decode_mode``):
   intermediates die inside its graph and its results go to the engine's buffers (allocated before
   any capture), so buckets may replay in any order over the same pool memory.
 
-Graphs are kept to one pipeline stage, one TP rank and dense MLPs: pp hands activations between
-stages with send/recv driven by the host, mixtures of experts read the tokens-per-expert counts on
-the host, and TP collectives, while NCCL >= 2.9.6 can capture them, would make every TP rank
-capture in lockstep through ProcessGroupNCCL's capture handling, which this repository has never
-run on a GPU; those layouts stay eager (same results, same buffers).
+Under tp > 1 over NCCL the step's TP collectives (the row-parallel all-reduces, the logits' all-gather and
+the sampler's broadcast) are captured in the graph (NCCL >= 2.9.6 supports capture; ProcessGroupNCCL keeps
+work made during a capture out of its watchdog): every TP rank runs the same steps over the same buckets, so
+their warm-ups, captures and replays pair up, and the warm-up's collectives create the communicator before
+any capture. A TP group over gloo (CPU) never captures. Graphs stay off under pp (stages hand activations on
+with send/recv driven by the host, between and across ticks) and with mixtures of experts (the
+tokens-per-expert counts are read on the host); those layouts stay eager (same results, same buffers).
 """
 
 from __future__ import annotations
@@ -62,11 +64,12 @@ def stage_inputs(lengths: Sequence[int], steps: Sequence[int], requests: Sequenc
 
 
 def choose_decode_mode(device: torch.device, *, enabled: bool, tp_size: int, pp_size: int, ep_size: int,
-                       sparse: bool, partitioned: bool = False) -> tuple[DecodeMode, str]:
+                       sparse: bool, partitioned: bool = False, tp_backend: str = "nccl") -> tuple[DecodeMode, str]:
     """``graphs`` where CUDA graphs serve this decode, else ``eager``; and why, in a few words.
 
     ``partitioned``: the module's parameters are ZeRO-3 partitions (a model generating in its training
     layout), which DeepSpeed's forward hooks gather with collectives and host-side bookkeeping each forward.
+    ``tp_backend``: the TP group's backend under tp > 1 (only NCCL's collectives can be captured).
     """
     if device.type != "cuda":
         return "eager", f"{device.type} device"
@@ -76,11 +79,11 @@ def choose_decode_mode(device: torch.device, *, enabled: bool, tp_size: int, pp_
         return "eager", "ZeRO-3 partitioned parameters (DeepSpeed gathers them in each forward)"
     if pp_size > 1:
         return "eager", "pp > 1 (stages exchange activations with host-driven send/recv)"
-    if tp_size > 1:
-        return "eager", "tp > 1 (TP collectives are not captured)"
+    if tp_size > 1 and tp_backend != "nccl":
+        return "eager", f"tp > 1 over {tp_backend} (only NCCL collectives are captured)"
     if ep_size > 1 or sparse:
         return "eager", "mixture of experts (tokens per expert are read on the host)"
-    return "graphs", "one CUDA graph per batch bucket"
+    return "graphs", "one CUDA graph per batch bucket" + (" (TP collectives captured)" if tp_size > 1 else "")
 
 
 class DecodeGraphs:

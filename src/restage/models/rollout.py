@@ -359,7 +359,8 @@ class RolloutEngine:
             ("eager", "micro-groups in flight (rollout_pipeline.py)") if self.num_groups > 1 else choose_decode_mode(
                 device, enabled=params.cuda_graphs, tp_size=ctx.tp_size, pp_size=ctx.pp_size, ep_size=ctx.ep_size,
                 sparse=any(cfg.is_sparse(i) for i in range(*module.layer_range)),
-                partitioned=is_partitioned(module)))
+                partitioned=is_partitioned(module),
+                tp_backend=str(dist.get_backend(ctx.tp_group)) if ctx.tp_size > 1 else "nccl"))
         if self.num_groups > 1 and self.decode_mode == "graphs":
             raise ConfigError("CUDA-graph decode steps all slots at once; use pp_groups=1 with decode_mode='graphs'")
         self.graphs = DecodeGraphs(slots, device, self.decode_mode)
