@@ -181,6 +181,20 @@ class CacheState:
     def flush(self) -> None:
         """Bring the device's view of the rows' storage up to date with the host's (before a forward)."""
 
+    # Device side, each storage its own.
+    def prefill(self, layer: int, batch: PackedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a packed batch's keys/values (one sequence per cache row, at their positions)."""
+        raise NotImplementedError
+
+    def copy_prefix(self, source: int, targets: list[int], num_tokens: int) -> None:
+        """Give rows ``targets`` the first ``num_tokens`` keys/values of row ``source`` (a prompt prefilled once)."""
+        raise NotImplementedError
+
+    def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         window: int | None = None) -> torch.Tensor:
+        """Append one token per sequence (``q`` ``[B, H, D]``) and attend to the cache; ``[B, H, D]``."""
+        raise NotImplementedError
+
     def _decode_index(self, rows: int, window: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's row index ``[B]`` and attention mask ``[B, 1, 1, longest + 1]`` (a key is seen when its slot is
         filled, within ``window``): made once per step, for the first layer, and shared by the others."""

@@ -140,7 +140,8 @@ class PagedKVCache(CacheState):
         """Give rows ``targets`` (already holding their blocks) ``source``'s first ``num_tokens`` keys/values:
         positions in blocks they share with ``source`` are already there; the rest are copied (one indexed copy
         per pool tensor for all targets)."""
-        src, dst = [], []
+        src: list[int] = []
+        dst: list[int] = []
         for target in targets:
             for j in range(blocks_for(num_tokens, self.block_tokens)):
                 a, b = self.held[source][j], self.held[target][j]
