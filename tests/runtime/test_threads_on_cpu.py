@@ -2,15 +2,29 @@
 
 import os
 
+import pytest
 import torch
 
-from restage.runtime.threads import ThreadChoice, _cpu_list_size, apply_threads, cgroup_cpus, local_ranks, threads_for
+from restage.config import load_config
+from restage.plan.planner import make_plan
+from restage.plan.schedule import build_schedule
+from restage.runtime.comm_budget import ranks_per_node
+from restage.runtime.spmd import ranks_with_work
+from restage.runtime.threads import (
+    ThreadChoice,
+    _cpu_list_size,
+    apply_threads,
+    cgroup_cpus,
+    idle_local_ranks,
+    local_ranks,
+    threads_for,
+)
 
 NODE = set(range(16))  # a 16-core node
 
 
-def count(affinity, local_size, local_rank, env=None, configured=0, node_cpus=None):
-    return threads_for(affinity, local_size, local_rank, env or {}, configured, node_cpus).count
+def count(affinity, local_size, local_rank, env=None, configured=0, node_cpus=None, idle=()):
+    return threads_for(affinity, local_size, local_rank, env or {}, configured, node_cpus, idle).count
 
 
 def test_ranks_bound_apart_use_their_own_cores():
@@ -85,3 +99,40 @@ def test_apply_sets_torch_and_the_environment(monkeypatch):
     finally:
         torch.set_num_threads(before)
 
+
+
+def test_ranks_without_ops_leave_their_share_to_the_ranks_with_ops():
+    # restage run -n 2 of GRPO tiny on a 2-core machine: every MFC on rank 0, rank 1 only waits for control messages
+    assert [count({0, 1}, 2, r, node_cpus=2, idle={1}) for r in range(2)] == [2, 1]
+    assert [count(NODE, 4, r, node_cpus=16, idle={1, 3}) for r in range(4)] == [8, 1, 8, 1]
+    assert [count(set(range(7)), 3, r, node_cpus=7, idle={0}) for r in range(3)] == [1, 4, 3]  # odd core: first busy
+    assert [count(NODE, 4, r, idle={2}) for r in range(4)] == [6, 5, 1, 5]  # cgroup unknown: the mask is shared
+    chosen = threads_for({0, 1}, 2, 1, {}, 0, 2, idle_local_ranks={1})
+    assert chosen == ThreadChoice(1, "no op of the schedule on it: the 2 cores of its CPU mask go to the 1 of the "
+                                     "node's 2 rank(s) that have some")
+    # Ranks bound apart keep their own cores, idle or not; a node with no busy rank splits as before.
+    assert [count({4 * r, 4 * r + 1, 4 * r + 2, 4 * r + 3}, 4, r, node_cpus=16, idle={1}) for r in range(4)] == [4] * 4
+    assert [count({0, 1}, 2, r, node_cpus=2, idle={0, 1}) for r in range(2)] == [1, 1]
+    # The user's count and OMP_NUM_THREADS still come first.
+    assert count({0, 1}, 2, 1, {"OMP_NUM_THREADS": "2"}, node_cpus=2, idle={1}) == 2
+    assert count({0, 1}, 2, 0, configured=1, node_cpus=2, idle={1}) == 1
+
+
+def test_idle_local_ranks_are_the_nodes_ranks_without_ops():
+    assert idle_local_ranks({0}, rank=1, ranks_per_node=2, world_size=2) == {1}
+    assert idle_local_ranks({0, 1}, rank=0, ranks_per_node=2, world_size=2) == frozenset()
+    # two nodes of 4 (block placement): node 1 holds ranks 4-7, of which 4 and 6 have ops
+    assert idle_local_ranks({0, 1, 2, 3, 4, 6}, rank=6, ranks_per_node=4, world_size=8) == {1, 3}
+    assert idle_local_ranks({0, 1, 2, 3, 4, 6}, rank=2, ranks_per_node=4, world_size=8) == frozenset()
+    assert idle_local_ranks({0}, rank=4, ranks_per_node=4, world_size=6) == {0, 1}  # a last node with 2 ranks
+
+
+@pytest.mark.parametrize("layout, busy, threads", [("ranks:0 dp1", {0}, [2, 1]), ("ranks:0-1 dp2", {0, 1}, [1, 1])])
+def test_a_grpo_plan_on_two_ranks_sets_the_threads_of_the_ranks_it_uses(layout, busy, threads):
+    cfg = load_config("jobs/grpo_tiny.yaml", ["plan.mode=manual", "cluster.nodes=1", "cluster.devices_per_node=2",
+                                               "run.nprocs=2", *[f"plan.layouts.{mfc}={layout}"
+                                                                 for mfc in ("actor_gen", "ref_inf", "actor_train")]])
+    schedule = build_schedule(cfg, make_plan(cfg, with_baselines=False))
+    assert ranks_with_work(schedule) == busy
+    idle = [idle_local_ranks(busy, rank, ranks_per_node(schedule), schedule.world_size) for rank in range(2)]
+    assert [threads_for({0, 1}, 2, rank, {}, 0, 2, idle[rank]).count for rank in range(2)] == threads

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
+from restage.runtime.comm_budget import ranks_per_node
 from restage.runtime.control import Control
 from restage.runtime.failure import abort_on_error
 from restage.runtime.heartbeat import Heartbeat, heartbeat_dir
 from restage.runtime.ops import use_extensions_dir
-from restage.runtime.threads import apply_threads, choose_threads
-from restage.schedule.file import read_schedule
+from restage.runtime.threads import apply_threads, choose_threads, idle_local_ranks
+from restage.schedule.file import Schedule, read_schedule
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,8 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     resume = "required" if args.resume else ("if-any" if os.environ.get("RESTAGE_RESUME") == "1" else "")
     heartbeat = Heartbeat(heartbeat_dir(trial_dir), control.rank).start()
     with abort_on_error(control.rank, trial_dir):
-        # Before any torch work: each rank uses the cores it may run on, not one thread per core of the node.
-        threads = choose_threads(int(read_schedule(args.schedule).config.get("run", {}).get("threads_per_rank", 0)))
+        # Before any torch work: each rank uses the cores it may run on, not one thread per core of the node,
+        # and a rank the plan leaves without ops leaves its share to those beside it that have some.
+        schedule = read_schedule(args.schedule)
+        idle = idle_local_ranks(ranks_with_work(schedule), control.rank, ranks_per_node(schedule), schedule.world_size)
+        threads = choose_threads(int(schedule.config.get("run", {}).get("threads_per_rank", 0)), idle_local=idle)
         apply_threads(threads)
         print(f"restage: rank {control.rank}: {torch.get_num_threads()} torch thread(s) ({threads.reason})", flush=True)
         heartbeat.doing("start-up: importing the runtime (torch, DeepSpeed)")
@@ -55,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         worker.close()
     heartbeat.finish()
     return 0
+
+
+def ranks_with_work(schedule: Schedule) -> set[int]:
+    """The ranks that run an op of the iteration or hold a model's home shard (the others only take part in
+    control messages)."""
+    return ({r for op in schedule.ops() for r in op.ranks} | {r for e in schedule.mfcs for r in e.layout.mesh}
+            | {r for m in schedule.models.values() for r in m.home_layout.mesh})
 
 
 def _has_cuda() -> bool:

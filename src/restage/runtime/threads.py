@@ -14,6 +14,9 @@ The rule, first match wins:
    from the mask's share of the CPUs this node gives the job (its cgroup's cpuset): ranks bound apart
    hold small masks and share with none; ranks left unbound hold the whole set and share it with every
    local rank. When that set cannot be read, every local rank is taken to share the mask.
+   Where every local rank shares the mask, those the schedule gives no op (a plan may leave a rank
+   idle: GRPO tiny on 2 ranks runs every MFC on rank 0) take one thread and leave their share of the
+   cores to the ranks that work: they only wait for control messages, sleeping between polls.
 
 The count is at least 1. It is applied with ``torch.set_num_threads`` (and as many inter-op threads), and
 exported as ``OMP_NUM_THREADS`` for what the rank starts.
@@ -43,12 +46,14 @@ def _positive(env: Mapping[str, str], name: str) -> int | None:
 
 
 def threads_for(affinity: Collection[int], local_size: int, local_rank: int, env: Mapping[str, str],
-                configured: int = 0, node_cpus: int | None = None) -> ThreadChoice:
+                configured: int = 0, node_cpus: int | None = None,
+                idle_local_ranks: Collection[int] = ()) -> ThreadChoice:
     """This rank's thread count (the rule in the module docstring).
 
     ``affinity``: the rank's CPU mask; ``local_size``/``local_rank``: the ranks on this node and this one's
     index; ``configured``: ``run.threads_per_rank`` (0: automatic); ``node_cpus``: how many CPUs this node
-    gives the job (None: unknown, so the mask is taken as shared by every local rank).
+    gives the job (None: unknown, so the mask is taken as shared by every local rank);
+    ``idle_local_ranks``: the local indices of this node's ranks that the schedule gives no op.
     """
     if configured > 0:
         return ThreadChoice(configured, f"{THREADS_KEY}={configured}")
@@ -64,9 +69,28 @@ def threads_for(affinity: Collection[int], local_size: int, local_rank: int, env
         sharing = local_size
     else:  # ranks spread evenly over the node's CPUs: a mask holding 1/k of them is shared by local_size/k
         sharing = min(local_size, max(1, math.ceil(local_size * cores / node_cpus)))
+    idle = set(idle_local_ranks)
+    working = [r for r in range(local_size) if r not in idle]
+    if sharing == local_size and working and len(working) < local_size:  # every local rank shares the mask
+        if local_rank not in working:
+            return ThreadChoice(1, f"no op of the schedule on it: the {cores} cores of its CPU mask go to the "
+                                   f"{len(working)} of the node's {local_size} rank(s) that have some")
+        # The first (cores % sharing) of the working ranks take one core more.
+        sharing, index = len(working), working.index(local_rank)
+        count = max(1, cores // sharing + (1 if index < cores % sharing else 0))
+        return ThreadChoice(count, f"{cores} cores in its CPU mask, shared by the {sharing} of the node's "
+                                   f"{local_size} rank(s) that have ops")
     # The first (cores % sharing) of the ranks sharing the mask take one core more.
     count = max(1, cores // sharing + (1 if local_rank % sharing < cores % sharing else 0))
     return ThreadChoice(count, f"{cores} cores in its CPU mask, shared by {sharing} of the node's {local_size} rank(s)")
+
+
+def idle_local_ranks(ranks_with_ops: Collection[int], rank: int, ranks_per_node: int, world_size: int) -> frozenset[int]:
+    """Local indices of the ranks on ``rank``'s node that hold no op (block placement: rank r runs on node
+    r // ranks_per_node, as ``launch.geometry`` places them)."""
+    first = rank // ranks_per_node * ranks_per_node
+    busy = set(ranks_with_ops)
+    return frozenset(r - first for r in range(first, min(first + ranks_per_node, world_size)) if r not in busy)
 
 
 def _tasks_on_node(tasks_per_node: str, node: int) -> int | None:
@@ -128,10 +152,12 @@ def cgroup_cpus(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path
     return None
 
 
-def choose_threads(configured: int = 0, env: Mapping[str, str] = os.environ) -> ThreadChoice:
-    """This process's thread count from its own mask, environment and cgroup."""
+def choose_threads(configured: int = 0, env: Mapping[str, str] = os.environ,
+                   idle_local: Collection[int] = ()) -> ThreadChoice:
+    """This process's thread count from its own mask, environment and cgroup; ``idle_local``: the local indices
+    of this node's ranks that hold no op (``idle_local_ranks``)."""
     local_size, local_rank = local_ranks(env)
-    return threads_for(os.sched_getaffinity(0), local_size, local_rank, env, configured, cgroup_cpus())
+    return threads_for(os.sched_getaffinity(0), local_size, local_rank, env, configured, cgroup_cpus(), idle_local)
 
 
 def apply_threads(choice: ThreadChoice) -> None:
