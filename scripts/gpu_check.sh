@@ -53,7 +53,7 @@ if [[ $parts == *" bench "* ]]; then
 echo "== 2. generation throughput"
 for size in 40m 100m; do
   for graphs in on off; do
-    timeout 150 python3 bench/generate.py --json --device cuda --dtype bf16 --size "$size" --cuda-graphs "$graphs" \
+    timeout 150 python3 bench/generate.py --json --device cuda --dtype bf16 --size "$size" --cuda-graphs "$graphs" --stop-fractions 0.05 \
       >>"$out/generate.jsonl" 2>>"$out/generate.err" || echo "bench $size graphs=$graphs failed: rc $?"
   done
 done
