@@ -6,7 +6,7 @@ For each published point: restage's prediction for the same work under that syst
 measured seconds, the error (predicted / measured - 1), then the median |error| and the largest
 ratio either way. Training (DeepSpeed ZeRO-2 / ZeRO-3 with the system's host offload, FSDP; eager) is
 predicted with restage's estimator (``plan/estimator.py``) on the system's layout and settings; vLLM
-generation with ``plan/engines.py`` (vLLM 0.3.1's per-step Ray cost at TP > 1: ``ray_tp_step_seconds``). One constant is
+generation with ``plan/generation_cost.py`` (vLLM 0.3.1's per-step Ray cost at TP > 1: ``ray_tp_step_seconds``). One constant is
 fitted: the factor by which sustained training GEMMs fall short of the measured burst MAMF
 (``compute_efficiency = MAMF x factor``, the same factor for A100 and H100), on every other point
 (``FIT``), and scored on the rest as well. ``--fit`` prints the factor that minimises the median
@@ -30,9 +30,9 @@ from restage.cluster import ClusterSpec, load_cluster
 from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
-from restage.plan.engines import VllmEngine, ray_tp_step_seconds, vllm_generate_seconds
 from restage.plan.estimator import Estimator, ModelRole
 from restage.plan.gemm import mamf_efficiency
+from restage.plan.generation_cost import VllmEngine, ray_tp_step_seconds, vllm_generate_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from published import POINTS, Placed, Published, TrainStage, VllmStage  # noqa: E402  (bench/ is not a package)

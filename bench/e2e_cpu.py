@@ -120,7 +120,7 @@ def equal_core_pairings(cores: int, nprocs: list[int]) -> list[Pairing]:
 def run_restage(job: str, nproc: int, steps: int, overrides: list[str], threads: int = 0,
                 trial: str = "") -> tuple[Path, float]:
     """One `restage run` (``threads`` per rank, 0: restage's own rule); its trial directory and wall seconds."""
-    from restage.config import load_config
+    from restage.config.load import load_config
 
     trial = trial or f"bench-n{nproc}-t{threads}"
     command = [sys.executable, "-m", "restage.cli", "run", f"jobs/{job}.yaml", "-n", str(nproc), f"trial={trial}",
@@ -244,7 +244,7 @@ def async_comparison(steps: int, warmup: int, group: int) -> dict:
     Each mode runs the plan the planner makes for it (sync: the search; async: the best generation/training
     split at the staleness and push interval auto found best), so the measured faster mode can be compared with
     the planner's choice."""
-    from restage.config import load_config
+    from restage.config.load import load_config
     from restage.plan.planner import make_plan
 
     choice = make_plan(load_config("jobs/grpo_tiny.yaml", ["plan.execution=auto"]), with_baselines=False).mode_choice
@@ -293,7 +293,7 @@ def _progress(job: str, side: str, fig: dict) -> None:
 def measure_job(job: Job, args) -> dict:
     """restage in every equal-core pairing and TRL on one GRPO job, alternating, ``args.repeats`` times; the median
     of the per-repeat ratios as the headline (module docstring)."""
-    from restage.config import load_config
+    from restage.config.load import load_config
 
     cfg = load_config(f"jobs/{job.name}.yaml")
     group = int(cfg.algo["group_size"])
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(args) -> dict:
     """Every measurement ``main``'s arguments ask for, as one JSON-able dict."""
-    from restage.config import load_config
+    from restage.config.load import load_config
     from restage.demo import ensure_llama_256x4, ensure_tiny_model
 
     ensure_tiny_model()

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from restage.config import config_from_dict, load_config
+from restage.config.load import config_from_dict, load_config
 from restage.plan.estimator import OVERHEADS, overhead_counts
 from restage.schedule.ops import Realloc, SendKey
 
@@ -190,7 +190,7 @@ def measure(trial: Path, warmup: int) -> dict:
 
 def predict(config: dict, cluster=None) -> dict:
     """restage's prediction for the run's config and manual plan, with the current (or the given) cluster spec."""
-    from restage.plan.evaluate import evaluate
+    from restage.plan.plan_score import evaluate
     from restage.plan.planner import build_problem, manual_plan
 
     cfg = config_from_dict(config) if isinstance(config, dict) else config

@@ -34,7 +34,7 @@ warm-up call than the others (compilation), and its figures carry ``transformers
 (``transformers_static_skipped``).
 
 On CUDA, ``--cuda-graphs off`` decodes eagerly instead of replaying one CUDA graph per batch bucket
-(``generation.cuda_graphs``, ``restage.models.decode_graphs``): run it both ways for tokens/s with and
+(``generation.cuda_graphs``, ``restage.rollout.decode_graphs``): run it both ways for tokens/s with and
 without graphs; the result then says ``cuda_graphs`` and the ``decode_mode`` the engine took. On CPU
 the flag changes nothing (the engine decodes eagerly there).
 
@@ -61,12 +61,12 @@ from transformers import CompileConfig
 
 from restage.device import DTYPES
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import load_stage
-from restage.models.decode_graphs import choose_decode_mode
-from restage.models.generation import generate
-from restage.models.rollout import RolloutLimits
-from restage.models.sampling import SamplingParams
+from restage.models.hf_checkpoint import load_stage
 from restage.models.tiny import BENCH_SIZES, FAMILIES, build_tiny, load_hf
+from restage.rollout.decode_graphs import choose_decode_mode
+from restage.rollout.engine import RolloutLimits
+from restage.rollout.generation import generate
+from restage.rollout.sampling import SamplingParams
 
 SIZES = {"40m": BENCH_SIZES,
          "100m": dict(BENCH_SIZES, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048)}

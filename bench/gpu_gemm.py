@@ -43,7 +43,7 @@ import torch
 from restage.cluster import ClusterSpec, load_cluster
 from restage.demo import LLAMA_300M_SIZES
 from restage.device import DTYPES
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.flops import BlockShape, block_shape
 from restage.models.presets import preset
 from restage.plan.compute import DTYPE_BYTES, RooflineCompute, block_gemms
@@ -118,7 +118,7 @@ def operand_copies(m: int, n: int, k: int, itemsize: int, rotate_bytes: int) -> 
 
 def _time_samples(run, inner: int, repeats: int, warmup: int, device: torch.device) -> list[float]:
     """Seconds per call of ``run(0) .. run(inner - 1)``, one sample per repeat (CUDA: a graph replay between events)."""
-    if device.type == "cuda":  # warm-up on a side stream, then capture (as models/decode_graphs.py does)
+    if device.type == "cuda":  # warm-up on a side stream, then capture (as rollout/decode_graphs.py does)
         current, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):

@@ -54,17 +54,17 @@ import torch
 
 import restage.demo
 from restage.cluster import ClusterSpec, load_cluster
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.device import DTYPES
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.decoder import StageModule
 from restage.models.flops import attended_tokens, block_shape, forward_flops
 from restage.models.packing import pack
 from restage.models.parallel import ParallelContext
 from restage.models.pipeline import MicroBatch, train_1f1b
-from restage.models.rollout import RolloutEngine, RolloutLimits, kv_bytes_per_slot
-from restage.models.sampling import SamplingParams, request_keys, request_seed
 from restage.plan.compute import DTYPE_BYTES
+from restage.rollout.engine import RolloutEngine, RolloutLimits, kv_bytes_per_slot
+from restage.rollout.sampling import SamplingParams, request_keys, request_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_vs_estimate import compare  # noqa: E402  (bench/ is not a package)

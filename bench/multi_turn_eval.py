@@ -18,14 +18,14 @@ import json
 from pathlib import Path
 
 from restage.algorithms.interface import get_algorithm
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.data import arith
 from restage.data.batch import pack_sequences
 from restage.data.tokenizer import load_tokenizer
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import load_stage
-from restage.runtime.evaluate import episode_sums
-from restage.runtime.multi_turn import play_episodes
+from restage.models.hf_checkpoint import load_stage
+from restage.runtime.step.evaluation import episode_sums
+from restage.runtime.step.multi_turn import play_episodes
 
 
 def evaluate(model: str, job: str = "jobs/grpo_calculator_tiny.yaml", prompts: int = 64, seeds: tuple[int, ...] = (7,),

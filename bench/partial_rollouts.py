@@ -8,7 +8,7 @@ token for token (checked): only the schedule differs.
 
 * ``whole``: each batch generated alone (``generation.generate``), as async mode without partial rollouts does.
 * ``partial``: batch ``t`` finished while batch ``t + 1`` begins in the slots ``t`` frees
-  (``generation.continue_generate``, as ``runtime/partial_rollouts.py`` calls it each step); the cut answers are
+  (``generation.continue_generate``, as ``runtime/step/partial_rollouts.py`` calls it each step); the cut answers are
   prefilled again at the next call, as they are after every weight push.
 
 Counted exactly (the engine's decode steps and prefilled tokens, per batch) and timed (the best of ``--repeats``
@@ -41,14 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)
     import torch
 
-    from restage.config import load_config
+    from restage.config.load import load_config
     from restage.data.datasets import load_splits
     from restage.demo import ensure_llama_256x4, ensure_tiny_model
     from restage.layout import Layout, Strategy
-    from restage.models.checkpoint import load_stage
-    from restage.models.generation import PartialRequest, continue_generate, generate
-    from restage.models.rollout import RolloutEngine
-    from restage.models.sampling import SamplingParams, request_seed
+    from restage.models.hf_checkpoint import load_stage
+    from restage.rollout.engine import RolloutEngine
+    from restage.rollout.generation import PartialRequest, continue_generate, generate
+    from restage.rollout.sampling import SamplingParams, request_seed
 
     torch.set_num_threads(1)
     ensure_tiny_model()

@@ -2,10 +2,10 @@
 
     python bench/plan_paper.py [--json] [--search-seconds S] [--only SUBSTRING] [--flash-attn auto|yes|no]
 
-Two groups are compared with the searched plan (restage.plan.baselines):
+Two groups are compared with the searched plan (restage.plan.peers.baselines):
 
 * baselines: the plans DeepSpeed-Chat, OpenRLHF, NeMo-Aligner and verl produce by their documented
-  default rules (restage.plan.peers), scored by restage's estimator;
+  default rules (restage.plan.peers.defaults), scored by restage's estimator;
 * reference points: restricted searches (the best single colocated strategy, the best split into
   halves, ...), enumerated with restage's own estimator: not heuristics anyone runs.
 
@@ -16,7 +16,7 @@ with the config's memory settings; ``search``), and from a cold start, seeded wi
 reference plan (``cold_search``, its speedups in ``cold_speedup_vs_best_*``).
 
 ``--flash-attn``: whether restage's rollout engine is costed with flash-attn installed on the ranks (its paged
-decode kernel and 256-token blocks, ``plan/engines.py``), ``auto`` (the default) as in this process; the peers'
+decode kernel and 256-token blocks, ``plan/generation_cost.py``), ``auto`` (the default) as in this process; the peers'
 engines are costed the same either way.
 """
 
@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.errors import PlanError
-from restage.plan.baselines import BASELINES, LABELS, REFERENCES, all_baselines, all_references, starting_plans
+from restage.plan.peers.baselines import BASELINES, LABELS, REFERENCES, all_baselines, all_references, starting_plans
 from restage.plan.planner import build_problem, check_fits
 from restage.plan.search import search
 

@@ -6,7 +6,7 @@ with the two schedules of the rollout engine, alternating, best of ``--repeats``
 
 * ``sequential`` (``RolloutLimits(pp_groups=1)``): a decode step runs all slots through stage 0,
   then stage 1; the last stage's tokens are broadcast to both stages.
-* ``pipelined`` (``pp_groups`` unset: 2 micro-groups, ``restage.models.rollout_pipeline``): stage 0
+* ``pipelined`` (``pp_groups`` unset: 2 micro-groups, ``restage.rollout.pipelined``): stage 0
   works on one group while stage 1 works on the other.
 
 Both decode the same slots (``--slots``), the same requests (``--requests`` greedy answers of
@@ -45,10 +45,10 @@ SCHEDULES = {"sequential": 1, "pipelined": None}
 
 def _bench(rank: int, world_size: int, path: str, args: dict) -> dict:
     from restage.layout import Layout, ProcessGroups, Strategy
-    from restage.models.checkpoint import load_stage
-    from restage.models.rollout import RolloutEngine, RolloutLimits
-    from restage.models.rollout_pipeline import PipelinedRollout
-    from restage.models.sampling import SamplingParams, request_keys
+    from restage.models.hf_checkpoint import load_stage
+    from restage.rollout.engine import RolloutEngine, RolloutLimits
+    from restage.rollout.pipelined import PipelinedRollout
+    from restage.rollout.sampling import SamplingParams, request_keys
 
     torch.set_num_threads(1)
     layout = Layout(tuple(range(world_size)), Strategy(pp=world_size))
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
     # DeepSpeed, imported by the ranks on the way, prints its accelerator guess to stdout unless told (a CPU bench).
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from restage.models.tiny import BENCH_SIZES, build_tiny
-    from restage.runtime.spawn import spawn
+    from restage.runtime.control.spawn import spawn
 
     sizes = {"small": SMALL, "40m": BENCH_SIZES,
              "100m": dict(BENCH_SIZES, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=2048)}

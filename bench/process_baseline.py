@@ -90,9 +90,8 @@ def _cpu_stages() -> list[dict]:
     mark("import torch")
     import deepspeed  # noqa: F401  (what a rank imports to build its engines)
 
-    import restage.runtime.worker  # noqa: F401
 
-    mark("import deepspeed, restage.runtime.worker")
+    mark("import deepspeed, restage.runtime.step.worker")
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         t = torch.ones(1 << 10)

@@ -4,7 +4,7 @@ Every entry names its source and the exact work: model, GPUs, batch, prompt and 
 the system's plan and engine. ``bench/calibration.py`` predicts each with restage's cost model and
 prints the error. Stages a system runs as restage's runtime does (DeepSpeed ZeRO-3 training, eager
 PyTorch) are predicted with restage's own model; generation the system runs with vLLM is predicted
-with ``plan/engines.py``'s vLLM model.
+with ``plan/generation_cost.py``'s vLLM model.
 
 OpenRLHF benchmark (OPENRLHF): the README of the branch ``wuxibin/benchmark`` of OpenRLHF (last commit
 dbdd43b0, 2024-03-26; the table was later on main as benchmark/README.md without its last two rows), with

@@ -43,10 +43,10 @@ import torch.distributed as dist
 
 from restage.device import DTYPES
 from restage.layout import Layout, ProcessGroups, Strategy
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.sharding import param_specs, shard_specs
-from restage.runtime.realloc import SLOTS, Workspace, execute_reallocation, groups_for
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
+from restage.runtime.dataplane.realloc import SLOTS, Workspace, execute_reallocation, groups_for
 from restage.schedule.realloc_plan import ReallocPlan, plan_reallocation, schedule_messages
 
 WORLD_SIZE = 4

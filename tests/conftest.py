@@ -1,4 +1,4 @@
-"""Suite-wide setup: every rank a test starts checks NCCL's rules (restage.runtime.nccl_rules).
+"""Suite-wide setup: every rank a test starts checks NCCL's rules (restage.testing.nccl_rules).
 
 ``runtime.spawn`` turns the layer on for its children itself; this covers ranks started through
 mpirun (``restage run``, ``restage generate``, the e2e jobs), which inherit the environment.

@@ -14,7 +14,7 @@ That is filelock's ``SoftFileLease`` (filelock >= 3.30; ``SoftFileLock`` alone, 
 detects a dead holder only on its own host, so a node that crashed would hold the lock for ever). A waiter
 wants more than who holds the marker: the lock's ``.holder`` file names the holder in restage's words
 (``pid P on HOST ...``) for the messages, and keeps the last holder's name after it died, which the build
-lock reports when it cleans up after it (``runtime/ops.py``).
+lock reports when it cleans up after it (``runtime/store/deepspeed_ops.py``).
 """
 
 from __future__ import annotations

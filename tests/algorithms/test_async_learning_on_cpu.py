@@ -14,7 +14,7 @@ from tiny_loop import logprobs, sample, tiny_model
 
 from restage.algorithms import offpolicy
 from restage.algorithms.interface import get_algorithm
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.data import datasets, sources
 from restage.data.tokenizer import load_tokenizer
 

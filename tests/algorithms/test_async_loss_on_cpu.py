@@ -7,7 +7,8 @@ import torch
 
 from restage.algorithms import losses, offpolicy, registry
 from restage.algorithms.interface import build_graph, get_algorithm
-from restage.config import ConfigError, config_from_dict
+from restage.config.load import config_from_dict
+from restage.config.schema import ConfigError
 from restage.data.batch import pack_sequences
 from restage.errors import StalenessError
 

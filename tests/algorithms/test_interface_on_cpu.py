@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from restage.algorithms import base, ops
+from restage.algorithms import base, packed_ops
 from restage.algorithms.interface import build_graph, check_algorithm, get_algorithm
-from restage.config import ConfigError, config_from_dict, load_config
+from restage.config.load import config_from_dict, load_config
+from restage.config.schema import ConfigError
 from restage.data.batch import pack_sequences
 from restage.data.tasks import VOCAB
 from restage.data.tokenizer import load_tokenizer
@@ -204,7 +205,7 @@ def test_grpo_prepare_and_loss():
     loss, stats = grpo.loss("actor_train", out, {"logprobs": batch["logprobs"]}, c, state)
     d = batch["ref_logprobs"] - batch["logprobs"]
     k3 = torch.exp(d) - d - 1
-    seq_k3 = ops.seq_sum(k3 * mask, batch.cu_seqlens) / ops.seq_sum(mask.float(), batch.cu_seqlens)
+    seq_k3 = packed_ops.seq_sum(k3 * mask, batch.cu_seqlens) / packed_ops.seq_sum(mask.float(), batch.cu_seqlens)
     pg = [-a for a in per_seq]  # ratio 1: -A on every token; seq_mean of constants
     assert float(loss) == pytest.approx(sum(pg) / 4 + 0.5 * float(seq_k3.mean()), abs=1e-5)
     assert stats["kl"] == pytest.approx(float(seq_k3.mean()), abs=1e-6)

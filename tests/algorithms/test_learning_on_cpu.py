@@ -9,7 +9,7 @@ from tiny_loop import logprobs, packed_logits, sample, tiny_model
 
 from restage.algorithms.interface import get_algorithm
 from restage.algorithms.rewards import register_reward
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.data import datasets, sources, tasks
 from restage.data.tokenizer import load_tokenizer
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from restage.algorithms import losses, ops
+from restage.algorithms import losses, packed_ops
 
 
 def sig(x):
@@ -15,11 +15,11 @@ def test_token_logprobs_and_entropy_are_aligned_to_the_token_they_score():
     logits = torch.randn(5, 4)
     ids = torch.tensor([1, 3, 0, 2, 2])
     cu = torch.tensor([0, 3, 5], dtype=torch.int32)
-    lp = ops.token_logprobs(logits, ids, cu)
+    lp = packed_ops.token_logprobs(logits, ids, cu)
     logsm = torch.log_softmax(logits, -1)
     want = [0.0, logsm[0, 3], logsm[1, 0], 0.0, logsm[3, 2]]
     assert lp.tolist() == pytest.approx([float(w) for w in want], abs=1e-6)
-    ent = ops.token_entropy(logits, cu)
+    ent = packed_ops.token_entropy(logits, cu)
     assert float(ent[4]) == pytest.approx(float(-(logsm[3].exp() * logsm[3]).sum()), abs=1e-6)
     assert float(ent[3]) == 0.0
 
@@ -94,12 +94,12 @@ def test_seq_mean_aggregation_weights_sequences_equally():
 
 def test_masked_whiten_and_moments_with_a_reduce_over_shards():
     x, mask = torch.tensor([1.0, 2.0, 3.0, 100.0]), torch.tensor([True, True, True, False])
-    w = ops.masked_whiten(x, mask, eps=0.0)
+    w = packed_ops.masked_whiten(x, mask, eps=0.0)
     assert w.tolist() == pytest.approx([-math.sqrt(1.5), 0.0, math.sqrt(1.5), 0.0], abs=1e-6)
     # two shards whose "all-reduce" is the sum of both: the moments are those of the union
     other = (torch.tensor([5.0, 7.0]), torch.tensor([True, True]))
     def reduce(t):
         return t + torch.stack([(other[0] ** p * other[1]).sum().double() for p in (1, 2, 0)])
-    mean, var, count = ops.masked_moments(x, mask, reduce)
+    mean, var, count = packed_ops.masked_moments(x, mask, reduce)
     union = torch.tensor([1.0, 2.0, 3.0, 5.0, 7.0], dtype=torch.float64)
     assert (float(mean), float(var), float(count)) == pytest.approx((float(union.mean()), float(union.var(unbiased=False)), 5))

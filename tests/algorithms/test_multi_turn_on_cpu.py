@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from restage.algorithms import base, estimators, ops
+from restage.algorithms import base, estimators, packed_ops
 from restage.algorithms.environments import (
     EnvironmentError,
     EpisodeContext,
@@ -25,7 +25,8 @@ from restage.algorithms.interface import build_graph, get_algorithm
 from restage.algorithms.rewards import resolve_reward
 from restage.algorithms.sandbox import Limits
 from restage.algorithms.tools import ToolCall, parse_tool_calls, resolve_tools, run_tool
-from restage.config import EnvironmentConfig, config_from_dict, load_config
+from restage.config.load import config_from_dict, load_config
+from restage.config.schema import EnvironmentConfig
 from restage.data import arith
 from restage.data.batch import pack_sequences
 from restage.errors import ConfigError
@@ -73,8 +74,8 @@ def test_multi_turn_observation_logits_get_exactly_zero_gradient(algorithm, algo
     state = algorithm_.init_state(cfg)
     batch, stats = algorithm_.prepare_train(_episodes(), cfg, state)
     logits = torch.randn(batch.n_tokens, VOCAB, requires_grad=True)
-    outputs = {"logprobs": ops.token_logprobs(logits, batch["seqs"], batch.cu_seqlens),
-               "entropy": ops.token_entropy(logits, batch.cu_seqlens)}
+    outputs = {"logprobs": packed_ops.token_logprobs(logits, batch["seqs"], batch.cu_seqlens),
+               "entropy": packed_ops.token_entropy(logits, batch.cu_seqlens)}
     loss, loss_stats = algorithm_.loss("actor_train", batch, outputs, cfg, state)
     loss.backward()
     grad = logits.grad.abs().sum(-1)
@@ -231,7 +232,7 @@ QWEN_LIKE = ("{% for m in messages %}{% if m.role == 'tool' %}<|im_start|> user 
 
 def test_multi_turn_chat_template_observation_tokens_are_the_templates_tool_turn(tmp_path):
     from restage.data.tokenizer import build_word_tokenizer, load_tokenizer
-    from restage.runtime.multi_turn import observation_ids
+    from restage.runtime.step.multi_turn import observation_ids
 
     words = ["<|im_start|>", "<|im_end|>", "user", "assistant", "tool", "<tool_response>", "</tool_response>", "x",
              "y", "42", "7"]

@@ -10,7 +10,8 @@ from tiny_loop import logprobs, tiny_model
 
 from restage.algorithms import _policy, losses
 from restage.algorithms.interface import build_graph, get_algorithm, unused_models
-from restage.config import ConfigError, config_from_dict
+from restage.config.load import config_from_dict
+from restage.config.schema import ConfigError
 from restage.data.batch import pack_sequences
 from restage.data.tasks import VOCAB
 

@@ -32,7 +32,7 @@ import torch
 from tiny_loop import logprobs, tiny_model
 
 from restage.algorithms.interface import get_algorithm
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.data.batch import pack_sequences
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ own interface functions (``after_generate``, ``prepare_train``, ``loss``) make t
 reward of the answers sampled each step, the first 5 steps against the last 10, after 50 steps, for seeds 0, 1, 2.
 The bar is issue 31's +0.10 on the mean over the seeds (plain GRPO measures +0.103 so: 0.102, 0.119, 0.087), and
 +0.05 (the existing GRPO test's bar) on every seed. DAPO's dynamic sampling runs through
-``runtime/dynamic_sampling.py``'s ``fill_batch`` (the runtime's own refill), and each step's batch is asserted full.
+``runtime/step/dynamic_sampling.py``'s ``fill_batch`` (the runtime's own refill), and each step's batch is asserted full.
 The importance-sampling test gives the generation log-probs a simulated layout mismatch (noise of 0.05) against the
 training layout's. RLOO and Dr. GRPO run without a KL term (``kl_coef: 0``, as Dr. GRPO's own scripts do,
 sail-sg/understand-r1-zero examples/*.sh ``--beta 0``): their advantages are not divided by the group's std, so
@@ -26,11 +26,11 @@ from tiny_loop import logprobs, sample, tiny_model
 
 from restage.algorithms.interface import get_algorithm
 from restage.algorithms.rewards import function_rewards, register_reward
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.data import datasets, sources, tasks
 from restage.data.tokenizer import load_tokenizer
-from restage.runtime import dynamic_sampling
-from restage.runtime.execute import MFCResult
+from restage.runtime.step import dynamic_sampling
+from restage.runtime.step.execute import MFCResult
 
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "synthetic"
 STEPS, GROUP, PROMPTS, SEEDS = 50, 8, 8, (0, 1, 2)

@@ -8,12 +8,13 @@ import torch
 
 from restage.algorithms import estimators, grpo, is_correction, losses, registry
 from restage.algorithms.interface import build_graph, get_algorithm
-from restage.config import PlanConfig, config_from_dict
+from restage.config.load import config_from_dict
+from restage.config.schema import PlanConfig
 from restage.data.batch import Batch, pack_sequences
 from restage.errors import ConfigError
 from restage.graph import MFC
-from restage.runtime import dynamic_sampling
-from restage.runtime.execute import MFCResult
+from restage.runtime.step import dynamic_sampling
+from restage.runtime.step.execute import MFCResult
 
 
 def cfg(execution="sync", **algo):

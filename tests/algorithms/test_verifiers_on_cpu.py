@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from restage.algorithms import base, rewards, scoring, verifiers
-from restage.config import RewardsConfig, config_from_dict
+from restage.config.load import config_from_dict
+from restage.config.schema import RewardsConfig
 from restage.data.batch import pack_sequences
 from restage.errors import ConfigError, RewardError
 

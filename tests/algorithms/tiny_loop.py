@@ -5,7 +5,7 @@ Only for the sanity tests of the losses; the runtime has its own packed decoder.
 
 import torch
 
-from restage.algorithms import ops
+from restage.algorithms import packed_ops
 from restage.data.batch import Batch, pack_sequences
 
 
@@ -38,7 +38,7 @@ def packed_logits(model, ids, batch: Batch):
 
 
 def logprobs(model, batch: Batch, key: str):
-    return ops.token_logprobs(packed_logits(model, batch[key], batch), batch[key], batch.cu_seqlens)
+    return packed_ops.token_logprobs(packed_logits(model, batch[key], batch), batch[key], batch.cu_seqlens)
 
 
 @torch.no_grad()

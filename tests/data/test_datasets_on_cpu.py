@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from restage.config import ConfigError, config_from_dict
+from restage.config.load import config_from_dict
+from restage.config.schema import ConfigError
 from restage.data import datasets, make, sources, tasks
 from restage.data.tokenizer import load_tokenizer
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.data import datasets
 from restage.data.chat import encode_prompt, prompt_ids
 from restage.data.tokenizer import load_tokenizer

@@ -16,11 +16,11 @@ import torch
 
 from restage.algorithms import sft
 from restage.algorithms.environments import EpisodeContext, SpelledToolUse
-from restage.config import EnvironmentConfig
+from restage.config.schema import EnvironmentConfig
 from restage.data import arith, datasets
 from restage.data.tokenizer import load_tokenizer
 from restage.errors import ConfigError
-from restage.runtime.multi_turn import observation_ids
+from restage.runtime.step.multi_turn import observation_ids
 
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "arith"
 

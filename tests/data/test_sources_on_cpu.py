@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.data import datasets, sources
 from restage.data.tokenizer import build_word_tokenizer, load_tokenizer
 from restage.errors import CheckpointError, ConfigError
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / "data" / "synthetic" / "tokenizer"

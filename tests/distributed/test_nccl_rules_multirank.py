@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 from restage.errors import RankFailure
-from restage.runtime import nccl_rules
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
+from restage.testing import nccl_rules
 
 pytestmark = pytest.mark.multirank
 
@@ -103,4 +103,4 @@ def test_the_layer_is_free_when_off():
     off = spawn(_plain, 2, env={"RESTAGE_NCCL_RULES": "0"}, timeout_seconds=120)
     assert off == [(False, "Tensor", "torch.distributed.distributed_c10d")] * 2
     on = spawn(_plain, 2, env={"RESTAGE_NCCL_RULES": "device"}, timeout_seconds=120)
-    assert on == [(True, "HostTensor", "restage.runtime.nccl_rules")] * 2
+    assert on == [(True, "HostTensor", "restage.testing.nccl_rules")] * 2

@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 
 from restage.errors import RankFailure
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
 
 pytestmark = pytest.mark.multirank
 

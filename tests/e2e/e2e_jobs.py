@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from restage.algorithms import ops
-from restage.config import load_config
+from restage.algorithms import packed_ops
+from restage.config.load import load_config
 from restage.data.batch import Batch
 from restage.data.datasets import load_splits
 from restage.demo import ensure_tiny_model
@@ -44,7 +44,7 @@ class Run:
         return series[name][1]
 
     def checkpoint(self, model: str) -> Path:
-        from restage.runtime.checkpoint_dir import latest
+        from restage.runtime.checkpoint.checkpoint_dir import latest
 
         found = latest(self.trial_dir)
         assert found is not None, f"no checkpoint under {self.trial_dir}"
@@ -115,7 +115,7 @@ def answer_logprobs(hf_dir: Path, batch: Batch, key: str) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     ids, mask = _padded(batch, key)
     logits = model(input_ids=ids, attention_mask=mask).logits[mask.bool()].float()
-    logprobs = ops.token_logprobs(logits, batch[key], batch.cu_seqlens)
+    logprobs = packed_ops.token_logprobs(logits, batch[key], batch.cu_seqlens)
     return logprobs * (~batch["prompt_mask"].bool())
 
 

@@ -11,7 +11,7 @@ from e2e_jobs import RELAYOUT, layout_overrides, report, restage_run
 from test_rl_learning import WINDOW
 
 from restage.layout import Layout, Strategy
-from restage.models.config import LoraConfig, ModelConfig
+from restage.models.arch import LoraConfig, ModelConfig
 from restage.report.log import read_log
 from restage.schedule.realloc_plan import destination_shard_bytes, plan_reallocation
 

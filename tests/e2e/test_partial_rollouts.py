@@ -90,7 +90,7 @@ def test_async_grpo_with_partial_rollouts_raises_reward_by_the_sync_margin(tmp_p
 
 def test_multi_turn_partial_rollouts_carry_episodes_within_the_bound(tmp_path):
     """Multi-turn episodes (the calculator job's tool calls) under partial rollouts: batch s + 2's episodes begun at
-    step s are finished at step s + 1 (``runtime/partial_episodes.py``); their tokens span the two versions and stay
+    step s are finished at step s + 1 (``runtime/step/partial_episodes.py``); their tokens span the two versions and stay
     within the staleness bound."""
     from e2e_jobs import ROOT
 

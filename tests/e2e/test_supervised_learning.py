@@ -8,7 +8,7 @@ import pytest
 import torch
 from e2e_jobs import answer_logprobs, held_out, layout_overrides, pair_accuracy, report, restage_run, reward_scores, tiny_model
 
-from restage.algorithms import ops
+from restage.algorithms import packed_ops
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multirank]
 
@@ -55,8 +55,8 @@ def test_dpo_raises_held_out_preference_accuracy(tmp_path):
                       *layout_overrides(DP2, ("ref_inf", "actor_train")))
     evaluation = held_out("dpo_tiny")
     cu = evaluation.cu_seqlens
-    ref = ops.seq_sum(answer_logprobs(tiny_model(), evaluation, "packed_pair_ids"), cu)
-    policy = ops.seq_sum(answer_logprobs(run.checkpoint("actor"), evaluation, "packed_pair_ids"), cu)
+    ref = packed_ops.seq_sum(answer_logprobs(tiny_model(), evaluation, "packed_pair_ids"), cu)
+    policy = packed_ops.seq_sum(answer_logprobs(run.checkpoint("actor"), evaluation, "packed_pair_ids"), cu)
     # DPO's implicit reward accuracy (h = log-ratio of chosen minus that of rejected > 0): the
     # starting policy is the reference, so h = 0 on every pair.
     h_start = torch.zeros(evaluation.n_samples)

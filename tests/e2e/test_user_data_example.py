@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from restage.algorithms.interface import get_algorithm
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.data.batch import pack_sequences
 from restage.data.datasets import load_splits, sample_fields
 from restage.data.tokenizer import load_tokenizer

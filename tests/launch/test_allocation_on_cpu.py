@@ -92,8 +92,8 @@ def test_a_stop_for_the_time_limit_is_recorded_only_with_its_checkpoint(write_co
     ranks during that write, the attempt resumes from the checkpoint before and is recorded as the last resort's."""
     import yaml
 
-    from restage.runtime import checkpoint_dir
-    from restage.runtime.deadline import StopBeforeDeadline, write_time_limit
+    from restage.runtime.checkpoint import checkpoint_dir
+    from restage.runtime.control.deadline import StopBeforeDeadline, write_time_limit
 
     cfg = yaml.safe_load(write_config(slurm={"time_minutes": 1}).read_text())
     trial = tmp_path / "results" / "launch" / "t"

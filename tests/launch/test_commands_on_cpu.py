@@ -34,7 +34,7 @@ def test_srun_command():
 
 def test_each_rank_gets_its_share_of_the_cores_on_both_paths(write_config):
     """srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05); mpirun bound nothing."""
-    from restage.config import load_config
+    from restage.config.load import load_config
     from restage.launch.job import cpus_per_rank
 
     geometry = JobGeometry(2, 8, 8)
@@ -74,7 +74,7 @@ def test_the_driver_binds_and_sets_omp_threads(write_config, tmp_path, monkeypat
     monkeypatch.setenv("RESTAGE_NETWORK_INTERFACE", "eth7")
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the user's own choice wins
-    from restage.config import load_config
+    from restage.config.load import load_config
 
     cfg = load_config(write_config(), ["slurm.launcher=mpirun", "cluster.devices_per_node=2"])
     with pytest.raises(SystemExit):
@@ -171,7 +171,7 @@ def test_every_local_rank_uses_its_own_gpu(visible, launcher):
 
 
 def test_program_module_override_and_clear_error(write_config, monkeypatch):
-    from restage.config import load_config
+    from restage.config.load import load_config
     from restage.launch.job import program_module
 
     monkeypatch.delenv("RESTAGE_PROGRAM", raising=False)

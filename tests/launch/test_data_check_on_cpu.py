@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from restage.cli import main as restage_main
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.data.fingerprint import Fingerprint, difference, fingerprint
 from restage.demo import ensure_tiny_model
 from restage.errors import ConfigError
@@ -115,7 +115,7 @@ def test_restage_run_resume_refuses_reordered_data_in_one_line_before_ranks(tmp_
 
 
 def test_restage_submit_resume_refuses_reordered_data_before_anything_is_queued(tmp_path, capsys):
-    from restage.config import load_config
+    from restage.config.load import load_config
 
     ensure_tiny_model(ROOT)
     data = _jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"sort {i} {j} :"} for i in range(4) for j in range(4)])

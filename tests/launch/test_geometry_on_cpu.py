@@ -1,6 +1,6 @@
 import pytest
 
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.errors import ConfigError, LaunchError
 from restage.launch.geometry import JobGeometry, device_binding, job_geometry, placement, placements, visible_device
 

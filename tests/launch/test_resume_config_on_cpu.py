@@ -3,7 +3,7 @@ refused with the diff, and a trial with every step done says how to go on (launc
 
 import pytest
 
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.errors import ConfigError
 from restage.launch.resume import Change, config_changes, is_safe, resumed_config, write_trial_overrides
 

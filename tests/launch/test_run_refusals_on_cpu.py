@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from restage.cli import main as restage_main
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.data.datasets import Dataset, Example, check_positions
 from restage.demo import ensure_tiny_model
 from restage.errors import ConfigError

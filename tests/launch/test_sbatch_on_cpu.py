@@ -5,7 +5,8 @@ import re
 import pytest
 
 from restage import cli
-from restage.config import SlurmConfig, load_config
+from restage.config.load import load_config
+from restage.config.schema import SlurmConfig
 from restage.errors import ConfigError
 from restage.launch.slurm import render_template, sbatch_error, signal_delay_seconds
 
@@ -150,7 +151,7 @@ def test_sbatch_error_is_one_line():
 
 def test_the_job_gets_absolute_paths_for_what_exists_here(tmp_path, monkeypatch):
     """The job may start in another directory: every relative path of the config file is made absolute against its
-    directory (config_paths.py), a hub id too (refused where it is read, with the hub hint)."""
+    directory (config/paths.py), a hub id too (refused where it is read, with the hub hint)."""
     from restage.launch.submit import resolved_dict
 
     (tmp_path / "model").mkdir()

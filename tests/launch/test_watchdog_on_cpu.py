@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict, replace
 
 from restage.launch.watchdog import Limits, Watchdog
-from restage.runtime.heartbeat import STARTUP_PHASES, Beat, Heartbeat, beat_path, heartbeat_dir, read_beat
+from restage.runtime.control.heartbeat import STARTUP_PHASES, Beat, Heartbeat, beat_path, heartbeat_dir, read_beat
 
 LIMITS = Limits(startup_seconds=100.0, collective_seconds=30.0, wait_seconds=40.0)
 
@@ -165,7 +165,7 @@ def test_the_rank_side_heartbeat_beats_names_its_activity_and_phase(tmp_path):
 
 
 def test_the_failure_line_puts_the_watchdog_first_and_names_the_busy_peer_of_a_timeout(tmp_path):
-    from restage.runtime.failure import clear_failures, describe_failure, failure_dir, record_watchdog
+    from restage.runtime.control.failure import clear_failures, describe_failure, failure_dir, record_watchdog
 
     folder = failure_dir(tmp_path)
     folder.mkdir()

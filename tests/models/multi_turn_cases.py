@@ -8,10 +8,11 @@ import time
 
 from restage.algorithms.environments import EpisodeContext, StepResult, register_environment
 from restage.algorithms.interface import get_algorithm
-from restage.config import ExperimentConfig, config_from_dict
+from restage.config.load import config_from_dict
+from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch, pack_sequences
 from restage.data.tokenizer import load_tokenizer
-from restage.runtime.multi_turn import generate_batch
+from restage.runtime.step.multi_turn import generate_batch
 
 PROMPTS = ["compute 4 7 * 8 3 :", "compute 1 2 * 3 4 :", "compute 9 9 * 1 0 :"]
 TIMELINE: list[tuple[str, int, int, float]] = []  # (event, sample id, turn, seconds): the scripted env's steps

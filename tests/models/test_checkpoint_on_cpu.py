@@ -9,7 +9,7 @@ import torch
 from model_cases import sample_sequences
 
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import WeightReader, load_stage, save_checkpoint
+from restage.models.hf_checkpoint import WeightReader, load_stage, save_checkpoint
 from restage.models.packing import pack
 
 ONE_RANK = Layout((0,), Strategy())

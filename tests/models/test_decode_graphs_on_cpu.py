@@ -10,15 +10,16 @@ import pytest
 import torch
 from model_cases import PROMPTS, sample_sequences
 
-from restage.config import GenerationConfig, build
+from restage.config.load import build
+from restage.config.schema import GenerationConfig
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
 from restage.models import attention
-from restage.models.checkpoint import load_stage
-from restage.models.decode_graphs import DecodeGraphs, buckets, choose_decode_mode, stage_inputs
 from restage.models.decoder import StageModule
-from restage.models.rollout import RolloutEngine, RolloutLimits, _bucket
-from restage.models.sampling import SamplingParams, request_keys, request_seed
+from restage.models.hf_checkpoint import load_stage
+from restage.rollout.decode_graphs import DecodeGraphs, buckets, choose_decode_mode, stage_inputs
+from restage.rollout.engine import RolloutEngine, RolloutLimits, _bucket
+from restage.rollout.sampling import SamplingParams, request_keys, request_seed
 
 ONE_RANK = Layout((0,), Strategy())
 MANY = sample_sequences([6, 1, 14, 9, 3, 11, 7, 2, 12, 5], seed=11)

@@ -17,13 +17,13 @@ import torch
 from model_cases import PROMPTS, logprob_gap_to_teacher_forcing, sample_sequences
 
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import load_stage
-from restage.models.decode_graphs import buckets
-from restage.models.generation import PartialRequest, continue_generate, generate
+from restage.models.hf_checkpoint import load_stage
 from restage.models.packing import pack
-from restage.models.rollout import RolloutEngine, RolloutLimits
-from restage.models.sampling import SamplingParams, request_keys, request_seed
 from restage.models.tiny import load_hf
+from restage.rollout.decode_graphs import buckets
+from restage.rollout.engine import RolloutEngine, RolloutLimits
+from restage.rollout.generation import PartialRequest, continue_generate, generate
+from restage.rollout.sampling import SamplingParams, request_keys, request_seed
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run on a GPU machine)")]

@@ -10,7 +10,7 @@ import pytest
 from restage.cli import main as restage
 from restage.errors import CheckpointError, LayoutError, RestageError
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import load_stage
+from restage.models.hf_checkpoint import load_stage
 
 
 def _load(path, tp=1, pp=1):

@@ -10,7 +10,7 @@ import torch
 from model_cases import MICRO_BATCHES, PROMPTS, hf_greedy, hf_outputs, sample_sequences
 
 from restage.layout import Layout, Strategy
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -53,15 +53,15 @@ def _micro_batches(seqs_list):
 
 def _run(rank, world_size, paths, early_eos):
     from restage.layout import ProcessGroups
-    from restage.models.checkpoint import load_stage
-    from restage.models.config import ModelConfig
+    from restage.models.arch import ModelConfig
     from restage.models.expert_parallel import average_gradients
-    from restage.models.generation import generate
+    from restage.models.hf_checkpoint import load_stage
     from restage.models.parallel import gather_from_tp, vocab_sizes
     from restage.models.pipeline import pipeline_forward, train_1f1b
-    from restage.models.rollout import RolloutLimits
-    from restage.models.sampling import SamplingParams
-    from restage.runtime.realloc import execute_reallocation, groups_for
+    from restage.rollout.engine import RolloutLimits
+    from restage.rollout.generation import generate
+    from restage.rollout.sampling import SamplingParams
+    from restage.runtime.dataplane.realloc import execute_reallocation, groups_for
     from restage.schedule.realloc_plan import plan_reallocation
 
     cfg = ModelConfig.from_pretrained(paths["mixtral"])
@@ -194,8 +194,8 @@ def test_a_queue_longer_than_the_slots_decodes_in_lockstep_under_ep(results):
 
 def test_1f1b_gradients_under_dp2_ep2_pp2_equal_one_rank(results, moe_path):
     from restage.layout import Layout
-    from restage.models.checkpoint import load_stage
-    from restage.models.config import ModelConfig
+    from restage.models.arch import ModelConfig
+    from restage.models.hf_checkpoint import load_stage
     from restage.models.pipeline import train_1f1b
     from restage.models.sharding import coord_shard_specs
 

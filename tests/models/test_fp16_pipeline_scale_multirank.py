@@ -12,7 +12,7 @@ from test_train_1f1b_multirank import make_loss, micro_batches
 
 from restage.layout import Layout, Strategy
 from restage.models.sharding import shard_specs
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -51,7 +51,7 @@ def fp16_like_engine(n_micro: int, scale: float = LOSS_SCALE):
 
 def _grads(module, n_micro):
     from restage.models.pipeline import train_1f1b
-    from restage.runtime.execute import stage_backward
+    from restage.runtime.step.execute import stage_backward
 
     engine = fp16_like_engine(n_micro)
     mbs = micro_batches()
@@ -62,7 +62,7 @@ def _grads(module, n_micro):
 
 def _pipeline(rank, world_size, path):
     from restage.layout import ProcessGroups
-    from restage.models.checkpoint import load_stage
+    from restage.models.hf_checkpoint import load_stage
 
     layout = Layout(tuple(range(world_size)), Strategy(pp=world_size))
     groups = ProcessGroups(layout.all_groups())
@@ -70,15 +70,15 @@ def _pipeline(rank, world_size, path):
 
 
 def test_engine_stand_in_scales_like_deepspeed():
-    from restage.runtime.execute import loss_scale_factor
+    from restage.runtime.step.execute import loss_scale_factor
 
     assert loss_scale_factor(fp16_like_engine(4)) == LOSS_SCALE
     assert loss_scale_factor(fp16_like_engine(4, scale=1.0)) == 1.0
 
 
 def test_fp16_pp2_gradients_are_scaled_once(tiny_models):
-    from restage.models.checkpoint import load_stage
-    from restage.models.config import ModelConfig
+    from restage.models.arch import ModelConfig
+    from restage.models.hf_checkpoint import load_stage
 
     path = tiny_models[MODEL]
     single = _grads(load_stage(path, Layout((0,), Strategy()), None, 0), len(micro_batches()))

@@ -8,14 +8,14 @@ from pathlib import Path
 from model_cases import PROMPTS
 
 from restage.cli import main as restage
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.data.datasets import load_splits
 from restage.data.tokenizer import load_tokenizer
 from restage.demo import ensure_tiny_model
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import load_stage
-from restage.models.generation import generate
-from restage.models.sampling import SamplingParams
+from restage.models.hf_checkpoint import load_stage
+from restage.rollout.generation import generate
+from restage.rollout.sampling import SamplingParams
 
 
 def test_json_completions_equal_library_generation(tiny_models, capsys):

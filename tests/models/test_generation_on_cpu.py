@@ -7,11 +7,11 @@ import torch
 from model_cases import PROMPTS, sample_sequences
 
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import load_stage
-from restage.models.generation import generate
+from restage.models.hf_checkpoint import load_stage
 from restage.models.packing import pack
 from restage.models.parallel import vocab_parallel_logprobs
-from restage.models.sampling import SamplingParams
+from restage.rollout.generation import generate
+from restage.rollout.sampling import SamplingParams
 
 ONE_RANK = Layout((0,), Strategy())
 
@@ -85,7 +85,7 @@ def test_every_eos_id_of_the_checkpoint_stops_a_sequence(llama, tiny_models, tmp
     import shutil
     from dataclasses import replace
 
-    from restage.models.config import ModelConfig
+    from restage.models.arch import ModelConfig
 
     greedy = generate(llama, PROMPTS, SamplingParams(max_new_tokens=10, greedy=True, eos_token_ids=())).sequences()
     first = greedy[0]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from restage.errors import ConfigError
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.decoder import StageModule
 from restage.models.packing import PackedBatch
 from restage.models.parallel import ParallelContext

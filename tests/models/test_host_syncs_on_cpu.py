@@ -56,7 +56,7 @@ def test_the_trap_catches_a_sync():
 @pytest.mark.parametrize("name", ["llama", "mistral"])  # mistral: the sliding-window masks
 @pytest.mark.parametrize("prompts", [PROMPTS, [PROMPTS[1], PROMPTS[3]]], ids=["mixed", "equal"])  # padded / by length
 def test_prefill_and_decode_never_sync(tiny_models, name, prompts):
-    from restage.models.checkpoint import load_stage
+    from restage.models.hf_checkpoint import load_stage
 
     module = load_stage(tiny_models[name], Layout((0,), Strategy()), None, 0)
     tokens, batch = pack(prompts)

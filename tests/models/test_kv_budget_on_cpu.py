@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
-from restage.models.config import ModelConfig
-from restage.models.rollout import (
+from restage.models.arch import ModelConfig
+from restage.rollout.engine import (
     GPU_FREE_MEMORY_FRACTION,
     RolloutLimits,
     available_device_bytes,

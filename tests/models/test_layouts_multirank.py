@@ -14,7 +14,7 @@ import torch
 from model_cases import CAUSAL, CRITICS, MICRO_BATCHES, PROMPTS, hf_greedy, hf_outputs
 
 from restage.layout import Strategy
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -28,16 +28,16 @@ STATIC_DECODE = [(1, 1), (2, 1)]  # dp=4 and dp=2 x tp=2
 
 def _run_layouts(rank, world_size, paths, save_root):
     from restage.layout import Layout, ProcessGroups
-    from restage.models.checkpoint import load_checkpoint, load_stage, save_checkpoint
-    from restage.models.config import ModelConfig
+    from restage.models.arch import ModelConfig
     from restage.models.decoder import StageModule
-    from restage.models.generation import generate
+    from restage.models.hf_checkpoint import load_checkpoint, load_stage, save_checkpoint
     from restage.models.packing import pack
     from restage.models.parallel import ParallelContext, gather_from_tp, vocab_sizes
     from restage.models.pipeline import MicroBatch, pipeline_forward
-    from restage.models.rollout import RolloutEngine, RolloutLimits
-    from restage.models.sampling import SamplingParams, request_keys
     from restage.models.sharding import shard_bytes
+    from restage.rollout.engine import RolloutEngine, RolloutLimits
+    from restage.rollout.generation import generate
+    from restage.rollout.sampling import SamplingParams, request_keys
 
     layouts = {key: Layout(tuple(range(world_size)), s) for key, s in STRATEGIES.items()}
     groups = ProcessGroups([g for layout in layouts.values() for g in layout.all_groups()])

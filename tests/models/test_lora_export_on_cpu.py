@@ -5,10 +5,10 @@ import json
 import os
 from pathlib import Path
 
-from restage.config import LORA_MODULES, LoraSpec
+from restage.config.schema import LORA_MODULES, LoraSpec
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import load_stage
-from restage.models.config import LoraConfig
+from restage.models.arch import LoraConfig
+from restage.models.hf_checkpoint import load_stage
 from restage.models.lora_checkpoint import adapter_config, save_adapters
 from restage.models.presets import preset
 from restage.plan.problem import with_lora

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from restage.layout import Layout, ProcessGroups, Strategy
-from restage.models.config import LoraConfig
-from restage.runtime.spawn import spawn
+from restage.models.arch import LoraConfig
+from restage.runtime.control.spawn import spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -37,7 +37,7 @@ def _random_adapters(module) -> None:
 
 def _forward_backward(module):
     """Full-vocabulary logits and every adapter's full gradient (gathered over TP)."""
-    from restage.models.checkpoint import gather_full
+    from restage.models.hf_checkpoint import gather_full
     from restage.models.packing import pack
     from restage.models.parallel import gather_from_tp, vocab_sizes
     from restage.models.sharding import shard_specs
@@ -55,11 +55,11 @@ def _forward_backward(module):
 
 
 def _ranks(rank: int, world_size: int, path: str) -> dict:
-    from restage.config import ModelSpec, OptimConfig
-    from restage.models.checkpoint import load_stage
+    from restage.config.schema import ModelSpec, OptimConfig
+    from restage.models.hf_checkpoint import load_stage
     from restage.models.sharding import is_adapter
-    from restage.runtime.engines import build_engine
-    from restage.runtime.realloc import execute_reallocation, groups_for
+    from restage.runtime.dataplane.realloc import execute_reallocation, groups_for
+    from restage.runtime.store.zero_engines import build_engine
     from restage.schedule.realloc_plan import destination_shard_bytes, plan_reallocation
 
     out: dict = {}

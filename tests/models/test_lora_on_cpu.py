@@ -9,11 +9,11 @@ import pytest
 import torch
 from model_cases import sample_sequences
 
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.errors import CheckpointError, ConfigError
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import load_stage
-from restage.models.config import LoraConfig, ModelConfig
+from restage.models.arch import LoraConfig, ModelConfig
+from restage.models.hf_checkpoint import load_stage
 from restage.models.lora_checkpoint import merge_lora, save_adapters
 from restage.models.packing import pack
 from restage.models.sharding import is_adapter, param_specs, shard_specs
@@ -156,7 +156,7 @@ def test_lora_on_a_frozen_model_is_refused_and_hf_names_map_to_canonical_ones():
 
 
 def test_lora_on_gpt2_is_refused_in_one_line(tiny_models):
-    from restage.config import LoraSpec
+    from restage.config.schema import LoraSpec
     from restage.plan.problem import with_lora
 
     with pytest.raises(ConfigError, match=r"models\.actor\.lora: LoRA supports the LLaMA family"):

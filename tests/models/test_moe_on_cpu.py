@@ -11,10 +11,10 @@ import torch
 
 from restage.errors import CheckpointError, LayoutError
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import load_stage
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.flops import block_shape
 from restage.models.hf_adapter import hf_config_dict
+from restage.models.hf_checkpoint import load_stage
 from restage.models.moe import RouterLog
 from restage.models.packing import pack
 from restage.models.presets import preset
@@ -139,7 +139,8 @@ def test_tp_wider_than_the_experts_is_refused_in_one_line():
 
 
 def test_experiment_config_overrides_the_checkpoints_aux_loss_coefficient(tmp_path):
-    from restage.config import ConfigError, load_config
+    from restage.config.load import load_config
+    from restage.config.schema import ConfigError
 
     job = tmp_path / "job.yaml"
     job.write_text("experiment: x\nalgorithm: sft\nmodels:\n  actor: {path: a, trainable: true}\n")
@@ -152,7 +153,7 @@ def test_experiment_config_overrides_the_checkpoints_aux_loss_coefficient(tmp_pa
 
 
 def test_lora_on_a_mixtures_mlp_is_refused_in_one_line_and_attention_lora_is_taken():
-    from restage.config import ConfigError, LoraSpec
+    from restage.config.schema import ConfigError, LoraSpec
     from restage.plan.problem import with_lora
 
     cfg = preset("qwen3-30b-a3b")

@@ -1,4 +1,4 @@
-"""Multi-turn episodes on layouts whose replicas step in lockstep (``models/rollout_turns.py``, ``TurnEngine.run``):
+"""Multi-turn episodes on layouts whose replicas step in lockstep (``rollout/turns.py``, ``TurnEngine.run``):
 under expert parallelism (an ep group's replicas exchange tokens in every sparse layer) and on a ZeRO-3 engine
 generating in place (every forward gathers parameters over dp), replicas with different prompts and tools of
 different speeds give the episodes a one-rank play gives, and every replica of a lockstep group runs the same
@@ -30,7 +30,7 @@ def _play(module, cfg, replica: int, counted=None):
     from restage.algorithms.interface import get_algorithm
     from restage.data.batch import pack_sequences
     from restage.data.tokenizer import load_tokenizer
-    from restage.runtime.multi_turn import generate_batch
+    from restage.runtime.step.multi_turn import generate_batch
 
     tokenizer = load_tokenizer(cfg.dataset.tokenizer)
     chosen = _prompts(replica)
@@ -51,7 +51,7 @@ def _play(module, cfg, replica: int, counted=None):
 def _run_ep(rank, world_size, path):
     from multi_turn_cases import config
 
-    from restage.models.checkpoint import load_stage
+    from restage.models.hf_checkpoint import load_stage
     from restage.models.moe import MoEMLP
 
     layouts = {"dp4": Layout(tuple(range(world_size)), Strategy(dp=4)),
@@ -85,7 +85,7 @@ def _moe_arith_model(root):
 
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory):
-    from restage.runtime.spawn import spawn
+    from restage.runtime.control.spawn import spawn
 
     return spawn(_run_ep, 4, _moe_arith_model(tmp_path_factory.mktemp("moe")), timeout_seconds=600)
 
@@ -111,10 +111,10 @@ def test_multi_turn_episodes_under_expert_parallelism_equal_one_rank(ep_results,
 def _run_zero3(rank, world_size, path):
     from multi_turn_cases import config
 
-    from restage.config import ModelSpec, OptimConfig
-    from restage.models.checkpoint import load_stage
-    from restage.runtime import zero3_generation
-    from restage.runtime.engines import build_engine
+    from restage.config.schema import ModelSpec, OptimConfig
+    from restage.models.hf_checkpoint import load_stage
+    from restage.runtime.store import zero3_generation
+    from restage.runtime.store.zero_engines import build_engine
 
     layout = Layout(tuple(range(world_size)), Strategy(dp=world_size))
     groups = ProcessGroups(layout.all_groups(), singletons=True, timeout_seconds=120)
@@ -133,7 +133,7 @@ def test_multi_turn_episodes_on_a_zero3_engine_in_lockstep_equal_one_rank(tmp_pa
     from multi_turn_cases import Scripted  # noqa: F401
 
     from restage.demo import ensure_arith_model
-    from restage.runtime.spawn import spawn
+    from restage.runtime.control.spawn import spawn
 
     path = str(ensure_arith_model(tmp_path))
     results = spawn(_run_zero3, 2, path, env={"DS_ACCELERATOR": "cpu"}, timeout_seconds=300)

@@ -21,7 +21,7 @@ def _run(rank, world_size, path):
     from multi_turn_cases import config, episodes, sequences
 
     from restage.layout import Layout, ProcessGroups
-    from restage.models.checkpoint import load_stage
+    from restage.models.hf_checkpoint import load_stage
 
     layouts = {key: Layout(tuple(range(world_size)), s) for key, s in LAYOUTS.items()}
     groups = ProcessGroups([g for layout in layouts.values() for g in layout.all_groups()])
@@ -48,7 +48,7 @@ def _partial(module, cfg):
 
     from restage.algorithms.interface import get_algorithm
     from restage.data.tokenizer import load_tokenizer
-    from restage.runtime.partial_episodes import run_partial_episodes
+    from restage.runtime.step.partial_episodes import run_partial_episodes
 
     cfg = dataclasses.replace(cfg, plan=dataclasses.replace(cfg.plan, execution="async", partial_rollouts=True,
                                                             staleness=2))
@@ -64,7 +64,7 @@ def _partial(module, cfg):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from restage.demo import ensure_arith_model
-    from restage.runtime.spawn import spawn
+    from restage.runtime.control.spawn import spawn
 
     path = str(ensure_arith_model(tmp_path_factory.mktemp("arith")))
     return spawn(_run, 4, path, timeout_seconds=600)

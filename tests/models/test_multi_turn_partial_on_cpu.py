@@ -1,4 +1,4 @@
-"""Partial rollouts of multi-turn episodes (``runtime/partial_episodes.py``): a generate call finishes one step's
+"""Partial rollouts of multi-turn episodes (``runtime/step/partial_episodes.py``): a generate call finishes one step's
 episodes and begins the next's, which the next call continues; under unchanged weights every episode equals its
 uninterrupted play token for token, and each token records the version of the call that wrote it (issue 31,
 "works with ... partial rollouts")."""
@@ -16,10 +16,10 @@ from restage.algorithms.interface import get_algorithm
 from restage.data.batch import pack_sequences
 from restage.data.tokenizer import load_tokenizer
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import load_stage
-from restage.models.rollout_turns import NextTurn
-from restage.runtime.multi_turn import EpisodeFeed, generate_batch, start_episodes
-from restage.runtime.partial_episodes import EpisodesInFlight, run_partial_episodes
+from restage.models.hf_checkpoint import load_stage
+from restage.rollout.turns import NextTurn
+from restage.runtime.step.multi_turn import EpisodeFeed, generate_batch, start_episodes
+from restage.runtime.step.partial_episodes import EpisodesInFlight, run_partial_episodes
 
 ONE_RANK = Layout((0,), Strategy())
 TURNS = 3  # multi_turn_cases.config's max_turns
@@ -114,7 +114,7 @@ def test_multi_turn_partial_checkpoint_drops_live_episodes_and_restarts_them(ari
     """Environments cannot be saved: the rollout buffer's checkpoint keeps begun answers but not begun episodes, and
     the call that finishes such a batch after a resume (nothing begun) plays it from ``reset`` with its step's seeds:
     under unchanged weights, the uninterrupted episodes (docs/algorithms.md, Modes)."""
-    from restage.runtime.rollout_buffer import Answer, RolloutBuffer
+    from restage.runtime.dataplane.rollout_buffer import Answer, RolloutBuffer
 
     _, _, tokenizer, _, _ = arith
     b = _batch(tokenizer, 20)

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts in the engine (``models/rollout_turns.py``, ``runtime/multi_turn.py``): an episode's tokens do
+"""Multi-turn rollouts in the engine (``rollout/turns.py``, ``runtime/step/multi_turn.py``): an episode's tokens do
 not depend on the slots or on when its tools return; a slot goes to another request while a tool runs; masks,
 log-probs, budgets and turn counts are what the docs say (issue 31, items 2 and 4)."""
 
@@ -11,7 +11,7 @@ import torch
 from multi_turn_cases import STARTED, WAITED, Scripted, config, episodes, sequences
 
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import load_stage
+from restage.models.hf_checkpoint import load_stage
 
 ONE_RANK = Layout((0,), Strategy())
 
@@ -82,7 +82,7 @@ def test_multi_turn_episode_over_its_budget_is_cut_with_the_documented_reward(ar
 
 
 def test_multi_turn_episodes_run_on_a_lora_actor(arith):
-    from restage.models.config import LoraConfig
+    from restage.models.arch import LoraConfig
 
     path, module = arith
     Scripted.delays = {}

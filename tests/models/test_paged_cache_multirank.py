@@ -9,7 +9,7 @@ import torch
 from model_cases import sample_sequences
 
 from restage.layout import Strategy
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -24,7 +24,7 @@ BLOCKS_PER_POOL = 3  # 23 + 12 positions need 3 blocks of 16: one sequence fills
 
 
 def _params(mode: str, eos: bool):
-    from restage.models.sampling import SamplingParams
+    from restage.rollout.sampling import SamplingParams
 
     stop = EOS if eos else ()
     if mode == "greedy":
@@ -34,25 +34,25 @@ def _params(mode: str, eos: bool):
 
 def _run(rank, world_size, paths):
     from restage.layout import Layout, ProcessGroups
-    from restage.models.checkpoint import load_stage
-    from restage.models.generation import generate
-    from restage.models.rollout import RolloutEngine, RolloutLimits, group_count, kv_bytes_per_slot
-    from restage.models.sampling import request_keys, request_seed
+    from restage.models.hf_checkpoint import load_stage
+    from restage.rollout.engine import RolloutEngine, RolloutLimits, group_count, kv_bytes_per_slot
+    from restage.rollout.generation import generate
+    from restage.rollout.sampling import request_keys, request_seed
 
     layouts = {key: Layout(tuple(range(world_size)), s) for key, (_, s) in LAYOUTS.items()}
     groups = ProcessGroups([g for layout in layouts.values() for g in layout.all_groups()])
     preempted: list[int] = []
     original = RolloutEngine.run
     RolloutEngine.run = lambda self: original(self) if preempted.append(self) is None else None  # type: ignore
-    from restage.models import rollout_pipeline
+    from restage.rollout import pipelined
 
-    original_pipelined = rollout_pipeline.PipelinedRollout.run
+    original_pipelined = pipelined.PipelinedRollout.run
 
     def pipelined(self):
         preempted.append(self.engine)
         return original_pipelined(self)
 
-    rollout_pipeline.PipelinedRollout.run = pipelined  # type: ignore[method-assign]
+    pipelined.PipelinedRollout.run = pipelined  # type: ignore[method-assign]
     out = {}
     for key, (family, strategy) in LAYOUTS.items():
         module = load_stage(paths[family], layouts[key], groups, rank)

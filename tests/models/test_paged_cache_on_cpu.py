@@ -12,11 +12,11 @@ from model_cases import sample_sequences
 
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import load_stage
-from restage.models.generation import generate
-from restage.models.paged_cache import PagedKVCache, blocks_for
-from restage.models.rollout import RolloutEngine, RolloutLimits, kv_bytes_per_slot
-from restage.models.sampling import SamplingParams, request_keys
+from restage.models.hf_checkpoint import load_stage
+from restage.rollout.engine import RolloutEngine, RolloutLimits, kv_bytes_per_slot
+from restage.rollout.generation import generate
+from restage.rollout.paged_cache import PagedKVCache, blocks_for
+from restage.rollout.sampling import SamplingParams, request_keys
 
 ONE_RANK = Layout((0,), Strategy())
 PROMPTS = sample_sequences([6, 1, 21, 9, 17, 11, 33, 2], seed=5)  # prompts across 1-3 blocks of 16

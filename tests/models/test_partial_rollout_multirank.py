@@ -21,10 +21,10 @@ EOS = tuple(range(3, 40))  # about one token in seven stops an answer
 
 def _run(rank, world_size, path):
     from restage.layout import Layout, ProcessGroups
-    from restage.models.checkpoint import load_stage
-    from restage.models.generation import PartialRequest, continue_generate, generate
-    from restage.models.rollout import RolloutLimits
-    from restage.models.sampling import SamplingParams
+    from restage.models.hf_checkpoint import load_stage
+    from restage.rollout.engine import RolloutLimits
+    from restage.rollout.generation import PartialRequest, continue_generate, generate
+    from restage.rollout.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=50, eos_token_ids=EOS)
     seeds = [[100 * (b + 1) + r for r in range(len(BATCHES[b]) * GROUP)] for b in range(2)]
@@ -55,7 +55,7 @@ def _run(rank, world_size, path):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from restage.models.tiny import build_tiny
-    from restage.runtime.spawn import spawn
+    from restage.runtime.control.spawn import spawn
 
     path = str(build_tiny(tmp_path_factory.mktemp("partial") / "llama", family="llama", seed=3))
     return spawn(_run, 4, path, timeout_seconds=600)
@@ -85,10 +85,10 @@ def _replica_batches(d: int) -> list[list[list[int]]]:
 
 def _run_moe(rank, world_size, path):
     from restage.layout import Layout, ProcessGroups
-    from restage.models.checkpoint import load_stage
-    from restage.models.generation import PartialRequest, continue_generate, generate
-    from restage.models.rollout import RolloutLimits
-    from restage.models.sampling import SamplingParams
+    from restage.models.hf_checkpoint import load_stage
+    from restage.rollout.engine import RolloutLimits
+    from restage.rollout.generation import PartialRequest, continue_generate, generate
+    from restage.rollout.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=50, eos_token_ids=EOS)
     layouts = {key: Layout(tuple(range(world_size)), s) for key, s in MOE_LAYOUTS.items()}
@@ -117,7 +117,7 @@ def _run_moe(rank, world_size, path):
 @pytest.fixture(scope="module")
 def moe_results(tmp_path_factory):
     from restage.models.tiny import build_tiny
-    from restage.runtime.spawn import spawn
+    from restage.runtime.control.spawn import spawn
 
     path = str(build_tiny(tmp_path_factory.mktemp("partial_moe") / "mixtral", family="mixtral", seed=5))
     return spawn(_run_moe, 4, path, timeout_seconds=600)

@@ -10,10 +10,10 @@ from model_cases import sample_sequences
 
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import load_stage
-from restage.models.generation import PartialRequest, continue_generate, generate
-from restage.models.rollout import RolloutEngine, RolloutLimits
-from restage.models.sampling import SamplingParams
+from restage.models.hf_checkpoint import load_stage
+from restage.rollout.engine import RolloutEngine, RolloutLimits
+from restage.rollout.generation import PartialRequest, continue_generate, generate
+from restage.rollout.sampling import SamplingParams
 
 ONE_RANK = Layout((0,), Strategy())
 GROUP = 2

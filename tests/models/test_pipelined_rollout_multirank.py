@@ -14,7 +14,7 @@ import torch
 from model_cases import sample_sequences
 
 from restage.layout import Strategy
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -28,7 +28,7 @@ ALONE = [0, 3, 7, 11]  # sampled requests also generated alone under pp=2
 
 
 def _params(mode: str):
-    from restage.models.sampling import SamplingParams
+    from restage.rollout.sampling import SamplingParams
 
     if mode == "greedy":
         return SamplingParams(max_new_tokens=12, greedy=True, eos_token_ids=EOS)
@@ -37,13 +37,13 @@ def _params(mode: str):
 
 def _run(rank, world_size, path):
     from restage.layout import Layout, ProcessGroups
-    from restage.models.checkpoint import load_stage
-    from restage.models.generation import generate
+    from restage.models.hf_checkpoint import load_stage
     from restage.models.packing import pack
     from restage.models.pipeline import MicroBatch, pipeline_forward
-    from restage.models.rollout import RolloutLimits
-    from restage.models.rollout_pipeline import PipelinedRollout
-    from restage.models.sampling import request_seed
+    from restage.rollout.engine import RolloutLimits
+    from restage.rollout.generation import generate
+    from restage.rollout.pipelined import PipelinedRollout
+    from restage.rollout.sampling import request_seed
 
     layouts = {key: Layout(tuple(range(world_size)), s) for key, s in LAYOUTS.items()}
     groups = ProcessGroups([g for layout in layouts.values() for g in layout.all_groups()])

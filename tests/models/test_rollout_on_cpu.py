@@ -11,10 +11,10 @@ from model_cases import PROMPTS, logprob_gap_to_teacher_forcing, sample_sequence
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
 from restage.models.attention import KVCache
-from restage.models.checkpoint import load_stage
-from restage.models.generation import generate
-from restage.models.rollout import RolloutEngine, RolloutLimits, kv_bytes_per_slot, plan_slots
-from restage.models.sampling import SamplingParams, choose_tokens, request_keys
+from restage.models.hf_checkpoint import load_stage
+from restage.rollout.engine import RolloutEngine, RolloutLimits, kv_bytes_per_slot, plan_slots
+from restage.rollout.generation import generate
+from restage.rollout.sampling import SamplingParams, choose_tokens, request_keys
 
 ONE_RANK = Layout((0,), Strategy())
 SAMPLED = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, seed=7)
@@ -219,7 +219,7 @@ def test_a_sample_is_answered_alike_whichever_share_of_the_batch_holds_it(llama)
     # dp ranks (in another order), every sample gets the answer it gets in one rank's whole batch. Seeding by the
     # request's place in its rank's share (the old rule) gave other answers once the share changed.
     from restage.data.batch import pack_sequences
-    from restage.runtime.execute import request_seeds
+    from restage.runtime.step.execute import request_seeds
 
     ids = [40, 7, 13, 2, 99, 5]
     prompts = MANY[:6]

@@ -11,8 +11,8 @@ from model_cases import LLAMA31_ROPE, sample_sequences
 
 from restage.errors import CheckpointError
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import load_stage, save_checkpoint
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
+from restage.models.hf_checkpoint import load_stage, save_checkpoint
 from restage.models.packing import pack
 from restage.models.rope import apply_rope_qk, inv_frequencies, rope_cos_sin, rope_tables
 

@@ -1,4 +1,4 @@
-"""A frozen model held 1/dp per rank (runtime/sharded_frozen.py) computes what the whole model computes.
+"""A frozen model held 1/dp per rank (runtime/store/sharded_frozen.py) computes what the whole model computes.
 
 Two gloo ranks under NCCL's rules, dp=2: each rank runs its own micro-batches through the whole model,
 then loads the model sharded, unit by unit (``load_sharded``, as the runtime does), and runs them
@@ -14,7 +14,7 @@ import math
 import pytest
 from model_cases import MICRO_BATCHES, MODELS, sample_sequences
 
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -33,10 +33,10 @@ def _run(rank, world_size, paths):
     import torch
 
     from restage.layout import Layout, ProcessGroups, Strategy
-    from restage.models.checkpoint import load_stage
+    from restage.models.hf_checkpoint import load_stage
     from restage.models.packing import pack
     from restage.models.pipeline import MicroBatch, pipeline_forward
-    from restage.runtime.sharded_frozen import _units, load_sharded
+    from restage.runtime.store.sharded_frozen import _units, load_sharded
 
     layout = Layout(tuple(range(world_size)), Strategy(dp=world_size))
     groups = ProcessGroups(layout.all_groups())

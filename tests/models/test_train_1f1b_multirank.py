@@ -8,7 +8,7 @@ from model_cases import sample_sequences
 
 from restage.layout import Layout, Strategy
 from restage.models.sharding import shard_specs
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -51,7 +51,7 @@ def make_loss(module, n_micro_batches: int):
 
 def _train(rank, world_size, paths):
     from restage.layout import ProcessGroups
-    from restage.models.checkpoint import load_stage
+    from restage.models.hf_checkpoint import load_stage
     from restage.models.pipeline import train_1f1b
 
     layouts = {key: Layout(tuple(range(world_size)), s) for key, s in STRATEGIES.items()}
@@ -69,7 +69,7 @@ def _train(rank, world_size, paths):
 
 def reference(path):
     """Single-rank gradients and losses (tp = pp = 1, no torch.distributed)."""
-    from restage.models.checkpoint import load_stage
+    from restage.models.hf_checkpoint import load_stage
     from restage.models.pipeline import train_1f1b
 
     module = load_stage(path, Layout((0,), Strategy()), None, 0)
@@ -88,7 +88,7 @@ def trained(tiny_models):
 
 @pytest.mark.parametrize("name", TRAIN)
 def test_1f1b_gradients_equal_single_rank_gradients(trained, tiny_models, name):
-    from restage.models.config import ModelConfig
+    from restage.models.arch import ModelConfig
 
     cfg = ModelConfig.from_pretrained(tiny_models[name])
     ref_grads, ref_losses = reference(tiny_models[name])

@@ -3,7 +3,7 @@
 dp replicas of a real DeepSpeed ZeRO-3 engine (CPU, gloo, under NCCL's rules) generate their own prompts: the
 first replica's answers all end at EOS on their first token, the others' all run to the cap. DeepSpeed gathers
 the partitioned parameters over the dp group in every forward, so replicas that run different numbers of
-forwards would wait on each other for ever. Both modes of ``runtime/zero3_generation.py`` must finish, and
+forwards would wait on each other for ever. Both modes of ``runtime/store/zero3_generation.py`` must finish, and
 give the tokens and log-probs of a one-rank generation of the same prompts:
 
 * ``lockstep``: the rollout runs on the partitioned module; a replica with nothing left joins the others'
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from restage.layout import Layout, ProcessGroups, Strategy
-from restage.models.config import ModelConfig
-from restage.models.sampling import SamplingParams
-from restage.runtime.spawn import spawn
+from restage.models.arch import ModelConfig
+from restage.rollout.sampling import SamplingParams
+from restage.runtime.control.spawn import spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -66,7 +66,7 @@ def _stage_bytes(layout: Layout, rank: int) -> int:
 
 def choose_prompts(reference, replicas: int) -> tuple[int, list[list[list[int]]]]:
     """(EOS id, each replica's prompts): replica 0's answers end at EOS on their first token, the others' never do."""
-    from restage.models.generation import generate
+    from restage.rollout.generation import generate
 
     gen = torch.Generator().manual_seed(11)
     candidates = [torch.randint(1, CFG.vocab_size, (int(n),), generator=gen).tolist()
@@ -82,11 +82,11 @@ def choose_prompts(reference, replicas: int) -> tuple[int, list[list[list[int]]]
 
 
 def _generate_in_place(rank: int, world_size: int, dp: int, tp: int, mode: str | None) -> dict:
-    from restage.config import ModelSpec, OptimConfig
-    from restage.models.generation import generate
+    from restage.config.schema import ModelSpec, OptimConfig
     from restage.models.parallel import ParallelContext
-    from restage.runtime import zero3_generation
-    from restage.runtime.engines import build_engine
+    from restage.rollout.generation import generate
+    from restage.runtime.store import zero3_generation
+    from restage.runtime.store.zero_engines import build_engine
 
     layout = Layout(tuple(range(world_size)), Strategy(dp=dp, tp=tp))
     groups = ProcessGroups(layout.all_groups(), singletons=True, timeout_seconds=60)

@@ -1,5 +1,5 @@
 """A run longer than its time limit finishes through requeues: the tiny PPO job on two nodes x two ranks checkpoints
-before each attempt's limit (runtime/deadline.py: the master compares the time left with the end time the driver
+before each attempt's limit (runtime/control/deadline.py: the master compares the time left with the end time the driver
 hands the ranks), the driver requeues it, and the run reaches its last step with the same log, statistics and
 weights, bit for bit, as the same job run without a limit.
 
@@ -31,7 +31,7 @@ from slurm_queue import finish_through_requeues
 
 from restage.launch.trial import read_json
 from restage.report.log import read_log
-from restage.runtime import checkpoint_dir
+from restage.runtime.checkpoint import checkpoint_dir
 
 # make test-scale runs it (make test's time bound); tests/slurm/test_time_limit_slurm.py is the one-node run in make test
 pytestmark = [pytest.mark.multinode, pytest.mark.scale]

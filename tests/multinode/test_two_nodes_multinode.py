@@ -35,7 +35,7 @@ from multinode_jobs import (
 )
 
 from restage.launch.trial import read_json
-from restage.runtime import checkpoint_dir
+from restage.runtime.checkpoint import checkpoint_dir
 
 pytestmark = pytest.mark.multinode
 TRAINED = ("actor", "critic")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from restage.cluster import load_cluster
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.plan.estimator import Estimate
 
 

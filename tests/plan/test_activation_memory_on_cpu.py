@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from restage.layout import Layout, ProcessGroups, Strategy
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.decoder import StageModule
 from restage.models.packing import PackedBatch
 from restage.models.parallel import ParallelContext
@@ -22,7 +22,7 @@ from restage.plan.activations import (
     forward_activation_bytes_per_token,
     head_activation_bytes_per_token,
 )
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
 
 LLAMA = ModelConfig(family="llama", model_type="llama", vocab_size=40, hidden_size=64, intermediate_size=176,
                     num_layers=2, num_heads=8, num_kv_heads=2, max_positions=128)

@@ -2,11 +2,11 @@
 
 import pytest
 
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.errors import ConfigError
 from restage.plan.async_plan import best_async_plan, splits
 from restage.plan.cli import mode_line, render
-from restage.plan.evaluate import evaluate
+from restage.plan.plan_score import evaluate
 from restage.plan.planner import build_problem, make_plan
 from restage.plan.schedule import build_schedule
 from restage.plan.simulator import op_seconds, plan_program, refill_seconds
@@ -74,7 +74,7 @@ def test_auto_plans_both_modes_and_runs_the_faster():
 
 
 def test_auto_with_evaluation_weighs_the_same_async_plans():
-    """Held-out evaluation runs in both modes (runtime/evaluate.py) and is costed in neither: auto's candidates and
+    """Held-out evaluation runs in both modes (runtime/step/evaluation.py) and is costed in neither: auto's candidates and
     figures are those of the run without it (it once left async out whenever run.eval_every was set)."""
     plain = make_plan(load_config(JOB, ["plan.execution=auto"]), with_baselines=False).mode_choice
     evaluated = make_plan(load_config(JOB, ["plan.execution=auto", "run.eval_every=10", "dataset.eval_fraction=0.02"]),

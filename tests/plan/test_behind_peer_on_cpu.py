@@ -1,13 +1,13 @@
-"""`restage plan` under a peer predicted faster: which MFC is behind and what bears on it (plan/behind.py,
+"""`restage plan` under a peer predicted faster: which MFC is behind and what bears on it (plan/peers/behind.py,
 docs/plan.md "Behind a peer"); and the ep column of a mixture's plan ("Expert parallelism")."""
 
 from __future__ import annotations
 
 import re
 
-from restage.config import config_from_dict
-from restage.plan.baselines import BASELINES
+from restage.config.load import config_from_dict
 from restage.plan.cli import render
+from restage.plan.peers.baselines import BASELINES
 from restage.plan.planner import make_plan
 from restage.plan.schedule import build_schedule
 

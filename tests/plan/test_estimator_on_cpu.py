@@ -7,7 +7,7 @@ from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
 from restage.plan.estimator import Estimator, ModelRole, overhead_counts, overhead_seconds
-from restage.plan.flops import mfc_flops
+from restage.plan.mfc_flops import mfc_flops
 from restage.plan.profile import Profile, ProfileEntry
 
 GEN = MFC("actor_gen", "generate", "actor", ("prompts",), ("seqs",), 64, 128, 256)

@@ -37,7 +37,7 @@ def test_candidates_gain_ep_for_a_moe_model_only():
     assert Strategy(dp=8, ep=8) in moe and Strategy(dp=4, tp=2, ep=4) in moe
     dense = strategies_for(8, role("llama-7b"), INF, cluster)
     assert {s.ep for s in dense} == {1}
-    # a train step takes ep with ZeRO 0-2 (runtime/expert_engine.py); ZeRO-3 takes no expert groups
+    # a train step takes ep with ZeRO 0-2 (runtime/store/expert_engine.py); ZeRO-3 takes no expert groups
     assert {s.ep for s in strategies_for(8, role(zero_stage=0), TRAIN, cluster)} == {1, 2, 4, 8}
     assert {s.ep for s in strategies_for(8, role(zero_stage=2), TRAIN, cluster)} == {1, 2, 4, 8}
     assert {s.ep for s in strategies_for(8, role(zero_stage=3), TRAIN, cluster)} == {1}

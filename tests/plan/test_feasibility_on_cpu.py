@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 from plan_helpers import ppo_config
 
-from restage.config import ClusterRef
+from restage.config.schema import ClusterRef
 from restage.errors import LayoutError, PlanError
 from restage.layout import Strategy
 from restage.models.presets import preset
 from restage.models.sharding import training_layout_problem
-from restage.plan.baselines import all_baselines, all_references, starting_plans
+from restage.plan.peers.baselines import all_baselines, all_references, starting_plans
 from restage.plan.planner import build_problem, check_fits, make_plan, manual_plan
 from restage.plan.problem import strategies_for, untrainable
 from restage.plan.search import search

@@ -10,8 +10,8 @@ from restage.cluster import load_cluster
 from restage.models.flops import block_shape
 from restage.models.presets import preset
 from restage.plan.compute import RooflineCompute, elementwise_elements_per_token
-from restage.plan.engines import VllmEngine, kv_bytes_per_token, live_sequences, vllm_generate_seconds
 from restage.plan.gemm import MAMF_SHAPES, gemm_efficiency, mamf_efficiency
+from restage.plan.generation_cost import VllmEngine, kv_bytes_per_token, live_sequences, vllm_generate_seconds
 from restage.plan.nccl import collective_bus_bandwidth
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import restage.demo
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.demo import LLAMA_1B_SIZES, ensure_llama_1b
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.presets import preset
 from restage.models.tiny import tiny_hf_config
 from restage.plan.planner import make_plan

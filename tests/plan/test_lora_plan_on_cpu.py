@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from restage.algorithms.interface import build_graph
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.layout import Layout, Strategy
-from restage.models.config import LoraConfig
+from restage.models.arch import LoraConfig
 from restage.models.sharding import is_adapter, param_specs
 from restage.plan.estimator import stage_param_elements, stage_trained_elements
-from restage.plan.evaluate import plan_memory
+from restage.plan.plan_score import plan_memory
 from restage.plan.problem import PlanProblem, roles_from_config
-from restage.plan.transfer import exact_realloc, fast_realloc
+from restage.plan.transfer_cost import exact_realloc, fast_realloc
 from restage.schedule.ops import Free
 from restage.schedule.program import build_program
 from restage.schedule.realloc_plan import destination_shard_bytes, plan_reallocation

@@ -5,7 +5,7 @@ import pytest
 
 from restage.algorithms.interface import build_graph
 from restage.cluster import load_cluster
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.demo import ensure_tiny_model
-from restage.plan.baselines import all_baselines
+from restage.plan.peers.baselines import all_baselines
 from restage.plan.planner import make_plan
 from restage.plan.schedule import build_schedule
 from restage.schedule.ops import Ema, Realloc, Run

@@ -13,15 +13,16 @@ from types import SimpleNamespace
 import pytest
 from plan_helpers import ppo_config
 
-from restage.config import ClusterRef, load_config
+from restage.config.load import load_config
+from restage.config.schema import ClusterRef
 from restage.demo import ensure_arith_model, ensure_tiny_model
 from restage.layout import Layout, Strategy
-from restage.plan.baselines import all_baselines, all_references, starting_plans
 from restage.plan.estimator import dp_size_ok
+from restage.plan.peers.baselines import all_baselines, all_references, starting_plans
 from restage.plan.planner import build_problem, make_plan
 from restage.plan.problem import PlanProblem, mesh_options, strategies_for
 from restage.plan.schedule import build_schedule
-from restage.runtime.feasibility import schedule_problem
+from restage.runtime.store.feasibility import schedule_problem
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_JOBS = sorted(p.name for p in (REPO / "jobs").glob("*_tiny.yaml"))

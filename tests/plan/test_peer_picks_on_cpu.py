@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from plan_helpers import ppo_config
 
-from restage.config import load_config
-from restage.plan.peers import BUILDERS, nemo_critic_sizes, openrlhf_arrangements
+from restage.config.load import load_config
+from restage.plan.peers.defaults import BUILDERS, nemo_critic_sizes, openrlhf_arrangements
 from restage.plan.planner import build_problem
 from restage.plan.problem import PlanProblem
 

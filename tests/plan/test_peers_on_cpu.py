@@ -4,9 +4,9 @@ import pytest
 from plan_helpers import ppo_config
 
 from restage.layout import Strategy
-from restage.plan.baselines import LABELS, REFERENCES, all_baselines, all_references, starting_plans
-from restage.plan.evaluate import evaluate
-from restage.plan.peers import PEERS, _proportional
+from restage.plan.peers.baselines import LABELS, REFERENCES, all_baselines, all_references, starting_plans
+from restage.plan.peers.defaults import PEERS, _proportional
+from restage.plan.plan_score import evaluate
 from restage.plan.planner import build_problem, make_plan
 from restage.plan.search import search
 

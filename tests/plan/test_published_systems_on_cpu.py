@@ -14,8 +14,14 @@ from restage.cluster import load_cluster
 from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
-from restage.plan.engines import VLLM_RAY_TP_STEP_SECONDS, VllmEngine, decode_rounds, ray_tp_step_seconds, vllm_generate_seconds
 from restage.plan.estimator import Estimator, ModelRole, stage_param_elements
+from restage.plan.generation_cost import (
+    VLLM_RAY_TP_STEP_SECONDS,
+    VllmEngine,
+    decode_rounds,
+    ray_tp_step_seconds,
+    vllm_generate_seconds,
+)
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

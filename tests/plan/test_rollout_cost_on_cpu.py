@@ -1,4 +1,4 @@
-"""restage's rollout engine as the estimator costs it (``plan/engines.py``, ``estimator._generate``): slots from the
+"""restage's rollout engine as the estimator costs it (``plan/generation_cost.py``, ``estimator._generate``): slots from the
 memory budget, rounds of refill, one prefill per prompt group, CUDA graphs where the runtime replays them, one host
 check every k steps. Each expected figure is built here from the formula's parts."""
 
@@ -15,14 +15,6 @@ from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.flops import block_shape
 from restage.models.presets import preset
-from restage.models.rollout import GATHER_ONCE_FRACTION, GPU_FREE_MEMORY_FRACTION, RolloutLimits
-from restage.plan.engines import (
-    GRAPH_BLOCK_SECONDS,
-    HOST_CHECK_SECONDS,
-    OneBatchEngine,
-    RestageEngine,
-    restage_slots,
-)
 from restage.plan.estimator import (
     Estimator,
     ModelRole,
@@ -30,6 +22,7 @@ from restage.plan.estimator import (
     lockstep_forwards,
     stage_param_elements,
 )
+from restage.plan.generation_cost import GRAPH_BLOCK_SECONDS, HOST_CHECK_SECONDS, OneBatchEngine, RestageEngine, restage_slots
 from restage.plan.planner import build_problem
 from restage.plan.simulator import (
     _home_state_bytes,
@@ -38,7 +31,8 @@ from restage.plan.simulator import (
     zero3_in_place,
     zero3_in_place_bytes,
 )
-from restage.plan.transfer import zero3_gather_seconds
+from restage.plan.transfer_cost import zero3_gather_seconds
+from restage.rollout.engine import GATHER_ONCE_FRACTION, GPU_FREE_MEMORY_FRACTION, RolloutLimits
 from restage.schedule.ops import Run
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -191,7 +185,7 @@ def _in_place_actor_gen(memory_gib: float | None = None):
 
 def test_generation_gathered_once_on_its_zero3_training_layout_decodes_a_plain_copy():
     """The stage's 12.6 GiB fit in 60% of what the four models' states leave of 72 GiB: the runtime gathers them once
-    into a plain copy (``runtime/zero3_generation.py``), which decodes as any copy (CUDA graphs), plus one gather."""
+    into a plain copy (``runtime/store/zero3_generation.py``), which decodes as any copy (CUDA graphs), plus one gather."""
     problem, plan, gen, whole, seconds, left = _in_place_actor_gen()
     role, cand = problem.role(gen), plan[problem.index["actor_gen"]]
     assert cand.estimate.param_bytes <= GATHER_ONCE_FRACTION * left

@@ -1,7 +1,7 @@
 """``plan.shard_frozen: auto``: the search may hold a frozen model 1/dp per rank of its home layout (the runtime's
 ``models.<m>.shard_frozen``) and does when that plan is faster; ``off`` leaves the plan as it was."""
 
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.layout import Layout
 from restage.plan.estimator import Estimator
 from restage.plan.planner import make_plan

@@ -3,7 +3,7 @@ import pytest
 from restage.cluster import load_cluster
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
-from restage.plan.transfer import exact_realloc, fast_realloc
+from restage.plan.transfer_cost import exact_realloc, fast_realloc
 
 PAIRS = [
     ("llama-tiny", Layout.contiguous(0, Strategy(dp=2, tp=2)), Layout.contiguous(4, Strategy(dp=4))),

@@ -11,8 +11,8 @@ import numpy as np
 
 from restage.report.log import LogWriter, read_log
 from restage.report.throughput import representative_step
-from restage.runtime.master import step_tokens
-from restage.runtime.records import MFCRecord, StepRecord
+from restage.runtime.control.master import step_tokens
+from restage.runtime.control.records import MFCRecord, StepRecord
 
 
 def _row(name: str, tokens: int) -> MFCRecord:

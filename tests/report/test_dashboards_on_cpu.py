@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.report import dashboards
 from restage.report.log import LogWriter, read_log
 

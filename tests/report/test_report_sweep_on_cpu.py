@@ -12,7 +12,7 @@ from restage.cli import main as restage_main
 from restage.errors import LogError
 from restage.report.log import read_log
 from restage.report.summary import summarize
-from restage.report.sweep import read_sweep_index, sweep_rows
+from restage.report.sweep_report import read_sweep_index, sweep_rows
 from restage.report.synthetic import write_synthetic_log
 
 

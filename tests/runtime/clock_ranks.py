@@ -6,7 +6,7 @@ import time
 
 from mpi4py import MPI
 
-from restage.runtime.clock import measure_offset
+from restage.runtime.control.clock import measure_offset
 
 SKEW_SECONDS = 37.5
 

@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from restage.runtime.control import Control
-from restage.runtime.transfer import MpiChannel
+from restage.runtime.control.channels import Control
+from restage.runtime.dataplane.data_transfer import MpiChannel
 
 LATE_SECONDS = 2.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from restage.layout import Layout, Strategy
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.sharding import param_specs, shard_specs
 
 

@@ -41,7 +41,7 @@ def hf_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def last_checkpoint(trial: Path) -> Path:
-    from restage.runtime.checkpoint_dir import latest
+    from restage.runtime.checkpoint.checkpoint_dir import latest
 
     found = latest(trial)
     assert found is not None, f"no checkpoint under {trial}"

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from restage.algorithms.interface import build_graph
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.data.batch import pack_sequences
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
-from restage.runtime.evaluate import plan_eval
-from restage.runtime.rollout_buffer import Buffered, RolloutBuffer
+from restage.runtime.dataplane.rollout_buffer import Buffered, RolloutBuffer
+from restage.runtime.step.evaluation import plan_eval
 from restage.schedule.async_program import build_async_program, lookahead
 from restage.schedule.ops import Generate, Push, SendKey, TakeBuffered, op_from_json, op_subject, op_to_json
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -22,13 +22,13 @@ SIZES = dict(hidden_size=64, intermediate_size=1600, num_layers=3, num_heads=4, 
 def _save(rank: int, world_size: int, model_dir: str, out: str) -> dict:
     import deepspeed
 
-    from restage.config import ModelSpec, OptimConfig
+    from restage.config.schema import ModelSpec, OptimConfig
     from restage.layout import Layout, ProcessGroups, Strategy
-    from restage.models.checkpoint import load_stage, save_checkpoint
+    from restage.models.hf_checkpoint import load_stage, save_checkpoint
     from restage.models.sharding import param_specs, unit_of
-    from restage.runtime import checkpoint
-    from restage.runtime.engines import build_engine
-    from restage.runtime.model_store import ModelSlot
+    from restage.runtime.checkpoint import run_state
+    from restage.runtime.store.model_store import ModelSlot
+    from restage.runtime.store.zero_engines import build_engine
     from restage.schedule.file import ModelEntry
 
     layout = Layout((0, 1), Strategy(dp=2))
@@ -67,7 +67,7 @@ def _save(rank: int, world_size: int, model_dir: str, out: str) -> dict:
                        offload_when_idle=False, home_mfc="actor_train", home_layout=layout)
     slot = ModelSlot("actor", entry, spec, cfg, module=engine.module, engine=engine)
     store = SimpleNamespace(slots={"actor": slot}, ema={}, device=torch.device("cpu"), rank=rank)
-    checkpoint._write_models(Path(out) / "new", store, groups)  # type: ignore[arg-type]  # what save() calls
+    run_state._write_models(Path(out) / "new", store, groups)  # type: ignore[arg-type]  # what save() calls
     deepspeed.zero.GatheredParameters = original
 
     # The previous export: the whole stage gathered, then saved.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from restage.launch.mpirun import mpirun_command
-from restage.runtime.clock import Clock, device_sync, offset_from_rounds, peak_memory_bytes
+from restage.runtime.control.clock import Clock, device_sync, offset_from_rounds, peak_memory_bytes
 
 pytestmark = pytest.mark.multirank
 

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 from realloc_cases import L, tiny
 
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.plan.planner import make_plan
 from restage.plan.schedule import build_schedule
-from restage.runtime.comm_budget import communicator_bound, pipeline_pairs, run_groups, singleton_ranks
+from restage.runtime.dataplane.comm_budget import communicator_bound, pipeline_pairs, run_groups, singleton_ranks
 from restage.schedule.ops import Realloc
 from restage.schedule.realloc_plan import plan_reallocation, realloc_groups
 

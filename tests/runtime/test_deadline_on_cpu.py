@@ -1,7 +1,7 @@
-"""The deadline rule (runtime/deadline.py): at a step boundary the master checkpoints and stops when the time left
+"""The deadline rule (runtime/control/deadline.py): at a step boundary the master checkpoints and stops when the time left
 no longer covers the next step, its checkpoint and a margin, from what this attempt measured."""
 
-from restage.runtime.deadline import (
+from restage.runtime.control.deadline import (
     MARGIN_SECONDS,
     WINDOW_STEPS,
     DeadlineWatch,

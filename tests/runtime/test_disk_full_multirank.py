@@ -10,8 +10,8 @@ import pytest
 from runs import restage_run
 
 from restage.report.log import read_log
-from restage.runtime.checkpoint import safe_load
-from restage.runtime.checkpoint_dir import complete_steps, final_dir
+from restage.runtime.checkpoint.checkpoint_dir import complete_steps, final_dir
+from restage.runtime.checkpoint.run_state import safe_load
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e]
 

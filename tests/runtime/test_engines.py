@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from restage.config import ModelSpec, OptimConfig
+from restage.config.schema import ModelSpec, OptimConfig
 from restage.layout import Layout, ProcessGroups, Strategy
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -19,7 +19,7 @@ def _data(rank):
 
 
 def _dp_engine(rank, world_size, zero_stage, micro_batches):
-    from restage.runtime.engines import build_engine
+    from restage.runtime.store.zero_engines import build_engine
 
     layout = Layout.contiguous(0, Strategy(dp=world_size))
     groups = ProcessGroups(layout.all_groups(), singletons=True)
@@ -70,7 +70,7 @@ def test_zero_engine_over_dp_matches_plain_adamw_on_the_mean_gradient(zero_stage
 
 
 def test_zero_one_or_two_over_one_dp_rank_runs_as_stage_zero_and_matches_plain_adamw():
-    from restage.runtime.engines import deepspeed_config
+    from restage.runtime.store.zero_engines import deepspeed_config
 
     spec = ModelSpec(path="-", trainable=True, zero_stage=2)
     assert deepspeed_config(spec, dp=1, micro_batches=1)["zero_optimization"]["stage"] == 0
@@ -83,7 +83,7 @@ def test_zero_one_or_two_over_one_dp_rank_runs_as_stage_zero_and_matches_plain_a
 
 
 def _one_rank_engine_beside_a_dp2_engine(rank, world_size):
-    from restage.runtime.engines import build_engine, engine_groups
+    from restage.runtime.store.zero_engines import build_engine, engine_groups
 
     groups = ProcessGroups([(0, 1)], singletons=True)
     spec = ModelSpec(path="-", trainable=True, zero_stage=1, optim=OptimConfig(lr=0.1, grad_clip=0.5))
@@ -109,7 +109,7 @@ def test_an_engine_reduces_over_its_own_layout_when_another_engine_was_built_las
 def _forward_syncs_after_three_steps(rank, world_size):
     from deepspeed.accelerator import get_accelerator
 
-    from restage.runtime.engines import build_engine
+    from restage.runtime.store.zero_engines import build_engine
 
     spec = ModelSpec(path="-", trainable=True, optim=OptimConfig(lr=0.1))
     engine = build_engine(_model(), spec, Layout((0,), Strategy()), rank, ProcessGroups([], singletons=True), micro_batches=1,
@@ -134,7 +134,7 @@ def test_a_forward_through_an_engines_module_does_not_synchronize_the_device():
 def _train_dp_two_micro_batches(rank, world_size, zero_stage):
     """As the pipeline trains: ``engine.module`` called directly (never ``engine.forward``), each micro-batch's
     backward through ``execute.stage_backward``, the boundary set by hand, one step per two micro-batches."""
-    from restage.runtime.execute import stage_backward
+    from restage.runtime.step.execute import stage_backward
 
     engine = _dp_engine(rank, world_size, zero_stage, micro_batches=2)
     for _ in range(2):

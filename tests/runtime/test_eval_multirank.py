@@ -7,7 +7,7 @@ import pytest
 import torch
 from runs import hf_weights, restage_run
 
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.data.datasets import load_splits
 from restage.report.log import read_log
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from restage.algorithms.interface import build_graph
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
-from restage.runtime import evaluate
-from restage.runtime.evaluate import eval_due, eval_passes, pass_ops, plan_eval
+from restage.runtime.step import evaluation
+from restage.runtime.step.evaluation import eval_due, eval_passes, pass_ops, plan_eval
 from restage.schedule.ops import SendKey, op_subject
 
 
@@ -64,8 +64,8 @@ def test_greedy_answers_do_not_depend_on_the_seed_or_the_rng(tmp_path):
     from restage.data.batch import pack_sequences
     from restage.demo import ensure_tiny_model
     from restage.graph import MFC
-    from restage.models.checkpoint import load_stage
-    from restage.runtime.execute import run_eval_generate
+    from restage.models.hf_checkpoint import load_stage
+    from restage.runtime.step.execute import run_eval_generate
 
     path = ensure_tiny_model()
     cfg = config_from_dict({"experiment": "x", "algorithm": "ppo", "reward_fn": "sort",
@@ -82,5 +82,5 @@ def test_greedy_answers_do_not_depend_on_the_seed_or_the_rng(tmp_path):
     second = run_eval_generate(module, mfc, prompts, cfg)
     assert torch.rand(1) == after_first  # greedy decoding drew no random numbers
     assert torch.equal(first["seqs"], second["seqs"]) and first.seqlens == second.seqlens
-    lengths = evaluate.answer_tokens(first, "prompt_mask")
+    lengths = evaluation.answer_tokens(first, "prompt_mask")
     assert lengths.tolist() == [n - p for n, p in zip(first.seqlens, (6, 5, 7))] and (lengths >= 1).all()

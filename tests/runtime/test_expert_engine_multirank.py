@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from restage.config import ModelSpec, OptimConfig
+from restage.config.schema import ModelSpec, OptimConfig
 from restage.layout import Layout, Strategy
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
 
 pytestmark = pytest.mark.multirank
 
@@ -54,9 +54,9 @@ def _spec(zero_stage: int) -> ModelSpec:
 
 
 def _engine(path, layout, zero_stage, groups, rank):
-    from restage.models.checkpoint import load_stage
-    from restage.runtime.engines import build_engine
-    from restage.runtime.model_store import _mark_norm
+    from restage.models.hf_checkpoint import load_stage
+    from restage.runtime.store.model_store import _mark_norm
+    from restage.runtime.store.zero_engines import build_engine
 
     module = load_stage(path, layout, groups, rank)
     _mark_norm(module)
@@ -67,8 +67,8 @@ def _step(engine, step: int) -> tuple[dict[str, torch.Tensor], float]:
     """One optimizer step as ``runtime.execute.run_train`` takes it; returns the parameters after it and the
     gradient norm the engine clipped by."""
     from restage.models.pipeline import train_1f1b
-    from restage.runtime.engines import engine_groups
-    from restage.runtime.execute import stage_backward
+    from restage.runtime.step.execute import stage_backward
+    from restage.runtime.store.zero_engines import engine_groups
 
     module = engine.module
     micro = _micro_batches(_sequences(step, module.ctx.dp_rank))
@@ -86,8 +86,8 @@ def _step(engine, step: int) -> tuple[dict[str, torch.Tensor], float]:
 
 
 def _checkpoint(engine, layout, groups, rank, directory, save: bool) -> None:
-    from restage.runtime.checkpoint import ENGINE_TAG, _safe_engine_loads
-    from restage.runtime.engines import barriers_on, engine_groups
+    from restage.runtime.checkpoint.run_state import ENGINE_TAG, _safe_engine_loads
+    from restage.runtime.store.zero_engines import barriers_on, engine_groups
 
     with barriers_on(groups.get(layout.mesh)), engine_groups(engine):
         if save:
@@ -122,7 +122,7 @@ def _run(rank, world_size, path, checkpoints):
 
 def _reference(path):
     """One rank, plain AdamW on the mean loss over both replicas' micro-batches, gradient clipped to CLIP."""
-    from restage.models.checkpoint import load_stage
+    from restage.models.hf_checkpoint import load_stage
     from restage.models.pipeline import train_1f1b
 
     module = load_stage(path, Layout((0,), Strategy()), None, 0)
@@ -164,7 +164,7 @@ def reference(mixtral):
 
 @pytest.mark.parametrize("key", list(ENGINES))
 def test_engine_steps_under_ep_equal_one_rank_with_the_gradient_clipped(results, reference, mixtral, key):
-    from restage.models.config import ModelConfig
+    from restage.models.arch import ModelConfig
     from restage.models.sharding import coord_shard_specs
 
     ref_params, norms = reference

@@ -4,7 +4,7 @@ checkpoint, that it opens): a corrupted, truncated or removed export is named wi
 import torch
 from safetensors.torch import save_file
 
-from restage.runtime.export_check import EXPORTS_KEY, bad_exports, export_digests, export_path
+from restage.runtime.checkpoint.export_check import EXPORTS_KEY, bad_exports, export_digests, export_path
 
 
 def _export(checkpoint, model, value):

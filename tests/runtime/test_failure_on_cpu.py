@@ -6,8 +6,8 @@ import os
 import time
 
 from restage.report.log import LogWriter
-from restage.runtime.checkpoint_dir import begin, commit
-from restage.runtime.failure import _record, describe_failure, failure_dir
+from restage.runtime.checkpoint.checkpoint_dir import begin, commit
+from restage.runtime.control.failure import _record, describe_failure, failure_dir
 
 FULL = ("DiskFullError: no space left on /scratch (tmpfs) while writing checkpoint step-4 (/scratch/t/checkpoints); "
         "free space there (or move run.results_dir) and --resume")

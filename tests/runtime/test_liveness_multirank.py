@@ -112,7 +112,7 @@ def test_a_jit_build_lock_left_by_a_dead_rank_is_reported_and_removed_and_the_ru
     import subprocess
     import sys
 
-    from restage.runtime.ops import extensions_dir
+    from restage.runtime.store.deepspeed_ops import extensions_dir
 
     extensions = tmp_path / "torch_extensions"
     folder = extensions / "deepspeed_shm_comm"  # torch builds right under a TORCH_EXTENSIONS_DIR it is given

@@ -8,7 +8,7 @@ import torch
 from realloc_cases import L, module_from_state, reference_state, tiny
 
 from restage.graph import DataflowGraph
-from restage.runtime.model_store import ModelSlot, ModelStore
+from restage.runtime.store.model_store import ModelSlot, ModelStore
 
 HOME, OTHER = L((0,)), L((1, 2), dp=2)  # rank 0 holds the home shard, not the copy
 

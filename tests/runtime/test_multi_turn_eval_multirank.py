@@ -14,15 +14,15 @@ from runs import ROOT, restage_run
 
 from restage.algorithms.interface import get_algorithm
 from restage.algorithms.rewards import resolve_accuracy
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.data import datasets
 from restage.data.tokenizer import load_tokenizer
 from restage.demo import ensure_arith_model
 from restage.layout import Layout, Strategy
-from restage.models.checkpoint import load_stage
+from restage.models.hf_checkpoint import load_stage
 from restage.report.log import read_log
-from restage.runtime.evaluate import episode_sums
-from restage.runtime.multi_turn import eval_episodes
+from restage.runtime.step.evaluation import episode_sums
+from restage.runtime.step.multi_turn import eval_episodes
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e, pytest.mark.scale]  # about 35 s: make test's time bound
 

@@ -7,8 +7,8 @@ import pytest
 
 from restage.algorithms.rewards import resolve_accuracy
 from restage.data.tokenizer import load_tokenizer
-from restage.runtime.evaluate import episode_sums
-from restage.runtime.multi_turn import EpisodeRecord, final_answer
+from restage.runtime.step.evaluation import episode_sums
+from restage.runtime.step.multi_turn import EpisodeRecord, final_answer
 
 ARITH = Path(__file__).resolve().parents[2] / "data" / "arith"
 

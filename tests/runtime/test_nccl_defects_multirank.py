@@ -1,4 +1,4 @@
-"""Three defects NCCL would expose, caught on gloo by the NCCL rules layer (restage.runtime.nccl_rules).
+"""Three defects NCCL would expose, caught on gloo by the NCCL rules layer (restage.testing.nccl_rules).
 
 * pipeline exchange: a batched P2P on the world among two of four ranks as the world's first call;
 * a DP all-reduce of tensors ``prepare_train`` computed on the host;
@@ -14,10 +14,10 @@ import torch
 from realloc_cases import L, reference_state, shard_of, tiny
 
 from restage.layout import ProcessGroups
-from restage.runtime import nccl_rules
-from restage.runtime.realloc import groups_for
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
+from restage.runtime.dataplane.realloc import groups_for
 from restage.schedule.realloc_plan import plan_reallocation
+from restage.testing import nccl_rules
 
 pytestmark = pytest.mark.multirank
 
@@ -38,7 +38,7 @@ def test_pipeline_exchange_among_two_of_four_ranks_passes_nccl_rules():
 
 
 def _dp_reduce_host_tensor(rank, world_size):
-    from restage.runtime.op_handlers import dp_reducer
+    from restage.runtime.step.op_handlers import dp_reducer
 
     groups = ProcessGroups([(0, 1)])
     reduce = dp_reducer(groups.get((0, 1)), nccl_rules.rank_device())
@@ -57,8 +57,8 @@ DATA_PLANE_TIMEOUT_SECONDS = 3.0
 
 
 def _late_senders(rank, world_size):
-    from restage.runtime.control import set_world_timeout
-    from restage.runtime.op_handlers import reallocate_when_ready
+    from restage.runtime.control.channels import set_world_timeout
+    from restage.runtime.step.op_handlers import reallocate_when_ready
 
     set_world_timeout(DATA_PLANE_TIMEOUT_SECONDS)  # unbatched P2P runs on the world group
     cfg = tiny()

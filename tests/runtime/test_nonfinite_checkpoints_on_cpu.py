@@ -1,13 +1,13 @@
 """--resume from a checkpoint with non-finite weights is refused naming the newest finite checkpoint, and which to
-move aside to resume from it (runtime/checkpoint.py nonfinite_refusal; the ranks' check calls it)."""
+move aside to resume from it (runtime/checkpoint/run_state.py nonfinite_refusal; the ranks' check calls it)."""
 
 import json
 
 import torch
 from safetensors.torch import save_file
 
-from restage.runtime.checkpoint import nonfinite_refusal
-from restage.runtime.nonfinite import finite_files
+from restage.runtime.checkpoint.run_state import nonfinite_refusal
+from restage.runtime.step.nonfinite import finite_files
 
 
 def _checkpoint(trial, step, finite):

@@ -8,7 +8,7 @@ import torch
 from runs import hf_weights, last_checkpoint, restage_run
 
 from restage.report.log import read_log
-from restage.runtime import checkpoint_dir
+from restage.runtime.checkpoint import checkpoint_dir
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from realloc_cases import module_from_state, reference_state, tiny
 
-from restage.runtime.offload import ModelCopy
+from restage.runtime.store.offload import ModelCopy
 
 
 def _model():

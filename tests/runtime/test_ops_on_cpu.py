@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from restage.config import ModelSpec
-from restage.runtime import ops
-from restage.runtime.engines import deepspeed_config
+from restage.config.schema import ModelSpec
+from restage.runtime.store import deepspeed_ops
+from restage.runtime.store.zero_engines import deepspeed_config
 
 
 def test_gpu_training_uses_torch_adamw_not_a_jit_built_op(monkeypatch):
@@ -28,12 +28,12 @@ def test_gpu_training_uses_torch_adamw_not_a_jit_built_op(monkeypatch):
     offload = deepspeed_config(ModelSpec(path="-", trainable=True, zero_stage=2, offload_optimizer=True), dp=2,
                                micro_batches=1)
     assert "torch_adam" not in offload["optimizer"]["params"]  # DeepSpeed's CPU Adam steps the host copy
-    assert ops.needed_ops([ModelSpec(path="-", trainable=True)]) == []
-    assert ops.needed_ops([ModelSpec(path="-", trainable=True, offload_optimizer=True)]) == ["cpu_adam"]
-    assert ops.needed_ops([ModelSpec(path="-", trainable=False, offload_optimizer=True)]) == []
+    assert deepspeed_ops.needed_ops([ModelSpec(path="-", trainable=True)]) == []
+    assert deepspeed_ops.needed_ops([ModelSpec(path="-", trainable=True, offload_optimizer=True)]) == ["cpu_adam"]
+    assert deepspeed_ops.needed_ops([ModelSpec(path="-", trainable=False, offload_optimizer=True)]) == []
     # DeepSpeed's cpu accelerator builds its shared-memory all-reduce when an engine starts: once per node, first.
-    assert ops.needed_ops([ModelSpec(path="-", trainable=True)], accelerator="cpu") == ["deepspeed_shm_comm"]
-    assert ops.needed_ops([ModelSpec(path="-", trainable=False)], accelerator="cpu") == []
+    assert deepspeed_ops.needed_ops([ModelSpec(path="-", trainable=True)], accelerator="cpu") == ["deepspeed_shm_comm"]
+    assert deepspeed_ops.needed_ops([ModelSpec(path="-", trainable=False)], accelerator="cpu") == []
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ os.remove({str(lock)!r})
 
 
 def test_a_lock_left_by_a_dead_pid_is_reported_and_removed(extensions_dir):
-    lock = ops.lock_path("cpu_adam")
+    lock = deepspeed_ops.lock_path("cpu_adam")
     assert extensions_dir in lock.parents
     lock.parent.mkdir(parents=True, exist_ok=True)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -73,7 +73,7 @@ def test_a_lock_left_by_a_dead_pid_is_reported_and_removed(extensions_dir):
     (lock.parent / "restage.holder").write_text(f"pid {dead_pid} on {socket.gethostname()}\n")  # its last holder
     lock.touch()  # torch's lock, never removed: the holder was killed mid-build
     said = []
-    with ops.build_lock("cpu_adam", say=said.append):
+    with deepspeed_ops.build_lock("cpu_adam", say=said.append):
         assert not lock.exists()
         assert (lock.parent / "restage.holder").read_text() == f"pid {os.getpid()} on {socket.gethostname()}\n"
     assert said == [f"restage: removing {lock}: left by pid {dead_pid} on {socket.gethostname()}, which died while "
@@ -81,7 +81,7 @@ def test_a_lock_left_by_a_dead_pid_is_reported_and_removed(extensions_dir):
 
 
 def test_a_live_holder_is_waited_for_with_its_name_and_its_lock_removed_once_it_is_killed(extensions_dir):
-    lock = ops.lock_path("cpu_adam")
+    lock = deepspeed_ops.lock_path("cpu_adam")
     lock.parent.mkdir(parents=True, exist_ok=True)
     holder = _holder(lock, restage_lock=True, seconds=600)
     said, doing = [], []
@@ -89,7 +89,7 @@ def test_a_live_holder_is_waited_for_with_its_name_and_its_lock_removed_once_it_
     killer = threading.Timer(1.5, lambda: (holder.kill(), holder.wait()))
     killer.start()
     started = time.monotonic()
-    with ops.build_lock("cpu_adam", say=said.append, doing=lambda what, waiting=False: doing.append((what, waiting)),
+    with deepspeed_ops.build_lock("cpu_adam", say=said.append, doing=lambda what, waiting=False: doing.append((what, waiting)),
                         poll_seconds=0.05, notice_seconds=0.5):
         waited = time.monotonic() - started
     holder.wait()
@@ -103,11 +103,11 @@ def test_a_live_holder_is_waited_for_with_its_name_and_its_lock_removed_once_it_
 
 
 def test_a_build_outside_restage_holding_torchs_lock_is_waited_for_not_broken(extensions_dir):
-    lock = ops.lock_path("cpu_adam")
+    lock = deepspeed_ops.lock_path("cpu_adam")
     lock.parent.mkdir(parents=True, exist_ok=True)
     holder = _holder(lock, restage_lock=False, seconds=1.0)
     said = []
-    with ops.build_lock("cpu_adam", say=said.append, poll_seconds=0.05, notice_seconds=10):
+    with deepspeed_ops.build_lock("cpu_adam", say=said.append, poll_seconds=0.05, notice_seconds=10):
         assert not lock.exists()
     # The holder removed its lock itself (os.remove would have failed had the wait broken it), then exited.
     assert holder.wait(timeout=30) == 0
@@ -121,23 +121,23 @@ def test_builds_go_to_a_per_user_per_version_directory(monkeypatch, tmp_path):
 
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     expected = tmp_path / "restage" / "torch_extensions" / f"{python}-torch{torch.__version__}-deepspeed{deepspeed.__version__}"
-    assert ops.use_extensions_dir(env) == expected and env["TORCH_EXTENSIONS_DIR"] == str(expected)
-    assert ops.use_extensions_dir({"TORCH_EXTENSIONS_DIR": "/elsewhere"}) == Path("/elsewhere")  # the user's wins
+    assert deepspeed_ops.use_extensions_dir(env) == expected and env["TORCH_EXTENSIONS_DIR"] == str(expected)
+    assert deepspeed_ops.use_extensions_dir({"TORCH_EXTENSIONS_DIR": "/elsewhere"}) == Path("/elsewhere")  # the user's wins
 
 
 @pytest.mark.parametrize("leader", [True, False])
 def test_only_the_node_leader_builds_before_the_barrier(extensions_dir, monkeypatch, leader):
-    monkeypatch.setattr(ops, "_prebuilt", lambda name: False)
-    lock = ops.lock_path("cpu_adam")
+    monkeypatch.setattr(deepspeed_ops, "_prebuilt", lambda name: False)
+    lock = deepspeed_ops.lock_path("cpu_adam")
     lock.parent.mkdir(parents=True, exist_ok=True)  # torch makes the build directory when asked for it
     lock.touch()  # a killed build's: nobody holds it
     events = []
-    ops.prepare_ops(["cpu_adam"], node_leader=leader, node_barrier=lambda: events.append("barrier"),
+    deepspeed_ops.prepare_ops(["cpu_adam"], node_leader=leader, node_barrier=lambda: events.append("barrier"),
                     load=lambda name: events.append(f"load {name} lock={lock.exists()}"))
     # The stale lock is gone before the load, so it cannot wait on it forever; the others wait for the leader.
     assert events == (["load cpu_adam lock=False", "barrier"] if leader else ["barrier", "load cpu_adam lock=False"])
     events.clear()
-    ops.prepare_ops([], node_leader=leader, node_barrier=lambda: events.append("barrier"))
+    deepspeed_ops.prepare_ops([], node_leader=leader, node_barrier=lambda: events.append("barrier"))
     assert events == []  # nothing to build: no barrier either
 
 
@@ -147,12 +147,12 @@ def test_a_file_system_without_flock_still_builds_once(extensions_dir, monkeypat
         raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(fcntl, "flock", no_flock)
-    monkeypatch.setattr(ops, "_prebuilt", lambda name: False)
+    monkeypatch.setattr(deepspeed_ops, "_prebuilt", lambda name: False)
     events = []
-    ops.prepare_ops(["cpu_adam"], node_leader=True, node_barrier=lambda: events.append("barrier"),
+    deepspeed_ops.prepare_ops(["cpu_adam"], node_leader=True, node_barrier=lambda: events.append("barrier"),
                     load=lambda name: events.append(f"load {name}"))
     assert events == ["load cpu_adam", "barrier"]
-    assert not (ops.lock_path("cpu_adam").parent / "restage.lease").exists()  # released
+    assert not (deepspeed_ops.lock_path("cpu_adam").parent / "restage.lease").exists()  # released
 
 
 # One node's rank, on a file system whose flock is node-local (each node "gets" it): it builds for a second.
@@ -161,7 +161,7 @@ import fcntl, json, socket, sys, time
 fcntl.flock = lambda *args: None
 socket.gethostname = lambda: sys.argv[1]
 from restage.runtime import ops
-with ops.build_lock("cpu_adam", say=lambda line: None, poll_seconds=0.05):
+with deepspeed_ops.build_lock("cpu_adam", say=lambda line: None, poll_seconds=0.05):
     start = time.time()
     time.sleep(1.0)
     end = time.time()

@@ -3,7 +3,7 @@ from dataclasses import replace
 import pytest
 
 from restage.algorithms.interface import build_graph
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout, Strategy

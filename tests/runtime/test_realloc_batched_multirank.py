@@ -7,8 +7,8 @@ import torch
 from realloc_cases import L, reference_state, shard_of, tiny
 
 from restage.layout import ProcessGroups
-from restage.runtime.realloc import execute_reallocation, groups_for
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
+from restage.runtime.dataplane.realloc import execute_reallocation, groups_for
 from restage.schedule.realloc_plan import plan_reallocation
 
 pytestmark = pytest.mark.multirank

@@ -13,9 +13,9 @@ from transfer_cases import TRANSFERS_8, make_meta, producer_batch, sample_batch
 from restage.data.batch import concat, contiguous_parts
 from restage.errors import LayoutError
 from restage.layout import ProcessGroups
-from restage.runtime.realloc import SLOTS, Workspace, execute_reallocation, groups_for
-from restage.runtime.spawn import spawn
-from restage.runtime.transfer import GlooChannel, execute_transfer, plan_transfer
+from restage.runtime.control.spawn import spawn
+from restage.runtime.dataplane.data_transfer import GlooChannel, execute_transfer, plan_transfer
+from restage.runtime.dataplane.realloc import SLOTS, Workspace, execute_reallocation, groups_for
 from restage.schedule.realloc_plan import plan_reallocation, schedule_messages
 
 pytestmark = pytest.mark.multirank

@@ -6,11 +6,11 @@ import pytest
 import torch
 from realloc_cases import L, module_from_state, reference_state, shard_of, tiny
 
-from restage.config import ModelSpec, OptimConfig
+from restage.config.schema import ModelSpec, OptimConfig
 from restage.layout import ProcessGroups
 from restage.models.sharding import shard_specs
-from restage.runtime.realloc import execute_reallocation, groups_for
-from restage.runtime.spawn import spawn
+from restage.runtime.control.spawn import spawn
+from restage.runtime.dataplane.realloc import execute_reallocation, groups_for
 from restage.schedule.realloc_plan import plan_reallocation
 
 pytestmark = pytest.mark.multirank
@@ -27,7 +27,7 @@ DESTINATIONS = [L(range(3), tp=3), L(range(4), tp=2, pp=2), L((2, 3), dp=2)]
 
 
 def _from_engines(rank: int, world_size: int) -> list[dict]:
-    from restage.runtime.engines import build_engine
+    from restage.runtime.store.zero_engines import build_engine
 
     cfg = tiny()
     full = reference_state(cfg, seed=7)

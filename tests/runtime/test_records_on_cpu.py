@@ -11,10 +11,10 @@ import torch
 from restage.data.batch import pack_sequences
 from restage.graph import DataflowGraph
 from restage.layout import Layout, Strategy
-from restage.runtime import routing
-from restage.runtime.master import merge_eval, merge_stats
-from restage.runtime.records import MFCRecord, MoveRecord, Span, StatsShare, StepDecision, StepRecord
-from restage.runtime.transfer import KeySpec
+from restage.runtime.control.master import merge_eval, merge_stats
+from restage.runtime.control.records import MFCRecord, MoveRecord, Span, StatsShare, StepDecision, StepRecord
+from restage.runtime.dataplane import routing
+from restage.runtime.dataplane.data_transfer import KeySpec
 
 
 def _over_mpi(obj):

@@ -9,9 +9,9 @@ import pytest
 import yaml
 from runs import ROOT, restage_run
 
-from restage.config_paths import resolve_file_paths
+from restage.config.paths import resolve_file_paths
 from restage.report.log import read_log
-from restage.runtime.threads import cgroup_cpus, threads_for
+from restage.runtime.control.threads import cgroup_cpus, threads_for
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e]
 

@@ -14,11 +14,11 @@ import torch
 from restage.algorithms import rewards, verifiers
 from restage.algorithms.interface import get_algorithm
 from restage.algorithms.scoring import RewardPool
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.data.batch import pack_sequences
 from restage.errors import RewardError
 from restage.layout import Layout, Strategy
-from restage.runtime.worker import Worker
+from restage.runtime.step.worker import Worker
 from restage.schedule.ops import Run, SendKey
 
 S = 1.0  # seconds the reward takes per batch, and the reference inference takes

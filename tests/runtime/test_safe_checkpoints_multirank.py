@@ -9,7 +9,7 @@ import pytest
 import torch
 from runs import last_checkpoint, restage_run
 
-from restage.runtime.checkpoint import _deepspeed_state_types, safe_load
+from restage.runtime.checkpoint.run_state import _deepspeed_state_types, safe_load
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e]
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.errors import ConfigError
-from restage.runtime.sharded_frozen import check_sharded
+from restage.runtime.store.sharded_frozen import check_sharded
 
 
 @pytest.mark.parametrize("extra, why", [(["models.ref.trainable=true"], "models.ref.trainable is set"),

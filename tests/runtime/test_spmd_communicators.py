@@ -7,7 +7,7 @@ import pytest
 from runs import ROOT, restage_run
 from test_spmd_layouts import COMMON, FOUR
 
-from restage.runtime.comm_budget import communicator_bound
+from restage.runtime.dataplane.comm_budget import communicator_bound
 from restage.schedule.file import read_schedule
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e]

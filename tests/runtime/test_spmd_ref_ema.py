@@ -5,7 +5,7 @@ import torch
 from runs import hf_weights, restage_run, tiny_assets
 
 from restage.report.log import read_log
-from restage.runtime.checkpoint import safe_load
+from restage.runtime.checkpoint.run_state import safe_load
 from restage.schedule.file import read_schedule
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e]

@@ -1,16 +1,14 @@
-"""The per-rank thread rule (runtime/threads.py): the cores a rank may use, shared with the ranks beside it."""
+"""The per-rank thread rule (runtime/control/threads.py): the cores a rank may use, shared with the ranks beside it."""
 
 import os
 
 import pytest
 import torch
 
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.plan.planner import make_plan
 from restage.plan.schedule import build_schedule
-from restage.runtime.comm_budget import ranks_per_node
-from restage.runtime.spmd import ranks_with_work
-from restage.runtime.threads import (
+from restage.runtime.control.threads import (
     ThreadChoice,
     _cpu_list_size,
     apply_threads,
@@ -19,6 +17,8 @@ from restage.runtime.threads import (
     local_ranks,
     threads_for,
 )
+from restage.runtime.dataplane.comm_budget import ranks_per_node
+from restage.runtime.spmd import ranks_with_work
 
 NODE = set(range(16))  # a 16-core node
 

@@ -9,11 +9,11 @@ from realloc_cases import L, tiny
 from restage.cluster import load_cluster
 from restage.graph import DataflowGraph
 from restage.plan.comm import links_seconds
-from restage.plan.transfer import exact_realloc
-from restage.runtime import comm_budget
-from restage.runtime.model_store import ModelStore
-from restage.runtime.routing import OutputMeta, SampleRouter
-from restage.runtime.transfer import KeySpec
+from restage.plan.transfer_cost import exact_realloc
+from restage.runtime.dataplane import comm_budget
+from restage.runtime.dataplane.data_transfer import KeySpec
+from restage.runtime.dataplane.routing import OutputMeta, SampleRouter
+from restage.runtime.store.model_store import ModelStore
 from restage.schedule.realloc_plan import plan_reallocation
 
 # Two "nodes" of two ranks: ranks 0, 1 on node 0 and ranks 2, 3 on node 1.

@@ -10,7 +10,7 @@ import pytest
 from mpi_script import run_mpi_script
 from transfer_cases import TRANSFERS_8, make_meta
 
-from restage.runtime.transfer import plan_transfer
+from restage.runtime.dataplane.data_transfer import plan_transfer
 
 pytestmark = pytest.mark.multirank
 

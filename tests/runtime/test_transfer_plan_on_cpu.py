@@ -11,7 +11,7 @@ from transfer_cases import TRANSFERS_8, make_meta
 
 from restage.data.batch import contiguous_parts
 from restage.errors import LayoutError
-from restage.runtime.transfer import balance_by_tokens, plan_transfer
+from restage.runtime.dataplane.data_transfer import balance_by_tokens, plan_transfer
 
 
 def test_balance_stays_within_one_sample_of_tokens():

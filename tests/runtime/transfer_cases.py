@@ -8,7 +8,7 @@ import torch
 from realloc_cases import L
 
 from restage.data.batch import Batch, concat
-from restage.runtime.transfer import BatchMeta, KeySpec
+from restage.runtime.dataplane.data_transfer import BatchMeta, KeySpec
 
 KEYS = (
     KeySpec("seqs", True, "int64"),

@@ -13,7 +13,7 @@ from mpi4py import MPI
 from transfer_cases import TRANSFERS_8, make_meta, producer_batch, sample_batch
 
 from restage.data.batch import concat
-from restage.runtime.transfer import MpiChannel, execute_transfer, plan_transfer
+from restage.runtime.dataplane.data_transfer import MpiChannel, execute_transfer, plan_transfer
 
 
 def main(path: str) -> None:

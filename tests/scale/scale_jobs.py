@@ -118,7 +118,7 @@ def reference(results: Path, assets: tuple[Path, Path, Path], moe: bool = False,
 def _weights(trial: Path, model: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from restage.runtime.checkpoint_dir import latest
+    from restage.runtime.checkpoint.checkpoint_dir import latest
 
     checkpoint = latest(trial)
     assert checkpoint is not None, f"no checkpoint under {trial}"

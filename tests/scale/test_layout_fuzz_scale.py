@@ -18,7 +18,8 @@ import random
 import pytest
 from scale_jobs import ROOT, TRAINED, Case, difference, job_args, record, reference, run
 
-from restage.config import ClusterRef, load_config
+from restage.config.load import load_config
+from restage.config.schema import ClusterRef
 from restage.models.sharding import layout_problem
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e, pytest.mark.scale]
@@ -39,7 +40,7 @@ def draw_case(seed: int, assets) -> tuple[Case, int]:
     """The plan of ``seed`` (and how many draws it took): one candidate per MFC and a ZeRO stage per trained model."""
     from restage.plan.planner import build_problem, make_plan
     from restage.plan.schedule import build_schedule
-    from restage.runtime.feasibility import schedule_problem
+    from restage.runtime.store.feasibility import schedule_problem
 
     with contextlib.chdir(ROOT):
         base = load_config("jobs/ppo_tiny.yaml", job_args(assets)[1:])

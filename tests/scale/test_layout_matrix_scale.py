@@ -65,7 +65,7 @@ CORE = {"dp_tp_pp-dp2tp2pp2-zero3"}
 
 def _feasible(case: Case, assets) -> str | None:
     """The feasibility rule's refusal of the case's training layouts, if any (such a case is skipped, named)."""
-    from restage.models.config import ModelConfig
+    from restage.models.arch import ModelConfig
 
     cfg = ModelConfig.from_pretrained(assets[1] if case.moe else assets[0])
     for mfc in ("actor_train", "critic_train"):

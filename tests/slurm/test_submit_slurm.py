@@ -18,7 +18,7 @@ from slurm_jobs import (
 from restage import cli
 from restage.launch.trial import read_json
 from restage.report.log import read_log
-from restage.runtime import checkpoint_dir
+from restage.runtime.checkpoint import checkpoint_dir
 from restage.schedule.file import read_schedule
 
 pytestmark = pytest.mark.slurm

@@ -30,7 +30,7 @@ from slurm_queue import finish_through_requeues
 
 from restage.launch.trial import read_json
 from restage.report.log import read_log
-from restage.runtime import checkpoint_dir
+from restage.runtime.checkpoint import checkpoint_dir
 
 pytestmark = pytest.mark.slurm
 STEPS = 2

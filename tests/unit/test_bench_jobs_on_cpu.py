@@ -10,9 +10,9 @@ import torch
 
 import restage.demo
 from restage.algorithms.interface import build_graph
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.demo import LLAMA_300M_SIZES, ensure_llama_256x4, ensure_llama_300m
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.flops import block_shape
 from restage.models.tiny import tiny_hf_config
 from restage.plan.planner import make_plan

@@ -1,6 +1,7 @@
 import pytest
 
-from restage.config import ConfigError, load_config
+from restage.config.load import load_config
+from restage.config.schema import ConfigError
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.errors import ConfigError, hub_hint
 from restage.launch.sweep import load_sweep
 
@@ -68,7 +68,7 @@ def test_a_sweeps_paths_are_relative_to_the_sweep_file_and_its_bases_to_the_base
 
 
 def test_a_missing_path_is_named_absolute_and_a_hub_id_still_gets_its_hint(tmp_path, monkeypatch):
-    from restage.models.config import ModelConfig
+    from restage.models.arch import ModelConfig
 
     config = _write(tmp_path / "cfg" / "job.yaml", models={"actor": {"path": "assets/qwen3", "trainable": True},
                                                             "ref": {"path": "Qwen/Qwen3-0.6B"}})
@@ -105,7 +105,7 @@ def test_a_trial_saved_with_paths_relative_to_its_run_directory_still_resumes(tm
 
 
 def test_the_trial_records_a_path_override_absolute(tmp_path):
-    from restage.config_paths import absolute_override
+    from restage.config.paths import absolute_override
 
     assert absolute_override("dataset.path=b/q.parquet", tmp_path) == f"dataset.path={tmp_path / 'b' / 'q.parquet'}"
     assert absolute_override("models.actor.path=ckpt", tmp_path) == f"models.actor.path={tmp_path / 'ckpt'}"

@@ -1,7 +1,8 @@
 import pytest
 
 from restage.algorithms.interface import build_graph
-from restage.config import ConfigError, config_from_dict
+from restage.config.load import config_from_dict
+from restage.config.schema import ConfigError
 from restage.graph import MFC, DataflowGraph
 
 

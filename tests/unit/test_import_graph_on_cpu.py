@@ -100,8 +100,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_reads_the_imports_it_should():
     graph = import_graph()
-    assert "restage.schedule" in graph and "restage.runtime.worker" in graph
-    assert {"restage.schedule.ops", "restage.schedule"} <= graph["restage.runtime.worker"]
+    assert "restage.schedule" in graph and "restage.runtime.step.worker" in graph
+    assert {"restage.schedule.ops", "restage.schedule"} <= graph["restage.runtime.step.worker"]
     assert "restage.graph" in graph["restage.algorithms.interface"]
 
 

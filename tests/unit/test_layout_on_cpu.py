@@ -66,8 +66,8 @@ def _strategies(world: int):
 def test_every_group_deepspeeds_mpu_asks_for_is_created_up_front(world):
     # Before: dp2tp2pp2's model-parallel group (0, 1, 4, 5) was not in all_groups, and DeepSpeed's ZeRO set-up
     # died with "rank 1 has no group over (0, 1, 4, 5); it was not requested up front".
-    from restage.runtime.comm_budget import engine_singleton_ranks
-    from restage.runtime.engines import LayoutMPU
+    from restage.runtime.dataplane.comm_budget import engine_singleton_ranks
+    from restage.runtime.store.zero_engines import LayoutMPU
 
     for strategy in _strategies(world):
         layout = Layout.contiguous(0, strategy)

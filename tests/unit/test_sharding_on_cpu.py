@@ -3,7 +3,7 @@ import torch
 
 from restage.errors import LayoutError
 from restage.layout import Strategy
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.sharding import param_specs, shard_specs, split_range, stage_layers, stage_params
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from restage.config import ExperimentConfig
+from restage.config.schema import ExperimentConfig
 from restage.errors import ConfigError
 from restage.graph import MFC
 

@@ -18,7 +18,7 @@ from restage.algorithms import (
 )
 from restage.algorithms._graphs import ACTOR_TRAIN
 from restage.algorithms.interface import build_graph
-from restage.config import ExperimentConfig
+from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
 

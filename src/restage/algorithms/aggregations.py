@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from restage.algorithms import ops
+from restage.algorithms import packed_ops
 from restage.algorithms.registry import LossNorm, register_aggregation
 
 
@@ -27,8 +27,8 @@ def seq_mean(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tens
     """Mean over the optimizer step's sequences (with answer tokens) of each one's token mean (GRPO's; TRL's
     ``grpo``)."""
     m = mask.to(per_token.dtype)
-    counts = ops.seq_sum(m, cu_seqlens)
-    per_seq = ops.seq_sum(per_token * m, cu_seqlens) / counts.clamp(min=1)
+    counts = packed_ops.seq_sum(m, cu_seqlens)
+    per_seq = packed_ops.seq_sum(per_token * m, cu_seqlens) / counts.clamp(min=1)
     has_tokens = counts > 0
     denominator = has_tokens.sum() if norm is None else torch.tensor(norm.answered_seqs)
     return per_seq[has_tokens].sum() / denominator.to(per_token.dtype).clamp(min=1)

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from restage.algorithms import ops
+from restage.algorithms import packed_ops
 from restage.algorithms._graphs import is_async, reward_source, sizes, with_proximal  # noqa: F401  (re-exported)
 from restage.algorithms.rewards import as_tensor, function_rewards, resolve_reward, start_function_rewards
 from restage.algorithms.scoring import PendingScores, RewardPool
-from restage.config import ExperimentConfig, build
+from restage.config.load import build
+from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph
@@ -138,7 +139,7 @@ def default_inference(mfc: MFC, batch: Batch, outputs: dict[str, torch.Tensor]) 
         elif key == "values":
             out[key] = outputs["values"]
         elif key.endswith("rewards"):
-            out[key] = ops.last_token(outputs["values"], batch.cu_seqlens).float()
+            out[key] = packed_ops.last_token(outputs["values"], batch.cu_seqlens).float()
         else:
             raise ConfigError(f"MFC {mfc.name}: no rule turns a forward pass into {key!r}")
     return out

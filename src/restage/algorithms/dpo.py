@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from restage.algorithms import base, losses, ops
+from restage.algorithms import base, losses, packed_ops
 from restage.algorithms._graphs import ACTOR_TRAIN, REF_INF, sizes
-from restage.config import ExperimentConfig
+from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
 from restage.graph import MFC
@@ -46,7 +46,7 @@ def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
 def pair_logprobs(logprobs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) sequence log-probs: answer-token log-probs summed per sequence; pairs are consecutive."""
     mask = base.answer_mask(batch)
-    per_seq = ops.seq_sum(logprobs.float() * mask, batch.cu_seqlens)
+    per_seq = packed_ops.seq_sum(logprobs.float() * mask, batch.cu_seqlens)
     return per_seq[0::2], per_seq[1::2]
 
 

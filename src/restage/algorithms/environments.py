@@ -8,7 +8,7 @@ is checked (``check_reset``, ``check_step``): a wrong type is one ``EnvironmentE
 environment and the value, and a bug of the environment, not of the policy, stops the run.
 
 The episode's reward is the sum of its steps' rewards. Observations are text (encoded as it is) or a list of chat
-messages (rendered by the tokenizer's chat template, ``runtime/multi_turn.py``); their tokens are observation
+messages (rendered by the tokenizer's chat template, ``runtime/step/multi_turn.py``); their tokens are observation
 tokens, which take no gradient (docs/algorithms.md, "Multi-turn episodes").
 
 Built in: ``tool_use``. It starts from the dataset's prompt; each answer's tool calls (``algorithms/tools.py``)
@@ -29,7 +29,7 @@ from restage.algorithms.rewards import resolve_callable
 from restage.algorithms.sandbox import Limits
 from restage.algorithms.scoring import score
 from restage.algorithms.tools import TOOL_FORMATS, ToolFormat, ToolResult, parse_tool_calls, resolve_tools, run_tool
-from restage.config import EnvironmentConfig, RewardsConfig
+from restage.config.schema import EnvironmentConfig, RewardsConfig
 from restage.errors import ConfigError, RestageError
 
 Message = Mapping[str, str]  # {"role": ..., "content": ...}

@@ -7,14 +7,14 @@ episode (the worst case: every turn to its cap), and the rest of the budget is o
 decoded). Its ``options`` carry ``turns`` (``max_turns``), ``observation_tokens`` and ``tool_seconds``
 (``environment.tool_latency_seconds``, a figure the user gives: one call's wall time); the estimator adds one
 prefill of the context per later turn (the engine does not keep a turn's cache across its tool call,
-``models/rollout_turns.py``) and ``(turns - 1) x tool_seconds`` on an episode's path.
+``rollout/turns.py``) and ``(turns - 1) x tool_seconds`` on an episode's path.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from restage.config import ExperimentConfig
+from restage.config.schema import ExperimentConfig
 from restage.errors import ConfigError
 from restage.graph import MFC
 

@@ -13,14 +13,14 @@ from collections.abc import Iterator
 
 import torch
 
-from restage.algorithms import ops
-from restage.algorithms.ops import Reduce
+from restage.algorithms import packed_ops
+from restage.algorithms.packed_ops import Reduce
 from restage.data.batch import Batch
 
 
 def _padded_actions(mask: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[n, A]`` packed index of each sequence's action tokens (in order, left-aligned) and its validity mask."""
-    seq = ops.seq_index(cu_seqlens)[mask]
+    seq = packed_ops.seq_index(cu_seqlens)[mask]
     positions = torch.nonzero(mask).squeeze(-1)
     n = cu_seqlens.numel() - 1
     counts = torch.zeros(n, dtype=torch.long, device=mask.device).index_add(0, seq, torch.ones_like(seq))
@@ -87,8 +87,8 @@ def kl_shaped_token_rewards(seq_rewards: torch.Tensor, kl: torch.Tensor, mask: t
                             kl_coef: float) -> torch.Tensor:
     """Per-token rewards ``-kl_coef * kl_t`` on action tokens, plus the sequence reward on each sequence's last action."""
     out = -kl_coef * kl.float() * mask
-    last = ops.last_masked(mask, cu_seqlens)
-    out[last] += seq_rewards.float()[ops.seq_index(cu_seqlens)[last]]
+    last = packed_ops.last_masked(mask, cu_seqlens)
+    out[last] += seq_rewards.float()[packed_ops.seq_index(cu_seqlens)[last]]
     return out
 
 
@@ -106,7 +106,7 @@ class ValueNormaliser:
         self.mean, self.var, self.count = 0.0, 1.0, 0.0
 
     def update(self, x: torch.Tensor, mask: torch.Tensor, reduce: Reduce = None) -> None:
-        mean, var, count = (float(v) for v in ops.masked_moments(x, mask, reduce))
+        mean, var, count = (float(v) for v in packed_ops.masked_moments(x, mask, reduce))
         if count == 0:
             return
         if self.count == 0:

@@ -9,7 +9,7 @@ The variants of 2025 are this module with other registered parts (``registry.py`
 ``algo.advantage`` (grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline), ``algo.policy_loss`` (ppo, gspo),
 ``algo.loss_agg``, DAPO's decoupled clip (``clip_eps_low``/``clip_eps_high``), overlong penalty
 (``overlong_buffer``/``overlong_penalty``) and dynamic sampling (``dynamic_sampling``/``max_sampling_rounds``;
-``runtime/dynamic_sampling.py`` refills the batch).
+``runtime/step/dynamic_sampling.py`` refills the batch).
 """
 
 from __future__ import annotations
@@ -18,17 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from restage.algorithms import (
-    _policy,
-    base,
-    losses,
-    offpolicy,
-    ops,
-    registry,
-    variants,  # noqa: F401  (fills the registries with the built-in parts)
-)
+from restage.algorithms import _policy, base, losses, offpolicy, packed_ops, registry
 from restage.algorithms._graphs import ACTOR_GEN, ACTOR_TRAIN, REF_INF, REWARD_INF, reward_source, sizes, with_proximal
-from restage.config import ExperimentConfig
+from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
 from restage.graph import MFC
@@ -61,7 +53,7 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     seq = ("seqs", "prompt_mask")
     gen_out = ("seqs", "prompt_mask", "logprobs") + (("rewards",) if reward_source(cfg) == "function" else ())
     gen_options: dict = {"group_size": group}
-    if bool(cfg.algo.get("dynamic_sampling", False)):  # runtime/dynamic_sampling.py reads it
+    if bool(cfg.algo.get("dynamic_sampling", False)):  # runtime/step/dynamic_sampling.py reads it
         gen_options["dynamic_sampling_rounds"] = int(cfg.algo.get("max_sampling_rounds", 3))
     out = [MFC(ACTOR_GEN, "generate", "actor", ("prompts",), gen_out, n, p, g, mb, options=gen_options)]
     if reward_source(cfg) == "model":
@@ -111,7 +103,7 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, pe
 
 
 def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
-                  reduce: ops.Reduce = None) -> tuple[Batch, dict]:
+                  reduce: packed_ops.Reduce = None) -> tuple[Batch, dict]:
     """Adds per-token ``advantages`` (the registered ``algo.advantage``); the result has groups of 1
     (minibatches may then cut groups apart)."""
     p: Params = state.params
@@ -119,7 +111,7 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
         raise ValueError(f"grpo: batch has groups of {batch.group_size}, algo.group_size is {p.group_size}")
     mask = base.answer_mask(batch)
     rewards = _policy.shaped_rewards(batch, p)
-    lengths = ops.seq_sum(mask.float(), batch.cu_seqlens)
+    lengths = packed_ops.seq_sum(mask.float(), batch.cu_seqlens)
     penalty = overlong_penalty(lengths, cfg.generation.max_new_tokens, p.overlong_buffer, p.overlong_penalty)
     rewards = rewards + penalty
     estimator = "dr_grpo" if p.advantage == "grpo" and not p.norm_std else p.advantage
@@ -135,15 +127,15 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
     raw = batch["rewards"].float().view(-1, p.group_size)
     informative = raw.max(-1).values > raw.min(-1).values
     stats = {
-        "reward": float(ops.masked_mean(batch["rewards"].float(), all_seqs, reduce)),
-        "group_reward_std": float(ops.masked_mean(spread, torch.ones_like(spread, dtype=torch.bool), reduce)),
-        "answer_tokens": float(ops.masked_sum(mask.float(), mask, reduce)[1]),
-        "sequences": float(ops.masked_sum(torch.ones(batch.n_seqs), all_seqs, reduce)[1]),  # the whole batch's
+        "reward": float(packed_ops.masked_mean(batch["rewards"].float(), all_seqs, reduce)),
+        "group_reward_std": float(packed_ops.masked_mean(spread, torch.ones_like(spread, dtype=torch.bool), reduce)),
+        "answer_tokens": float(packed_ops.masked_sum(mask.float(), mask, reduce)[1]),
+        "sequences": float(packed_ops.masked_sum(torch.ones(batch.n_seqs), all_seqs, reduce)[1]),  # the whole batch's
         # the share of groups whose (unshaped) rewards differ: DAPO's dynamic sampling raises it to 1
-        "informative_groups": float(ops.masked_mean(informative.float(), torch.ones_like(informative), reduce)),
+        "informative_groups": float(packed_ops.masked_mean(informative.float(), torch.ones_like(informative), reduce)),
     }
     if p.overlong_buffer > 0:
-        stats["overlong_penalty"] = float(ops.masked_mean(penalty, all_seqs, reduce))
+        stats["overlong_penalty"] = float(packed_ops.masked_mean(penalty, all_seqs, reduce))
     ids = tuple(i for i in batch.ids for _ in range(p.group_size)) if batch.ids else ()
     return batch.with_keys(tokens={"advantages": advantages.float()}, group_size=1, ids=ids), stats
 

@@ -21,7 +21,7 @@ import torch
 from restage.algorithms import algorithm_module, algorithm_names, base
 from restage.algorithms._graphs import ACTOR_PROX, is_async
 from restage.algorithms.episode_sizes import episode_mfcs
-from restage.config import ExperimentConfig
+from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph

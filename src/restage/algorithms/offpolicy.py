@@ -16,7 +16,7 @@ import torch
 
 from restage.algorithms import losses
 from restage.algorithms._graphs import ACTOR_TRAIN, is_async
-from restage.config import ExperimentConfig
+from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import StalenessError
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from restage.algorithms import _policy, base, estimators, losses, offpolicy, ops, registry
+from restage.algorithms import _policy, base, estimators, losses, offpolicy, packed_ops, registry
 from restage.algorithms._graphs import (
     ACTOR_GEN,
     ACTOR_TRAIN,
@@ -28,7 +28,7 @@ from restage.algorithms._graphs import (
     with_proximal,
 )
 from restage.algorithms.interface import build_graph
-from restage.config import ExperimentConfig
+from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
 from restage.graph import MFC
@@ -96,7 +96,7 @@ def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
 
 
 def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
-                  reduce: ops.Reduce = None) -> tuple[Batch, dict]:
+                  reduce: packed_ops.Reduce = None) -> tuple[Batch, dict]:
     """Adds ``advantages``, ``returns`` and ``old_values`` (per token, on answer tokens; the critic's scale)."""
     p: Params = state.params
     state.begin_step(step)
@@ -108,7 +108,7 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
     kl_coef = kl_ctl.value
     token_rewards = estimators.kl_shaped_token_rewards(rewards, kl, mask, cu, kl_coef)
     # V(s_t) for action token t is the critic's output one token earlier.
-    state_values = ops.shift_right(batch["values"].float(), cu) * mask
+    state_values = packed_ops.shift_right(batch["values"].float(), cu) * mask
     raw_values = (value_norm.denormalise(state_values) if p.value_norm else state_values) * mask
     advantages, returns = estimators.gae(token_rewards, raw_values, mask, cu, p.gamma, p.lam)
     if p.value_norm:
@@ -118,19 +118,19 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
         targets, old_values = returns, state_values
     raw_advantages = advantages
     if p.adv_norm:
-        advantages = ops.masked_whiten(advantages, mask, reduce=reduce)
+        advantages = packed_ops.masked_whiten(advantages, mask, reduce=reduce)
     all_seqs = torch.ones(batch.n_seqs, dtype=torch.bool)
-    seq_kl, n_seqs = ops.masked_sum(ops.seq_sum(kl, cu), all_seqs, reduce)
+    seq_kl, n_seqs = packed_ops.masked_sum(packed_ops.seq_sum(kl, cu), all_seqs, reduce)
     mean_kl = float(seq_kl / n_seqs.clamp(min=1))
     kl_ctl.update(mean_kl, int(n_seqs))
     stats = {
-        "reward": float(ops.masked_mean(batch["rewards"].float(), all_seqs, reduce)),
-        "shaped_reward": float(ops.masked_mean(rewards, all_seqs, reduce)),
+        "reward": float(packed_ops.masked_mean(batch["rewards"].float(), all_seqs, reduce)),
+        "shaped_reward": float(packed_ops.masked_mean(rewards, all_seqs, reduce)),
         "kl_coef": kl_coef,
-        "advantage": float(ops.masked_mean(raw_advantages, mask, reduce)),
-        "return": float(ops.masked_mean(returns, mask, reduce)),
-        "value": float(ops.masked_mean(raw_values, mask, reduce)),
-        "answer_tokens": float(ops.masked_sum(mask.float(), mask, reduce)[1]),
+        "advantage": float(packed_ops.masked_mean(raw_advantages, mask, reduce)),
+        "return": float(packed_ops.masked_mean(returns, mask, reduce)),
+        "value": float(packed_ops.masked_mean(raw_values, mask, reduce)),
+        "answer_tokens": float(packed_ops.masked_sum(mask.float(), mask, reduce)[1]),
     }
     if _policy.uses_ref(p):  # without a reference (kl_coef 0) there is no KL to log
         stats["kl"] = mean_kl
@@ -147,7 +147,7 @@ def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig
                                   norm_tokens=cfg.generation.max_new_tokens)
     if mfc_name == CRITIC_TRAIN:
         mask = base.answer_mask(micro_batch)
-        predicted = ops.shift_right(outputs["values"].float(), micro_batch.cu_seqlens)
+        predicted = packed_ops.shift_right(outputs["values"].float(), micro_batch.cu_seqlens)
         value, clip_fraction = losses.value_loss(predicted, micro_batch["old_values"], micro_batch["returns"], mask,
                                                  p.value_clip_eps, outputs.get(registry.LOSS_NORM))
         return value, {"loss": float(value.detach()), "value_clip_fraction": clip_fraction}

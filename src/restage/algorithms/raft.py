@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from restage.algorithms import base, losses, ops
+from restage.algorithms import base, losses, packed_ops
 from restage.algorithms._graphs import ACTOR_GEN, ACTOR_TRAIN, REWARD_INF, reward_source, sizes
 from restage.algorithms.interface import build_graph
-from restage.config import ExperimentConfig
+from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.graph import MFC
 
@@ -53,7 +53,7 @@ def best_of_groups(rewards: torch.Tensor, group_size: int) -> list[int]:
 
 
 def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
-                  reduce: ops.Reduce = None) -> tuple[Batch, dict]:
+                  reduce: packed_ops.Reduce = None) -> tuple[Batch, dict]:
     """Keeps the best sequence of each group (one per prompt, groups of 1)."""
     p: Params = state.params
     if batch.group_size != p.group_size:
@@ -62,8 +62,8 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
     best = best_of_groups(rewards, p.group_size)
     selected = batch.select_seqs(best, group_size=1, ids=batch.ids)
     stats = {
-        "reward": float(ops.masked_mean(rewards, torch.ones_like(rewards, dtype=torch.bool), reduce)),
-        "best_reward": float(ops.masked_mean(rewards[best], torch.ones(len(best), dtype=torch.bool), reduce)),
+        "reward": float(packed_ops.masked_mean(rewards, torch.ones_like(rewards, dtype=torch.bool), reduce)),
+        "best_reward": float(packed_ops.masked_mean(rewards[best], torch.ones(len(best), dtype=torch.bool), reduce)),
     }
     return selected, stats
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from restage.algorithms.ops import Reduce
+from restage.algorithms.packed_ops import Reduce
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from restage.algorithms import _policy, base, estimators, offpolicy, ops
+from restage.algorithms import _policy, base, estimators, offpolicy, packed_ops
 from restage.algorithms._graphs import (
     ACTOR_GEN,
     ACTOR_GREEDY_GEN,
@@ -24,7 +24,7 @@ from restage.algorithms._graphs import (
     sizes,
     with_proximal,
 )
-from restage.config import ExperimentConfig
+from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.graph import MFC
 
@@ -67,7 +67,7 @@ def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
 
 
 def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
-                  reduce: ops.Reduce = None) -> tuple[Batch, dict]:
+                  reduce: packed_ops.Reduce = None) -> tuple[Batch, dict]:
     """Adds per-token ``advantages`` (reward-to-go of the KL-shaped reward minus the greedy baseline)."""
     p: Params = state.params
     mask = base.answer_mask(batch)
@@ -78,13 +78,13 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
     token_rewards = estimators.kl_shaped_token_rewards(rewards - baseline, kl, mask, cu, p.kl_coef)
     advantages = estimators.returns_to_go(token_rewards, mask, cu)
     if p.adv_norm:
-        advantages = ops.masked_whiten(advantages, mask, reduce=reduce)
+        advantages = packed_ops.masked_whiten(advantages, mask, reduce=reduce)
     all_seqs = torch.ones(batch.n_seqs, dtype=torch.bool)
-    seq_kl, n_seqs = ops.masked_sum(ops.seq_sum(kl, cu), all_seqs, reduce)
+    seq_kl, n_seqs = packed_ops.masked_sum(packed_ops.seq_sum(kl, cu), all_seqs, reduce)
     stats = {
-        "reward": float(ops.masked_mean(batch["rewards"].float(), all_seqs, reduce)),
-        "baseline_reward": float(ops.masked_mean(batch["baseline_rewards"].float(), all_seqs, reduce)),
-        "answer_tokens": float(ops.masked_sum(mask.float(), mask, reduce)[1]),
+        "reward": float(packed_ops.masked_mean(batch["rewards"].float(), all_seqs, reduce)),
+        "baseline_reward": float(packed_ops.masked_mean(batch["baseline_rewards"].float(), all_seqs, reduce)),
+        "answer_tokens": float(packed_ops.masked_sum(mask.float(), mask, reduce)[1]),
     }
     if _policy.uses_ref(p):  # without a reference (kl_coef 0) there is no KL to log
         stats["kl"] = float(seq_kl / n_seqs.clamp(min=1))

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from restage.algorithms import base, losses, ops
+from restage.algorithms import base, losses, packed_ops
 from restage.algorithms._graphs import REWARD_TRAIN, sizes
-from restage.config import ExperimentConfig
+from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.graph import MFC
 
@@ -35,7 +35,7 @@ def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
 
 def pair_scores(values: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen, rejected) scores: the scalar head at each sequence's last token; pairs are consecutive."""
-    scores = ops.last_token(values, batch.cu_seqlens).float()
+    scores = packed_ops.last_token(values, batch.cu_seqlens).float()
     return scores[0::2], scores[1::2]
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from restage.algorithms.timelimit import TimeLimitedWorkers, TimeLimitExceeded
-from restage.config import RewardsConfig
+from restage.config.schema import RewardsConfig
 from restage.errors import ConfigError, RewardError
 
 
@@ -129,7 +129,7 @@ class PendingScores:
         if self.batched:
             # The batched protocol keeps its contract: an exception stops the run on its rank as any exception
             # in an MFC does (it cannot say which answer failed), and a non-finite value reaches the trainer's
-            # non-finite guard (run.nonfinite: skip the step's training or stop; runtime/nonfinite.py).
+            # non-finite guard (run.nonfinite: skip the step's training or stop; runtime/step/nonfinite.py).
             returned = self.futures[0].result()
             if isinstance(returned, TimedOut):
                 self._timed_out(list(self.sample_ids), [returned], n)

@@ -8,7 +8,7 @@ import torch
 
 from restage.algorithms import base, losses
 from restage.algorithms._graphs import ACTOR_TRAIN, sizes
-from restage.config import ExperimentConfig
+from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.graph import MFC
 

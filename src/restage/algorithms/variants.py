@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from restage.algorithms import estimators, losses, ops
+from restage.algorithms import estimators, losses, packed_ops
 from restage.algorithms.registry import AdvantageInputs, register_advantage, register_policy_loss
 
 # -- advantages ------------------------------------------------------------------------------------------------
 
 
 def _on_tokens(seq_advantages: torch.Tensor, ctx: AdvantageInputs) -> torch.Tensor:
-    return ops.broadcast_seq(seq_advantages.float(), ctx.cu_seqlens) * ctx.mask
+    return packed_ops.broadcast_seq(seq_advantages.float(), ctx.cu_seqlens) * ctx.mask
 
 
 def _kl_charged(rewards: torch.Tensor, ctx: AdvantageInputs) -> torch.Tensor:
@@ -23,7 +23,7 @@ def _kl_charged(rewards: torch.Tensor, ctx: AdvantageInputs) -> torch.Tensor:
     the per-token KL summed over the answer) before the baseline is subtracted."""
     if ctx.kl_coef == 0:
         return rewards.float()
-    return rewards.float() - ctx.kl_coef * ops.seq_sum(ctx.token_kl.float() * ctx.mask, ctx.cu_seqlens)
+    return rewards.float() - ctx.kl_coef * packed_ops.seq_sum(ctx.token_kl.float() * ctx.mask, ctx.cu_seqlens)
 
 
 @register_advantage("grpo")
@@ -55,7 +55,7 @@ def rloo(rewards: torch.Tensor, ctx: AdvantageInputs) -> torch.Tensor:
 def _reinforce_pp(seq_rewards: torch.Tensor, ctx: AdvantageInputs) -> torch.Tensor:
     token_rewards = estimators.kl_shaped_token_rewards(seq_rewards, ctx.token_kl, ctx.mask, ctx.cu_seqlens, ctx.kl_coef)
     returns = estimators.returns_to_go(token_rewards, ctx.mask, ctx.cu_seqlens)
-    return ops.masked_whiten(returns, ctx.mask, eps=ctx.eps, reduce=ctx.reduce) * ctx.mask
+    return packed_ops.masked_whiten(returns, ctx.mask, eps=ctx.eps, reduce=ctx.reduce) * ctx.mask
 
 
 @register_advantage("reinforce_pp")
@@ -92,9 +92,9 @@ def gspo(logprobs: torch.Tensor, anchor: torch.Tensor, advantages: torch.Tensor,
     the paper's mean over sequences). The paper's clip range is small (3e-4 / 4e-4)."""
     log_ratio = (logprobs - anchor).masked_fill(~mask, 0.0)
     m = mask.to(log_ratio.dtype)
-    seq_log_ratio = ops.seq_sum(log_ratio, cu_seqlens) / ops.seq_sum(m, cu_seqlens).clamp(min=1)
+    seq_log_ratio = packed_ops.seq_sum(log_ratio, cu_seqlens) / packed_ops.seq_sum(m, cu_seqlens).clamp(min=1)
     # anchor + the sequence's mean log-ratio on every token: _clipped_surrogate's ratio is then s, per token.
-    per_token_log_ratio = ops.broadcast_seq(seq_log_ratio, cu_seqlens)
+    per_token_log_ratio = packed_ops.broadcast_seq(seq_log_ratio, cu_seqlens)
     per_token, stats = losses._clipped_surrogate(per_token_log_ratio, torch.zeros_like(per_token_log_ratio),
                                                  advantages, mask, clip_low, clip_high)
     return per_token, stats

@@ -70,7 +70,7 @@ def prompt_ids(tokenizer, value, max_tokens: int, chat_template: bool) -> tuple[
 
 def episode_answer_ids(tokenizer, turns: list[dict], max_tokens: int) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """A multi-turn episode's answer (an SFT demonstration): the ids of its turns' texts, each encoded on its own
-    as the episode driver encodes them (``runtime/multi_turn.py``), then EOS, cut from the right; and the mask of
+    as the episode driver encodes them (``runtime/step/multi_turn.py``), then EOS, cut from the right; and the mask of
     the tokens the policy does not write (every turn whose role is not ``assistant``: tool outputs, observations),
     which SFT, like RL, gives no loss."""
     ids: list[int] = []

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from restage.config import ExperimentConfig, load_config
+from restage.config.load import load_config
+from restage.config.schema import ExperimentConfig
 from restage.errors import ConfigError
 
 
@@ -59,7 +60,7 @@ def check_inputs(cfg: ExperimentConfig) -> None:
     algorithm's rules, the data set (read and tokenised) against the models' positions."""
     from restage.algorithms.interface import get_algorithm
     from restage.data.datasets import check_positions, load_splits
-    from restage.models.config import ModelConfig
+    from restage.models.arch import ModelConfig
 
     positions = {}
     for name, spec in cfg.models.items():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from restage.config import ExperimentConfig
+from restage.config.schema import ExperimentConfig
 from restage.data.fingerprint import Fingerprint, difference, fingerprint
 from restage.errors import ConfigError
 from restage.launch.trial import read_json, write_json_atomic

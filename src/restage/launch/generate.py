@@ -29,13 +29,13 @@ from restage.device import DTYPES, TORCH_NAMES, torch_dtype
 from restage.errors import ConfigError, RestageError
 from restage.launch.mpirun import mpirun_command
 from restage.layout import Layout, ProcessGroups, Strategy
-from restage.models.checkpoint import load_stage
-from restage.models.config import ModelConfig
-from restage.models.generation import generate
-from restage.models.sampling import SamplingParams, request_seed
+from restage.models.arch import ModelConfig
+from restage.models.hf_checkpoint import load_stage
 from restage.models.sharding import validate_strategy
 from restage.models.tiny import quiet_transformers
-from restage.runtime.control import Control, init_torch_distributed
+from restage.rollout.generation import generate
+from restage.rollout.sampling import SamplingParams, request_seed
+from restage.runtime.control.channels import Control, init_torch_distributed
 
 _ARGS_ENV = "RESTAGE_GENERATE_ARGS"
 DTYPE_NAMES = tuple(TORCH_NAMES[dtype] for dtype in DTYPES.values())

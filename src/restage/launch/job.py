@@ -7,7 +7,7 @@ mpirun or srun (``slurm.launcher``; ``auto`` as ``launch.resources`` decides) th
 
 Time limits: the driver asks SLURM when this attempt ends and hands it to every rank as
 ``RESTAGE_DEADLINE``; the runtime's master checkpoints and stops at the last step boundary that
-leaves time for its checkpoint (``restage.runtime.deadline``) and writes ``TIME_LIMIT``. The driver
+leaves time for its checkpoint (``restage.runtime.control.deadline``) and writes ``TIME_LIMIT``. The driver
 then does what SLURM's pre-timeout signal would make it do: it raises ``USR2`` in itself, so
 submitit's handler calls ``TrialJob.checkpoint`` and requeues the job (counted against
 ``slurm.max_requeues``). Preemption, and a time limit the deadline rule missed: SLURM sends ``USR2``
@@ -42,7 +42,7 @@ from typing import Any
 
 from submitit.helpers import Checkpointable, DelayedSubmission
 
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.errors import LaunchError
 from restage.launch import allocation, watchdog
 from restage.launch.geometry import JobGeometry, job_geometry
@@ -50,10 +50,10 @@ from restage.launch.mpirun import mpirun_command
 from restage.launch.shared import check_shared_directory
 from restage.launch.slurm import signal_delay_seconds
 from restage.launch.trial import TrialPaths, record_attempt, trial_lock, update_attempt
-from restage.runtime.checkpoint_dir import complete_steps
-from restage.runtime.deadline import DEADLINE_ENV, TIME_LIMIT_FILE, read_time_limit
-from restage.runtime.failure import clear_failures, describe_failure
-from restage.runtime.spawn import free_port
+from restage.runtime.checkpoint.checkpoint_dir import complete_steps
+from restage.runtime.control.deadline import DEADLINE_ENV, TIME_LIMIT_FILE, read_time_limit
+from restage.runtime.control.failure import clear_failures, describe_failure
+from restage.runtime.control.spawn import free_port
 
 RUNTIME_MODULE = "restage.runtime.spmd"
 SELFTEST_MODULE = "restage.launch.selftest"
@@ -186,7 +186,7 @@ def rank_environment(paths: TrialPaths, geometry: JobGeometry, module: str, resu
                      host: str, port: int, cpus: int | None = None) -> dict[str, str]:
     """The variables every rank gets on top of the driver's environment. Ranks bound to ``cpus`` cores each get
     ``OMP_NUM_THREADS=cpus`` (the driver's environment's, e.g. a template's, is replaced); unbound ranks keep the
-    driver's, or when it has none each takes its share of its CPU mask (``restage.runtime.threads``)."""
+    driver's, or when it has none each takes its share of its CPU mask (``restage.runtime.control.threads``)."""
     threads = {"OMP_NUM_THREADS": str(cpus)} if cpus else {}
     return {
         "RESTAGE_TRIAL_DIR": str(paths.root), "RESTAGE_CONFIG": str(paths.config), "RESTAGE_SCHEDULE": str(paths.schedule),

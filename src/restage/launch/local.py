@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from restage.cluster import load_cluster
-from restage.config import ExperimentConfig, config_from_dict
+from restage.config.load import config_from_dict
+from restage.config.schema import ExperimentConfig
 from restage.errors import ConfigError, LaunchError, LogError
 from restage.launch import watchdog
 from restage.launch.checks import load_job_config, plan_job, validate
@@ -32,8 +33,8 @@ from restage.launch.resume import resumed_config, write_trial_overrides
 from restage.launch.trial import trial_lock
 from restage.report.journal import journal_path
 from restage.report.log import read_log
-from restage.runtime.checkpoint_dir import complete_steps, latest
-from restage.runtime.failure import clear_failures, describe_failure
+from restage.runtime.checkpoint.checkpoint_dir import complete_steps, latest
+from restage.runtime.control.failure import clear_failures, describe_failure
 from restage.schedule.file import read_schedule, write_schedule
 
 
@@ -173,7 +174,7 @@ def launch(schedule: Path, trial_dir: Path, nprocs: int, resume: bool = False) -
     if resume:
         program.append("--resume")
     env = {"PYTHONUNBUFFERED": "1"}
-    if os.environ.get("OMP_NUM_THREADS"):  # the user's wins; else each rank takes its share of the cores (runtime/threads.py)
+    if os.environ.get("OMP_NUM_THREADS"):  # the user's wins; else each rank takes its share (control/threads.py)
         env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
     if "DS_ACCELERATOR" in os.environ:
         env["DS_ACCELERATOR"] = os.environ["DS_ACCELERATOR"]

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import yaml
 
-from restage.config import ExperimentConfig, apply_override, config_from_dict, load_config
-from restage.config_paths import absolute_override, resolve_paths
+from restage.config.load import apply_override, config_from_dict, load_config
+from restage.config.paths import absolute_override, resolve_paths
+from restage.config.schema import ExperimentConfig
 from restage.errors import ConfigError
 
 TRIAL_KEYS = ("experiment", "trial", "run.results_dir")  # they pick the trial; they are not changes to it
@@ -79,7 +80,7 @@ def write_trial_overrides(trial_dir: Path, overrides: list[str]) -> None:
 
 def saved_config(trial_dir: Path) -> ExperimentConfig:
     """The trial's ``config.yaml``. Its paths are absolute; a trial saved before paths were resolved against the
-    config file (config_paths.py) holds them relative to the directory it ran in, which this one is taken to be."""
+    config file (config/paths.py) holds them relative to the directory it ran in, which this one is taken to be."""
     path = trial_dir / "config.yaml"
     try:
         data = yaml.safe_load(path.read_text()) or {}

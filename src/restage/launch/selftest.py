@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.launch.trial import write_json_atomic
 from restage.report.log import LogWriter
-from restage.runtime import checkpoint_dir
-from restage.runtime.failure import abort_on_error
+from restage.runtime.checkpoint import checkpoint_dir
+from restage.runtime.control.failure import abort_on_error
 
 
 def _load_state(trial_dir: Path) -> dict:

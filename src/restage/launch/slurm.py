@@ -124,7 +124,7 @@ def signal_delay_seconds(slurm) -> int:
     """The ``--signal`` delay: ``slurm.signal_delay_seconds``, capped so that the signal, which may come a minute
     early, comes no sooner than halfway through the time limit; 0 (no time-limit signal) for limits under about
     two and a half minutes. The signal is the fallback: the runtime's deadline rule checkpoints before the limit
-    from its measured step and save times (runtime/deadline.py); a preemption still signals at once."""
+    from its measured step and save times (runtime/control/deadline.py); a preemption still signals at once."""
     return max(0, min(slurm.signal_delay_seconds, slurm.time_minutes * 60 // 2 - SIGNAL_EARLY_SECONDS))
 
 

@@ -12,7 +12,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.errors import LaunchError
 from restage.launch.trial import TrialPaths, read_json
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from restage.config import config_from_dict
+from restage.config.load import config_from_dict
 from restage.errors import LaunchError
 from restage.launch import slurm
 from restage.launch.checks import load_job_config, validate
@@ -37,7 +37,7 @@ from restage.launch.job import (
 )
 from restage.launch.resources import site_resources
 from restage.launch.trial import TrialPaths, write_json_atomic
-from restage.runtime.checkpoint_dir import complete_steps
+from restage.runtime.checkpoint.checkpoint_dir import complete_steps
 from restage.schedule.file import write_schedule
 
 

@@ -33,8 +33,9 @@ from pathlib import Path
 
 import yaml
 
-from restage.config import ExperimentConfig, apply_override, config_from_dict
-from restage.config_paths import resolve_file_paths, resolve_paths
+from restage.config.load import apply_override, config_from_dict
+from restage.config.paths import resolve_file_paths, resolve_paths
+from restage.config.schema import ExperimentConfig
 from restage.errors import ConfigError, RestageError
 from restage.launch import slurm
 from restage.launch.data_check import check_trial_data

@@ -10,11 +10,11 @@
     output.log         every rank's stdout and stderr, appended across attempts
     log.h5             the runtime's metrics log (master rank, steps from 1; restage.report.log); while
                        the run goes on, its steps are appended to log.h5.journal, folded in at the end
-    checkpoints/       step-N/ whole checkpoints after N steps (restage.runtime.checkpoint_dir):
+    checkpoints/       step-N/ whole checkpoints after N steps (restage.runtime.checkpoint.checkpoint_dir):
                        <model>/hf/ (transformers loads it), <model>/engine/, ranks/, manifest.json
-    failures/          rank<N>.txt of a rank that raised (restage.runtime.failure)
+    failures/          rank<N>.txt of a rank that raised (restage.runtime.control.failure)
     PREEMPT            present while the job asks the ranks to checkpoint and stop
-    TIME_LIMIT         the ranks stopped at a checkpoint before the time limit (runtime/deadline.py): requeue
+    TIME_LIMIT         the ranks stopped at a checkpoint before the time limit (runtime/control/deadline.py): requeue
     .lease, .holder    the trial lock, held by the process that runs the trial for its whole life
                        (restage.locks: a lease, not an flock), and who holds it
     slurm/             submitit's folder for a single `restage submit`: sbatch script, SLURM stdout/err

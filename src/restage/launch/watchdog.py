@@ -1,7 +1,7 @@
 """The launcher's watchdog: ends a job whose ranks stop making progress, naming the rank, its host and activity.
 
 It runs in the launcher (``restage run``, the SLURM job driver), outside MPI, so no stalled rank can block it,
-and reads the ranks' heartbeat files (``runtime/heartbeat.py``) about once a second. Three cases end the job:
+and reads the ranks' heartbeat files (``runtime/control/heartbeat.py``) about once a second. Three cases end the job:
 
 * **silent**: a rank's beat has not advanced for half of ``run.collective_timeout_seconds`` (its process is
   stopped, e.g. SIGSTOP, which stops the heartbeat thread too, or frozen); half, so that the job ends on this
@@ -35,8 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from restage.runtime.failure import record_watchdog
-from restage.runtime.heartbeat import STARTUP_PHASES, Beat, beat_path, heartbeat_dir, read_beat
+from restage.runtime.control.failure import record_watchdog
+from restage.runtime.control.heartbeat import STARTUP_PHASES, Beat, beat_path, heartbeat_dir, read_beat
 
 NOTICE_SECONDS = 30.0  # while starting up, say who is furthest behind at most this often
 

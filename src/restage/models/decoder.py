@@ -19,12 +19,11 @@ from torch import nn
 
 from restage.errors import ConfigError, LayoutError
 from restage.layout import Strategy
+from restage.models.arch import ModelConfig
 from restage.models.attention import CacheState, KVCache, varlen_attention
-from restage.models.config import ModelConfig
 from restage.models.lora import apply_lora
 from restage.models.moe import MoEMLP, RouterLog
 from restage.models.packing import PackedBatch
-from restage.models.paged_cache import PagedKVCache
 from restage.models.parallel import (
     ColumnParallelLinear,
     ParallelContext,
@@ -37,6 +36,7 @@ from restage.models.parallel import (
 )
 from restage.models.rope import RopeTables, apply_rope_qk, rope_tables
 from restage.models.sharding import shard_specs, split_range, stage_layers, validate_strategy
+from restage.rollout.paged_cache import PagedKVCache
 
 ACTIVATIONS = {
     "silu": F.silu,

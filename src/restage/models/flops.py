@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 
 
 @dataclass(frozen=True)

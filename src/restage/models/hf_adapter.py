@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from restage.device import TORCH_NAMES
-from restage.models.config import ModelConfig
-from restage.models.moe_config import moe_hf_dict
+from restage.models.arch import ModelConfig
+from restage.models.moe_arch import moe_hf_dict
 from restage.models.rope import rope_to_hf
 from restage.models.sharding import ParamSpec
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear, copy_to_tp, reduce_from_tp
 from restage.models.sharding import LORA_TARGETS, ShardSpec, is_adapter
 

@@ -20,10 +20,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from restage.errors import CheckpointError
-from restage.models.checkpoint import TOKENIZER_FILES, WeightReader, gather_full
-from restage.models.config import LoraConfig, ModelConfig
+from restage.models.arch import LoraConfig, ModelConfig
 from restage.models.decoder import StageModule
 from restage.models.hf_adapter import hf_source
+from restage.models.hf_checkpoint import TOKENIZER_FILES, WeightReader, gather_full
 from restage.models.sharding import LORA_TARGETS, is_adapter, shard_specs
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.expert_parallel import local_experts, run_experts_parallel
 from restage.models.parallel import (
     ColumnParallelLinear,

@@ -10,7 +10,7 @@ with a scalar head (``critic=True``).
 from __future__ import annotations
 
 from restage.errors import ConfigError
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 
 
 def _llama(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, vocab: int = 32000,

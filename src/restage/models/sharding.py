@@ -27,7 +27,7 @@ from functools import lru_cache
 
 from restage.errors import LayoutError
 from restage.layout import Coord, Strategy
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
@@ -234,7 +234,7 @@ def training_layout_problem(name: str, cfg: ModelConfig, zero_stage: int, strate
         return (f"models.{name}: training a model with tied embeddings under pp={strategy.pp} is not supported; "
                 "train it with pp=1 (tp and dp are fine)")
     if strategy.ep > 1 and zero_stage == 3:
-        # The engine trains experts with DeepSpeed's MoE groups (runtime/expert_engine.py), which ZeRO-3 refuses.
+        # The engine trains experts with DeepSpeed's MoE groups (runtime/store/expert_engine.py), which ZeRO-3 refuses.
         return (f"models.{name}: training under ep={strategy.ep} needs zero_stage 0, 1 or 2 (DeepSpeed's ZeRO-3 "
                 "takes no expert groups); set zero_stage=2 or train with ep=1")
     return None

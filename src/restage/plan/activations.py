@@ -39,7 +39,7 @@ width (its router and dispatch buffers are not counted).
 
 from __future__ import annotations
 
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.flops import block_shape
 
 FP32_BYTES = 4

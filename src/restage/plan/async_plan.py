@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from restage.layout import Layout
-from restage.plan.evaluate import PlanEvaluation, fit_plan
+from restage.plan.plan_score import PlanEvaluation, fit_plan
 from restage.plan.problem import Plan, PlanProblem, mesh_options, strategies_for
 from restage.schedule.async_program import producers
 

@@ -8,10 +8,10 @@ import time
 
 from restage.accuracy import Band, ProcessBaseline, prediction_band, process_baseline
 from restage.cluster import device_is_gpu, load_cluster
-from restage.config import load_config
+from restage.config.load import load_config
 from restage.plan.async_plan import ModeChoice
-from restage.plan.baselines import BASELINES, LABELS
-from restage.plan.behind import behind_line
+from restage.plan.peers.baselines import BASELINES, LABELS
+from restage.plan.peers.behind import behind_line
 from restage.plan.planner import GIB, PlanOutcome, make_plan
 from restage.plan.schedule import build_schedule
 from restage.schedule.file import Schedule, write_schedule
@@ -118,7 +118,7 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
                 lines.append(f"  vs {what}: {ev.iteration_seconds:.3f} s, this plan is "
                              f"{ev.iteration_seconds / p['iteration_seconds']:.2f}x as fast")
                 if group and (behind := behind_line(outcome, name, ev)):
-                    lines.append(behind)  # a peer ahead: which MFC, and what bears on it (plan/behind.py)
+                    lines.append(behind)  # a peer ahead: which MFC, and what bears on it (plan/peers/behind.py)
     return "\n".join(lines)
 
 

@@ -25,7 +25,7 @@ and multiplies the rows its ep group routes to them: the same FLOPs per rank on 
 from __future__ import annotations
 
 from restage.cluster import ClusterSpec
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.flops import BlockShape, attended_tokens, block_shape
 from restage.plan.gemm import gemm_efficiency
 

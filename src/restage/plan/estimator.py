@@ -25,10 +25,8 @@ from typing import assert_never
 from restage.cluster import ClusterSpec
 from restage.graph import MFC
 from restage.layout import Layout, Strategy
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.flops import block_shape
-from restage.models.paged_cache import blocks_for
-from restage.models.rollout import group_count
 from restage.models.sharding import is_adapter, shard_bytes, shard_specs, stage_layers, validate_strategy
 from restage.plan.activations import (
     block_activation_bytes_per_token,
@@ -44,7 +42,7 @@ from restage.plan.comm import (
     reduce_scatter_seconds,
 )
 from restage.plan.compute import DTYPE_BYTES, ProfiledCompute, RooflineCompute
-from restage.plan.engines import (
+from restage.plan.generation_cost import (
     GRAPH_BLOCK_SECONDS,
     HOST_CHECK_SECONDS,
     GenerationEngine,
@@ -63,6 +61,8 @@ from restage.plan.engines import (
 )
 from restage.plan.nccl import bus_bandwidth
 from restage.plan.profile import find_profile
+from restage.rollout.engine import group_count
+from restage.rollout.paged_cache import blocks_for
 
 # Bytes per parameter of mixed-precision AdamW state: fp32 master copy, m and v. Plain fp32
 # training keeps only m and v next to the parameters.
@@ -87,12 +87,12 @@ class ModelRole:
     offload_when_idle: bool = False
     # A frozen model's parameters partitioned over the DP ranks and all-gathered layer by layer in each forward
     # (DeepSpeed ZeRO-3 / FSDP inference, as the peers run reference and reward models). Restage's runtime runs it
-    # too (``runtime/sharded_frozen.py``): ``models.<m>.shard_frozen`` sets it, ``plan.shard_frozen: auto`` lets the
-    # search choose it (``planner.sharded_variant``), and ``plan/peers.py`` sets it for the peers that shard.
+    # too (``runtime/store/sharded_frozen.py``): ``models.<m>.shard_frozen`` sets it, ``plan.shard_frozen: auto`` lets the
+    # search choose it (``planner.sharded_variant``), and ``plan/peers/defaults.py`` sets it for the peers that shard.
     shard_frozen: bool = False
     # Whether the sharded gathers are prefetched, the next layer's during this layer's compute: DeepSpeed ZeRO-3
-    # (stage3_prefetch_bucket_size) and FSDP (forward_prefetch) do, as the peers run them (plan/peers.py);
-    # restage's runtime/sharded_frozen.py gathers each unit as its forward starts, so all its gathers are exposed.
+    # (stage3_prefetch_bucket_size) and FSDP (forward_prefetch) do, as the peers run them (plan/peers/defaults.py);
+    # restage's runtime/store/sharded_frozen.py gathers each unit as its forward starts, so all its gathers are exposed.
     prefetch_gathers: bool = False
     path: str = ""
     preset: str = ""
@@ -473,8 +473,8 @@ def restage_decode_steps(occupancy: Occupancy, requests: int, gen_tokens: int) -
 
 def lockstep_forwards(cluster: ClusterSpec, engine: RestageEngine, mfc: MFC, role: ModelRole, layout: Layout) -> int:
     """Forwards one DP rank of restage's rollout engine runs for ``mfc`` in lockstep (ZeRO-3 generation in place,
-    ``runtime/zero3_generation.py``): its decode steps (every answer ``gen_tokens`` long, ``restage_decode_steps``)
-    and, per round of ``check_every_steps`` of them, one prefill or empty join (``models/rollout.py``)."""
+    ``runtime/store/zero3_generation.py``): its decode steps (every answer ``gen_tokens`` long, ``restage_decode_steps``)
+    and, per round of ``check_every_steps`` of them, one prefill or empty join (``rollout/engine.py``)."""
     b = int(sequences_per_rank(mfc, layout.strategy.dp))
     steps = math.ceil(restage_decode_steps(restage_occupancy(cluster, engine, mfc, role, layout), b, mfc.gen_tokens))
     return steps + math.ceil(steps / engine.limits.check_every_steps)
@@ -488,7 +488,7 @@ def _generate(cluster: ClusterSpec, compute, graph_compute: RooflineCompute, mfc
 
     Under pp the one-batch engine runs the live batch through the stages one after another, and so does
     restage's with ``pp_groups=1``; by default restage's engine keeps ``G = pp`` micro-groups of ``live / G``
-    slots in flight (``models/rollout_pipeline.py``): at each of a token's ``G`` ticks every stage steps
+    slots in flight (``rollout/pipelined.py``): at each of a token's ``G`` ticks every stage steps
     one group at once, so a token of every live slot costs ``G`` stage steps over ``live / G`` slots
     instead of ``pp`` over ``live``, with one hand-over of a group's hidden states per tick and the
     group's tokens broadcast over the pipeline per tick."""

@@ -16,12 +16,11 @@ from restage.cluster import ClusterSpec, cluster_from_config
 from restage.errors import ConfigError, LayoutError, PlanError
 from restage.layout import Layout, Strategy
 from restage.models.attention import flash_attn_with_kvcache
-from restage.models.rollout import RolloutLimits
 from restage.plan.async_plan import STALENESS_CHOICES, ModeChoice, best_async_plan
-from restage.plan.baselines import all_baselines, all_references, baseline, rebased, starting_plans
-from restage.plan.engines import RestageEngine
 from restage.plan.estimator import Estimator
-from restage.plan.evaluate import PlanEvaluation, evaluate
+from restage.plan.generation_cost import RestageEngine
+from restage.plan.peers.baselines import all_baselines, all_references, baseline, rebased, starting_plans
+from restage.plan.plan_score import PlanEvaluation, evaluate
 from restage.plan.problem import (
     AsyncExecution,
     Plan,
@@ -34,6 +33,7 @@ from restage.plan.problem import (
     untrainable,
 )
 from restage.plan.search import SearchResult, search
+from restage.rollout.engine import RolloutLimits
 from restage.schedule.program import ema_targets
 
 GIB = 2**30
@@ -239,7 +239,7 @@ def _searched(cfg, problem: PlanProblem, found: dict, seed: int | None, time_bud
 
 def sharded_variant(problem: PlanProblem) -> PlanProblem | None:
     """``problem`` with every frozen model the runtime can shard held 1/dp per rank of its home layout
-    (``ModelRole.shard_frozen``, ``runtime/sharded_frozen.py``): one not trained, not moved by an EMA, without
+    (``ModelRole.shard_frozen``, ``runtime/store/sharded_frozen.py``): one not trained, not moved by an EMA, without
     LoRA or experts, not offloaded when idle, whose one MFC is an inference (so it runs on its home layout).
     None when there is no such model left unsharded."""
     ema = set(ema_targets(problem.graph))

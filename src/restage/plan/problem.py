@@ -19,15 +19,15 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from restage.cluster import ClusterSpec
-from restage.config import LORA_ALL_LINEAR, LoraSpec
+from restage.config.schema import LORA_ALL_LINEAR, LoraSpec
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout, Strategy
-from restage.models.config import LoraConfig, ModelConfig
+from restage.models.arch import LoraConfig, ModelConfig
 from restage.models.sharding import layout_problem
-from restage.plan.engines import RestageEngine
 from restage.plan.estimator import Estimate, Estimator, ModelRole, dp_size_ok, sequences_per_rank
-from restage.plan.transfer import ReallocCost, data_transfer_seconds, exact_realloc, fast_realloc
+from restage.plan.generation_cost import RestageEngine
+from restage.plan.transfer_cost import ReallocCost, data_transfer_seconds, exact_realloc, fast_realloc
 from restage.schedule.program import check_ema_architectures
 
 KEEP_PER_SIZE = 6  # fastest (strategy, micro-batches) options kept per mesh size and MFC
@@ -335,7 +335,7 @@ class PlanProblem:
         return self._transfer[key]
 
     def iteration_flops(self) -> float:
-        from restage.plan.flops import mfc_flops
+        from restage.plan.mfc_flops import mfc_flops
 
         return sum(mfc_flops(m, self.role(m).arch) for m in self.mfcs)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from restage.cluster import cluster_dirs
 from restage.errors import ConfigError
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 
 PROFILE_FORMAT_VERSION = 1
 OPS = ("embed_forward", "block_forward", "block_backward", "prefill", "decode_step", "head_forward", "head_backward",

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from restage.device import DTYPES
 from restage.errors import ConfigError
 from restage.layout import Coord, Strategy
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.decoder import StageModule
 from restage.models.packing import PackedBatch
 from restage.models.parallel import ParallelContext, lm_logits

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import assert_never
 
-from restage.plan.evaluate import evaluate
+from restage.plan.plan_score import evaluate
 from restage.plan.simulator import op_name, plan_ops
-from restage.plan.transfer import key_bytes
+from restage.plan.transfer_cost import key_bytes
 from restage.schedule.file import SCHEDULE_FORMAT_VERSION, MFCEntry, ModelEntry, Schedule, Step
 from restage.schedule.ops import Ema, Free, Generate, Offload, Op, Push, Realloc, Reload, Run, SendKey, TakeBuffered
 

@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from restage.plan.evaluate import PlanEvaluation, evaluate
+from restage.plan.plan_score import PlanEvaluation, evaluate
 from restage.plan.problem import Candidate, Plan, PlanProblem
 
 EXHAUSTIVE_LIMIT = 5000  # plans; problems with at most this many are enumerated exactly

@@ -30,11 +30,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, assert_never
 
-from restage.models.rollout import gathers_once
 from restage.models.sharding import stage_layers
-from restage.plan.engines import RestageEngine
 from restage.plan.estimator import lockstep_forwards
-from restage.plan.transfer import key_bytes, zero3_gather_seconds
+from restage.plan.generation_cost import RestageEngine
+from restage.plan.transfer_cost import key_bytes, zero3_gather_seconds
+from restage.rollout.engine import gathers_once
 from restage.schedule.async_program import async_layout_problem, build_async_program, lookahead, producers
 from restage.schedule.ops import (
     Ema,
@@ -244,7 +244,7 @@ def zero3_in_place(problem, plan, mfc) -> bool:
 
 
 def zero3_generation_mode(problem, plan, mfc) -> Literal["gather_once", "lockstep"]:
-    """How a generation in place (``zero3_in_place``) runs: the runtime's rule (``runtime/zero3_generation.py``,
+    """How a generation in place (``zero3_in_place``) runs: the runtime's rule (``runtime/store/zero3_generation.py``,
     ``models.rollout.gathers_once``) on the planner's figures. Gathered once when the stage's parameters fit
     ``GATHER_ONCE_FRACTION`` of what its ranks have left (usable memory less the persistent state of the models
     whose homes hold them, the most on any of its ranks); else lockstep. The peers' engines and engines other than

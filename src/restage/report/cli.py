@@ -9,7 +9,7 @@ from pathlib import Path
 from restage.errors import LogError
 from restage.report.log import read_log
 from restage.report.summary import format_text, json_ready, summarize
-from restage.report.sweep import format_sweep, sweep_rows
+from restage.report.sweep_report import format_sweep, sweep_rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
-from restage.config import ExperimentConfig
+from restage.config.schema import ExperimentConfig
 from restage.errors import ConfigError
 
 

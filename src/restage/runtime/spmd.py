@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from restage.runtime.comm_budget import ranks_per_node
-from restage.runtime.control import Control
-from restage.runtime.failure import abort_on_error
-from restage.runtime.heartbeat import Heartbeat, heartbeat_dir
-from restage.runtime.ops import use_extensions_dir
-from restage.runtime.threads import apply_threads, choose_threads, idle_local_ranks
+from restage.runtime.control.channels import Control
+from restage.runtime.control.failure import abort_on_error
+from restage.runtime.control.heartbeat import Heartbeat, heartbeat_dir
+from restage.runtime.control.threads import apply_threads, choose_threads, idle_local_ranks
+from restage.runtime.dataplane.comm_budget import ranks_per_node
+from restage.runtime.store.deepspeed_ops import use_extensions_dir
 from restage.schedule.file import Schedule, read_schedule
 
 
@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
-    use_extensions_dir()  # DeepSpeed's JIT builds: restage's per-user, per-version cache (runtime/ops.py)
+    use_extensions_dir()  # DeepSpeed's JIT builds: restage's per-user, per-version cache (runtime/store/deepspeed_ops.py)
     control = Control()
     trial_dir = Path(args.trial_dir or os.environ.get("RESTAGE_TRIAL_DIR") or Path(args.schedule).resolve().parent)
     # --resume insists on a checkpoint; RESTAGE_RESUME=1 (a requeued SLURM job) takes one if there is one.
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"restage: rank {control.rank}: {torch.get_num_threads()} torch thread(s) ({threads.reason})", flush=True)
         heartbeat.doing("start-up: importing the runtime (torch, DeepSpeed)")
         # lazy: the heartbeat runs before the runtime's imports (DeepSpeed: seconds), so a stuck import is seen
-        from restage.runtime.worker import Worker
+        from restage.runtime.step.worker import Worker
 
         worker = Worker.start(control, args.schedule, trial_dir, resume=resume, heartbeat=heartbeat)
         worker.run()

@@ -20,7 +20,7 @@ from restage.disk import replace_atomically
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.schedule.ops import Op, op_from_json, op_to_json
 
 SCHEDULE_FORMAT_VERSION = 1
@@ -44,7 +44,7 @@ class ModelEntry:
     offload_when_idle: bool
     home_mfc: str  # the MFC whose layout is the model's home
     home_layout: Layout
-    # A frozen model held 1/dp per rank of its home layout (runtime/sharded_frozen.py); written only when set,
+    # A frozen model held 1/dp per rank of its home layout (runtime/store/sharded_frozen.py); written only when set,
     # so the schedules of jobs without it are unchanged.
     shard_frozen: bool = False
 

@@ -11,7 +11,7 @@ gets a copy by reallocation from home before the MFC that needs it. Copies of a 
 model go stale at its train step, so they are freed after their last use in the iteration;
 copies of frozen models are kept. A LoRA model's copies keep their frozen base between steps
 (``resident``): they are never freed, and the runtime's later reallocations into them move only
-the adapters (``runtime/model_store.py``).
+the adapters (``runtime/store/model_store.py``).
 
 A reference EMA (a train MFC whose ``options`` hold ``ref_ema_eta`` > 0 and ``ref_ema_model``)
 adds an ``ema`` op right after that train step: the trained model is reallocated from its home
@@ -25,7 +25,7 @@ from __future__ import annotations
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.sharding import param_specs
 from restage.schedule.ops import Ema, Free, Offload, Op, Realloc, Reload, Run, SendKey
 
@@ -79,7 +79,7 @@ def build_program(graph: DataflowGraph, layouts: dict[str, Layout], offload_idle
 
 def build_eval_program(graph: DataflowGraph, layouts: dict[str, Layout], names: tuple[str, ...],
                        offload_idle: frozenset[str] = frozenset(), resident: frozenset[str] = frozenset()) -> list[Op]:
-    """The ops of one evaluation pass (runtime/evaluate.py): only the MFCs ``names`` (the actor's generation, and
+    """The ops of one evaluation pass (runtime/step/evaluation.py): only the MFCs ``names`` (the actor's generation, and
     the reward model's inference when the reward is a model), each in its iteration layout.
 
     Homes are the whole graph's, so a trained model's copy is reallocated from its training layout

@@ -22,7 +22,7 @@ from functools import cached_property, lru_cache
 
 from restage.errors import PlanError
 from restage.layout import Layout
-from restage.models.config import ModelConfig
+from restage.models.arch import ModelConfig
 from restage.models.sharding import (
     ShardSpec,
     coord_shard_specs,

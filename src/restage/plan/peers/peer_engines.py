@@ -1,0 +1,117 @@
+"""What the peers' engines do that restage's runtime does not, as the estimator sees it (``plan/peers/defaults.py``).
+
+* **Batched generation** (``waves``): vLLM (OpenRLHF, verl) and TensorRT-LLM (NeMo-Aligner) batch
+  continuously and hold KV cache only for the sequences being decoded; DeepSpeed-Chat generates
+  ``--per_device_generation_batch_size`` prompts at a time. Modelled as a DP rank's prompts decoded in
+  ``w`` waves of ``ceil(b / w)`` sequences: KV cache and workspace of one wave, ``w`` times one wave's
+  time. With one generation length for every sequence (what restage's MFCs carry) continuous batching
+  is exactly this; with mixed lengths it would do better. The peer rule takes the fewest waves that fit
+  (``fit_plan`` tries micro-batch counts leanest-last; for a generation they are waves).
+* **The old-log-prob pass**: every peer recomputes the actor's log-probabilities of the rollout with a
+  forward of its *training* engine after generation (the generation engine's own log-probs are not
+  used): verl ``compute_log_prob`` (``actor_rollout_ref.actor``), OpenRLHF's experience maker,
+  DeepSpeed-Chat ``generate_experience`` (``self.actor_model(seq, ...)``), NeMo-Aligner's
+  ``get_inference_log_probs``. Restage's generation returns them, so the peers pay one more forward of
+  the actor on its training layout; it is added to the actor's train step (same ranks, and the train
+  step waits for it anyway). Under ZeRO-3 / FSDP that forward gathers the parameters layer by layer.
+
+* **The generation engine's speed**: a peer that generates with vLLM (OpenRLHF, verl) or TensorRT-LLM
+  (NeMo-Aligner: CUDA graphs and in-flight batching too, modelled the same way) has its generation time
+  from ``engines.vllm_generate_seconds`` (CUDA graphs, continuous batching over the KV cache its memory
+  setting leaves), one engine per data-parallel rank of the layout's TP; DeepSpeed-Chat's Hybrid Engine
+  runs eager kernels over one wave at a time (``engines.OneBatchEngine``: each wave prefilled and decoded
+  to its end, eagerly, as restage's runtime generated before its rollout engine). Whether a layout fits is
+  still one wave's memory (above); a layout with pp > 1 (NeMo-Aligner without its reshard) keeps the waves' time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from restage.graph import MFC
+from restage.layout import Layout
+from restage.plan.estimator import Estimate, sequences_per_rank
+from restage.plan.generation_cost import OneBatchEngine, VllmEngine, vllm_generate_seconds
+from restage.plan.problem import Candidate, PlanProblem
+
+
+def wave_counts(mfc: MFC, dp: int) -> list[int]:
+    """1, 2, 4, ... waves, while each wave keeps at least one sequence per rank."""
+    per_rank = int(sequences_per_rank(mfc, dp))
+    out, w = [], 1
+    while w <= max(per_rank, 1):
+        out.append(w)
+        w *= 2
+    return out
+
+
+def waves_estimate(problem: PlanProblem, mfc: MFC, layout: Layout, waves: int) -> Estimate:
+    """A generation decoded in ``waves`` waves, each one batch to its end: one wave's memory, ``waves`` times its seconds."""
+    dp = layout.strategy.dp
+    live = math.ceil(sequences_per_rank(mfc, dp) / waves)
+    one = problem.estimator.estimate(dataclasses.replace(mfc, n_seqs=live * dp), problem.role(mfc), layout,
+                                     engine=OneBatchEngine())
+    return dataclasses.replace(one, seconds=one.seconds * waves, micro_batches=waves,
+                               breakdown=tuple((k, v * waves) for k, v in one.breakdown))
+
+
+def old_logprob_seconds(problem: PlanProblem, train: MFC, layout: Layout, micro_batches: int) -> float:
+    """One forward of the trained model over the generation's sequences on its training layout."""
+    gen = next(m for m in problem.mfcs if m.kind == "generate" and m.model == train.model)
+    role = problem.role(train)
+    sharded = role.zero_stage == 3  # the peer's ZeRO-3 engine gathers (and prefetches) the parameters
+    frozen = dataclasses.replace(role, trainable=False, shard_frozen=sharded, prefetch_gathers=sharded,
+                                 offload_when_idle=False)
+    forward = MFC(f"{train.model}_old_logprobs", "inference", train.model, (), (), gen.n_seqs, gen.prompt_tokens,
+                  gen.gen_tokens, micro_batches=micro_batches)
+    return problem.estimator.estimate(forward, frozen, layout, micro_batches).seconds
+
+
+def engine_estimate(problem: PlanProblem, mfc: MFC, layout: Layout, waves: int, engine: VllmEngine) -> Estimate:
+    """A generation on one vLLM-style engine per data-parallel rank: ``waves``' memory, the engine's seconds."""
+    est = waves_estimate(problem, mfc, layout, waves)
+    s, role = layout.strategy, problem.role(mfc)
+    if s.pp > 1:
+        return est
+    seconds = vllm_generate_seconds(problem.cluster, role.arch, role.dtype,
+                                    dataclasses.replace(engine, tp=s.tp, first_rank=layout.mesh[0]),
+                                    math.ceil(sequences_per_rank(mfc, s.dp)), mfc.prompt_tokens, mfc.gen_tokens)
+    return dataclasses.replace(est, seconds=seconds, breakdown=(("engine_generate_seconds", seconds),))
+
+
+class PeerProblem(PlanProblem):
+    """A problem scored the way the peers' engines run it: batched generation (on ``engine``, a vLLM-style
+    engine's settings, or waves of one eager batch each when None) and the old-log-prob pass."""
+
+    zero3_lockstep = False  # the Hybrid Engine gathers once per generation (and vLLM holds its own copy)
+
+    def __init__(self, *args, engine: VllmEngine | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.engine = engine
+
+    def candidate(self, mfc: MFC | str, layout: Layout, micro_batches: int | None = None) -> Candidate:
+        mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
+        if mfc.kind == "generate":
+            waves = micro_batches or 1
+            est = (waves_estimate(self, mfc, layout, waves) if self.engine is None
+                   else engine_estimate(self, mfc, layout, waves, self.engine))
+            return Candidate(mfc.name, layout, est)
+        cand = super().candidate(mfc, layout, micro_batches)
+        if mfc.kind == "train_step" and any(m.kind == "generate" and m.model == mfc.model for m in self.mfcs):
+            extra = old_logprob_seconds(self, mfc, layout, cand.micro_batches)
+            est = cand.estimate
+            cand = Candidate(mfc.name, layout, dataclasses.replace(
+                est, seconds=est.seconds + extra, breakdown=est.breakdown + (("old_logprob_seconds", extra),)))
+        return cand
+
+    def in_place_seconds(self, cand: Candidate) -> float:
+        """The peers' engines hold their own copy to generate from (vLLM, TensorRT-LLM, the Hybrid Engine's gather)."""
+        return cand.seconds
+
+    def options(self, mfc: MFC | str, layout: Layout) -> list[Candidate]:
+        mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
+        if mfc.kind != "generate":
+            return super().options(mfc, layout)
+        return sorted((self.candidate(mfc, layout, w) for w in wave_counts(mfc, layout.strategy.dp)),
+                      key=lambda c: c.seconds)

@@ -1,0 +1,1 @@
+"""The step loop: the worker, op dispatch, running MFCs, evaluation, multi-turn episodes, partial rollouts."""

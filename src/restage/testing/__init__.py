@@ -1,0 +1,1 @@
+"""Test support shipped with the package: NCCL's rules checked on CPU."""
