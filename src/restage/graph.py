@@ -10,10 +10,21 @@ assembles them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from restage.errors import ConfigError
 
-MFC_KINDS = ("generate", "inference", "train_step")
+
+class MFCKind(StrEnum):
+    """What an MFC does with its model. A ``StrEnum`` so the schedule's JSON and logs keep the plain names;
+    code dispatches on the members with ``match`` (never on the strings)."""
+
+    GENERATE = "generate"
+    INFERENCE = "inference"
+    TRAIN_STEP = "train_step"
+
+
+MFC_KINDS = tuple(k.value for k in MFCKind)
 
 
 @dataclass(frozen=True)
@@ -26,7 +37,7 @@ class MFC:
     """
 
     name: str
-    kind: str
+    kind: MFCKind
     model: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
@@ -42,6 +53,7 @@ class MFC:
     def __post_init__(self) -> None:
         if self.kind not in MFC_KINDS:
             raise ConfigError(f"MFC {self.name}: kind {self.kind!r} is not one of {', '.join(MFC_KINDS)}")
+        object.__setattr__(self, "kind", MFCKind(self.kind))  # a name read from JSON or written by an algorithm
 
     @property
     def seq_tokens(self) -> int:
@@ -54,7 +66,7 @@ class MFC:
 
     def to_json(self) -> dict:
         return {
-            "name": self.name, "kind": self.kind, "model": self.model, "inputs": list(self.inputs),
+            "name": self.name, "kind": self.kind.value, "model": self.model, "inputs": list(self.inputs),
             "outputs": list(self.outputs), "n_seqs": self.n_seqs, "prompt_tokens": self.prompt_tokens,
             "gen_tokens": self.gen_tokens, "micro_batches": self.micro_batches, "minibatches": self.minibatches,
             "epochs": self.epochs, "greedy": self.greedy, "options": dict(self.options),

@@ -10,7 +10,7 @@ import dataclasses
 
 from restage.config.schema import ExperimentConfig
 from restage.errors import ConfigError
-from restage.graph import MFC
+from restage.graph import MFC, MFCKind
 
 ACTOR_GEN = "actor_gen"
 ACTOR_GREEDY_GEN = "actor_greedy_gen"
@@ -74,7 +74,7 @@ def with_proximal(cfg: ExperimentConfig, mfcs: list[MFC]) -> list[MFC]:
         if mfc.name == ACTOR_GEN:
             mfc = dataclasses.replace(mfc, outputs=mfc.outputs + versions)
         elif mfc.name == ACTOR_TRAIN:
-            out.append(MFC(ACTOR_PROX, "inference", mfc.model, mfc.inputs[:2], ("prox_logprobs",), mfc.n_seqs,
+            out.append(MFC(ACTOR_PROX, MFCKind.INFERENCE, mfc.model, mfc.inputs[:2], ("prox_logprobs",), mfc.n_seqs,
                            mfc.prompt_tokens, mfc.gen_tokens, mfc.micro_batches))
             at = mfc.inputs.index("logprobs") + 1
             mfc = dataclasses.replace(mfc, inputs=mfc.inputs[:at] + ("prox_logprobs",) + versions + mfc.inputs[at:])

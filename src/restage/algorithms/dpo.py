@@ -11,7 +11,7 @@ from restage.algorithms._graphs import ACTOR_TRAIN, REF_INF, sizes
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
-from restage.graph import MFC
+from restage.graph import MFC, MFCKind
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,8 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     s = sizes(cfg)
     n, p, a, mb = 2 * s["prompts"], s["prompt_tokens"], s["answer_tokens"], s["micro_batches"]
     return [
-        MFC(REF_INF, "inference", "ref", ("packed_pair_ids", "prompt_mask"), ("ref_logprobs",), n, p, a, mb),
-        MFC(ACTOR_TRAIN, "train_step", "actor", ("packed_pair_ids", "prompt_mask", "ref_logprobs"), (), n, p, a, mb),
+        MFC(REF_INF, MFCKind.INFERENCE, "ref", ("packed_pair_ids", "prompt_mask"), ("ref_logprobs",), n, p, a, mb),
+        MFC(ACTOR_TRAIN, MFCKind.TRAIN_STEP, "actor", ("packed_pair_ids", "prompt_mask", "ref_logprobs"), (), n, p, a, mb),
     ]
 
 

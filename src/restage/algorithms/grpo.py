@@ -23,7 +23,7 @@ from restage.algorithms._graphs import ACTOR_GEN, ACTOR_TRAIN, REF_INF, REWARD_I
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
-from restage.graph import MFC
+from restage.graph import MFC, MFCKind
 
 
 @dataclass(frozen=True)
@@ -55,14 +55,14 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     gen_options: dict = {"group_size": group}
     if bool(cfg.algo.get("dynamic_sampling", False)):  # runtime/step/dynamic_sampling.py reads it
         gen_options["dynamic_sampling_rounds"] = int(cfg.algo.get("max_sampling_rounds", 3))
-    out = [MFC(ACTOR_GEN, "generate", "actor", ("prompts",), gen_out, n, p, g, mb, options=gen_options)]
+    out = [MFC(ACTOR_GEN, MFCKind.GENERATE, "actor", ("prompts",), gen_out, n, p, g, mb, options=gen_options)]
     if reward_source(cfg) == "model":
-        out.append(MFC(REWARD_INF, "inference", "reward", seq, ("rewards",), n, p, g, mb))
+        out.append(MFC(REWARD_INF, MFCKind.INFERENCE, "reward", seq, ("rewards",), n, p, g, mb))
     ref = _policy.config_uses_ref(Params, cfg)
     if ref:
-        out.append(MFC(REF_INF, "inference", "ref", seq, ("ref_logprobs",), n, p, g, mb))
+        out.append(MFC(REF_INF, MFCKind.INFERENCE, "ref", seq, ("ref_logprobs",), n, p, g, mb))
     train_in = seq + ("logprobs",) + (("ref_logprobs",) if ref else ()) + ("rewards",)
-    out.append(MFC(ACTOR_TRAIN, "train_step", "actor", train_in, (), n, p, g, mb, minibatches, epochs,
+    out.append(MFC(ACTOR_TRAIN, MFCKind.TRAIN_STEP, "actor", train_in, (), n, p, g, mb, minibatches, epochs,
                    options=_policy.train_options(cfg)))
     return with_proximal(cfg, out)
 

@@ -31,7 +31,7 @@ from restage.algorithms.interface import build_graph
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
-from restage.graph import MFC
+from restage.graph import MFC, MFCKind
 
 
 @dataclass(frozen=True)
@@ -56,18 +56,18 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     epochs = int(cfg.algo.get("ppo_epochs", 1))
     seq = ("seqs", "prompt_mask")
     gen_out = ("seqs", "prompt_mask", "logprobs") + (("rewards",) if reward_source(cfg) == "function" else ())
-    out = [MFC(ACTOR_GEN, "generate", "actor", ("prompts",), gen_out, n, p, g, mb)]
+    out = [MFC(ACTOR_GEN, MFCKind.GENERATE, "actor", ("prompts",), gen_out, n, p, g, mb)]
     if reward_source(cfg) == "model":
-        out.append(MFC(REWARD_INF, "inference", "reward", seq, ("rewards",), n, p, g, mb))
+        out.append(MFC(REWARD_INF, MFCKind.INFERENCE, "reward", seq, ("rewards",), n, p, g, mb))
     ref = _policy.config_uses_ref(Params, cfg)
     if ref:
-        out.append(MFC(REF_INF, "inference", "ref", seq, ("ref_logprobs",), n, p, g, mb))
-    out.append(MFC(CRITIC_INF, "inference", "critic", seq, ("values",), n, p, g, mb))
+        out.append(MFC(REF_INF, MFCKind.INFERENCE, "ref", seq, ("ref_logprobs",), n, p, g, mb))
+    out.append(MFC(CRITIC_INF, MFCKind.INFERENCE, "critic", seq, ("values",), n, p, g, mb))
     train_in = seq + ("logprobs",) + (("ref_logprobs",) if ref else ()) + ("rewards", "values")
     out += [
-        MFC(ACTOR_TRAIN, "train_step", "actor", train_in, (), n, p, g, mb, minibatches, epochs,
+        MFC(ACTOR_TRAIN, MFCKind.TRAIN_STEP, "actor", train_in, (), n, p, g, mb, minibatches, epochs,
             options=_policy.train_options(cfg)),
-        MFC(CRITIC_TRAIN, "train_step", "critic", train_in, (), n, p, g, mb, minibatches, epochs),
+        MFC(CRITIC_TRAIN, MFCKind.TRAIN_STEP, "critic", train_in, (), n, p, g, mb, minibatches, epochs),
     ]
     return with_proximal(cfg, out)
 

@@ -26,7 +26,7 @@ from restage.algorithms._graphs import (
 )
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
-from restage.graph import MFC
+from restage.graph import MFC, MFCKind
 
 
 @dataclass(frozen=True)
@@ -39,22 +39,22 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     n, p, g, mb = s["prompts"], s["prompt_tokens"], s["gen_tokens"], s["micro_batches"]
     fn = reward_source(cfg) == "function"
     out = [
-        MFC(ACTOR_GEN, "generate", "actor", ("prompts",), ("seqs", "prompt_mask", "logprobs") + (("rewards",) if fn else ()),
+        MFC(ACTOR_GEN, MFCKind.GENERATE, "actor", ("prompts",), ("seqs", "prompt_mask", "logprobs") + (("rewards",) if fn else ()),
             n, p, g, mb),
-        MFC(ACTOR_GREEDY_GEN, "generate", "actor", ("prompts",),
+        MFC(ACTOR_GREEDY_GEN, MFCKind.GENERATE, "actor", ("prompts",),
             ("greedy_seqs", "greedy_prompt_mask") + (("baseline_rewards",) if fn else ()), n, p, g, mb, greedy=True),
     ]
     if not fn:
         out += [
-            MFC(REWARD_INF, "inference", "reward", ("seqs", "prompt_mask"), ("rewards",), n, p, g, mb),
-            MFC(GREEDY_REWARD_INF, "inference", "reward", ("greedy_seqs", "greedy_prompt_mask"), ("baseline_rewards",),
+            MFC(REWARD_INF, MFCKind.INFERENCE, "reward", ("seqs", "prompt_mask"), ("rewards",), n, p, g, mb),
+            MFC(GREEDY_REWARD_INF, MFCKind.INFERENCE, "reward", ("greedy_seqs", "greedy_prompt_mask"), ("baseline_rewards",),
                 n, p, g, mb),
         ]
     ref = _policy.config_uses_ref(Params, cfg)
     if ref:
-        out.append(MFC(REF_INF, "inference", "ref", ("seqs", "prompt_mask"), ("ref_logprobs",), n, p, g, mb))
+        out.append(MFC(REF_INF, MFCKind.INFERENCE, "ref", ("seqs", "prompt_mask"), ("ref_logprobs",), n, p, g, mb))
     train_in = ("seqs", "prompt_mask", "logprobs") + (("ref_logprobs",) if ref else ()) + ("rewards", "baseline_rewards")
-    out.append(MFC(ACTOR_TRAIN, "train_step", "actor", train_in, (), n, p, g, mb, options=_policy.train_options(cfg)))
+    out.append(MFC(ACTOR_TRAIN, MFCKind.TRAIN_STEP, "actor", train_in, (), n, p, g, mb, options=_policy.train_options(cfg)))
     return with_proximal(cfg, out)
 
 

@@ -10,7 +10,7 @@ from restage.algorithms import base, losses, packed_ops
 from restage.algorithms._graphs import REWARD_TRAIN, sizes
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
-from restage.graph import MFC
+from restage.graph import MFC, MFCKind
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Params:
 def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     s = sizes(cfg)
     # Each pair is two sequences (chosen, rejected).
-    return [MFC(REWARD_TRAIN, "train_step", "reward", ("packed_pair_ids", "prompt_mask"), (), 2 * s["prompts"],
+    return [MFC(REWARD_TRAIN, MFCKind.TRAIN_STEP, "reward", ("packed_pair_ids", "prompt_mask"), (), 2 * s["prompts"],
                 s["prompt_tokens"], s["answer_tokens"], s["micro_batches"])]
 
 

@@ -10,7 +10,7 @@ from restage.algorithms import base, losses
 from restage.algorithms._graphs import ACTOR_TRAIN, sizes
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
-from restage.graph import MFC
+from restage.graph import MFC, MFCKind
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class Params:
 
 def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     s = sizes(cfg)
-    return [MFC(ACTOR_TRAIN, "train_step", "actor", ("packed_input_ids", "prompt_mask"), (), s["prompts"],
+    return [MFC(ACTOR_TRAIN, MFCKind.TRAIN_STEP, "actor", ("packed_input_ids", "prompt_mask"), (), s["prompts"],
                 s["prompt_tokens"], s["answer_tokens"], s["micro_batches"])]
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from restage.graph import MFC
+from restage.graph import MFC, MFCKind
 from restage.layout import Layout
 from restage.plan.estimator import Estimate, sequences_per_rank
 from restage.plan.generation_cost import OneBatchEngine, VllmEngine, vllm_generate_seconds
@@ -63,7 +63,7 @@ def old_logprob_seconds(problem: PlanProblem, train: MFC, layout: Layout, micro_
     sharded = role.zero_stage == 3  # the peer's ZeRO-3 engine gathers (and prefetches) the parameters
     frozen = dataclasses.replace(role, trainable=False, shard_frozen=sharded, prefetch_gathers=sharded,
                                  offload_when_idle=False)
-    forward = MFC(f"{train.model}_old_logprobs", "inference", train.model, (), (), gen.n_seqs, gen.prompt_tokens,
+    forward = MFC(f"{train.model}_old_logprobs", MFCKind.INFERENCE, train.model, (), (), gen.n_seqs, gen.prompt_tokens,
                   gen.gen_tokens, micro_batches=micro_batches)
     return problem.estimator.estimate(forward, frozen, layout, micro_batches).seconds
 
