@@ -1,6 +1,6 @@
 """The mixture-of-experts fields of a HF ``config.json`` (Mixtral, Qwen3-MoE), read and written.
 
-Kept beside ``config/schema.py`` so that file stays about the dense shapes; ``ModelConfig`` holds what
+Kept beside ``arch.py`` so that file stays about the dense shapes; ``ModelConfig`` holds what
 this returns. Which layers are sparse is resolved here once (Qwen3-MoE's ``decoder_sparse_step``
 and ``mlp_only_layers``), so the decoder, sharding and the estimator ask ``cfg.is_sparse(i)``.
 """
