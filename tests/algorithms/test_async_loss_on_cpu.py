@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from restage.algorithms import losses, offpolicy, registry
+from restage.algorithms.base import CallContext
 from restage.algorithms.interface import build_graph, get_algorithm
 from restage.config.load import config_from_dict
 from restage.config.schema import ConfigError
@@ -191,7 +192,7 @@ def test_algorithms_without_an_async_mode_refuse_it(name):
 
 def test_config_checks_the_mode_and_the_bound():
     assert (cfg("grpo").plan.execution, cfg("grpo").plan.staleness) == ("sync", 1)
-    with pytest.raises(ConfigError, match="^plan.execution: 'overlap' must be sync, async or auto"):
+    with pytest.raises(ConfigError, match="^plan.execution: 'overlap' must be one of sync, async, auto"):
         cfg("grpo", execution="overlap")
     with pytest.raises(ConfigError, match="^plan.staleness: 0 must be >= 1"):
         cfg("grpo", execution="async", staleness=0)
@@ -220,13 +221,12 @@ def actor_loss(name, execution, extra=None, policy_version=None):
     c = cfg(name, algo_keys, execution, staleness=2)
     algo = get_algorithm(name)
     state = algo.init_state(c)
-    state.policy_version = policy_version
     prepared, _ = algo.prepare_train(rl_batch(group), c, state, step=0)
     if extra:
         prepared = prepared.with_keys(tokens=extra(prepared))
     g = torch.Generator().manual_seed(4)
     new = (prepared["logprobs"] + 0.3 * torch.randn(prepared.n_tokens, generator=g)).requires_grad_(True)
-    loss, stats = algo.loss("actor_train", prepared, {"logprobs": new}, c, state)
+    loss, stats = algo.loss("actor_train", prepared, {"logprobs": new}, c, state, CallContext(policy_version))
     loss.backward()
     return loss, new.grad, stats
 

@@ -70,7 +70,7 @@ def test_a_resumed_run_purges_the_steps_after_its_checkpoint(tmp_path):
 def test_no_dashboards_unless_asked_and_bad_values_refused(tmp_path):
     assert dashboards.open_dashboards(cfg_with(), tmp_path) is None
     assert not (tmp_path / "tensorboard").exists()
-    with pytest.raises(Exception, match="dashboards.wandb: 'yes' must be off, offline or online"):
+    with pytest.raises(Exception, match="dashboards.wandb: 'yes' must be one of off, offline, online"):
         cfg_with(wandb="yes")
 
 

@@ -114,7 +114,7 @@ class ToolUse:
     def __init__(self, ctx: EpisodeContext):
         self.ctx = ctx
         self.tools = resolve_tools(ctx.options.tools)
-        self.format: ToolFormat = ctx.options.tool_format  # type: ignore[assignment]  # checked by validate
+        self.format: ToolFormat = ctx.options.tool_format
         self.limits = Limits(timeout_seconds=ctx.options.tool_timeout_seconds,
                              memory_bytes=ctx.options.tool_memory_bytes)
         self.shaping = 0.0

@@ -32,13 +32,13 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from restage.algorithms.sandbox import Limits, run_program
 from restage.errors import ConfigError
 
 ToolFormat = Literal["chat_template", "plain"]
-TOOL_FORMATS: tuple[str, ...] = ("chat_template", "plain")
+TOOL_FORMATS: tuple[ToolFormat, ...] = get_args(ToolFormat)
 ToolStatus = Literal["ok", "unknown_tool", "malformed", "error", "timeout"]
 TEMPLATE_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 PLAIN_CALL = re.compile(r"<call>(.*?)</call>", re.DOTALL)

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from restage.config.paths import resolve_file_paths, resolve_paths
-from restage.config.schema import AUTO_DTYPE, ExperimentConfig
+from restage.config.schema import AUTO_DTYPE, ExperimentConfig, allowed_values, check_choice
 from restage.errors import ConfigError
 
 
@@ -25,6 +25,8 @@ def _coerce(value, tp, key: str):
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
+    if allowed_values(tp) is not None:  # a Literal or an enum: one of its values (an enum's name becomes its member)
+        return check_choice(value, tp, key)
     if origin in (typing.Union, types.UnionType):
         errors = []
         for option in typing.get_args(tp):

@@ -14,13 +14,15 @@ ranks, decided from the config and from what the site has (``launch.site``), eac
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
+from restage.config.schema import LauncherSetting
 from restage.errors import ConfigError
 from restage.launch import site
 from restage.launch.geometry import JobGeometry
 
-LAUNCHER_SETTINGS = ("auto", "srun", "mpirun")
+LAUNCHER_SETTINGS: tuple[LauncherSetting, ...] = typing.get_args(LauncherSetting)
 DEFAULT_TIME_MINUTES = 24 * 60  # a partition's limit unknown (no sinfo) or unlimited: a day per attempt
 
 

@@ -12,14 +12,19 @@ stage's hidden states; the last stage returns its vocabulary slice of the logits
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, assert_never
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+from torch.types import Device
 
 from restage.errors import ConfigError, LayoutError
 from restage.layout import Strategy
 from restage.models.arch import ModelConfig
+from restage.models.family import Activation
 from restage.models.attention import CacheState, KVCache, varlen_attention
 from restage.models.lora import apply_lora
 from restage.models.moe import MoEMLP, RouterLog
@@ -38,7 +43,7 @@ from restage.models.rope import RopeTables, apply_rope_qk, rope_tables
 from restage.models.sharding import shard_specs, split_range, stage_layers, validate_strategy
 from restage.rollout.paged_cache import PagedKVCache
 
-ACTIVATIONS = {
+ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
@@ -49,13 +54,13 @@ ACTIVATIONS = {
 class Weight(nn.Module):
     """A module that only holds ``.weight`` (position embedding, LM head, score head)."""
 
-    def __init__(self, shape, dtype, device):
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: Device):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, dtype, device):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: Device):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
@@ -76,7 +81,7 @@ class HeadNorm(RMSNorm):
     is summed over the TP group (``copy_to_tp``: identity forward, all-reduce backward).
     """
 
-    def __init__(self, head_dim: int, eps: float, ctx: ParallelContext, dtype, device):
+    def __init__(self, head_dim: int, eps: float, ctx: ParallelContext, dtype: torch.dtype, device: Device):
         super().__init__(head_dim, eps, dtype, device)
         self.ctx = ctx
 
@@ -85,7 +90,7 @@ class HeadNorm(RMSNorm):
 
 
 class LayerNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float, dtype, device):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: Device):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
@@ -95,13 +100,18 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
 
-def _norm(cfg: ModelConfig, dtype, device) -> nn.Module:
-    cls = LayerNorm if cfg.family == "gpt2" else RMSNorm
-    return cls(cfg.hidden_size, cfg.norm_eps, dtype, device)
+def _norm(cfg: ModelConfig, dtype: torch.dtype, device: Device) -> RMSNorm | LayerNorm:
+    match cfg.traits.norm:
+        case "rmsnorm":
+            return RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
+        case "layernorm":
+            return LayerNorm(cfg.hidden_size, cfg.norm_eps, dtype, device)
+        case unknown:
+            assert_never(unknown)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layer: int, dtype, device):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layer: int, dtype: torch.dtype, device: Device):
         super().__init__()
         self.ctx, self.layer, self.head_dim = ctx, layer, cfg.head_dim
         self.window = cfg.sliding_window
@@ -136,15 +146,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU (``gate``, ``up``, ``down``) for the LLaMA family, ``up``/``down`` with GELU for GPT-2."""
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype, device):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, device: Device):
         super().__init__()
         self.ctx = ctx
         lo, hi = split_range(cfg.intermediate_size, ctx.tp_size, ctx.tp_rank)
-        gpt2, hidden = cfg.family == "gpt2", cfg.hidden_size
-        self.act = ACTIVATIONS[cfg.activation or ("gelu_tanh" if gpt2 else "silu")]
-        self.gate = None if gpt2 else ColumnParallelLinear(hidden, hi - lo, False, dtype, device)
-        self.up = ColumnParallelLinear(hidden, hi - lo, gpt2, dtype, device)
-        self.down = RowParallelLinear(hi - lo, hidden, gpt2, ctx, dtype, device)
+        family, hidden = cfg.traits, cfg.hidden_size
+        self.act = ACTIVATIONS[cfg.act]
+        self.gate = ColumnParallelLinear(hidden, hi - lo, False, dtype, device) if family.gated_mlp else None
+        self.up = ColumnParallelLinear(hidden, hi - lo, family.mlp_bias, dtype, device)
+        self.down = RowParallelLinear(hi - lo, hidden, family.mlp_bias, ctx, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.ctx)
@@ -154,7 +164,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layer: int, dtype, device):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layer: int, dtype: torch.dtype, device: Device):
         super().__init__()
         self.attn_norm = _norm(cfg, dtype, device)
         self.attn = Attention(cfg, ctx, layer, dtype, device)
@@ -173,21 +183,27 @@ class Block(nn.Module):
 class StageModule(nn.Module):
     """The shard of one model that one rank holds: its stage's layers, its TP slice of each."""
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype = torch.float32,
+                 device: Device = None):
         super().__init__()
         strategy = ctx.shard_strategy
         validate_strategy(cfg, strategy)
         self.cfg, self.ctx, self.dtype = cfg, ctx, dtype
-        self.hf_config: dict | None = None  # the config.json it was loaded from (load_stage); a save keeps its keys
+        self.hf_config: dict[str, Any] | None = None  # the config.json it was loaded from (load_stage); a save keeps its keys
         # Training keeps only each block's input and recomputes the block in its backward (checkpoint_blocks).
         self.recompute_blocks = False
         self.layer_range = stage_layers(cfg, ctx.pp_size)[ctx.pp_stage]
-        first, last, gpt2 = ctx.is_first_stage, ctx.is_last_stage, cfg.family == "gpt2"
+        first, last = ctx.is_first_stage, ctx.is_last_stage
         self.tied_head = cfg.tied_embeddings and not cfg.is_critic
         if first:
             self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype, device)
-            if gpt2:
-                self.pos_embed = Weight((cfg.max_positions, cfg.hidden_size), dtype, device)
+            match cfg.traits.positions:
+                case "learned":
+                    self.pos_embed = Weight((cfg.max_positions, cfg.hidden_size), dtype, device)
+                case "rope":
+                    pass
+                case unknown:
+                    assert_never(unknown)
         self.layers = nn.ModuleDict({str(i): Block(cfg, ctx, i, dtype, device) for i in range(*self.layer_range)})
         if last:
             self.final_norm = _norm(cfg, dtype, device)
@@ -237,15 +253,16 @@ class StageModule(nn.Module):
         ``routing``: for a mixture-of-experts model, where its sparse layers report their
         load-balancing loss and expert loads (training, ``pipeline.train_1f1b``).
         """
-        if self.ctx.is_first_stage:
-            h = self.embed(inputs)
-            if self.cfg.family == "gpt2":
-                h = h + F.embedding(batch.positions, self.pos_embed.weight)
-        else:
-            h = inputs
+        h = self.embed(inputs) if self.ctx.is_first_stage else inputs
         rope: RopeTables | None = None
-        if self.cfg.family != "gpt2":
-            rope = rope_tables(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype, self.cfg.rope_scaling)
+        match self.cfg.traits.positions:
+            case "learned":
+                if self.ctx.is_first_stage:
+                    h = h + F.embedding(batch.positions, self.pos_embed.weight)
+            case "rope":
+                rope = rope_tables(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype, self.cfg.rope_scaling)
+            case unknown:
+                assert_never(unknown)
         recompute = self.recompute_blocks and torch.is_grad_enabled() and cache is None
         for block in self.layers.values():
             if recompute:  # non-reentrant: the recomputed forward runs inside the backward, in block order on every rank
