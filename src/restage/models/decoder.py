@@ -24,8 +24,8 @@ from torch.types import Device
 from restage.errors import ConfigError, LayoutError
 from restage.layout import Strategy
 from restage.models.arch import ModelConfig
-from restage.models.family import Activation
 from restage.models.attention import CacheState, KVCache, varlen_attention
+from restage.models.family import Activation
 from restage.models.lora import apply_lora
 from restage.models.moe import MoEMLP, RouterLog
 from restage.models.packing import PackedBatch

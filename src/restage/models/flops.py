@@ -59,11 +59,11 @@ def block_shape(cfg: ModelConfig, tp: int = 1) -> BlockShape:
         inter = round((dense * inter + sparse * cfg.experts_per_token * expert) / cfg.num_layers)
         stored = round((dense * stored + sparse * cfg.num_experts * expert) / cfg.num_layers)
         router = round(sparse * cfg.num_experts / cfg.num_layers)
-        experts = round(sparse * cfg.num_experts * expert * (3 if cfg.family != "gpt2" else 2) * cfg.hidden_size
+        experts = round(sparse * cfg.num_experts * expert * (3 if cfg.traits.gated_mlp else 2) * cfg.hidden_size
                         / cfg.num_layers)
     return BlockShape(hidden=cfg.hidden_size, q_out=cfg.num_heads * hd // tp, kv_out=cfg.num_kv_heads * hd // tp,
                       inter=inter, vocab=math.ceil(cfg.vocab_size / tp),
-                      head_out=1 if cfg.is_critic else math.ceil(cfg.vocab_size / tp), gated=cfg.family != "gpt2",
+                      head_out=1 if cfg.is_critic else math.ceil(cfg.vocab_size / tp), gated=cfg.traits.gated_mlp,
                       stored_inter=stored, router=router, expert_params=experts)
 
 

@@ -9,35 +9,18 @@ from which any slice of it can be read without reading the rest of the HF tensor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, assert_never
 
 import torch
 
 from restage.device import TORCH_NAMES
 from restage.models.arch import ModelConfig
+from restage.models.family import Activation
 from restage.models.moe_arch import moe_hf_dict
 from restage.models.rope import rope_to_hf
 from restage.models.sharding import ParamSpec
 
-_LLAMA_TOP = {"embed.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
-              "lm_head.weight": "lm_head.weight", "score.weight": "score.weight"}
-_LLAMA_LAYER = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "attn.q": "self_attn.q_proj",
-                "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj", "attn.o": "self_attn.o_proj",
-                "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm",
-                "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
-# Mixture of experts: the router and each expert's weights, as transformers 5 saves them (one tensor per
-# expert, not its in-memory fused [E, 2I, H] form). Mixtral: w1 = gate, w3 = up, w2 = down.
-_MOE_LAYER = {
-    "mixtral": {"mlp.router": "block_sparse_moe.gate", "gate": "block_sparse_moe.experts.{e}.w1",
-                "up": "block_sparse_moe.experts.{e}.w3", "down": "block_sparse_moe.experts.{e}.w2"},
-    "qwen3_moe": {"mlp.router": "mlp.gate", "gate": "mlp.experts.{e}.gate_proj", "up": "mlp.experts.{e}.up_proj",
-                  "down": "mlp.experts.{e}.down_proj"},
-}
-_GPT2_TOP = {"embed.weight": "transformer.wte.weight", "pos_embed.weight": "transformer.wpe.weight",
-             "final_norm.weight": "transformer.ln_f.weight", "final_norm.bias": "transformer.ln_f.bias",
-             "lm_head.weight": "lm_head.weight", "score.weight": "score.weight"}
-_GPT2_LAYER = {"attn_norm": "ln_1", "mlp_norm": "ln_2", "attn.o": "attn.c_proj", "mlp.up": "mlp.c_fc",
-               "mlp.down": "mlp.c_proj"}
-_GPT2_FUSED = ("attn.q", "attn.k", "attn.v")  # slices of attn.c_attn, in this order
+_FUSED_ORDER = ("attn.q", "attn.k", "attn.v")  # their slices of a fused q/k/v tensor, in this order
 # Prefixes older or headless checkpoints leave out (e.g. the original gpt2 weights: "h.0.ln_1.weight").
 BASE_PREFIXES = ("model.", "transformer.")
 
@@ -62,26 +45,24 @@ class HFSource:
 
 def hf_source(cfg: ModelConfig, name: str) -> HFSource:
     """The HF tensor a canonical parameter name maps to."""
-    gpt2 = cfg.family == "gpt2"
-    top = _GPT2_TOP if gpt2 else _LLAMA_TOP
-    if name in top:
-        return HFSource(top[name])
+    names = cfg.traits.hf
+    if name in names.top:
+        return HFSource(names.top[name])
     _, layer, rest = name.split(".", 2)  # layers.<i>.<module>.<weight|bias>
     module, kind = rest.rsplit(".", 1)
+    prefix = names.layer_prefix.format(layer=layer)
+    weight = kind == "weight"
     if module.startswith("mlp.experts.") or module == "mlp.router":
-        moe = _MOE_LAYER[cfg.model_type]
+        moe = cfg.traits.moe
+        assert moe is not None, f"{name} in a dense {cfg.model_type} model"
         if module == "mlp.router":
-            return HFSource(f"model.layers.{layer}.{moe[module]}.{kind}")
+            return HFSource(f"{prefix}{moe.router}.{kind}")
         _, _, expert, proj = module.split(".")  # mlp.experts.<e>.<gate|up|down>
-        return HFSource(f"model.layers.{layer}.{moe[proj].format(e=expert)}.{kind}")
-    if not gpt2:
-        return HFSource(f"model.layers.{layer}.{_LLAMA_LAYER[module]}.{kind}")
-    prefix = f"transformer.h.{layer}."
-    if module in _GPT2_FUSED:
-        offset = (0, cfg.num_heads, cfg.num_heads + cfg.num_kv_heads)[_GPT2_FUSED.index(module)] * cfg.head_dim
-        return HFSource(prefix + f"attn.c_attn.{kind}", transpose=kind == "weight", offset=offset)
-    is_conv = module in ("attn.o", "mlp.up", "mlp.down") and kind == "weight"
-    return HFSource(prefix + f"{_GPT2_LAYER[module]}.{kind}", transpose=is_conv)
+        return HFSource(f"{prefix}{moe.experts[proj].format(e=expert)}.{kind}")
+    if names.fused_qkv is not None and module in _FUSED_ORDER:
+        offset = (0, cfg.num_heads, cfg.num_heads + cfg.num_kv_heads)[_FUSED_ORDER.index(module)] * cfg.head_dim
+        return HFSource(f"{prefix}{names.fused_qkv}.{kind}", transpose=weight, offset=offset)
+    return HFSource(f"{prefix}{names.layer[module]}.{kind}", transpose=weight and module in names.transposed)
 
 
 def to_hf_tensors(cfg: ModelConfig, canonical: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -98,10 +79,11 @@ def to_hf_tensors(cfg: ModelConfig, canonical: dict[str, torch.Tensor]) -> dict[
     return out
 
 
-_GPT2_ACTIVATION_NAMES = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
+_GPT2_ACTIVATION_NAMES: dict[Activation, str] = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
+                                                 "silu": "silu"}
 
 
-def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:
+def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """A ``config.json`` for ``cfg`` that transformers loads; keeps every key of ``base`` it does not own."""
     out = dict(base or {})
     out.update(architectures=[cfg.hf_architecture], model_type=cfg.model_type, vocab_size=cfg.vocab_size,
@@ -114,11 +96,17 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = Non
     else:
         for key in ("num_labels", "id2label", "label2id", "problem_type"):
             out.pop(key, None)
-    if cfg.family == "gpt2":
-        out.update(n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads, n_positions=cfg.max_positions,
-                   n_inner=cfg.intermediate_size, layer_norm_epsilon=cfg.norm_eps,
-                   activation_function=_GPT2_ACTIVATION_NAMES[cfg.activation or "gelu_tanh"])
-        return out
+    family = cfg.traits
+    match family.backbone:
+        case "gpt2":
+            out.update(n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads,
+                       n_positions=cfg.max_positions, n_inner=cfg.intermediate_size, layer_norm_epsilon=cfg.norm_eps,
+                       activation_function=_GPT2_ACTIVATION_NAMES[cfg.act])
+            return out
+        case "llama":
+            pass
+        case unknown:
+            assert_never(unknown)
     out.update(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                max_position_embeddings=cfg.max_positions, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
@@ -126,14 +114,17 @@ def hf_config_dict(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = Non
     # transformers reads rope_scaling before rope_parameters: drop the source's, which the line above replaces
     for key in ("rope_scaling", "original_max_position_embeddings"):
         out.pop(key, None)
-    out.update(moe_hf_dict(cfg.model_type, cfg.num_layers, cfg.num_experts, cfg.experts_per_token,
+    out.update(moe_hf_dict(family.moe, cfg.num_layers, cfg.num_experts, cfg.experts_per_token,
                            cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.router_aux_loss_coef, cfg.sparse_layers))
-    if cfg.model_type in ("mistral", "mixtral"):
-        out["sliding_window"] = cfg.sliding_window
-    elif cfg.model_type == "qwen2":
-        out["use_sliding_window"] = False
-    else:  # llama, qwen3 (whose attention_bias covers q, k, v and o alike)
+    if family.writes_attention_bias:  # covers q, k, v and o alike
         out["attention_bias"] = cfg.o_bias
-        if cfg.model_type in ("qwen3", "qwen3_moe"):
+    match family.window:
+        case "sliding_window":
+            out["sliding_window"] = cfg.sliding_window
+        case "use_sliding_window":
             out["use_sliding_window"] = False
+        case None:
+            pass
+        case unknown_window:
+            assert_never(unknown_window)
     return out

@@ -121,8 +121,9 @@ def merge_lora(adapter_dir: str | Path, base_dir: str | Path, out_dir: str | Pat
     if PEFT_PREFIX + "score.weight" in tensors:
         raise CheckpointError(f"{adapter_dir}: holds a critic's adapters; merge-lora writes causal LMs only")
     cfg = ModelConfig.from_pretrained(base_dir)
-    if cfg.family == "gpt2":
-        raise CheckpointError(f"{base_dir}: LoRA merging supports the LLaMA family (llama, mistral, qwen2), not GPT-2")
+    if not cfg.traits.hf.canonical_layout:  # GPT-2 fuses q, k, v and transposes its weights
+        raise CheckpointError(f"{base_dir}: LoRA merging supports the LLaMA family (llama, mistral, qwen2), not "
+                              f"{cfg.traits.hf_name}")
     reader = WeightReader(base_dir)
     state = {key: reader.read(key) for key in sorted(reader.keys())}
     scaled = lora.scale

@@ -144,8 +144,8 @@ class MoEMLP(nn.Module):
         super().__init__()
         self.ctx, self.layer, self.top_k = ctx, layer, cfg.experts_per_token
         self.norm_topk_prob = cfg.norm_topk_prob
-        # Qwen3-MoE casts the routing weights to the model dtype before weighting; Mixtral weights in fp32.
-        self.weights_in_model_dtype = cfg.model_type == "qwen3_moe"
+        assert cfg.traits.moe is not None, f"a mixture in a dense {cfg.model_type} model"
+        self.weights_in_model_dtype = cfg.traits.moe.routing_weights_in_model_dtype
         self.router = Router(cfg, dtype, device)
         # Under ep only this rank's experts (expert_parallel.py); keyed by their global index either way.
         self.experts = nn.ModuleDict({str(e): Expert(cfg, ctx, dtype, device)

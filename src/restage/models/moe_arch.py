@@ -7,9 +7,10 @@ and ``mlp_only_layers``), so the decoder, sharding and the estimator ask ``cfg.i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, assert_never
 
 from restage.errors import CheckpointError
+from restage.models.family import MoeFamily
 
 # Architectures with a mixture we do not build yet, and what to use instead (one line each).
 REFUSED_ARCHITECTURES = {
@@ -17,12 +18,11 @@ REFUSED_ARCHITECTURES = {
     "Qwen2MoeForSequenceClassification": "Qwen2-MoE's shared experts are not supported yet; use a Mixtral or "
                                          "Qwen3-MoE checkpoint",
 }
-MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
 
 
-def moe_fields(hf: dict, model_type: str, source: str) -> dict[str, Any]:
+def moe_fields(hf: dict[str, Any], moe: MoeFamily | None, source: str) -> dict[str, Any]:
     """``ModelConfig`` keyword arguments for the mixture (none for a dense model); one-line errors."""
-    if model_type not in MOE_MODEL_TYPES:
+    if moe is None:
         return {}
     layers = hf["num_hidden_layers"]
     # transformers 5 writes num_local_experts for both; published Qwen3-MoE configs say num_experts.
@@ -36,10 +36,19 @@ def moe_fields(hf: dict, model_type: str, source: str) -> dict[str, Any]:
     if hf.get("router_jitter_noise"):
         raise CheckpointError(f"{source}: router_jitter_noise={hf['router_jitter_noise']} is not supported; set it "
                               "to 0 in config.json")
-    if model_type == "mixtral":
-        return dict(num_experts=experts, experts_per_token=top_k, moe_intermediate_size=hf["intermediate_size"],
-                    norm_topk_prob=True, router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)),
-                    sparse_layers=tuple(range(layers)))
+    match moe.kind:
+        case "mixtral":
+            return dict(num_experts=experts, experts_per_token=top_k, moe_intermediate_size=hf["intermediate_size"],
+                        norm_topk_prob=True, router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.02)),
+                        sparse_layers=tuple(range(layers)))
+        case "qwen3_moe":
+            return _qwen3_moe_fields(hf, layers, experts, top_k, source)
+        case unknown:
+            assert_never(unknown)
+
+
+def _qwen3_moe_fields(hf: dict[str, Any], layers: int, experts: int, top_k: int, source: str) -> dict[str, Any]:
+    """Qwen3-MoE's mixture: which layers are sparse (``decoder_sparse_step``, ``mlp_only_layers``), expert widths."""
     step = hf.get("decoder_sparse_step", 1)
     if not isinstance(step, int) or step < 1:
         raise CheckpointError(f"{source}: decoder_sparse_step={step!r} must be a positive integer; fix config.json")
@@ -52,16 +61,22 @@ def moe_fields(hf: dict, model_type: str, source: str) -> dict[str, Any]:
                 router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)), sparse_layers=sparse)
 
 
-def moe_hf_dict(model_type: str, num_layers: int, num_experts: int, experts_per_token: int, moe_intermediate_size: int,
+def moe_hf_dict(moe: MoeFamily | None, num_layers: int, num_experts: int, experts_per_token: int, moe_intermediate_size: int,
                 norm_topk_prob: bool, router_aux_loss_coef: float, sparse_layers: tuple[int, ...]) -> dict[str, Any]:
     """The ``config.json`` keys that describe the mixture (inverse of ``moe_fields``)."""
-    if model_type not in MOE_MODEL_TYPES:
+    if moe is None:
         return {}
     out: dict[str, Any] = dict(num_local_experts=num_experts, num_experts_per_tok=experts_per_token,
                                router_aux_loss_coef=router_aux_loss_coef, output_router_logits=False,
                                router_jitter_noise=0.0)
-    if model_type == "qwen3_moe":
-        out.update(num_experts=num_experts, moe_intermediate_size=moe_intermediate_size, norm_topk_prob=norm_topk_prob,
-                   decoder_sparse_step=1, mlp_only_layers=[i for i in range(num_layers) if i not in sparse_layers])
-        del out["router_jitter_noise"]
+    match moe.kind:
+        case "mixtral":
+            pass
+        case "qwen3_moe":
+            out.update(num_experts=num_experts, moe_intermediate_size=moe_intermediate_size,
+                       norm_topk_prob=norm_topk_prob, decoder_sparse_step=1,
+                       mlp_only_layers=[i for i in range(num_layers) if i not in sparse_layers])
+            del out["router_jitter_noise"]
+        case unknown:
+            assert_never(unknown)
     return out

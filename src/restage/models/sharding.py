@@ -23,13 +23,23 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from enum import StrEnum
 from functools import lru_cache
+from typing import assert_never
 
 from restage.errors import LayoutError
 from restage.layout import Coord, Strategy
 from restage.models.arch import ModelConfig
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+class Place(StrEnum):
+    """Where a parameter sits in the forward: its pipeline stage follows from this."""
+
+    FIRST = "first"  # the embeddings, on stage 0
+    LAYER = "layer"  # a block's, on the stage holding the block
+    LAST = "last"  # the final norm and head, on the last stage
 
 
 @dataclass(frozen=True)
@@ -41,7 +51,7 @@ class ParamSpec:
     split_dim: int | None  # None: replicated over TP
     unit: int  # split granularity along split_dim (head_dim for head-sharded dims, else 1)
     layer: int | None  # transformer block index, None for embeddings / final norm / head
-    where: str  # "layer", "first" (embeddings), "last" (final norm, head)
+    where: Place
 
     @property
     def numel(self) -> int:
@@ -88,18 +98,24 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
     """Every parameter of the model in canonical order."""
     h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    gpt2 = cfg.family == "gpt2"
-    specs = [ParamSpec("embed.weight", (cfg.vocab_size, h), 0, 1, None, "first")]
-    if gpt2:
-        specs.append(ParamSpec("pos_embed.weight", (cfg.max_positions, h), None, 1, None, "first"))
+    family = cfg.traits
+    specs = [ParamSpec("embed.weight", (cfg.vocab_size, h), 0, 1, None, Place.FIRST)]
+    match family.positions:
+        case "learned":
+            specs.append(ParamSpec("pos_embed.weight", (cfg.max_positions, h), None, 1, None, Place.FIRST))
+        case "rope":
+            pass
+        case unknown:
+            assert_never(unknown)
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
 
-        def add(name, shape, split_dim, unit=1, _p=p, _i=i):
-            specs.append(ParamSpec(_p + name, shape, split_dim, unit, _i, "layer"))
+        def add(name: str, shape: tuple[int, ...], split_dim: int | None, unit: int = 1, _p: str = p,
+                _i: int = i) -> None:
+            specs.append(ParamSpec(_p + name, shape, split_dim, unit, _i, Place.LAYER))
 
         add("attn_norm.weight", (h,), None)
-        if gpt2:
+        if family.norm_bias:
             add("attn_norm.bias", (h,), None)
         for proj, out in (("q", q_out), ("k", kv_out), ("v", kv_out)):
             add(f"attn.{proj}.weight", (out, h), 0, hd)
@@ -112,13 +128,9 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
             add("attn.q_norm.weight", (hd,), None)
             add("attn.k_norm.weight", (hd,), None)
         add("mlp_norm.weight", (h,), None)
-        if gpt2:
+        if family.norm_bias:
             add("mlp_norm.bias", (h,), None)
-            add("mlp.up.weight", (inter, h), 0)
-            add("mlp.up.bias", (inter,), 0)
-            add("mlp.down.weight", (h, inter), 1)
-            add("mlp.down.bias", (h,), None)
-        elif cfg.is_sparse(i):
+        if cfg.is_sparse(i):
             # The router is replicated; each expert is split over TP like a dense MLP and stays a
             # parameter of its own, so a later expert-parallel split is a partition of whole experts.
             add("mlp.router.weight", (cfg.num_experts, h), None)
@@ -127,17 +139,22 @@ def param_specs(cfg: ModelConfig) -> list[ParamSpec]:
                 add(f"mlp.experts.{e}.gate.weight", (moe, h), 0)
                 add(f"mlp.experts.{e}.up.weight", (moe, h), 0)
                 add(f"mlp.experts.{e}.down.weight", (h, moe), 1)
-        else:
+            continue
+        if family.gated_mlp:
             add("mlp.gate.weight", (inter, h), 0)
-            add("mlp.up.weight", (inter, h), 0)
-            add("mlp.down.weight", (h, inter), 1)
-    specs.append(ParamSpec("final_norm.weight", (h,), None, 1, None, "last"))
-    if gpt2:
-        specs.append(ParamSpec("final_norm.bias", (h,), None, 1, None, "last"))
+        add("mlp.up.weight", (inter, h), 0)
+        if family.mlp_bias:
+            add("mlp.up.bias", (inter,), 0)
+        add("mlp.down.weight", (h, inter), 1)
+        if family.mlp_bias:
+            add("mlp.down.bias", (h,), None)
+    specs.append(ParamSpec("final_norm.weight", (h,), None, 1, None, Place.LAST))
+    if family.norm_bias:
+        specs.append(ParamSpec("final_norm.bias", (h,), None, 1, None, Place.LAST))
     if cfg.is_critic:
-        specs.append(ParamSpec("score.weight", (1, h), None, 1, None, "last"))
+        specs.append(ParamSpec("score.weight", (1, h), None, 1, None, Place.LAST))
     elif not cfg.tied_embeddings:
-        specs.append(ParamSpec("lm_head.weight", (cfg.vocab_size, h), 0, 1, None, "last"))
+        specs.append(ParamSpec("lm_head.weight", (cfg.vocab_size, h), 0, 1, None, Place.LAST))
     return _with_lora(cfg, specs) if cfg.lora is not None else specs
 
 
@@ -157,16 +174,16 @@ def _with_lora(cfg: ModelConfig, specs: list[ParamSpec]) -> list[ParamSpec]:
     out = []
     for spec in specs:
         out.append(spec)
-        module = spec.name.split(".", 2)[-1].removesuffix(".weight") if spec.where == "layer" else ""
+        module = spec.name.split(".", 2)[-1].removesuffix(".weight") if spec.where is Place.LAYER else ""
         if module not in targets or not spec.name.endswith(".weight"):
             continue
         prefix = spec.name.removesuffix("weight")
         out_features, in_features = spec.shape
         column = spec.split_dim == 0
         out.append(ParamSpec(prefix + "lora_A.weight", (rank, in_features), None if column else 1,
-                             1 if column else spec.unit, spec.layer, "layer"))
+                             1 if column else spec.unit, spec.layer, Place.LAYER))
         out.append(ParamSpec(prefix + "lora_B.weight", (out_features, rank), 0 if column else None,
-                             spec.unit if column else 1, spec.layer, "layer"))
+                             spec.unit if column else 1, spec.layer, Place.LAYER))
     return out
 
 
@@ -281,8 +298,8 @@ def stage_layers(cfg: ModelConfig, pp: int) -> tuple[tuple[int, int], ...]:
     before = [0]
     for count in per_layer:
         before.append(before[-1] + count)
-    first = sum(s.numel for s in specs if s.where == "first")
-    last = sum(s.numel for s in specs if s.where == "last")
+    first = sum(s.numel for s in specs if s.where is Place.FIRST)
+    last = sum(s.numel for s in specs if s.where is Place.LAST)
     if cfg.tied_embeddings and pp > 1:
         last += cfg.vocab_size * cfg.hidden_size
     n = cfg.num_layers
@@ -314,12 +331,16 @@ def stage_layers(cfg: ModelConfig, pp: int) -> tuple[tuple[int, int], ...]:
 def unit_of(cfg: ModelConfig, spec: ParamSpec) -> int:
     """The unit a parameter belongs to, numbered in forward order: 0 the embeddings, 1 + i layer i, num_layers + 1
     the final norm and head. A ZeRO-3 model is gathered one unit at a time (reallocation, the HF export)."""
-    if spec.where == "first":
-        return 0
-    if spec.where == "layer":
-        assert spec.layer is not None  # param_specs gives every "layer" parameter its block index
-        return 1 + spec.layer
-    return cfg.num_layers + 1
+    match spec.where:
+        case Place.FIRST:
+            return 0
+        case Place.LAYER:
+            assert spec.layer is not None  # param_specs gives every layer parameter its block index
+            return 1 + spec.layer
+        case Place.LAST:
+            return cfg.num_layers + 1
+        case unknown:
+            assert_never(unknown)
 
 
 def stage_params(cfg: ModelConfig, pp: int, stage: int) -> list[ParamSpec]:
@@ -327,13 +348,16 @@ def stage_params(cfg: ModelConfig, pp: int, stage: int) -> list[ParamSpec]:
     lo, hi = stage_layers(cfg, pp)[stage]
     out = []
     for spec in param_specs(cfg):
-        if spec.where == "layer":
-            assert spec.layer is not None  # a layer parameter names its layer
-            keep = lo <= spec.layer < hi
-        elif spec.where == "first":
-            keep = stage == 0
-        else:
-            keep = stage == pp - 1
+        match spec.where:
+            case Place.LAYER:
+                assert spec.layer is not None  # a layer parameter names its layer
+                keep = lo <= spec.layer < hi
+            case Place.FIRST:
+                keep = stage == 0
+            case Place.LAST:
+                keep = stage == pp - 1
+            case unknown:
+                assert_never(unknown)
         if keep:
             out.append(spec)
     if cfg.tied_embeddings and not cfg.is_critic and stage == pp - 1 and pp > 1:

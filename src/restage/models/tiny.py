@@ -7,11 +7,15 @@ perturbed so that a loader that mixes them up cannot pass a comparison by luck.
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
+from typing import Any, assert_never
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gpt2")
+from restage.models import family as families
+
+FAMILIES = tuple(families.FAMILIES)  # the model_types build_tiny writes
 
 # Deliberately awkward sizes: the vocabulary and MLP width do not divide by 2, so TP splits are uneven.
 TINY_SIZES = dict(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=171,
@@ -21,17 +25,19 @@ BENCH_SIZES = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, i
                    vocab_size=16384, max_positions=1024)
 
 
-def quiet_transformers():
+def quiet_transformers() -> ModuleType:
     """The ``transformers`` module, imported here only (heavy and optional: training never needs it), logs quiet."""
     import transformers
+    from transformers.utils import logging
 
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+    logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # transformers leaves these two unannotated
+    logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     return transformers
 
 
 def tiny_hf_config(family: str = "llama", tied: bool = False, critic: bool = False, sliding_window: int | None = None,
-                   head_dim: int | None = None, rope_parameters: dict | None = None, **sizes):
+                   head_dim: int | None = None, rope_parameters: dict[str, Any] | None = None,
+                   **sizes: Any) -> Any:
     """A transformers config of ``family`` with the given sizes (defaults: TINY_SIZES).
 
     ``head_dim``: an explicit head width (default hidden_size / heads); ``rope_parameters``: a RoPE
@@ -44,44 +50,61 @@ def tiny_hf_config(family: str = "llama", tied: bool = False, critic: bool = Fal
                   initializer_range=0.1)
     if critic:
         common["num_labels"] = 1
-    if family == "gpt2":
-        config = transformers.GPT2Config(n_embd=s["hidden_size"], n_layer=s["num_layers"], n_head=s["num_heads"],
-                                         n_inner=s["intermediate_size"], n_positions=s["max_positions"], **common)
-        config.architectures = ["GPT2ForSequenceClassification" if critic else "GPT2LMHeadModel"]
-        return config
-    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
-               "qwen3": transformers.Qwen3Config, "mixtral": transformers.MixtralConfig,
-               "qwen3_moe": transformers.Qwen3MoeConfig}
-    if family not in classes:
+    if family not in families.FAMILIES:
         raise ValueError(f"unknown family {family!r}; use one of {FAMILIES}")
-    extra: dict = {"sliding_window": sliding_window} if family == "mistral" else {}
-    theta = {"qwen2": 5000.0, "qwen3": 20000.0, "qwen3_moe": 20000.0}.get(family, 10000.0)
+    traits = families.FAMILIES[family]
+    match traits.backbone:
+        case "gpt2":
+            config = transformers.GPT2Config(n_embd=s["hidden_size"], n_layer=s["num_layers"], n_head=s["num_heads"],
+                                             n_inner=s["intermediate_size"], n_positions=s["max_positions"], **common)
+            config.architectures = [traits.hf_architecture(critic)]
+            return config
+        case "llama":
+            pass
+        case unknown:
+            assert_never(unknown)
+    extra: dict[str, Any] = {}
+    match traits.window:
+        case "sliding_window":  # Mistral, Mixtral: the width given (None: no window)
+            extra["sliding_window"] = sliding_window
+        case "use_sliding_window" | None:
+            pass
+        case unknown_window:
+            assert_never(unknown_window)
+    theta = _ROPE_THETAS.get(family, 10000.0)
     extra["rope_parameters"] = {"rope_type": "default", **(rope_parameters or {}), "rope_theta": theta}
-    if head_dim is not None or family in ("qwen3", "qwen3_moe"):  # Qwen3Config's own default is 128, not hidden / heads
+    if head_dim is not None or traits.default_head_dim is not None:  # Qwen3Config's is 128, not hidden / heads
         extra["head_dim"] = head_dim or s["hidden_size"] // s["num_heads"]
-    extra.update(_moe_options(family, s))
-    config = classes[family](hidden_size=s["hidden_size"], num_hidden_layers=s["num_layers"],
-                             num_attention_heads=s["num_heads"], num_key_value_heads=s["num_kv_heads"],
-                             intermediate_size=s["intermediate_size"], max_position_embeddings=s["max_positions"],
-                             **extra, **common)
-    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
-              "qwen3_moe": "Qwen3Moe"}[family]
-    config.architectures = [prefix + ("ForSequenceClassification" if critic else "ForCausalLM")]
+    if traits.moe is not None:
+        extra.update(_moe_options(traits.moe.kind, s))
+    config = getattr(transformers, traits.hf_name + "Config")(
+        hidden_size=s["hidden_size"], num_hidden_layers=s["num_layers"], num_attention_heads=s["num_heads"],
+        num_key_value_heads=s["num_kv_heads"], intermediate_size=s["intermediate_size"],
+        max_position_embeddings=s["max_positions"], **extra, **common)
+    config.architectures = [traits.hf_architecture(critic)]
     return config
 
 
-def _moe_options(family: str, sizes: dict) -> dict:
+# Each family's tiny models get a RoPE theta of their own, so a loader that ignores it fails a comparison.
+_ROPE_THETAS = {"qwen2": 5000.0, "qwen3": 20000.0, "qwen3_moe": 20000.0}
+
+
+def _moe_options(kind: families.MoeKind, sizes: dict[str, Any]) -> dict[str, Any]:
     """The mixture's config keys of a tiny MoE model: 4 experts, top 2, a large aux-loss coefficient so that a test
     sees the loss's gradient; Qwen3-MoE: experts 43 wide (odd), top-k not renormalised, layer 1 dense. ``sizes``
     may override each (num_experts, experts_per_token, router_aux_loss_coef, moe_intermediate_size, norm_topk_prob,
     mlp_only_layers)."""
-    if family not in ("mixtral", "qwen3_moe"):
-        return {}
     out = dict(num_local_experts=sizes.get("num_experts", 4), num_experts_per_tok=sizes.get("experts_per_token", 2),
                router_aux_loss_coef=sizes.get("router_aux_loss_coef", 0.1))
-    if family == "qwen3_moe":
-        out.update(moe_intermediate_size=sizes.get("moe_intermediate_size", 43),
-                   norm_topk_prob=sizes.get("norm_topk_prob", False), mlp_only_layers=sizes.get("mlp_only_layers", [1]))
+    match kind:
+        case "mixtral":
+            pass
+        case "qwen3_moe":
+            out.update(moe_intermediate_size=sizes.get("moe_intermediate_size", 43),
+                       norm_topk_prob=sizes.get("norm_topk_prob", False),
+                       mlp_only_layers=sizes.get("mlp_only_layers", [1]))
+        case unknown:
+            assert_never(unknown)
     return out
 
 
@@ -107,9 +130,10 @@ def build_tiny_tokenizer(path: str | Path, vocab_size: int) -> None:
 
 
 def build_tiny(path: str | Path, family: str = "llama", tied: bool = False, critic: bool = False, seed: int = 0,
-               sliding_window: int | None = None, head_dim: int | None = None, rope_parameters: dict | None = None,
-               weight_format: str = "safetensors", max_shard_size: str | int | None = None,
-               dtype: torch.dtype = torch.float32, tokenizer: bool = True, **sizes) -> Path:
+               sliding_window: int | None = None, head_dim: int | None = None,
+               rope_parameters: dict[str, Any] | None = None, weight_format: str = "safetensors",
+               max_shard_size: str | int | None = None, dtype: torch.dtype = torch.float32, tokenizer: bool = True,
+               **sizes: Any) -> Path:
     """Write a random HF model directory (with a word-level tokenizer unless ``tokenizer=False``).
 
     ``weight_format`` is ``safetensors`` or ``bin`` (``pytorch_model.bin``).
@@ -142,7 +166,7 @@ def build_tiny(path: str | Path, family: str = "llama", tied: bool = False, crit
     return path
 
 
-def load_hf(path: str | Path, dtype: torch.dtype = torch.float32):
+def load_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     """The transformers model stored at ``path`` (eval mode, eager-free SDPA attention)."""
     transformers = quiet_transformers()
     config = transformers.AutoConfig.from_pretrained(path)
