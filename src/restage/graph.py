@@ -9,8 +9,10 @@ assembles them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from restage.errors import ConfigError
 
@@ -25,6 +27,73 @@ class MFCKind(StrEnum):
 
 
 MFC_KINDS = tuple(k.value for k in MFCKind)
+
+
+@dataclass(frozen=True)
+class Episodes:
+    """A multi-turn generate MFC's figures for the estimator (``algorithms/episode_sizes.py``): answers per episode,
+    observation tokens prefilled (not decoded) per episode, and one tool call's wall time."""
+
+    turns: int
+    observation_tokens: int
+    tool_seconds: float
+
+
+@dataclass(frozen=True)
+class RefEMA:
+    """A train MFC's reference EMA: after each step ``model``'s weights move ``eta`` of the way to the trained ones
+    (``schedule.program``'s ``ema`` op)."""
+
+    eta: float
+    model: str = "ref"
+
+
+@dataclass(frozen=True)
+class MFCOptions:
+    """What an algorithm tells the planner and the runtime about one MFC beyond its sizes. Each is None when not set,
+    and then absent from the schedule file, so a file keeps exactly the keys its algorithm wrote."""
+
+    group_size: int | None = None  # generate: answers per prompt (GRPO, RAFT); None: one
+    dynamic_sampling_rounds: int | None = None  # generate: DAPO's extra rounds for all-equal groups (dynamic_sampling)
+    episodes: Episodes | None = None  # generate: multi-turn episodes
+    ref_ema: RefEMA | None = None  # train_step: the reference EMA applied after it
+
+    @property
+    def group(self) -> int:
+        """Answers per prompt (1 when the MFC has no groups)."""
+        return 1 if self.group_size is None else self.group_size
+
+    def to_json(self) -> dict[str, int | float | str]:
+        """The schedule file's ``options``: the flat keys algorithms wrote before these were typed, in that order."""
+        out: dict[str, int | float | str] = {}
+        if self.group_size is not None:
+            out["group_size"] = self.group_size
+        if self.dynamic_sampling_rounds is not None:
+            out["dynamic_sampling_rounds"] = self.dynamic_sampling_rounds
+        if self.episodes is not None:
+            out |= {"turns": self.episodes.turns, "observation_tokens": self.episodes.observation_tokens,
+                    "tool_seconds": self.episodes.tool_seconds}
+        if self.ref_ema is not None:
+            out |= {"ref_ema_eta": self.ref_ema.eta, "ref_ema_model": self.ref_ema.model}
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str = "MFC") -> MFCOptions:
+        unknown = sorted(set(data) - _OPTION_KEYS)
+        if unknown:
+            raise ConfigError(f"{where}: unknown options {', '.join(unknown)}; known: {', '.join(sorted(_OPTION_KEYS))}"
+                              "; run `restage plan` again with this version")
+        episodes = (Episodes(int(data["turns"]), int(data["observation_tokens"]), float(data["tool_seconds"]))
+                    if "turns" in data else None)
+        ref_ema = (RefEMA(float(data["ref_ema_eta"]), str(data.get("ref_ema_model", "ref")))
+                   if "ref_ema_eta" in data else None)
+        rounds = data.get("dynamic_sampling_rounds")
+        return cls(group_size=None if data.get("group_size") is None else int(data["group_size"]),
+                   dynamic_sampling_rounds=None if rounds is None else int(rounds), episodes=episodes, ref_ema=ref_ema)
+
+
+_OPTION_KEYS = frozenset({"group_size", "dynamic_sampling_rounds", "turns", "observation_tokens", "tool_seconds",
+                          "ref_ema_eta", "ref_ema_model"})
 
 
 @dataclass(frozen=True)
@@ -48,7 +117,7 @@ class MFC:
     minibatches: int = 1
     epochs: int = 1
     greedy: bool = False
-    options: dict = field(default_factory=dict, compare=False, hash=False)
+    options: MFCOptions = field(default_factory=MFCOptions, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.kind not in MFC_KINDS:
@@ -69,13 +138,14 @@ class MFC:
             "name": self.name, "kind": self.kind.value, "model": self.model, "inputs": list(self.inputs),
             "outputs": list(self.outputs), "n_seqs": self.n_seqs, "prompt_tokens": self.prompt_tokens,
             "gen_tokens": self.gen_tokens, "micro_batches": self.micro_batches, "minibatches": self.minibatches,
-            "epochs": self.epochs, "greedy": self.greedy, "options": dict(self.options),
+            "epochs": self.epochs, "greedy": self.greedy, "options": self.options.to_json(),
         }
 
     @classmethod
     def from_json(cls, data: dict) -> MFC:
         data = dict(data)
         data["inputs"], data["outputs"] = tuple(data["inputs"]), tuple(data["outputs"])
+        data["options"] = MFCOptions.from_json(data.get("options", {}), f"MFC {data.get('name')}")
         return cls(**data)
 
 
@@ -145,7 +215,7 @@ class DataflowGraph:
         return tuple(dict.fromkeys(m.model for m in self.mfcs))
 
     def trained_models(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(m.model for m in self.mfcs if m.kind == "train_step"))
+        return tuple(dict.fromkeys(m.model for m in self.mfcs if m.kind is MFCKind.TRAIN_STEP))
 
     def to_json(self) -> list[dict]:
         return [m.to_json() for m in self.mfcs]

@@ -12,6 +12,7 @@ from restage.config.schema import ConfigError
 from restage.data.batch import pack_sequences
 from restage.data.tasks import VOCAB
 from restage.data.tokenizer import load_tokenizer
+from restage.graph import MFCOptions, RefEMA
 
 ROOT = Path(__file__).resolve().parents[2]
 ALGORITHMS = ("sft", "rm", "dpo", "ppo", "grpo", "remax", "raft")
@@ -74,7 +75,7 @@ def test_validation_names_the_bad_value():
         with pytest.raises(ConfigError, match=r"^algo.ref_ema_eta: 1.5 must be in \[0, 1\]"):
             get_algorithm(name).validate(cfg(name, {"ref_ema_eta": 1.5}))
         train = next(m for m in build_graph(cfg(name, {"ref_ema_eta": 0.1})) if m.kind == "train_step")
-        assert train.options == {"ref_ema_eta": 0.1, "ref_ema_model": "ref"}  # the runtime's ema op reads these
+        assert train.options == MFCOptions(ref_ema=RefEMA(0.1, "ref"))  # the runtime's ema op reads these
 
 
 def rl_batch(group_size=1):

@@ -14,6 +14,7 @@ from restage.config.load import config_from_dict
 from restage.config.schema import ConfigError
 from restage.data.batch import pack_sequences
 from restage.data.tasks import VOCAB
+from restage.graph import RefEMA
 
 KL_ALGORITHMS = ("ppo", "grpo", "remax")
 TRAINED = {"ppo": ("actor", "critic"), "grpo": ("actor",), "remax": ("actor",)}
@@ -47,7 +48,7 @@ def test_kl_coef_0_drops_the_reference_from_the_graph_and_the_config(name):
             build_graph(cfg(name, algo, ref=False))
     # A reference EMA needs the reference model even with no KL term.
     ema = build_graph(cfg(name, {"kl_coef": 0.0, "ref_ema_eta": 0.1}))
-    assert ema["ref_inf"].model == "ref" and ema["actor_train"].options["ref_ema_model"] == "ref"
+    assert ema["ref_inf"].model == "ref" and ema["actor_train"].options.ref_ema == RefEMA(0.1, "ref")
     with pytest.raises(ConfigError, match=r"\(algo.ref_ema_eta is 0.1\): add models.ref .* set algo.ref_ema_eta=0 "):
         build_graph(cfg(name, {"kl_coef": 0.0, "ref_ema_eta": 0.1}, ref=False))
 

@@ -80,7 +80,7 @@ def variant_rewards(tokenizer, algo_keys: dict, steps: int = STEPS, seed: int = 
         prompts = datasets.collate(examples[step * PROMPTS:(step + 1) * PROMPTS], "prompt")
         sampled.clear()
         gen_mfc = state.graph["actor_gen"]
-        if dynamic_sampling.OPTION in gen_mfc.options:
+        if gen_mfc.options.dynamic_sampling_rounds is not None:
             result = dynamic_sampling.fill_batch(
                 generate, gen_mfc, prompts, lambda pos: datasets.collate([examples[p] for p in pos], "prompt"),
                 len(examples), state, 0, step, seed, lambda flag: flag)

@@ -12,7 +12,7 @@ from restage.config.load import config_from_dict
 from restage.config.schema import PlanConfig
 from restage.data.batch import Batch, pack_sequences
 from restage.errors import ConfigError
-from restage.graph import MFC
+from restage.graph import MFC, MFCOptions
 from restage.runtime.step import dynamic_sampling
 from restage.runtime.step.execute import MFCResult
 
@@ -238,7 +238,7 @@ def source(positions):
 
 
 MFC_DS = MFC("actor_gen", "generate", "actor", ("prompts",), ("seqs", "prompt_mask", "logprobs", "rewards"), 4, 2, 1, 1,
-             options={"group_size": 4, dynamic_sampling.OPTION: 3})
+             options=MFCOptions(group_size=4, dynamic_sampling_rounds=3))
 
 
 def test_dapo_dynamic_sampling_refills_every_dropped_group_and_keeps_the_batch_full():

@@ -6,7 +6,7 @@ import pytest
 from restage.algorithms.interface import build_graph
 from restage.cluster import load_cluster
 from restage.config.load import config_from_dict
-from restage.graph import MFC
+from restage.graph import MFC, Episodes, MFCOptions
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
 from restage.plan.estimator import Estimator, ModelRole
@@ -23,15 +23,16 @@ def test_multi_turn_graph_sizes_episodes():
     graph = build_graph(_cfg(name="tool_use", tools=["calculator"], max_turns=3, max_episode_tokens=512,
                              tool_latency_seconds=0.25))
     gen, train = graph["actor_gen"], graph["actor_train"]
-    assert (gen.gen_tokens, gen.options["turns"], gen.options["observation_tokens"], gen.options["tool_seconds"]) == (
-        3 * 128, 3, 512 - 3 * 128, 0.25)
+    assert (gen.gen_tokens, gen.options.episodes) == (3 * 128, Episodes(3, 512 - 3 * 128, 0.25))
+    assert gen.to_json()["options"] == {"group_size": 4, "turns": 3, "observation_tokens": 512 - 3 * 128,
+                                        "tool_seconds": 0.25}  # the schedule file's keys, as before they were typed
     assert train.gen_tokens == 512 and train.prompt_tokens == 256  # training reads whole episodes
     single = build_graph(_cfg())["actor_gen"]
-    assert single.gen_tokens == 128 and "turns" not in single.options
+    assert single.gen_tokens == 128 and single.options.episodes is None
 
 
 def _gen(turns: int, observed: int, tool: float) -> MFC:
-    options = {"group_size": 4, "turns": turns, "observation_tokens": observed, "tool_seconds": tool}
+    options = MFCOptions(group_size=4, episodes=Episodes(turns, observed, tool))
     return MFC("actor_gen", "generate", "actor", ("prompts",), ("seqs",), 256, 256, 384, options=options)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from restage.cluster import load_cluster
-from restage.graph import MFC
+from restage.graph import MFC, MFCOptions
 from restage.layout import Layout, Strategy
 from restage.models.attention import flash_attn_with_kvcache
 from restage.models.presets import preset
@@ -34,7 +34,7 @@ def h100():
 
 def gen_mfc(n_seqs, prompt, gen, group=1):
     return MFC("actor_gen", "generate", "actor", ("prompts",), ("seqs",), n_seqs, prompt, gen,
-               options={"group_size": group})
+               options=MFCOptions(group_size=group))
 
 
 def parts(est):

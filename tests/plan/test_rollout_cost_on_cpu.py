@@ -11,7 +11,7 @@ import pytest
 
 from restage.cluster import load_cluster
 from restage.errors import ConfigError
-from restage.graph import MFC
+from restage.graph import MFC, MFCOptions
 from restage.layout import Layout, Strategy
 from restage.models.flops import block_shape
 from restage.models.presets import preset
@@ -49,7 +49,7 @@ def h100():
 
 def gen_mfc(n_seqs, prompt, gen, group=1):
     return MFC("actor_gen", "generate", "actor", ("prompts",), ("seqs",), n_seqs, prompt, gen,
-               options={"group_size": group})
+               options=MFCOptions(group_size=group))
 
 
 def parts(est):

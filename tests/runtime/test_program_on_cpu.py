@@ -5,7 +5,7 @@ import pytest
 from restage.algorithms.interface import build_graph
 from restage.config.load import config_from_dict
 from restage.errors import ConfigError
-from restage.graph import MFC, DataflowGraph
+from restage.graph import MFC, DataflowGraph, MFCOptions, RefEMA
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
 from restage.schedule.ops import op_subject
@@ -55,7 +55,7 @@ TRAIN, REF_HOME, OTHER = (Layout.contiguous(0, Strategy(dp=2, tp=2)), Layout.con
 def ema_graph(*after: MFC) -> DataflowGraph:
     """Generate, two reference inferences, an actor train step with a reference EMA, then ``after``."""
     seq = ("seqs",)
-    ema = {"ref_ema_eta": 0.1, "ref_ema_model": "ref"}
+    ema = MFCOptions(ref_ema=RefEMA(0.1, "ref"))
     return DataflowGraph((MFC("gen", "generate", "actor", ("prompts",), seq, 8, 4, 4, 1),
                           MFC("ref_a", "inference", "ref", seq, ("a",), 8, 4, 4, 1),
                           MFC("ref_b", "inference", "ref", seq, ("b",), 8, 4, 4, 1),
@@ -71,14 +71,14 @@ def test_reference_ema_mixes_after_the_actor_step_and_frees_stale_reference_copi
     assert (op.model, op.src, op.dst, op.ranks) == ("ref", TRAIN, REF_HOME, (0, 1, 2, 3))
     # The EMA makes the reference's copy in ref_b's layout stale: it is freed after ref_b, remade next iteration.
     assert [o.kind for o in ops if o.kind not in ("run", "transfer") and o.model == "ref"] == ["realloc", "free", "ema"]
-    without = DataflowGraph(tuple(replace(m, options={}) for m in graph))
+    without = DataflowGraph(tuple(replace(m, options=MFCOptions()) for m in graph))
     assert [o.kind for o in build_program(without, {"gen": TRAIN, "ref_a": REF_HOME, "ref_b": OTHER, "train": TRAIN})
             if o.kind not in ("run", "transfer") and o.model == "ref"] == ["realloc"]  # a frozen reference keeps its copy
 
 
 def test_reference_ema_needs_the_actors_architecture():
     graph = ppo_graph(ref_ema_eta=0.1)
-    assert next(m for m in graph if m.name == "actor_train").options == {"ref_ema_eta": 0.1, "ref_ema_model": "ref"}
+    assert next(m for m in graph if m.name == "actor_train").options == MFCOptions(ref_ema=RefEMA(0.1, "ref"))
     tiny = preset("llama-tiny")
     deeper = replace(tiny, num_layers=tiny.num_layers + 1)
     check_ema_architectures(graph, {"actor": tiny, "ref": tiny, "critic": deeper})  # the critic is not mixed

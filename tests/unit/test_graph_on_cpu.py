@@ -3,7 +3,7 @@ import pytest
 from restage.algorithms.interface import build_graph
 from restage.config.load import config_from_dict
 from restage.config.schema import ConfigError
-from restage.graph import MFC, DataflowGraph
+from restage.graph import MFC, DataflowGraph, Episodes, MFCOptions, RefEMA
 
 
 def cfg(algorithm, models, **extra):
@@ -43,3 +43,25 @@ def test_missing_model_and_cycles_are_refused():
     b = MFC("b", "inference", "m", ("x",), ("y",), 1, 1, 1)
     with pytest.raises(ConfigError, match="cycle"):
         DataflowGraph((a, b))
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"group_size": 1}, {"group_size": 4, "dynamic_sampling_rounds": 3},
+    {"group_size": 4, "turns": 3, "observation_tokens": 128, "tool_seconds": 0.25},
+    {"ref_ema_eta": 0.1, "ref_ema_model": "ref"},
+])
+def test_mfc_options_read_and_write_the_schedule_files_keys_unchanged(options):
+    """A schedule written before the options were typed reads back to the same JSON, key by key and in order."""
+    data = MFC("g", "generate", "actor", ("prompts",), ("seqs",), 8, 4, 4).to_json() | {"options": options}
+    mfc = MFC.from_json(data)
+    assert mfc.to_json() == data and list(mfc.to_json()["options"]) == list(options)
+
+
+def test_mfc_options_are_typed_and_unknown_keys_refused():
+    mfc = MFC.from_json(MFC("g", "generate", "actor", ("prompts",), ("seqs",), 8, 4, 4).to_json()
+                        | {"options": {"group_size": 4, "turns": 2, "observation_tokens": 7, "tool_seconds": 0.5}})
+    assert mfc.options == MFCOptions(group_size=4, episodes=Episodes(2, 7, 0.5)) and mfc.options.group == 4
+    assert MFCOptions().group == 1 and MFCOptions(ref_ema=RefEMA(0.1)).to_json() == {"ref_ema_eta": 0.1,
+                                                                                     "ref_ema_model": "ref"}
+    with pytest.raises(ConfigError, match="^MFC g: unknown options group; known: "):
+        MFC.from_json(mfc.to_json() | {"options": {"group": 4}})

@@ -21,6 +21,7 @@ from restage.algorithms.interface import build_graph
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
+from restage.graph import MFCOptions, RefEMA
 
 
 @dataclass(frozen=True)
@@ -114,13 +115,13 @@ def forward_outputs(params_class: type[PolicyParams], mfc_name: str, cfg: Experi
     return base.default_forward_outputs(build_graph(cfg), mfc_name)
 
 
-def train_options(cfg) -> dict:
+def train_options(cfg: ExperimentConfig) -> MFCOptions:
     """MFC options of the actor's train step: the reference EMA weight and the model it updates, when on.
 
     The runtime (``schedule.program``'s ``ema`` op) applies it after each train step.
     """
     eta = float(cfg.algo.get("ref_ema_eta", 0.0))
-    return {"ref_ema_eta": eta, "ref_ema_model": "ref"} if eta > 0 else {}
+    return MFCOptions(ref_ema=RefEMA(eta, "ref") if eta > 0 else None)
 
 
 def actor_forward_outputs(params: PolicyParams) -> tuple[str, ...]:

@@ -171,7 +171,7 @@ def default_after_generate(mfc_name: str, batch: Batch, state: AlgoState) -> Bat
     With ``state.reward_pool`` (the runtime's) the rewards are only started: the batch comes back without
     them and ``state.pending_rewards[mfc_name]`` holds them until the runtime attaches them."""
     mfc = state.graph[mfc_name]
-    group = int(mfc.options.get("group_size", 1))
+    group = mfc.options.group
     if batch.group_size != group:
         raise ValueError(f"{mfc_name}: generated batch has groups of {batch.group_size}, the MFC asks for {group}")
     keys = generated_reward_keys(mfc)

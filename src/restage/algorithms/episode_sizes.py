@@ -13,10 +13,11 @@ prefill of the context per later turn (the engine does not keep a turn's cache a
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 from restage.config.schema import ExperimentConfig
 from restage.errors import ConfigError
-from restage.graph import MFC
+from restage.graph import MFC, Episodes, MFCKind
 
 
 def check_supported(cfg: ExperimentConfig) -> None:
@@ -35,10 +36,13 @@ def episode_mfcs(cfg: ExperimentConfig, mfcs: list[MFC]) -> list[MFC]:
     decoded = min(env.max_turns * cfg.generation.max_new_tokens, env.max_episode_tokens)
     out = []
     for mfc in mfcs:
-        if mfc.kind == "generate":
-            options = {**mfc.options, "turns": env.max_turns, "observation_tokens": env.max_episode_tokens - decoded,
-                       "tool_seconds": env.tool_latency_seconds}
-            out.append(dataclasses.replace(mfc, gen_tokens=decoded, options=options))
-        else:
-            out.append(dataclasses.replace(mfc, gen_tokens=env.max_episode_tokens))
+        match mfc.kind:
+            case MFCKind.GENERATE:
+                episodes = Episodes(env.max_turns, env.max_episode_tokens - decoded, env.tool_latency_seconds)
+                options = dataclasses.replace(mfc.options, episodes=episodes)
+                out.append(dataclasses.replace(mfc, gen_tokens=decoded, options=options))
+            case MFCKind.INFERENCE | MFCKind.TRAIN_STEP:
+                out.append(dataclasses.replace(mfc, gen_tokens=env.max_episode_tokens))
+            case unknown:
+                typing.assert_never(unknown)
     return out

@@ -23,7 +23,7 @@ from restage.algorithms._graphs import ACTOR_GEN, ACTOR_TRAIN, REF_INF, REWARD_I
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
-from restage.graph import MFC, MFCKind
+from restage.graph import MFC, MFCKind, MFCOptions
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,9 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     epochs = int(cfg.algo.get("ppo_epochs", 1))
     seq = ("seqs", "prompt_mask")
     gen_out = ("seqs", "prompt_mask", "logprobs") + (("rewards",) if reward_source(cfg) == "function" else ())
-    gen_options: dict = {"group_size": group}
-    if bool(cfg.algo.get("dynamic_sampling", False)):  # runtime/step/dynamic_sampling.py reads it
-        gen_options["dynamic_sampling_rounds"] = int(cfg.algo.get("max_sampling_rounds", 3))
+    # runtime/step/dynamic_sampling.py reads the rounds
+    rounds = int(cfg.algo.get("max_sampling_rounds", 3)) if bool(cfg.algo.get("dynamic_sampling", False)) else None
+    gen_options = MFCOptions(group_size=group, dynamic_sampling_rounds=rounds)
     out = [MFC(ACTOR_GEN, MFCKind.GENERATE, "actor", ("prompts",), gen_out, n, p, g, mb, options=gen_options)]
     if reward_source(cfg) == "model":
         out.append(MFC(REWARD_INF, MFCKind.INFERENCE, "reward", seq, ("rewards",), n, p, g, mb))

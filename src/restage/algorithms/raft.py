@@ -11,7 +11,7 @@ from restage.algorithms._graphs import ACTOR_GEN, ACTOR_TRAIN, REWARD_INF, rewar
 from restage.algorithms.interface import build_graph
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
-from restage.graph import MFC, MFCKind
+from restage.graph import MFC, MFCKind, MFCOptions
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
     n, p, g, mb = s["prompts"], s["prompt_tokens"], s["gen_tokens"], s["micro_batches"]
     fn = reward_source(cfg) == "function"
     out = [MFC(ACTOR_GEN, MFCKind.GENERATE, "actor", ("prompts",), ("seqs", "prompt_mask") + (("rewards",) if fn else ()),
-               n * group, p, g, mb, options={"group_size": group})]
+               n * group, p, g, mb, options=MFCOptions(group_size=group))]
     if not fn:
         out.append(MFC(REWARD_INF, MFCKind.INFERENCE, "reward", ("seqs", "prompt_mask"), ("rewards",), n * group, p, g, mb))
     # The best of each group is selected between MFCs; the train step sees one sequence per prompt.

@@ -317,7 +317,7 @@ def refill_seconds(mfc, candidate) -> float:
     the candidate's own prefill (``(prompt - 1)`` tokens once per group); the tiny GRPO job's 50-step run cuts
     about 40% of them (docs/runtime.md, "Partial rollouts"). The estimator gives every answer the same length, so the gain
     partial rollouts bring on uneven answers (the generator no longer waits for a batch's longest) is not costed."""
-    group = int(mfc.options.get("group_size", 1))
+    group = mfc.options.group
     prefix = max(1, mfc.prompt_tokens - 1)
     return candidate.estimate.part("prefill_seconds") * group * (mfc.prompt_tokens + mfc.gen_tokens / 2) / prefix
 

@@ -13,7 +13,7 @@ copies of frozen models are kept. A LoRA model's copies keep their frozen base b
 (``resident``): they are never freed, and the runtime's later reallocations into them move only
 the adapters (``runtime/store/model_store.py``).
 
-A reference EMA (a train MFC whose ``options`` hold ``ref_ema_eta`` > 0 and ``ref_ema_model``)
+A reference EMA (a train MFC whose ``options.ref_ema`` has ``eta`` > 0 and a ``model``)
 adds an ``ema`` op right after that train step: the trained model is reallocated from its home
 into the reference's home layout and mixed in, ``ref <- (1 - eta) ref + eta actor``. The
 reference then changes every iteration, so its copies in other layouts are freed like a
@@ -45,8 +45,9 @@ def ema_targets(graph: DataflowGraph) -> dict[str, str]:
     """Model updated by a reference EMA -> the train MFC whose model is mixed into it."""
     out = {}
     for mfc in graph:
-        if mfc.kind == "train_step" and float(mfc.options.get("ref_ema_eta", 0.0)) > 0:
-            target = mfc.options.get("ref_ema_model", "ref")
+        ema = mfc.options.ref_ema
+        if mfc.kind is MFCKind.TRAIN_STEP and ema is not None and ema.eta > 0:
+            target = ema.model
             if not any(m.model == target for m in graph):
                 raise ConfigError(f"{mfc.name}: the reference EMA updates {target!r}, which no MFC uses")
             out[target] = mfc.name

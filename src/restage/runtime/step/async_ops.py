@@ -19,7 +19,6 @@ from restage.layout import Layout
 from restage.models.parallel import ParallelContext
 from restage.runtime.control.records import StatsShare, StepRecord
 from restage.runtime.dataplane.rollout_buffer import Begun, Buffered, RolloutBuffer
-from restage.runtime.step import dynamic_sampling
 from restage.runtime.step.execute import step_seed
 from restage.runtime.step.multi_turn import generate_batch
 from restage.runtime.step.op_handlers import OpHandlers, StepData, reallocate_when_ready
@@ -83,7 +82,7 @@ class AsyncOps:
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             begin = h.clock.now_synced()
-            if dynamic_sampling.OPTION in mfc.options:  # DAPO: the batch of step target, its all-equal groups refilled
+            if mfc.options.dynamic_sampling_rounds is not None:  # DAPO: the batch of step target, its all-equal groups refilled
                 result = h.generate_filled(slot.at(layout), mfc, layout, prompts, target, data, version)
             else:
                 result = generate_batch(slot.at(layout), mfc, prompts, h.algo, h.cfg, h.state, seed, version)

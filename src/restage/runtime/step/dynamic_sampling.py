@@ -74,14 +74,15 @@ def _settled(mfc: MFC, result: MFCResult, state: AlgoState) -> Batch:
 def fill_batch(generate: Generate, mfc: MFC, prompts: Batch, source_batch: Callable[[list[int]], Batch],
                source_size: int, state: AlgoState, seed: int, step: int, run_seed: int,
                any_rank: Callable[[bool], bool]) -> MFCResult:
-    """Generate ``prompts``' groups, then replace all-equal ones for up to ``mfc.options[OPTION]`` extra rounds.
+    """Generate ``prompts``' groups, then replace all-equal ones for up to ``mfc.options.dynamic_sampling_rounds`` extra rounds.
 
     ``source_batch(positions)`` reads prompts from the training split (``source_size`` examples); ``seed`` is the
     step's generation seed (round ``r`` answers with ``seed + r``); ``run_seed`` and ``step`` key the replacement
     prompts; ``any_rank(flag)`` is True when ``flag`` holds on any rank of the generate layout.
     """
-    group = int(mfc.options.get("group_size", 1))
-    max_rounds = int(mfc.options[OPTION])
+    group = mfc.options.group
+    assert mfc.options.dynamic_sampling_rounds is not None, f"{mfc.name} has no dynamic sampling"
+    max_rounds = mfc.options.dynamic_sampling_rounds
     reward_key = next(k for k in mfc.outputs if k.endswith("rewards"))
     first = generate(prompts, seed)
     batch = _settled(mfc, first, state)

@@ -136,7 +136,7 @@ def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm,
                  seed: int, version: int | None = None) -> MFCResult:
     """Sample ``group_size`` answers per prompt; the output batch holds seqs, prompt_mask and logprobs (and, when the
     MFC outputs ``versions``, async mode's per-token policy ``version`` of the weights in ``module``)."""
-    group = int(mfc.options.get("group_size", 1))
+    group = mfc.options.group
     prompt_ids = prompt_lists(prompts)
     params = sampling_params(module, mfc, cfg, seed)
     # each prompt prefilled once for its group
@@ -177,7 +177,7 @@ def answers_result(mfc: MFC, prompts: Batch, answers: list[list[int]], answer_lo
                    state: AlgoState) -> MFCResult:
     """A generate MFC's output batch from its answers (request ``i * group_size + j``: sample j of prompt i), their
     log-probs and (async mode) each answer token's policy version."""
-    group = int(mfc.options.get("group_size", 1))
+    group = mfc.options.group
     repeated = [p for p in prompt_lists(prompts) for _ in range(group)]
     # An empty answer (EOS first with min_new_tokens=0 still yields that EOS) keeps at least one token.
     seqs = [p + a for p, a in zip(repeated, answers, strict=True)]

@@ -336,7 +336,7 @@ def play_episodes(module: StageModule, mfc: MFC, prompts: Batch, cfg: Experiment
                   seed: int, version: int | None = None) -> tuple[list[EpisodeRecord], int]:
     """The finished episodes of ``prompts`` (``group_size`` each; every rank of the replica gets them all) and the
     tokens the engine prefilled."""
-    group = int(mfc.options.get("group_size", 1))
+    group = mfc.options.group
     channel = ReplicaChannel(module)
     seeds = request_seeds(prompts, group, seed)
     with env_pool(cfg, len(seeds)) as pool:
@@ -354,7 +354,7 @@ def play_episodes(module: StageModule, mfc: MFC, prompts: Batch, cfg: Experiment
 def episodes_result(mfc: MFC, prompts: Batch, records: list[EpisodeRecord], version: int | None, algo: Algorithm,
                     cfg: ExperimentConfig, state: AlgoState, prefill_tokens: int) -> MFCResult:
     """The generate MFC's output batch of finished episodes, and the episodes' statistics."""
-    group = int(mfc.options.get("group_size", 1))
+    group = mfc.options.group
     reward_keys = [k for k in mfc.outputs if k.endswith("rewards")]
     if not reward_keys:
         raise ConfigError(f"environment.name: {mfc.name} must output the episodes' rewards; set reward_fn (the "

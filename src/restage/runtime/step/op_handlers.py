@@ -231,7 +231,8 @@ class OpHandlers:
         result = reallocate_when_ready(plan, source, self.groups, self.cfg.run.peer_wait_timeout_seconds,
                                        dtype=DTYPES[trained.entry.dtype], share_local=True)
         if self.rank in op.dst:
-            eta = float(mfc.options["ref_ema_eta"])
+            assert mfc.options.ref_ema is not None, f"{mfc.name} has no reference EMA"
+            eta = mfc.options.ref_ema.eta
             assert target.module is not None, f"rank {self.rank} of {op.model}'s home {op.dst} holds no shard"
             params = dict(target.module.named_parameters())
             for name, mixed_in in result.state.items():

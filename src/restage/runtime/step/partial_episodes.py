@@ -67,7 +67,7 @@ def run_partial_episodes(module: StageModule, mfc: MFC, now: Batch, begun: Episo
     """Finish the episodes of ``now`` (``begun``: those begun earlier, None: none) and begin ``later``'s (None: no
     later step); returns ``now``'s result, the version of its oldest policy token and ``later``'s episodes in
     flight. ``seeds``: the two batches' step seeds."""
-    group = int(mfc.options.get("group_size", 1))
+    group = mfc.options.group
     turns = cfg.environment.max_turns
     channel = ReplicaChannel(module)
     now_seeds = request_seeds(now, group, seeds[0])

@@ -36,7 +36,7 @@ def run_partial_generate(module: StageModule, mfc: MFC, now: Batch, begun: tuple
     """Finish the batch of prompts ``now`` (``begun``: its answers so far, None: none begun) and begin ``later``'s
     (None: no later step); returns ``now``'s result, the version of its oldest token and ``later``'s answers so
     far. ``seeds``: the two batches'."""
-    group = int(mfc.options.get("group_size", 1))
+    group = mfc.options.group
     params = sampling_params(module, mfc, cfg, seeds[0])
     first = _requests(now, group, seeds[0])
     begun = begun if begun is not None else tuple(Answer() for _ in first)
