@@ -1,14 +1,26 @@
-"""The import graph of ``src/restage``, read from the AST (function-level and type-only imports included).
+"""The import graph of ``src/restage``, read from the AST (function-level and type-only imports included), and two
+rules about what the code reads, checked on the AST too.
 
 The layers of docs/DESIGN.md: ``restage.schedule`` is the contract below ``restage.plan`` (which builds
 schedules) and ``restage.runtime`` (which executes them), so neither of those imports the other;
 ``restage.models`` is below the runtime; and no module reaches itself through its imports.
+
+The schedule is the runtime's only source of planning facts: no module under ``restage.runtime`` reads
+``X.plan``, ``X.models`` or ``X.cluster`` where ``X`` is the experiment config (``config_reads``). And kinds are
+enums, never strings: no code compares an MFC kind, an op kind, a dataset kind, the execution mode or the plan
+mode with a string literal, nor matches one against string patterns (``kind_string_compares``).
 """
 
 from __future__ import annotations
 
 import ast
+import re
+import typing
 from pathlib import Path
+
+from restage.config.schema import DatasetKind, Execution, PlanMode
+from restage.graph import MFCKind
+from restage.schedule.ops import Op
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -128,3 +140,127 @@ def test_models_and_the_contract_do_not_import_the_runtime_or_the_planner():
                     if (_in(a, "restage.models") and _in(b, "restage.runtime"))
                     or (_in(a, "restage.schedule") and (_in(b, "restage.runtime") or _in(b, "restage.plan"))))
     assert upward == []
+
+
+def _listing(offenders: dict[str, list[tuple[int, str]]]) -> str:
+    return "\n" + "\n".join(f"{name}:{line}: {code}" for name, found in offenders.items() for line, code in found)
+
+
+# --- The runtime reads no planning decision from the experiment config -------------------------------------------
+
+PLANNING_SECTIONS = {"plan", "models", "cluster"}
+# The names the experiment config goes by (a local, a parameter or an attribute such as ``self.cfg``); besides these,
+# any parameter or attribute annotated ``ExperimentConfig`` in the same file.
+CONFIG_NAMES = {"cfg", "config", "experiment", "experiment_config", "exp_cfg"}
+
+
+def _config_names(tree: ast.AST) -> set[str]:
+    names = set(CONFIG_NAMES)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            if "ExperimentConfig" in ast.unparse(node.annotation):
+                names.add(node.arg)
+        elif isinstance(node, ast.AnnAssign) and "ExperimentConfig" in ast.unparse(node.annotation):
+            target = node.target
+            names.add(target.attr if isinstance(target, ast.Attribute) else ast.unparse(target))
+    return names
+
+
+def config_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, expression) of every ``X.plan`` / ``X.models`` / ``X.cluster`` whose ``X`` is a name or an attribute
+    called as the experiment config is (``CONFIG_NAMES``, or annotated ``ExperimentConfig`` in the file)."""
+    names = _config_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in PLANNING_SECTIONS:
+            base = node.value
+            if (isinstance(base, ast.Name) and base.id in names) or (isinstance(base, ast.Attribute)
+                                                                    and base.attr in names):
+                found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def test_the_runtime_reads_no_planning_section_of_the_config():
+    modules = _modules()
+    offenders = {name: reads for name, path in modules.items() if _in(name, "restage.runtime")
+                 and (reads := config_reads(ast.parse(path.read_text(), str(path))))}
+    assert offenders == {}, _listing(offenders)
+
+
+def test_config_reads_finds_a_planted_read():
+    planted = ast.parse("""
+def f(cfg, schedule, run: ExperimentConfig):
+    a = cfg.plan.execution          # read
+    b = self.cfg.models["actor"]    # read
+    c = run.cluster.name            # read: annotated ExperimentConfig
+    d = schedule.models["actor"]    # the schedule: fine
+    e = cfg.run.steps               # not a planning section
+""")
+    assert [line for line, _ in config_reads(planted)] == [3, 4, 5]
+
+
+# --- Kinds are compared and matched as enum members, never as strings ----------------------------------------------
+
+# The strings that name a kind or a mode, read from the enums and op classes themselves.
+KIND_VALUES = ({k.value for k in MFCKind} | {k.value for k in DatasetKind} | {e.value for e in Execution}
+               | {m.value for m in PlanMode} | {op.kind for op in typing.get_args(Op)})
+# What holds a kind: an attribute or a name called kind / execution / mode (or ending in _kind, _mode).
+KIND_HOLDER = re.compile(r"(^|_)(kind|execution|mode)$")
+
+
+def _holds_kind(node: ast.expr) -> bool:
+    name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+    return bool(KIND_HOLDER.search(name))
+
+
+def _kind_strings(node: ast.expr | ast.pattern) -> bool:
+    """A string literal naming a kind, or a tuple / list / set of literals with one among them."""
+    match node:
+        case ast.Constant(value=str(value)) | ast.MatchValue(value=ast.Constant(value=str(value))):
+            return value in KIND_VALUES
+        case ast.Tuple(elts=items) | ast.List(elts=items) | ast.Set(elts=items):
+            return any(_kind_strings(item) for item in items)
+        case ast.MatchOr(patterns=patterns):
+            return any(_kind_strings(p) for p in patterns)
+        case ast.MatchAs(pattern=inner) if inner is not None:
+            return _kind_strings(inner)
+    return False
+
+
+def kind_string_compares(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, code) of each comparison (==, !=, in, not in, is) of a kind holder (``KIND_HOLDER``) with a string that
+    names a kind (``KIND_VALUES``), and each ``match`` on a kind holder with such a string among its patterns."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any((_holds_kind(a) and _kind_strings(b)) or (_holds_kind(b) and _kind_strings(a))
+                   for a, b in zip(sides, sides[1:])):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Match) and _holds_kind(node.subject):
+            if any(_kind_strings(case.pattern) for case in node.cases):
+                found.append((node.lineno, f"match {ast.unparse(node.subject)}"))
+    return sorted(found)
+
+
+def test_no_kind_or_mode_is_compared_with_a_string():
+    offenders = {name: compares for name, path in _modules().items()
+                 if (compares := kind_string_compares(ast.parse(path.read_text(), str(path))))}
+    assert offenders == {}, _listing(offenders)
+
+
+def test_kind_string_compares_finds_planted_ones():
+    planted = ast.parse("""
+if mfc.kind == "generate": pass                      # 2: an MFC kind
+if "async" != cfg.plan.execution: pass               # 3: the execution mode, either side
+if op.kind in ("realloc", "transfer"): pass          # 4: op kinds
+match ds.kind:                                       # 5: a dataset kind as a string pattern
+    case "sft" | "preference": pass
+if exec_mode == "sync": pass                         # 7: a name ending in _mode
+if mfc.kind is MFCKind.GENERATE: pass                # fine: the member
+if estimator_kind == "k1": pass                      # fine: not a kind of ours
+if dtype.kind == "O": pass                           # fine: numpy's
+match mfc.kind:
+    case MFCKind.TRAIN_STEP: pass                    # fine
+""")
+    assert [line for line, _ in kind_string_compares(planted)] == [2, 3, 4, 5, 7]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from restage.config.schema import ExperimentConfig
+from restage.config.schema import Execution, ExperimentConfig
 from restage.errors import ConfigError
 from restage.graph import MFC, MFCKind
 
@@ -42,7 +42,7 @@ def reward_source(cfg: ExperimentConfig) -> str:
 
 def is_async(cfg: ExperimentConfig) -> bool:
     """Whether the job trains asynchronously (``plan.execution: async``): on tokens of older policy versions."""
-    return cfg.plan.execution == "async"
+    return cfg.plan.execution == Execution.ASYNC
 
 
 def with_proximal(cfg: ExperimentConfig, mfcs: list[MFC]) -> list[MFC]:

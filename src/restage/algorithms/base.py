@@ -30,7 +30,7 @@ from restage.config.load import build
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
-from restage.graph import MFC, DataflowGraph
+from restage.graph import MFC, DataflowGraph, MFCKind
 
 FORWARD_OUTPUTS = ("logprobs", "entropy", "values")  # what a model forward can be asked for
 
@@ -148,7 +148,7 @@ def default_inference(mfc: MFC, batch: Batch, outputs: dict[str, torch.Tensor]) 
 def generated_reward_keys(mfc: MFC) -> tuple[str, str, str] | None:
     """(ids key, prompt-mask key, reward key) of a generate MFC that must attach function rewards, else None."""
     rewards = [k for k in mfc.outputs if k.endswith("rewards")]
-    if mfc.kind != "generate" or not rewards:
+    if mfc.kind is not MFCKind.GENERATE or not rewards:
         return None
     return mfc.outputs[0], mfc.outputs[1], rewards[0]
 

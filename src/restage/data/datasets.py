@@ -20,12 +20,13 @@ example (``Example.fields``) for the reward function.
 from __future__ import annotations
 
 import random
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from restage.config.schema import ExperimentConfig
+from restage.config.schema import DatasetKind, ExperimentConfig, check_choice
 from restage.data.batch import Batch, pack_sequences
 from restage.data.chat import answer_ids, cut_prompt, episode_answer_ids, full_prompt_ids
 from restage.data.sources import ROLES as FIELDS
@@ -45,17 +46,17 @@ class Example:
     observed: tuple[bool, ...] = ()  # sft episodes: True on the answer's tokens the policy did not write
 
 
-def tokenize(rows: Sequence[dict], kind: str, tokenizer, max_prompt_tokens: int, max_answer_tokens: int,
+def tokenize(rows: Sequence[dict], kind: DatasetKind | str, tokenizer, max_prompt_tokens: int, max_answer_tokens: int,
              first_index: int = 0, chat_template: bool = False, cut: list[tuple[int, int]] | None = None) -> list[Example]:
     """Encode rows of one layout; refuses an empty prompt or answer with its line number. ``cut`` (when given)
     receives (line number, tokens before the cut) of each prompt cut to ``max_prompt_tokens``."""
-    if kind not in FIELDS:
-        raise ConfigError(f"dataset.kind: {kind!r} must be one of {', '.join(FIELDS)}")
+    layout: DatasetKind = check_choice(kind, DatasetKind, "dataset.kind")  # a test's or a tool's plain name too
+    episodes = layout is DatasetKind.SFT  # only an sft answer may be a list of turns (data/chat.py)
     if max_prompt_tokens < 1 or max_answer_tokens < 1:
         raise ConfigError("dataset.max_prompt_tokens and dataset.max_answer_tokens must be >= 1")
     out = []
     for i, row in enumerate(rows, first_index):
-        if chat_template and kind == "sft" and isinstance(row["answer"], list):
+        if chat_template and episodes and isinstance(row["answer"], list):
             raise ConfigError(f"line {i + 1}: an answer given as turns is read as plain text; set "
                               "dataset.chat_template=false")
         full = full_prompt_ids(tokenizer, row["prompt"], chat_template)
@@ -64,37 +65,40 @@ def tokenize(rows: Sequence[dict], kind: str, tokenizer, max_prompt_tokens: int,
             cut.append((i - first_index + 1, len(full)))
         if not prompt:
             raise ConfigError(f"line {i + 1}: the prompt encodes to no tokens")
-        if kind == "sft" and isinstance(row["answer"], list):  # a multi-turn episode (data/chat.py)
+        if episodes and isinstance(row["answer"], list):  # a multi-turn episode (data/chat.py)
             answer, observed = episode_answer_ids(tokenizer, row["answer"], max_answer_tokens)
             out.append(Example(i, prompt, (answer,), row.get("fields", {}), observed))
             continue
-        answers = tuple(answer_ids(tokenizer, row[name], max_answer_tokens) for name in FIELDS[kind][1:])
+        answers = tuple(answer_ids(tokenizer, row[name], max_answer_tokens) for name in FIELDS[layout][1:])
         out.append(Example(i, prompt, answers, row.get("fields", {})))
     return out
 
 
-def collate(examples: Sequence[Example], kind: str) -> Batch:
+def collate(examples: Sequence[Example], kind: DatasetKind | str) -> Batch:
     """The packed batch of a list of examples, with the keys the algorithms' MFCs read (see module doc)."""
     ids = [e.index for e in examples]
-    if kind == "prompt":
-        return pack_sequences([e.prompt for e in examples], key="prompts", ids=ids)
-    if kind == "sft":
-        batch = pack_sequences([e.prompt + e.answers[0] for e in examples], key="packed_input_ids",
-                               prompt_lens=[len(e.prompt) for e in examples], ids=ids)
-        if any(e.observed for e in examples):  # episodes: observation tokens join the prompt in prompt_mask
-            batch.tokens["prompt_mask"] = torch.tensor(
-                [b for e in examples for b in (True,) * len(e.prompt) + (e.observed or (False,) * len(e.answers[0]))])
-        return batch
-    if kind == "preference":
-        seqs = [e.prompt + answer for e in examples for answer in e.answers]
-        return pack_sequences(seqs, group_size=2, key="packed_pair_ids",
-                              prompt_lens=[len(e.prompt) for e in examples for _ in e.answers], ids=ids)
-    raise ConfigError(f"dataset.kind: {kind!r} must be one of {', '.join(FIELDS)}")
+    layout: DatasetKind = check_choice(kind, DatasetKind, "dataset.kind")
+    match layout:
+        case DatasetKind.PROMPT:
+            return pack_sequences([e.prompt for e in examples], key="prompts", ids=ids)
+        case DatasetKind.SFT:
+            batch = pack_sequences([e.prompt + e.answers[0] for e in examples], key="packed_input_ids",
+                                   prompt_lens=[len(e.prompt) for e in examples], ids=ids)
+            if any(e.observed for e in examples):  # episodes: observation tokens join the prompt in prompt_mask
+                batch.tokens["prompt_mask"] = torch.tensor([b for e in examples for b in (True,) * len(e.prompt)
+                                                            + (e.observed or (False,) * len(e.answers[0]))])
+            return batch
+        case DatasetKind.PREFERENCE:
+            seqs = [e.prompt + answer for e in examples for answer in e.answers]
+            return pack_sequences(seqs, group_size=2, key="packed_pair_ids",
+                                  prompt_lens=[len(e.prompt) for e in examples for _ in e.answers], ids=ids)
+        case unknown:
+            typing.assert_never(unknown)
 
 
 @dataclass(frozen=True)
 class Dataset:
-    kind: str
+    kind: DatasetKind
     examples: tuple[Example, ...]
     # (file, line number, tokens before the cut) of each prompt longer than dataset.max_prompt_tokens
     cut_prompts: tuple[tuple[str, int, int], ...] = ()
@@ -160,7 +164,8 @@ def check_positions(cfg: ExperimentConfig, splits: Sequence[Dataset], positions:
     if not positions or not examples:
         return
     name, limit = min(positions.items(), key=lambda item: item[1])
-    generated = cfg.generation.max_new_tokens if cfg.dataset.kind == "prompt" else 0
+    answers_generated = cfg.dataset.kind is DatasetKind.PROMPT
+    generated = cfg.generation.max_new_tokens if answers_generated else 0
 
     def answer_tokens(e: Example) -> int:
         return max((len(a) for a in e.answers), default=generated)
@@ -170,7 +175,7 @@ def check_positions(cfg: ExperimentConfig, splits: Sequence[Dataset], positions:
     if prompt + answer <= limit:
         return
     where = f"models.{name} has {limit} positions (max_position_embeddings)"
-    if cfg.dataset.kind == "prompt":
+    if answers_generated:
         if generated >= limit:
             raise ConfigError(f"generation.max_new_tokens {generated} leaves no room for a prompt: {where}; lower it")
         raise ConfigError(f"{cfg.dataset.path}:{longest.index + 1}: the prompt is {prompt} tokens, and with "
@@ -185,8 +190,6 @@ def check_positions(cfg: ExperimentConfig, splits: Sequence[Dataset], positions:
 def load_splits(cfg: ExperimentConfig, tokenizer=None) -> tuple[Dataset, Dataset]:
     """(train, eval) splits of ``cfg.dataset``; eval is empty when ``eval_fraction`` is 0."""
     ds = cfg.dataset
-    if ds.kind not in FIELDS:
-        raise ConfigError(f"dataset.kind: {ds.kind!r} must be one of {', '.join(FIELDS)}")
     if not 0.0 <= ds.eval_fraction < 1.0:
         raise ConfigError(f"dataset.eval_fraction: {ds.eval_fraction} must be in [0, 1)")
     tokenizer = tokenizer or load_tokenizer(default_tokenizer_dir(cfg))

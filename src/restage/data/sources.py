@@ -22,9 +22,11 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from restage.config.schema import DatasetKind, check_choice
 from restage.errors import ConfigError, hub_hint
 
-ROLES = {"prompt": ("prompt",), "sft": ("prompt", "answer"), "preference": ("prompt", "chosen", "rejected")}
+ROLES: dict[DatasetKind, tuple[str, ...]] = {DatasetKind.PROMPT: ("prompt",), DatasetKind.SFT: ("prompt", "answer"),
+                                             DatasetKind.PREFERENCE: ("prompt", "chosen", "rejected")}
 PRETOKENISED = ("input_ids", "token_ids")  # columns that may hold a prompt's ids when it has no prompt column
 
 
@@ -117,19 +119,18 @@ def column_for(role: str, fields: Mapping[str, str]) -> str:
     return fields.get(role, role)
 
 
-def select_roles(rows: Sequence[dict], kind: str, fields: Mapping[str, str], where: str) -> list[dict]:
+def select_roles(rows: Sequence[dict], kind: DatasetKind | str, fields: Mapping[str, str], where: str) -> list[dict]:
     """Each row as ``{role: value for the layout's roles} | {other column: value}``; one-line errors name the
     row and the columns the file has."""
-    if kind not in ROLES:
-        raise ConfigError(f"dataset.kind: {kind!r} must be one of {', '.join(ROLES)}")
-    unknown = sorted(set(fields) - {*ROLES["preference"], *ROLES["sft"]})
+    layout: DatasetKind = check_choice(kind, DatasetKind, "dataset.kind")
+    unknown = sorted(set(fields) - {*ROLES[DatasetKind.PREFERENCE], *ROLES[DatasetKind.SFT]})
     if unknown:
         raise ConfigError(f"dataset.fields: {', '.join(unknown)} is not a role; map prompt, answer, chosen or rejected")
     out = []
     for number, row in enumerate(rows, 1):
         picked: dict = {}
         used = set()
-        for role in ROLES[kind]:
+        for role in ROLES[layout]:
             column = column_for(role, fields)
             if column not in row and role == "prompt" and "prompt" not in fields:
                 column = next((c for c in PRETOKENISED if c in row), column)

@@ -80,26 +80,32 @@ def _write_step(writer: LogWriter, step: int, steps: int, step_start: float, rng
             writer.mfc(step, name, *MODELS[name], r, start, end, tokens_per_rank, flops_per_token * tokens_per_rank, memory)
             rank_time[r] = end
 
-    def move(kind: str, name: str, src: str, dst: str, ranks: range, num_bytes: int) -> None:
+    def occupy(ranks: range, name: str) -> tuple[float, float]:
+        """(begin, end) of a move over ``ranks`` once all of them are free; they are busy until its end."""
         begin = max(rank_time[r] for r in ranks)
-        end = begin + seconds(kind)
-        if kind == "realloc":  # one row for the whole group: src and dst meshes together are its ranks
-            writer.realloc(step, name, src, dst, num_bytes, begin, end)
-        for r in ranks:
-            if kind == "transfer":  # one row per rank taking part, as each rank times its own part
-                writer.transfer(step, name, src, dst, num_bytes // len(ranks), begin, end, rank=r)
-            rank_time[r] = end
+        end = begin + seconds(name)
+        rank_time.update(dict.fromkeys(ranks, end))
+        return begin, end
+
+    def realloc(name: str, src: str, dst: str, ranks: range, num_bytes: int) -> None:
+        begin, end = occupy(ranks, "realloc")  # one row for the whole group: src and dst meshes together are its ranks
+        writer.realloc(step, name, src, dst, num_bytes, begin, end)
+
+    def transfer(name: str, src: str, dst: str, ranks: range, num_bytes: int) -> None:
+        begin, end = occupy(ranks, "transfer")
+        for r in ranks:  # one row per rank taking part, as each rank times its own part
+            writer.transfer(step, name, src, dst, num_bytes // len(ranks), begin, end, rank=r)
 
     samples = SAMPLES_PER_RANK * world_size
     tokens = samples * SEQ_TOKENS
-    move("realloc", "actor", lay["lo"], lay["all"], everyone, int(2 * PARAMS))
+    realloc("actor", lay["lo"], lay["all"], everyone, int(2 * PARAMS))
     run("actor_gen", everyone, tokens // world_size, 2 * PARAMS)
-    move("transfer", "seqs", lay["all"], lay["lo"], lo, tokens * 4)
-    move("transfer", "seqs", lay["all"], lay["hi"], hi, tokens * 4)
+    transfer("seqs", lay["all"], lay["lo"], lo, tokens * 4)
+    transfer("seqs", lay["all"], lay["hi"], hi, tokens * 4)
     run("ref_inf", lo, tokens, 2 * PARAMS / half)  # tp over the half: every rank sees all tokens, 1/half of the weights
     run("reward_inf", hi, tokens // half, 2 * PARAMS)
     run("critic_inf", hi, tokens // half, 2 * PARAMS)
-    move("transfer", "rewards", lay["hi"], lay["lo"], everyone, samples * SEQ_TOKENS * 8)
+    transfer("rewards", lay["hi"], lay["lo"], everyone, samples * SEQ_TOKENS * 8)
     run("actor_train", lo, tokens, 6 * PARAMS / half)
     run("critic_train", hi, tokens // half, 6 * PARAMS)
     step_end = max(rank_time.values()) + seconds("master")
