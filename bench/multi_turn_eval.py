@@ -17,6 +17,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from restage.algorithms.base import CallContext
 from restage.algorithms.interface import get_algorithm
 from restage.config.load import load_config
 from restage.data import arith
@@ -44,7 +45,7 @@ def evaluate(model: str, job: str = "jobs/grpo_calculator_tiny.yaml", prompts: i
     mfc = state.graph["actor_gen"]
     totals: dict[str, float] = {}
     for seed in seeds:
-        records, _ = play_episodes(module, mfc, packed, cfg, state, seed)
+        records, _ = play_episodes(module, mfc, packed, cfg, state, CallContext(), seed)
         if seed == seeds[0]:
             for record in records[:show]:
                 print(" ".join(tokenizer.convert_ids_to_tokens(list(record.ids))))

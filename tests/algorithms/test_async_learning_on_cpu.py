@@ -13,6 +13,7 @@ import torch
 from tiny_loop import logprobs, sample, tiny_model
 
 from restage.algorithms import offpolicy
+from restage.algorithms.base import CallContext
 from restage.algorithms.interface import get_algorithm
 from restage.config.load import config_from_dict
 from restage.data import datasets, sources
@@ -49,9 +50,9 @@ def stale_grpo_rewards(steps, seed=0):
             })
         batch = grpo.after_generate("actor_gen", batch, c, state)
         batch, _ = grpo.prepare_train(batch, c, state, step)
-        state.policy_version = step
         behaviour.load_state_dict(model.state_dict())  # the push: the next batch comes from these weights
-        loss, stats = grpo.loss("actor_train", batch, {"logprobs": logprobs(model, batch, "seqs")}, c, state)
+        loss, stats = grpo.loss("actor_train", batch, {"logprobs": logprobs(model, batch, "seqs")}, c, state,
+                                CallContext(policy_version=step))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -83,7 +83,7 @@ def variant_rewards(tokenizer, algo_keys: dict, steps: int = STEPS, seed: int = 
         if gen_mfc.options.dynamic_sampling_rounds is not None:
             result = dynamic_sampling.fill_batch(
                 generate, gen_mfc, prompts, lambda pos: datasets.collate([examples[p] for p in pos], "prompt"),
-                len(examples), state, 0, step, seed, lambda flag: flag)
+                len(examples), None, 0, step, seed, lambda flag: flag)
             ds_stats.append(result.stats | {"n_seqs": result.batch.n_seqs})
             batch = result.batch
         else:

@@ -228,10 +228,6 @@ def fake_generate(reward_of, calls):
     return generate
 
 
-class FakeState:
-    pending_rewards: dict = {}
-
-
 def source(positions):
     return Batch((1,) * len(positions), {"prompts": torch.ones(len(positions), dtype=torch.long)}, {}, 1,
                  tuple(positions))
@@ -248,7 +244,7 @@ def test_dapo_dynamic_sampling_refills_every_dropped_group_and_keeps_the_batch_f
         return float(j % 2) if i % 2 == 0 or seed != 100 else 0.0
     calls = []
     prompts = source([0, 1, 2, 3])
-    out = dynamic_sampling.fill_batch(fake_generate(reward_of, calls), MFC_DS, prompts, source, 1000, FakeState(), 100,
+    out = dynamic_sampling.fill_batch(fake_generate(reward_of, calls), MFC_DS, prompts, source, 1000, None, 100,
                                       5, 1, lambda flag: flag)
     assert out.batch.n_samples == 4 and out.batch.n_seqs == 16
     assert all(dynamic_sampling.informative(out.batch["rewards"], 4))
@@ -264,14 +260,14 @@ def test_dapo_dynamic_sampling_refills_every_dropped_group_and_keeps_the_batch_f
 def test_dapo_dynamic_sampling_stops_after_its_rounds_and_follows_the_other_ranks():
     calls = []
     never = fake_generate(lambda i, seed, j: 1.0, calls)  # every group all-equal
-    out = dynamic_sampling.fill_batch(never, MFC_DS, source([7, 8, 9, 10]), source, 1000, FakeState(), 100, 0, 1,
+    out = dynamic_sampling.fill_batch(never, MFC_DS, source([7, 8, 9, 10]), source, 1000, None, 100, 0, 1,
                                       lambda flag: flag)
     assert len(calls) == 4 and out.batch.n_samples == 4 and out.batch.ids == (7, 8, 9, 10)  # the first groups kept
     assert (out.stats["actor_gen/dynamic_sampling_rounds"], out.stats["actor_gen/dynamic_sampling_unfilled"]) == (3, 1)
     # A rank whose slots are all full still goes round while another rank needs to (one prompt, discarded).
     calls.clear()
     always = fake_generate(lambda i, seed, j: float(j), calls)
-    out = dynamic_sampling.fill_batch(always, MFC_DS, source([7, 8, 9, 10]), source, 1000, FakeState(), 100, 0, 1,
+    out = dynamic_sampling.fill_batch(always, MFC_DS, source([7, 8, 9, 10]), source, 1000, None, 100, 0, 1,
                                       lambda flag: True)
     assert [len(ids) for ids, _ in calls] == [4, 1, 1, 1] and out.batch.ids == (7, 8, 9, 10)
     assert out.stats["actor_gen/dynamic_sampling_rounds"] == 3.0 and out.stats["actor_gen/dynamic_sampling_groups"] == 1

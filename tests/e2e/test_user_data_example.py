@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from restage.algorithms.base import CallContext
 from restage.algorithms.interface import get_algorithm
 from restage.config.load import load_config
 from restage.data.batch import pack_sequences
@@ -88,7 +89,7 @@ def test_prompts_are_the_chat_template_and_the_math_reward_reads_each_rows_answe
     # The runtime's path: after_generate attaches the math reward, given each sample's fields.
     algo = get_algorithm(cfg.algorithm)
     state = algo.init_state(cfg, tokenizer)
-    state.sample_fields = sample_fields(train, held_out)
+    call = CallContext(sample_fields=sample_fields(train, held_out))
     eos = tokenizer.eos_token_id
     ids = [7, 24]  # what is 0 + 7 ?  and  what is 2 + 5 ?  (both 7)
     answers = {7: ["7", "6"] + ["7"] * 6, 24: ["7", "3 + 4 = 7"] + ["7"] * 6}  # 8 answers per prompt (group_size)
@@ -100,8 +101,8 @@ def test_prompts_are_the_chat_template_and_the_math_reward_reads_each_rows_answe
             prompt_lens.append(len(prompt))
     batch = pack_sequences(seqs, group_size=8, prompt_lens=prompt_lens, ids=ids)
     batch = batch.with_keys(tokens={"logprobs": torch.zeros(batch.n_tokens)})
-    scored = algo.after_generate("actor_gen", batch, cfg, state)["rewards"]
+    scored = algo.after_generate("actor_gen", batch, cfg, state, call)["rewards"]
     assert rows[7]["answer"] == "7" and rows[24]["answer"] == "7"
     assert scored.tolist() == [1.0, 0.0] + [1.0] * 6 + [1.0, 1.0] + [1.0] * 6
-    state.sample_fields = {7: {"answer": "6"}, 24: {"answer": "4"}}  # other references: other scores
-    assert algo.after_generate("actor_gen", batch, cfg, state)["rewards"].tolist() == [0.0, 1.0] + [0.0] * 14
+    call = CallContext(sample_fields={7: {"answer": "6"}, 24: {"answer": "4"}})  # other references: other scores
+    assert algo.after_generate("actor_gen", batch, cfg, state, call)["rewards"].tolist() == [0.0, 1.0] + [0.0] * 14

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+from restage.algorithms.base import CallContext
 from restage.algorithms.environments import EpisodeContext, StepResult, register_environment
 from restage.algorithms.interface import get_algorithm
 from restage.config.load import config_from_dict
@@ -70,7 +71,8 @@ def episodes(module, cfg: ExperimentConfig, seed: int = 5, version: int | None =
     tokenizer = load_tokenizer(cfg.dataset.tokenizer)
     algo = get_algorithm(cfg.algorithm)
     state = algo.init_state(cfg, tokenizer)
-    return generate_batch(module, state.graph["actor_gen"], prompts_batch(tokenizer), algo, cfg, state, seed, version)
+    return generate_batch(module, state.graph["actor_gen"], prompts_batch(tokenizer), algo, cfg, state,
+                          CallContext(), seed, version)
 
 
 def sequences(batch: Batch) -> list[tuple[list[int], list[int]]]:

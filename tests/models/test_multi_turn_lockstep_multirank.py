@@ -27,6 +27,7 @@ def _play(module, cfg, replica: int, counted=None):
     (sequences, rewards, forwards of ``counted`` (default: the module) this rank ran)."""
     from multi_turn_cases import PROMPTS, Scripted, sequences
 
+    from restage.algorithms.base import CallContext
     from restage.algorithms.interface import get_algorithm
     from restage.data.batch import pack_sequences
     from restage.data.tokenizer import load_tokenizer
@@ -42,7 +43,7 @@ def _play(module, cfg, replica: int, counted=None):
     forwards = [0]
     counted = counted if counted is not None else module
     hook = counted.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
-    result = generate_batch(module, state.graph["actor_gen"], prompts, algo, cfg, state, seed=5)
+    result = generate_batch(module, state.graph["actor_gen"], prompts, algo, cfg, state, CallContext(), seed=5)
     hook.remove()
     Scripted.delays = {}
     return sequences(result.batch), result.batch["rewards"].tolist(), forwards[0]

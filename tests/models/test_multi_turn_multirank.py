@@ -46,6 +46,7 @@ def _partial(module, cfg):
     """Call 1 finishes a batch seeded 9 and begins ``episodes``'s (seed 5); call 2 finishes it."""
     from multi_turn_cases import prompts_batch, sequences
 
+    from restage.algorithms.base import CallContext
     from restage.algorithms.interface import get_algorithm
     from restage.data.tokenizer import load_tokenizer
     from restage.runtime.step.partial_episodes import run_partial_episodes
@@ -56,8 +57,8 @@ def _partial(module, cfg):
     algo = get_algorithm(cfg.algorithm)
     state = algo.init_state(cfg, tokenizer)
     prompts, mfc = prompts_batch(tokenizer), state.graph["actor_gen"]
-    _, _, begun = run_partial_episodes(module, mfc, prompts, None, prompts, algo, cfg, state, (9, 5), 1)
-    result, _, _ = run_partial_episodes(module, mfc, prompts, begun, None, algo, cfg, state, (5, 6), 2)
+    _, _, begun = run_partial_episodes(module, mfc, prompts, None, prompts, algo, cfg, state, CallContext(), (9, 5), 1)
+    result, _, _ = run_partial_episodes(module, mfc, prompts, begun, None, algo, cfg, state, CallContext(), (5, 6), 2)
     return sequences(result.batch), result.batch["rewards"].tolist()
 
 

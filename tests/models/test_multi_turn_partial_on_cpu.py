@@ -12,6 +12,7 @@ import pytest
 import torch
 from multi_turn_cases import PROMPTS, STARTED, WAITED, Scripted, config, sequences
 
+from restage.algorithms.base import CallContext
 from restage.algorithms.interface import get_algorithm
 from restage.data.batch import pack_sequences
 from restage.data.tokenizer import load_tokenizer
@@ -46,12 +47,14 @@ def _batch(tokenizer, first_id: int):
 
 def _whole(arith, batch, seed):
     module, cfg, _, algo, state = arith
-    return generate_batch(module, state.graph["actor_gen"], batch, algo, cfg, state, seed, version=0).batch
+    return generate_batch(module, state.graph["actor_gen"], batch, algo, cfg, state, CallContext(), seed,
+                          version=0).batch
 
 
 def _partial(arith, now, begun, later, seeds, version):
     module, cfg, _, algo, state = arith
-    return run_partial_episodes(module, state.graph["actor_gen"], now, begun, later, algo, cfg, state, seeds, version)
+    return run_partial_episodes(module, state.graph["actor_gen"], now, begun, later, algo, cfg, state, CallContext(),
+                                seeds, version)
 
 
 def test_multi_turn_partial_rollouts_continue_episodes_across_calls_to_their_uninterrupted_tokens(arith):
@@ -97,7 +100,7 @@ def test_multi_turn_partial_rollout_continues_a_turn_cut_mid_answer(arith):
     assert cut >= 1
     answer = ids[prompt_len:prompt_len + cut]
     logprobs = reference["logprobs"][prompt_len:prompt_len + cut].tolist()
-    episodes = start_episodes(b, cfg, state, group=2)
+    episodes = start_episodes(b, cfg, state, CallContext(), group=2)
     feed = EpisodeFeed(episodes, cfg, tokenizer, None)  # only for the first turns' caps
     turns = feed.first_turns(0, len(episodes))
     turns[0] = NextTurn(0, turns[0].context, turns[0].max_new, tuple(answer), tuple(logprobs))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from runs import ROOT, restage_run
 
+from restage.algorithms.base import CallContext
 from restage.algorithms.interface import get_algorithm
 from restage.algorithms.rewards import resolve_accuracy
 from restage.config.load import load_config
@@ -54,7 +55,7 @@ def expected(held_out):
     prompts = datasets.collate(datasets.tokenize(rows, "prompt", tokenizer, cfg.dataset.max_prompt_tokens,
                                                  cfg.dataset.max_answer_tokens), "prompt")
     records = eval_episodes(load_stage(model, Layout((0,), Strategy()), None, 0), state.graph["actor_gen"], prompts,
-                            cfg, state)
+                            cfg, state, CallContext())
     sums = episode_sums(records, tokenizer, resolve_accuracy(cfg.reward_fn))
     # Every episode has its three turns; rewards and calls vary with what the policy wrote.
     assert sums["prompts"] == HELD_OUT and sums["turns"] == 3 * HELD_OUT

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from restage.algorithms import rewards, verifiers
+from restage.algorithms.base import CallContext, RewardScoring
 from restage.algorithms.interface import get_algorithm
 from restage.algorithms.scoring import RewardPool
 from restage.config.load import config_from_dict
@@ -74,14 +75,15 @@ def one_step(reward_fn: str, answers: list[list[int]], *, overlap: bool, on_erro
                             "rewards": {"workers": 4, "on_error": on_error}})
     algo = get_algorithm("grpo")
     state = algo.init_state(cfg, Letters())
-    state.sample_fields = {11: {"bonus": 10}, 12: {"bonus": 20}}
     pool = RewardPool(cfg.rewards.workers) if overlap else None
-    state.reward_pool = pool
+    call = CallContext(sample_fields={11: {"bonus": 10}, 12: {"bonus": 20}},
+                       scoring=RewardScoring(pool) if pool is not None else None)
     received, said = {}, []
 
     def run(op, step, data, record):
         if op.mfc == "actor_gen":
-            data.keep(op.mfc, algo.after_generate(op.mfc, generated(answers), cfg, state), state)
+            batch = algo.after_generate(op.mfc, generated(answers), cfg, state, call)
+            data.keep(op.mfc, batch, call.scoring.take(op.mfc) if call.scoring is not None else None)
         elif op.mfc == "ref_inf":
             busy_for(S)
         else:

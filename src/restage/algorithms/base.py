@@ -6,19 +6,25 @@ functions (docs/algorithms.md has the full contract).
 In short, per iteration the runtime:
 
 1. ``generate`` MFCs: runs the model, packs ``seqs``/``prompt_mask``/``logprobs`` into a ``Batch``,
-   then calls ``after_generate(mfc_name, batch, cfg, state)`` (function rewards are added here: under the
-   runtime, which gives the state a ``reward_pool``, they are started here and attached where first sent);
+   then calls ``after_generate(mfc_name, batch, cfg, state, ctx)`` (function rewards are added here: under the
+   runtime, whose context carries its ``RewardScoring``, they are started here and attached where first sent);
 2. ``inference`` MFCs: runs the forward pass that ``forward_outputs(mfc_name, cfg)`` asks for on
    each micro-batch and turns it into the MFC's output keys with ``inference(...)``;
 3. once per iteration on the train ranks: ``prepare_train(batch, cfg, state, step, reduce)``;
 4. ``train_step`` MFCs: for each minibatch and micro-batch, the forward pass of
-   ``forward_outputs``, then ``loss(mfc_name, micro_batch, outputs, cfg, state) -> (loss, stats)``.
+   ``forward_outputs``, then ``loss(mfc_name, micro_batch, outputs, cfg, state, ctx) -> (loss, stats)``.
+
+``state`` (``AlgoState``) is the algorithm's own: the runtime makes it with ``init_state`` and never writes it.
+What the runtime knows about a call (the policy version a train step starts from, the samples' dataset fields,
+its reward pool) it hands over as a frozen ``CallContext``; the default context is "not under the runtime".
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -62,7 +68,8 @@ def check_reward_source(cfg: ExperimentConfig) -> None:
 
 class AlgoState:
     """What an algorithm keeps between calls: parsed params, its graph, the reward function, and
-    persistent objects (value normaliser, KL controller) whose ``state_dict`` goes into checkpoints."""
+    persistent objects (value normaliser, KL controller) whose ``state_dict`` goes into checkpoints.
+    Only the algorithm writes it; what the runtime tells it per call comes in a ``CallContext``."""
 
     def __init__(self, cfg: ExperimentConfig, graph: DataflowGraph, params, tokenizer=None, **persistent):
         self.params = params
@@ -70,16 +77,7 @@ class AlgoState:
         self.tokenizer = tokenizer
         self.reward_fn = resolve_reward(cfg.reward_fn, cfg.rewards) if cfg.reward_fn else None
         self.reward_options = cfg.rewards
-        self.sample_fields: dict = {}  # sample id -> dataset fields, for the reward (the runtime sets it)
-        # The runtime sets a pool: function rewards then score behind the rank's next ops; after_generate leaves
-        # them in ``pending_rewards`` (generate MFC -> its rewards being scored) for the runtime to take.
-        self.reward_pool: RewardPool | None = None
-        self.pending_rewards: dict[str, PendingRewards] = {}
         self.persistent = persistent
-        # Async mode (plan.execution: async): the version of the actor weights the next train step starts from
-        # (0 before the first update, +1 per actor train step). The runtime sets it before each actor train step;
-        # the loss measures every token's age against it (``offpolicy.version_gap_stats``).
-        self.policy_version: int | None = None
         self._step: int | None = None
         self._snapshot: dict | None = None
 
@@ -165,11 +163,40 @@ class PendingRewards:
         return batch.with_keys(seqs={self.key: as_tensor(self.scores)})
 
 
-def default_after_generate(mfc_name: str, batch: Batch, state: AlgoState) -> Batch:
+class RewardScoring:
+    """The runtime's scoring of function rewards behind the rank's next ops: its worker pool, and the rewards each
+    generate MFC's ``after_generate`` started, held until the runtime ``take``s them. The worker makes and closes it."""
+
+    def __init__(self, pool: RewardPool) -> None:
+        self.pool = pool
+        self._started: dict[str, PendingRewards] = {}  # generate MFC -> its rewards being scored
+
+    def start(self, mfc_name: str, pending: PendingRewards) -> None:
+        self._started[mfc_name] = pending
+
+    def take(self, mfc_name: str) -> PendingRewards | None:
+        """The rewards ``mfc_name``'s last ``after_generate`` started (None if it started none), handed over once."""
+        return self._started.pop(mfc_name, None)
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What the runtime tells an algorithm function about one call; made by the runtime, read (never kept) by the
+    algorithm. ``CallContext()`` is a call outside the runtime (tests, tools): sync, rewards scored at once."""
+
+    # Async mode (plan.execution: async): the version of the actor weights a train step starts from (0 before the
+    # first update, +1 per actor train step); the loss measures every token's age against it
+    # (``offpolicy.version_gap_stats``). None in sync mode.
+    policy_version: int | None = None
+    sample_fields: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)  # sample id -> dataset fields
+    scoring: RewardScoring | None = None  # the runtime's: rewards start here and are attached later
+
+
+def default_after_generate(mfc_name: str, batch: Batch, state: AlgoState, ctx: CallContext) -> Batch:
     """Check the group layout and attach function rewards to a generated batch when the MFC declares them.
 
-    With ``state.reward_pool`` (the runtime's) the rewards are only started: the batch comes back without
-    them and ``state.pending_rewards[mfc_name]`` holds them until the runtime attaches them."""
+    Under the runtime (``ctx.scoring``) the rewards are only started: the batch comes back without them and
+    ``ctx.scoring.take(mfc_name)`` hands them to the runtime, which attaches them."""
     mfc = state.graph[mfc_name]
     group = mfc.options.group
     if batch.group_size != group:
@@ -179,10 +206,10 @@ def default_after_generate(mfc_name: str, batch: Batch, state: AlgoState) -> Bat
         return batch
     if state.reward_fn is None or state.tokenizer is None:
         raise ValueError(f"{mfc_name} must attach {keys[2]!r} but the state has no reward function or tokenizer")
-    if state.reward_pool is None:  # not under the runtime (tests, tools): scored here and now
+    if ctx.scoring is None:  # not under the runtime (tests, tools): scored here and now
         return batch.with_keys(seqs={keys[2]: function_rewards(batch, state.reward_fn, state.tokenizer, keys[0],
-                                                               keys[1], state.sample_fields, state.reward_options)})
-    state.pending_rewards[mfc_name] = PendingRewards(keys[2], start_function_rewards(
-        batch, state.reward_fn, state.tokenizer, state.reward_pool, keys[0], keys[1], state.sample_fields,
-        state.reward_options))
+                                                               keys[1], ctx.sample_fields, state.reward_options)})
+    ctx.scoring.start(mfc_name, PendingRewards(keys[2], start_function_rewards(
+        batch, state.reward_fn, state.tokenizer, ctx.scoring.pool, keys[0], keys[1], ctx.sample_fields,
+        state.reward_options)))
     return batch

@@ -8,6 +8,7 @@ import torch
 
 from restage.algorithms import base, losses, packed_ops
 from restage.algorithms._graphs import ACTOR_TRAIN, REF_INF, sizes
+from restage.algorithms.losses import DpoLossType
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
@@ -17,7 +18,7 @@ from restage.graph import MFC, MFCKind
 @dataclass(frozen=True)
 class Params:
     beta: float = 0.1
-    loss_type: str = "dpo"  # dpo or ipo
+    loss_type: DpoLossType = "dpo"
     label_smoothing: float = 0.0  # dpo only: assumed probability that a preference label is flipped
 
 
@@ -33,7 +34,6 @@ def mfcs(cfg: ExperimentConfig) -> list[MFC]:
 def validate(cfg: ExperimentConfig) -> Params:
     params = base.parse_params(Params, cfg)
     base.check_positive(params, "beta")
-    base.check_choice("loss_type", params.loss_type, ("dpo", "ipo"))
     if not 0.0 <= params.label_smoothing < 0.5:
         raise ConfigError(f"algo.label_smoothing: {params.label_smoothing} must be in [0, 0.5)")
     return params
@@ -50,8 +50,8 @@ def pair_logprobs(logprobs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, t
     return per_seq[0::2], per_seq[1::2]
 
 
-def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
-         state: base.AlgoState) -> tuple[torch.Tensor, dict]:
+def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState,
+         ctx: base.CallContext = base.CallContext()) -> tuple[torch.Tensor, dict]:
     p = state.params
     pi_c, pi_r = pair_logprobs(outputs["logprobs"], micro_batch)
     ref_c, ref_r = pair_logprobs(micro_batch["ref_logprobs"], micro_batch)

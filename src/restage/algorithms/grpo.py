@@ -20,6 +20,7 @@ import torch
 
 from restage.algorithms import _policy, base, losses, offpolicy, packed_ops, registry
 from restage.algorithms._graphs import ACTOR_GEN, ACTOR_TRAIN, REF_INF, REWARD_INF, reward_source, sizes, with_proximal
+from restage.algorithms.losses import KlEstimator
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
@@ -32,7 +33,7 @@ class Params(_policy.KLPolicyParams):
     ppo_epochs: int = 1
     minibatches: int = 1
     kl_coef: float = 0.04
-    kl_estimator: str = "k3"
+    kl_estimator: KlEstimator = "k3"
     norm_std: bool = True  # advantage grpo: divide by the group std (False: only subtract the group mean)
     adv_eps: float = 1e-6
     loss_agg: str = "seq_mean"
@@ -140,12 +141,12 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
     return batch.with_keys(tokens={"advantages": advantages.float()}, group_size=1, ids=ids), stats
 
 
-def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
-         state: base.AlgoState) -> tuple[torch.Tensor, dict]:
+def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState,
+         ctx: base.CallContext = base.CallContext()) -> tuple[torch.Tensor, dict]:
     p: Params = state.params
     if mfc_name != ACTOR_TRAIN:
         raise ValueError(f"grpo has no train MFC {mfc_name!r}")
-    at = offpolicy.train_version(cfg, state)
+    at = offpolicy.train_version(cfg, ctx)
     norm = cfg.generation.max_new_tokens
     if p.kl_coef == 0 or p.kl_in_reward:  # no KL term: the reference's log-probs are not read here
         return _policy.actor_loss(micro_batch, outputs, p, at=at, norm_tokens=norm)

@@ -32,10 +32,11 @@ OPTIONAL = ("init_state", "inference", "after_generate", "prepare_train")  # the
 MfcsFn = Callable[[ExperimentConfig], list[MFC]]
 ValidateFn = Callable[[ExperimentConfig], Any]
 ForwardOutputsFn = Callable[[str, ExperimentConfig], tuple[str, ...]]
-LossFn = Callable[[str, Batch, dict, ExperimentConfig, base.AlgoState], tuple[torch.Tensor, dict]]
+# loss and after_generate are handed the runtime's per-call context last (base.CallContext)
+LossFn = Callable[[str, Batch, dict, ExperimentConfig, base.AlgoState, base.CallContext], tuple[torch.Tensor, dict]]
 InitStateFn = Callable[..., base.AlgoState]  # (cfg, tokenizer=None)
 InferenceFn = Callable[[str, Batch, dict, ExperimentConfig, base.AlgoState], dict]
-AfterGenerateFn = Callable[[str, Batch, ExperimentConfig, base.AlgoState], Batch]
+AfterGenerateFn = Callable[[str, Batch, ExperimentConfig, base.AlgoState, base.CallContext], Batch]
 PrepareTrainFn = Callable[..., tuple[Batch, dict]]  # (batch, cfg, state, step=0, reduce=None)
 
 
@@ -69,8 +70,9 @@ class Algorithm:
                               state: base.AlgoState) -> dict:
             return base.default_inference(state.graph[mfc_name], batch, outputs)
 
-        def default_after_generate(mfc_name: str, batch: Batch, cfg: ExperimentConfig, state: base.AlgoState) -> Batch:
-            return base.default_after_generate(mfc_name, batch, state)
+        def default_after_generate(mfc_name: str, batch: Batch, cfg: ExperimentConfig, state: base.AlgoState,
+                                   ctx: base.CallContext = base.CallContext()) -> Batch:
+            return base.default_after_generate(mfc_name, batch, state, ctx)
 
         def default_prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, step: int = 0,
                                   reduce=None) -> tuple[Batch, dict]:

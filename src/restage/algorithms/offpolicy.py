@@ -1,6 +1,6 @@
 """What asynchronous training (``plan.execution: async``) asks of an algorithm's loss: token ages and their weights.
 
-In async mode a train step at policy version ``v`` (``AlgoState.policy_version``, set by the runtime)
+In async mode a train step at policy version ``v`` (``CallContext.policy_version``, from the runtime)
 consumes tokens that older versions generated; ``versions`` records, per token, the version that
 produced it (-1 on prompt tokens). This module measures those ages against the staleness bound
 ``k = plan.staleness`` (raising ``StalenessError`` past it: the runtime's buffer enforces the bound,
@@ -16,6 +16,7 @@ import torch
 
 from restage.algorithms import losses
 from restage.algorithms._graphs import ACTOR_TRAIN, is_async
+from restage.algorithms.base import CallContext
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import StalenessError
@@ -29,13 +30,13 @@ class TrainVersion:
     staleness: int
 
 
-def train_version(cfg: ExperimentConfig, state) -> TrainVersion | None:
-    """The version the actor trains at in async mode (from ``state.policy_version``); None in sync mode."""
+def train_version(cfg: ExperimentConfig, ctx: CallContext) -> TrainVersion | None:
+    """The version the actor trains at in async mode (from ``ctx.policy_version``); None in sync mode."""
     if not is_async(cfg):
         return None
-    if state.policy_version is None:
+    if ctx.policy_version is None:
         raise ValueError(f"plan.execution is async but the runtime set no policy_version before {ACTOR_TRAIN}")
-    return TrainVersion(int(state.policy_version), cfg.plan.staleness)
+    return TrainVersion(int(ctx.policy_version), cfg.plan.staleness)
 
 
 def answer_versions(prompt_mask: torch.Tensor, version: int) -> torch.Tensor:
@@ -79,7 +80,7 @@ def version_gap_stats(versions: torch.Tensor, mask: torch.Tensor, at: TrainVersi
     return stats
 
 
-def correction(micro_batch: Batch, mask: torch.Tensor, cfg: ExperimentConfig, state,
+def correction(micro_batch: Batch, mask: torch.Tensor, cfg: ExperimentConfig, ctx: CallContext,
                weight_cap: float) -> tuple[torch.Tensor, dict[str, float]]:
     """For a custom loss: ``[T]`` per-token weights to multiply its terms by, and their statistics.
 
@@ -87,7 +88,7 @@ def correction(micro_batch: Batch, mask: torch.Tensor, cfg: ExperimentConfig, st
     importance weights ``exp(prox_logprobs - logprobs)`` of ``losses.behaviour_weights`` (0 off ``mask``),
     after the staleness check, with the version-gap and weight statistics.
     """
-    at = train_version(cfg, state)
+    at = train_version(cfg, ctx)
     if at is None:
         return torch.ones_like(mask, dtype=torch.float32), {}
     stats = version_gap_stats(micro_batch["versions"], mask, at)

@@ -139,11 +139,11 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
     return out, stats
 
 
-def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
-         state: base.AlgoState) -> tuple[torch.Tensor, dict]:
+def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState,
+         ctx: base.CallContext = base.CallContext()) -> tuple[torch.Tensor, dict]:
     p: Params = state.params
     if mfc_name == ACTOR_TRAIN:
-        return _policy.actor_loss(micro_batch, outputs, p, at=offpolicy.train_version(cfg, state),
+        return _policy.actor_loss(micro_batch, outputs, p, at=offpolicy.train_version(cfg, ctx),
                                   norm_tokens=cfg.generation.max_new_tokens)
     if mfc_name == CRITIC_TRAIN:
         mask = base.answer_mask(micro_batch)

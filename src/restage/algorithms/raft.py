@@ -68,8 +68,8 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
     return selected, stats
 
 
-def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
-         state: base.AlgoState) -> tuple[torch.Tensor, dict]:
+def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState,
+         ctx: base.CallContext = base.CallContext()) -> tuple[torch.Tensor, dict]:
     if mfc_name != ACTOR_TRAIN:
         raise ValueError(f"raft has no train MFC {mfc_name!r}")
     mask = base.answer_mask(micro_batch)

@@ -91,9 +91,9 @@ def prepare_train(batch: Batch, cfg: ExperimentConfig, state: base.AlgoState, st
     return batch.with_keys(tokens={"advantages": advantages.float()}), stats
 
 
-def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
-         state: base.AlgoState) -> tuple[torch.Tensor, dict]:
+def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState,
+         ctx: base.CallContext = base.CallContext()) -> tuple[torch.Tensor, dict]:
     if mfc_name != ACTOR_TRAIN:
         raise ValueError(f"remax has no train MFC {mfc_name!r}")
-    return _policy.actor_loss(micro_batch, outputs, state.params, at=offpolicy.train_version(cfg, state),
+    return _policy.actor_loss(micro_batch, outputs, state.params, at=offpolicy.train_version(cfg, ctx),
                               norm_tokens=cfg.generation.max_new_tokens)

@@ -39,8 +39,8 @@ def pair_scores(values: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch
     return scores[0::2], scores[1::2]
 
 
-def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
-         state: base.AlgoState) -> tuple[torch.Tensor, dict]:
+def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState,
+         ctx: base.CallContext = base.CallContext()) -> tuple[torch.Tensor, dict]:
     chosen, rejected = pair_scores(outputs["values"], micro_batch)
     value, accuracy = losses.bradley_terry(chosen, rejected)
     return value, {"loss": float(value.detach()), "accuracy": float(accuracy), "chosen_score": float(chosen.detach().mean()),

@@ -32,8 +32,8 @@ def forward_outputs(mfc_name: str, cfg: ExperimentConfig) -> tuple[str, ...]:
     return ("logprobs",)
 
 
-def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig,
-         state: base.AlgoState) -> tuple[torch.Tensor, dict]:
+def loss(mfc_name: str, micro_batch: Batch, outputs: dict, cfg: ExperimentConfig, state: base.AlgoState,
+         ctx: base.CallContext = base.CallContext()) -> tuple[torch.Tensor, dict]:
     mask = base.answer_mask(micro_batch)
     value = losses.sft_loss(outputs["logprobs"], mask)
     return value, {"loss": float(value.detach()), "answer_tokens": float(mask.sum())}

@@ -3,8 +3,8 @@ rollout buffer, and taking a step's batch out of it (docs/runtime.md, "Asynchron
 
 Policy versions: the actor's weights at the start of step ``s`` (``s`` completed steps) are version ``s``. A push
 at step ``s`` gives the generation copy version ``s``; every token it generates records that version
-(``versions``); the train MFCs of step ``s`` train from version ``s`` (``OpHandlers.run`` sets
-``AlgoState.policy_version``), so a token's version gap is ``s`` minus the version that wrote it.
+(``versions``); the train MFCs of step ``s`` train from version ``s`` (``OpHandlers.run`` hands the
+loss ``CallContext.policy_version``), so a token's version gap is ``s`` minus the version that wrote it.
 """
 
 from __future__ import annotations
@@ -85,10 +85,10 @@ class AsyncOps:
             if mfc.options.dynamic_sampling_rounds is not None:  # DAPO: the batch of step target, its all-equal groups refilled
                 result = h.generate_filled(slot.at(layout), mfc, layout, prompts, target, data, version)
             else:
-                result = generate_batch(slot.at(layout), mfc, prompts, h.algo, h.cfg, h.state, seed, version)
+                result = generate_batch(slot.at(layout), mfc, prompts, h.algo, h.cfg, h.state, h.context, seed, version)
             end = h.clock.now_synced()
             assert result.batch is not None
-            self.buffer.put(mfc.name, target, Buffered(result.batch, version, h.state.pending_rewards.pop(mfc.name, None)))
+            self.buffer.put(mfc.name, target, Buffered(result.batch, version, h.taken_rewards(mfc.name)))
             h.record_run(mfc, layout, ctx, prompts, result, begin, end, record)
 
     def _generate_partial(self, op: Generate, target: int, prompts: Batch, prompts_of: Callable[[int], Batch],
@@ -107,14 +107,14 @@ class AsyncOps:
         if h.cfg.environment.name:  # multi-turn episodes (runtime/step/partial_episodes.py)
             assert begun is None or isinstance(begun, EpisodesInFlight)
             result, oldest, started = run_partial_episodes(module, mfc, prompts, begun, later, h.algo, h.cfg,
-                                                           h.state, seeds, version)
+                                                           h.state, h.context, seeds, version)
         else:
             assert begun is None or isinstance(begun, tuple)
             result, oldest, started = run_partial_generate(module, mfc, prompts, begun, later, h.algo, h.cfg,
-                                                           h.state, seeds, version)
+                                                           h.state, h.context, seeds, version)
         end = h.clock.now_synced()
         assert result.batch is not None
-        self.buffer.put(mfc.name, target, Buffered(result.batch, oldest, h.state.pending_rewards.pop(mfc.name, None)))
+        self.buffer.put(mfc.name, target, Buffered(result.batch, oldest, h.taken_rewards(mfc.name)))
         if started is not None:
             self.buffer.keep_in_flight(mfc.name, target + 1, started)
         h.record_run(mfc, op.layout, ctx, prompts, result, begin, end, record)

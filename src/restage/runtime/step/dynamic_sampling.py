@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from restage.algorithms.base import AlgoState
+from restage.algorithms.base import AlgoState, CallContext, RewardScoring
 from restage.algorithms.interface import Algorithm
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch, concat
@@ -41,15 +41,15 @@ from restage.runtime.step.multi_turn import generate_batch
 
 OPTION = "dynamic_sampling_rounds"
 
-# generate(prompts, seed) -> the MFC's result (rewards possibly still being scored in state.pending_rewards)
+# generate(prompts, seed) -> the MFC's result (rewards possibly still being scored: RewardScoring.take)
 Generate = Callable[[Batch, int], MFCResult]
 
 
 def generator(module: StageModule, mfc: MFC, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState,
-              version: int | None = None) -> Generate:
+              call: CallContext, version: int | None = None) -> Generate:
     """``generate(prompts, seed)``: one round of the MFC's generation on ``module`` (``multi_turn.generate_batch``:
     single answers, or multi-turn episodes with ``environment.name``); ``version``: async mode's policy version."""
-    return lambda prompts, seed: generate_batch(module, mfc, prompts, algo, cfg, state, seed, version)
+    return lambda prompts, seed: generate_batch(module, mfc, prompts, algo, cfg, state, call, seed, version)
 
 
 def replacement_position(seed: int, step: int, round_: int, sample_id: int, size: int) -> int:
@@ -63,16 +63,16 @@ def informative(rewards: torch.Tensor, group_size: int) -> list[bool]:
     return (grouped.max(-1).values > grouped.min(-1).values).tolist()
 
 
-def _settled(mfc: MFC, result: MFCResult, state: AlgoState) -> Batch:
+def _settled(mfc: MFC, result: MFCResult, scoring: RewardScoring | None) -> Batch:
     """The result's batch with its function rewards attached (waiting for them here: they decide what is kept)."""
-    pending = state.pending_rewards.pop(mfc.name, None)
+    pending = scoring.take(mfc.name) if scoring is not None else None
     batch = result.batch
     assert batch is not None
     return pending.attach(batch) if pending is not None else batch
 
 
 def fill_batch(generate: Generate, mfc: MFC, prompts: Batch, source_batch: Callable[[list[int]], Batch],
-               source_size: int, state: AlgoState, seed: int, step: int, run_seed: int,
+               source_size: int, scoring: RewardScoring | None, seed: int, step: int, run_seed: int,
                any_rank: Callable[[bool], bool]) -> MFCResult:
     """Generate ``prompts``' groups, then replace all-equal ones for up to ``mfc.options.dynamic_sampling_rounds`` extra rounds.
 
@@ -85,7 +85,7 @@ def fill_batch(generate: Generate, mfc: MFC, prompts: Batch, source_batch: Calla
     max_rounds = mfc.options.dynamic_sampling_rounds
     reward_key = next(k for k in mfc.outputs if k.endswith("rewards"))
     first = generate(prompts, seed)
-    batch = _settled(mfc, first, state)
+    batch = _settled(mfc, first, scoring)
     slot_ids = [int(i) for i in prompts.ids] if prompts.ids else list(range(prompts.n_samples))
     keep = informative(batch[reward_key], group)
     chosen: list[Batch | None] = [batch.select([s]) if ok else None for s, ok in enumerate(keep)]
@@ -97,7 +97,7 @@ def fill_batch(generate: Generate, mfc: MFC, prompts: Batch, source_batch: Calla
         asked = empty or [0]
         positions = [replacement_position(run_seed, step, rounds, slot_ids[s], source_size) for s in asked]
         result = generate(source_batch(positions), seed + rounds)
-        more = _settled(mfc, result, state)
+        more = _settled(mfc, result, scoring)
         tokens += result.tokens
         if not empty:
             continue

@@ -166,7 +166,7 @@ def run_eval(handlers: OpHandlers, op: Run, data: StepData, record: StepRecord, 
     rewards = None
     if mfc.kind == "generate" and handlers.cfg.environment.name:
         with generation_module(module, layout, handlers.groups) as generating:
-            records = eval_episodes(generating, mfc, batch, handlers.cfg, handlers.state)
+            records = eval_episodes(generating, mfc, batch, handlers.cfg, handlers.state, handlers.context)
         if reporter:
             _add(record.eval_sums, episode_sums(records, tokenizer, accuracy_fn))
         return
@@ -186,7 +186,8 @@ def run_eval(handlers: OpHandlers, op: Run, data: StepData, record: StepRecord, 
             reward_fn = handlers.state.reward_fn
             assert reward_fn is not None  # no reward model: the config names a reward_fn (check_reward_source)
             rewards, correct = rule_scores(answered, reward_fn, accuracy_fn, tokenizer, ids_key, mask_key,
-                                           handlers.state.sample_fields, handlers.cfg.rewards, handlers.state.reward_pool)
+                                           handlers.context.sample_fields, handlers.cfg.rewards,
+                                           handlers.context.scoring.pool if handlers.context.scoring else None)
         _add(record.eval_sums, score_sums(answered, mask_key, rewards, correct))
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from restage.algorithms import estimators, packed_ops
-from restage.algorithms.base import AlgoState, answer_mask
+from restage.algorithms.base import AlgoState, CallContext, answer_mask
 from restage.algorithms.interface import Algorithm
 from restage.algorithms.registry import LOSS_NORM, LossNorm
 from restage.config.schema import ExperimentConfig
@@ -133,7 +133,7 @@ def _policy_temperature(cfg: ExperimentConfig) -> float:
 
 @torch.no_grad()
 def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState,
-                 seed: int, version: int | None = None) -> MFCResult:
+                 call: CallContext, seed: int, version: int | None = None) -> MFCResult:
     """Sample ``group_size`` answers per prompt; the output batch holds seqs, prompt_mask and logprobs (and, when the
     MFC outputs ``versions``, async mode's per-token policy ``version`` of the weights in ``module``)."""
     group = mfc.options.group
@@ -143,7 +143,7 @@ def run_generate(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm,
     result = generate(module, prompt_ids, params, group_size=group, seeds=request_seeds(prompts, group, seed))
     answers = result.sequences()
     versions = None if version is None else [[version] * len(a) for a in answers]
-    return answers_result(mfc, prompts, answers, result.token_logprobs(), versions, algo, cfg, state)
+    return answers_result(mfc, prompts, answers, result.token_logprobs(), versions, algo, cfg, state, call)
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -174,7 +174,7 @@ def sampling_params(module: StageModule, mfc: MFC, cfg: ExperimentConfig, seed: 
 
 def answers_result(mfc: MFC, prompts: Batch, answers: list[list[int]], answer_logprobs: list[list[float]],
                    versions: list[list[int]] | None, algo: Algorithm, cfg: ExperimentConfig,
-                   state: AlgoState) -> MFCResult:
+                   state: AlgoState, call: CallContext) -> MFCResult:
     """A generate MFC's output batch from its answers (request ``i * group_size + j``: sample j of prompt i), their
     log-probs and (async mode) each answer token's policy version."""
     group = mfc.options.group
@@ -195,7 +195,7 @@ def answers_result(mfc: MFC, prompts: Batch, answers: list[list[int]], answer_lo
             raise ValueError(f"{mfc.name} outputs versions but the runtime gave no policy version")
         flat = [x for p, v in zip(repeated, versions, strict=True) for x in [-1] * len(p) + v]  # -1 on prompt tokens
         batch = batch.with_keys(tokens={"versions": torch.tensor(flat, dtype=torch.int64)})
-    batch = algo.after_generate(mfc.name, batch, cfg, state)
+    batch = algo.after_generate(mfc.name, batch, cfg, state, call)
     generated = sum(len(a) for a in answers)
     stats = {f"{mfc.name}/answer_tokens": generated / max(1, len(seqs))}
     return MFCResult(batch, stats, batch.n_tokens)
@@ -272,8 +272,8 @@ def _end_micro_step(engine: Engine) -> None:
         engine.optimizer.clear_backward_seen_flag()
 
 
-def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState, seed: int
-              ) -> MFCResult:
+def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState,
+              call: CallContext, seed: int) -> MFCResult:
     """``epochs`` passes over the batch in ``minibatches`` optimizer steps, each over ``micro_batches``."""
     module: StageModule = engine.module
     module.train()
@@ -291,7 +291,7 @@ def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: Expe
         outputs: dict[str, Any] = dict(forward_results(module, output, mb, wanted, temperature))
         if step_norm[0] is not None:
             outputs[LOSS_NORM] = step_norm[0]
-        loss, stats = algo.loss(mfc.name, mb.extra.to(output.device), outputs, cfg, state)
+        loss, stats = algo.loss(mfc.name, mb.extra.to(output.device), outputs, cfg, state, call)
         return loss, stats
 
     can_stop = getattr(params, "early_stop_ratio", 0.0) > 0 or getattr(params, "early_stop_kl", 0.0) > 0

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from restage.algorithms.base import AlgoState
+from restage.algorithms.base import AlgoState, CallContext
 from restage.algorithms.environments import (
     Environment,
     EnvironmentError,
@@ -213,12 +213,13 @@ class ReplicaFeed:
         return self._pending
 
 
-def _contexts(prompts: Batch, cfg: ExperimentConfig, state: AlgoState, group: int) -> list[EpisodeContext]:
+def _contexts(prompts: Batch, cfg: ExperimentConfig, state: AlgoState, call: CallContext,
+              group: int) -> list[EpisodeContext]:
     options = cfg.environment
     reward_fn = resolve_reward(cfg.reward_fn, cfg.rewards) if cfg.reward_fn else None
     texts = state.tokenizer.batch_decode(prompt_lists(prompts), skip_special_tokens=True)
     ids = list(prompts.ids) if prompts.ids else list(range(prompts.n_samples))
-    return [EpisodeContext(texts[i], dict(state.sample_fields.get(ids[i], {})), ids[i], options, cfg.rewards,
+    return [EpisodeContext(texts[i], dict(call.sample_fields.get(ids[i], {})), ids[i], options, cfg.rewards,
                            reward_fn) for i in range(prompts.n_samples) for _ in range(group)]
 
 
@@ -267,19 +268,19 @@ def stop_ids(module: StageModule, tokenizer: Any, tool_format: str) -> list[int]
 
 
 def run_episodes(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm, cfg: ExperimentConfig,
-                 state: AlgoState, seed: int, version: int | None = None) -> MFCResult:
+                 state: AlgoState, call: CallContext, seed: int, version: int | None = None) -> MFCResult:
     """``group_size`` episodes per prompt (see the module's docstring); the batch ``run_generate`` would give, one
     sequence per episode, with the episodes' rewards under the MFC's reward key."""
-    records, prefill_tokens = play_episodes(module, mfc, prompts, cfg, state, seed, version)
-    return episodes_result(mfc, prompts, records, version, algo, cfg, state, prefill_tokens)
+    records, prefill_tokens = play_episodes(module, mfc, prompts, cfg, state, call, seed, version)
+    return episodes_result(mfc, prompts, records, version, algo, cfg, state, call, prefill_tokens)
 
 
 def eval_episodes(module: StageModule, mfc: MFC, prompts: Batch, cfg: ExperimentConfig,
-                  state: AlgoState) -> list[EpisodeRecord]:
+                  state: AlgoState, call: CallContext) -> list[EpisodeRecord]:
     """One greedy episode per held-out prompt (evaluation during training, runtime/step/evaluation.py), every rank of the
     replica holding them all. Greedy turns take no random numbers: the run's streams are as without evaluation."""
     one_each = dataclasses.replace(mfc, greedy=True, options={**mfc.options, "group_size": 1})
-    return play_episodes(module, one_each, prompts, cfg, state, seed=0)[0]
+    return play_episodes(module, one_each, prompts, cfg, state, call, seed=0)[0]
 
 
 def final_answer(record: EpisodeRecord) -> tuple[int, ...]:
@@ -288,7 +289,8 @@ def final_answer(record: EpisodeRecord) -> tuple[int, ...]:
     return record.ids[last + 1:]
 
 
-def start_episodes(prompts: Batch, cfg: ExperimentConfig, state: AlgoState, group: int) -> list[Episode]:
+def start_episodes(prompts: Batch, cfg: ExperimentConfig, state: AlgoState, call: CallContext,
+                   group: int) -> list[Episode]:
     """``group`` new episodes per prompt, reset (a replica's first rank)."""
     factory = validate(cfg.environment)
     tokenizer = state.tokenizer
@@ -296,7 +298,7 @@ def start_episodes(prompts: Batch, cfg: ExperimentConfig, state: AlgoState, grou
         raise ValueError("multi-turn episodes need the state's tokenizer")
     dataset_ids = [p for p in prompt_lists(prompts) for _ in range(group)]
     episodes = []
-    for ctx, ids in zip(_contexts(prompts, cfg, state, group), dataset_ids):
+    for ctx, ids in zip(_contexts(prompts, cfg, state, call, group), dataset_ids):
         env = factory(ctx)
         first = _first_ids(tokenizer, check_reset(env.reset(), cfg.environment.name), ctx, ids)
         episodes.append(Episode(env, first, [False] * len(first), [0.0] * len(first), [-1] * len(first), len(first)))
@@ -333,7 +335,7 @@ def run_turns(module: StageModule, cfg: ExperimentConfig, state: AlgoState, para
 
 @torch.no_grad()
 def play_episodes(module: StageModule, mfc: MFC, prompts: Batch, cfg: ExperimentConfig, state: AlgoState,
-                  seed: int, version: int | None = None) -> tuple[list[EpisodeRecord], int]:
+                  call: CallContext, seed: int, version: int | None = None) -> tuple[list[EpisodeRecord], int]:
     """The finished episodes of ``prompts`` (``group_size`` each; every rank of the replica gets them all) and the
     tokens the engine prefilled."""
     group = mfc.options.group
@@ -342,7 +344,7 @@ def play_episodes(module: StageModule, mfc: MFC, prompts: Batch, cfg: Experiment
     with env_pool(cfg, len(seeds)) as pool:
         feed = None
         if channel.first:
-            feed = EpisodeFeed(start_episodes(prompts, cfg, state, group), cfg, state.tokenizer, pool,
+            feed = EpisodeFeed(start_episodes(prompts, cfg, state, call, group), cfg, state.tokenizer, pool,
                                version=-1 if version is None else version)
         engine = run_turns(module, cfg, state, sampling_params(module, mfc, cfg, seed), channel, feed,
                            feed.first_turns(0, len(seeds)) if feed is not None else [], seeds, len(seeds))
@@ -352,7 +354,7 @@ def play_episodes(module: StageModule, mfc: MFC, prompts: Batch, cfg: Experiment
 
 
 def episodes_result(mfc: MFC, prompts: Batch, records: list[EpisodeRecord], version: int | None, algo: Algorithm,
-                    cfg: ExperimentConfig, state: AlgoState, prefill_tokens: int) -> MFCResult:
+                    cfg: ExperimentConfig, state: AlgoState, call: CallContext, prefill_tokens: int) -> MFCResult:
     """The generate MFC's output batch of finished episodes, and the episodes' statistics."""
     group = mfc.options.group
     reward_keys = [k for k in mfc.outputs if k.endswith("rewards")]
@@ -373,7 +375,7 @@ def episodes_result(mfc: MFC, prompts: Batch, records: list[EpisodeRecord], vers
     batch = batch.with_keys(tokens=tokens, seqs={reward_keys[0]: torch.tensor([r.reward for r in records])})
     if mfc.outputs[1] != "prompt_mask":
         batch = batch.renamed({"prompt_mask": mfc.outputs[1]})
-    batch = algo.after_generate(mfc.name, batch, cfg, state)
+    batch = algo.after_generate(mfc.name, batch, cfg, state, call)
     n = max(1, len(records))
     policy_tokens = sum(sum(r.policy) for r in records)
     observed = sum(len(r.policy) - sum(r.policy) - r.prompt_len for r in records)
@@ -397,9 +399,9 @@ __all__ = ["EnvironmentError", "run_episodes", "eval_episodes", "final_answer", 
 
 
 def generate_batch(module: StageModule, mfc: MFC, prompts: Batch, algo: Algorithm, cfg: ExperimentConfig,
-                   state: AlgoState, seed: int, version: int | None = None) -> MFCResult:
+                   state: AlgoState, call: CallContext, seed: int, version: int | None = None) -> MFCResult:
     """A generate MFC's batch: multi-turn episodes when ``environment.name`` is set, else ``run_generate``'s answers
     (sync and async mode alike)."""
     if cfg.environment.name:
-        return run_episodes(module, mfc, prompts, algo, cfg, state, seed, version)
-    return run_generate(module, mfc, prompts, algo, cfg, state, seed, version)
+        return run_episodes(module, mfc, prompts, algo, cfg, state, call, seed, version)
+    return run_generate(module, mfc, prompts, algo, cfg, state, call, seed, version)

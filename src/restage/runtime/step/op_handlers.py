@@ -5,8 +5,8 @@ A pass over the ops (an iteration, or one evaluation pass) threads one :class:`S
 the MFC outputs this rank produced, the inputs transferred to it, and the data set split the pass reads
 dataset keys from.
 
-Function rewards do not hold the rank up. A generate MFC's rewards are started on the state's reward pool
-(``AlgoState.reward_pool``, ``algorithms/scoring.py``) and its output is kept without them
+Function rewards do not hold the rank up. A generate MFC's rewards are started on the run's reward pool
+(``CallContext.scoring``, ``algorithms/scoring.py``) and its output is kept without them
 (``StepData.scoring``); the rank goes on with its next ops (a reference or critic inference, transfers of
 the answers), and the rewards are waited for and attached only where the schedule first sends that key
 (``Worker.run_step`` settles them before that transfer), or at the end of the pass. The schedule and the
@@ -17,6 +17,7 @@ step and with the same message.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from restage.algorithms.base import AlgoState, PendingRewards
+from restage.algorithms.base import AlgoState, CallContext, PendingRewards
 from restage.algorithms.estimators import ema_master, ema_mix_
 from restage.algorithms.interface import Algorithm
 from restage.algorithms.scoring import limited
@@ -66,10 +67,10 @@ class StepData:
     # rewards under a time limit (rewards.timeout_seconds): the share of each settled batch's answers that ran past it
     reward_stats: list[StatsShare] = field(default_factory=list)
 
-    def keep(self, mfc_name: str, batch: Batch, state: AlgoState) -> None:
-        """Keep an MFC's output; function rewards its ``after_generate`` started stay pending until ``settle``."""
+    def keep(self, mfc_name: str, batch: Batch, pending: PendingRewards | None) -> None:
+        """Keep an MFC's output; function rewards its ``after_generate`` started (``pending``) stay so until
+        ``settle``."""
         self.outputs[mfc_name] = batch
-        pending = state.pending_rewards.pop(mfc_name, None)
         if pending is not None:
             self.scoring[mfc_name] = pending
 
@@ -91,10 +92,12 @@ class OpHandlers:
     """The body of every op kind on this rank; ``skipped`` counts each train MFC's consecutive non-finite skips."""
 
     def __init__(self, store: ModelStore, groups: ProcessGroups, router: SampleRouter, clock: Clock,
-                 layouts: dict[str, Layout], cfg: ExperimentConfig, algo: Algorithm, state: AlgoState) -> None:
+                 layouts: dict[str, Layout], cfg: ExperimentConfig, algo: Algorithm, state: AlgoState,
+                 context: CallContext) -> None:
         self.store, self.groups, self.router, self.clock = store, groups, router, clock
         self.graph: DataflowGraph = store.graph
         self.layouts, self.cfg, self.algo, self.state = layouts, cfg, algo, state
+        self.context = context  # the run's: the samples' dataset fields and the reward pool (a train step adds its version)
         self.rank, self.device = store.rank, store.device
         self.skipped: dict[str, int] = {}  # train MFC -> consecutive steps skipped for non-finite inputs
 
@@ -115,13 +118,15 @@ class OpHandlers:
         elif mfc.kind == "generate":
             # A model ZeRO-3 partitions (generating on its training layout): gathered once, or its replicas in lockstep.
             with generation_module(slot.at(layout), layout, self.groups) as module:
-                result = generate_batch(module, mfc, batch, self.algo, self.cfg, self.state, step_seed(self.cfg.seed, step))
+                result = generate_batch(module, mfc, batch, self.algo, self.cfg, self.state, self.context,
+                                        step_seed(self.cfg.seed, step))
         elif mfc.kind == "inference":
             agree = slot.sharded.group if slot.sharded is not None else None  # its dp ranks gather in step
             result = run_inference(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state, agree)
         else:
+            call = self.context
             if self.cfg.plan.execution == "async":  # the version this step trains from: one per completed step
-                self.state.policy_version = step
+                call = dataclasses.replace(call, policy_version=step)
             # Checked before prepare_train too: it folds rewards into algorithm state (normalisers, KL control).
             skip = self.nonfinite_inputs(mfc, layout, batch, step)
             if not skip:
@@ -131,7 +136,7 @@ class OpHandlers:
                 result = MFCResult(None, {f"{mfc.name}/skipped_nonfinite": 1.0}, 0)
             else:
                 with engine_groups(slot.engine):
-                    result = run_train(slot.engine, mfc, batch, self.algo, self.cfg, self.state, seed)
+                    result = run_train(slot.engine, mfc, batch, self.algo, self.cfg, self.state, call, seed)
                 result.stats.update({f"{mfc.name}/{k}": v for k, v in prep_stats.items()})
                 if bad := nonfinite_stats(result.stats):
                     raise NonFiniteError(f"step {step + 1}: {mfc.name} trained on finite inputs but its "
@@ -139,7 +144,7 @@ class OpHandlers:
                                          "checkpoint is the last finite one)")
         end = self.clock.now_synced()
         if result.batch is not None:
-            data.keep(mfc.name, result.batch, self.state)
+            data.keep(mfc.name, result.batch, self.taken_rewards(mfc.name))
         self.record_run(mfc, layout, ctx, batch, result, begin, end, record)
 
     def generate_filled(self, module: StageModule, mfc: MFC, layout: Layout, batch: Batch, step: int,
@@ -149,10 +154,14 @@ class OpHandlers:
         the step the batch is for; ``version``: async mode's policy version of ``module``."""
         group = self.groups.get(layout.mesh) if layout.size > 1 else None
         return dynamic_sampling.fill_batch(
-            dynamic_sampling.generator(module, mfc, self.algo, self.cfg, self.state, version), mfc, batch,
+            dynamic_sampling.generator(module, mfc, self.algo, self.cfg, self.state, self.context, version), mfc, batch,
             data.source.batch,
-            len(data.source), self.state, step_seed(self.cfg.seed, step), step, self.cfg.seed,
+            len(data.source), self.context.scoring, step_seed(self.cfg.seed, step), step, self.cfg.seed,
             lambda flag: any_rank(flag, group, self.device))
+
+    def taken_rewards(self, mfc_name: str) -> PendingRewards | None:
+        """The function rewards ``mfc_name``'s ``after_generate`` just started (None: none, or scored already)."""
+        return self.context.scoring.take(mfc_name) if self.context.scoring is not None else None
 
     def record_run(self, mfc: MFC, layout: Layout, ctx: ParallelContext, batch: Batch, result: MFCResult, begin: float,
                    end: float, record: StepRecord) -> None:

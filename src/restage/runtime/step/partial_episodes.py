@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from restage.algorithms.base import AlgoState
+from restage.algorithms.base import AlgoState, CallContext
 from restage.algorithms.interface import Algorithm
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
@@ -63,7 +63,8 @@ class EpisodesInFlight:
 @torch.no_grad()
 def run_partial_episodes(module: StageModule, mfc: MFC, now: Batch, begun: EpisodesInFlight | None,
                          later: Batch | None, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState,
-                         seeds: tuple[int, int], version: int) -> tuple[MFCResult, int, EpisodesInFlight | None]:
+                         call: CallContext, seeds: tuple[int, int], version: int
+                         ) -> tuple[MFCResult, int, EpisodesInFlight | None]:
     """Finish the episodes of ``now`` (``begun``: those begun earlier, None: none) and begin ``later``'s (None: no
     later step); returns ``now``'s result, the version of its oldest policy token and ``later``'s episodes in
     flight. ``seeds``: the two batches' step seeds."""
@@ -80,8 +81,8 @@ def run_partial_episodes(module: StageModule, mfc: MFC, now: Batch, begun: Episo
             assert len(begun.episodes) == required, f"{mfc.name}: {len(begun.episodes)} episodes begun for {required}"
             episodes, starts = begun.episodes, list(begun.turns)
         else:
-            episodes = start_episodes(now, cfg, state, group)
-        episodes += start_episodes(later, cfg, state, group) if later is not None else []
+            episodes = start_episodes(now, cfg, state, call, group)
+        episodes += start_episodes(later, cfg, state, call, group) if later is not None else []
         feed = EpisodeFeed(episodes, cfg, state.tokenizer, pool, required=required, version=version)
         if begun is not None:
             feed.running, feed.begun_versions = dict(begun.running), dict(begun.versions)
@@ -109,7 +110,7 @@ def run_partial_episodes(module: StageModule, mfc: MFC, now: Batch, begun: Episo
         summary = ([EpisodeRecord.of(e, cfg.environment.over_budget_reward) for e in feed.episodes[:required]],
                    len(cut) / max(1, len(begun_later)), tokens / max(1, len(begun_later)))
     records, cut_samples, cut_tokens = channel.share(summary)
-    result = episodes_result(mfc, now, records, version, algo, cfg, state, engine.prefill_tokens)
+    result = episodes_result(mfc, now, records, version, algo, cfg, state, call, engine.prefill_tokens)
     result.stats[f"{mfc.name}/cut_samples"] = cut_samples
     result.stats[f"{mfc.name}/cut_tokens"] = cut_tokens
     oldest = min((v for r in records for v, policy in zip(r.versions, r.policy) if policy), default=version)

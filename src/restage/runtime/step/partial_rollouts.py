@@ -12,7 +12,7 @@ answers equal that generation's (tests/models/test_partial_rollout_on_cpu.py).
 
 from __future__ import annotations
 
-from restage.algorithms.base import AlgoState
+from restage.algorithms.base import AlgoState, CallContext
 from restage.algorithms.interface import Algorithm
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
@@ -32,7 +32,8 @@ def _requests(prompts: Batch, group: int, seed: int) -> list[tuple[tuple[int, ..
 
 def run_partial_generate(module: StageModule, mfc: MFC, now: Batch, begun: tuple[Answer, ...] | None,
                          later: Batch | None, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState,
-                         seeds: tuple[int, int], version: int) -> tuple[MFCResult, int, tuple[Answer, ...] | None]:
+                         call: CallContext, seeds: tuple[int, int], version: int
+                         ) -> tuple[MFCResult, int, tuple[Answer, ...] | None]:
     """Finish the batch of prompts ``now`` (``begun``: its answers so far, None: none begun) and begin ``later``'s
     (None: no later step); returns ``now``'s result, the version of its oldest token and ``later``'s answers so
     far. ``seeds``: the two batches'."""
@@ -59,7 +60,7 @@ def run_partial_generate(module: StageModule, mfc: MFC, now: Batch, begun: tuple
         else:
             later_answers[row - len(first)] = new
     result = answers_result(mfc, now, [list(a.tokens) for a in answers], [list(a.logprobs) for a in answers],
-                            [list(a.versions) for a in answers], algo, cfg, state)
+                            [list(a.versions) for a in answers], algo, cfg, state, call)
     cut = [a for a in later_answers if a.tokens and not a.finished]
     result.stats[f"{mfc.name}/cut_samples"] = len(cut) / max(1, len(later_answers))
     result.stats[f"{mfc.name}/cut_tokens"] = sum(len(a.tokens) for a in later_answers) / max(1, len(later_answers))

@@ -23,6 +23,7 @@ from typing import assert_never
 import torch
 import torch.distributed as dist
 
+from restage.algorithms.base import CallContext, RewardScoring
 from restage.algorithms.interface import get_algorithm
 from restage.algorithms.rewards import resolve_accuracy
 from restage.algorithms.scoring import RewardPool
@@ -84,8 +85,10 @@ class Worker:
         self.train_set, self.eval_set = load_splits(cfg, self.tokenizer)
         if control.is_master and (warning := cut_prompts_warning(cfg, self.train_set, self.eval_set)):
             print(f"restage: {warning}", flush=True)  # once per run, before the first step
-        self.state.sample_fields = sample_fields(self.train_set, self.eval_set)  # for the rewards' keywords
-        self.state.reward_pool = RewardPool(cfg.rewards.workers)  # rewards score behind the next ops (op_handlers)
+        # What every algorithm call is told: the samples' dataset fields (the rewards' keywords) and the pool rewards
+        # score on behind the next ops (op_handlers); a train step adds its policy version.
+        self.context = CallContext(sample_fields=sample_fields(self.train_set, self.eval_set),
+                                   scoring=RewardScoring(RewardPool(cfg.rewards.workers)))
         offloaded = frozenset(op.model for op in self.ops if isinstance(op, Offload))
         self.eval_plan = evaluation.plan_eval(self.graph, self.layouts, cfg, len(self.eval_set), offloaded)
         self.accuracy_fn = resolve_accuracy(cfg.reward_fn) if cfg.reward_fn else None
@@ -176,11 +179,11 @@ class Worker:
             self.router.create_comms(self.ops, self.control.comm)
             self.eval_router.create_comms(eval_ops, self.control.comm)
         self._handlers = OpHandlers(self.store, groups, self.router, self.clock, self.layouts, self.cfg,
-                                    self.algo, self.state)
+                                    self.algo, self.state, self.context)
         self._eval_handlers = self._handlers
         if self.eval_router is not self.router:
             self._eval_handlers = OpHandlers(self.store, groups, self.eval_router, self.clock,
-                                             self.eval_router.layouts, self.cfg, self.algo, self.state)
+                                             self.eval_router.layouts, self.cfg, self.algo, self.state, self.context)
         if self.asynchronous:
             self._async = AsyncOps(self._handlers, first_step=0)
 
@@ -323,8 +326,8 @@ class Worker:
             moves.append(MoveRecord(kind, what, str(op.src), str(op.dst), nbytes, begin, self.clock.now_synced()))
 
     def close(self) -> None:
-        if self.state.reward_pool is not None:
-            self.state.reward_pool.close()
+        if self.context.scoring is not None:
+            self.context.scoring.pool.close()
         if self.master is not None:
             self.master.close()
         self.heartbeat.doing("closing: waiting for every rank", waiting=True)
