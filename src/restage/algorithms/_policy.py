@@ -18,6 +18,8 @@ from restage.algorithms import (
 )
 from restage.algorithms._graphs import ACTOR_TRAIN
 from restage.algorithms.interface import build_graph
+from restage.algorithms.is_correction import IsCorrection
+from restage.algorithms.losses import KlEstimator
 from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
@@ -39,7 +41,7 @@ class PolicyParams:
     clip_eps_low: float = 0.0  # > 0: the ratio's lower clip 1 - clip_eps_low (DAPO's decoupled clip); 0: clip_eps
     clip_eps_high: float = 0.0  # > 0: the ratio's upper clip 1 + clip_eps_high; 0: clip_eps
     # Importance-sampling correction between the generation's and the training layout's log-probs (is_correction.py)
-    is_correction: str = "none"  # none, tis (truncate weights at is_cap) or mis (drop tokens outside [1/cap, cap])
+    is_correction: IsCorrection = "none"  # none, tis (truncate weights at is_cap) or mis (drop tokens outside [1/cap, cap])
     is_cap: float = 2.0
     # plan.execution async: drop tokens whose importance weight exp(prox - behaviour) exceeds this (0: keep all)
     behav_imp_weight_cap: float = 5.0
@@ -50,7 +52,7 @@ class KLPolicyParams(PolicyParams):
     """The policy params of an algorithm with a KL penalty against the reference (PPO, GRPO, ReMax)."""
 
     kl_coef: float = 0.05  # weight of the KL penalty (PPO: its initial value)
-    kl_estimator: str = "k1"
+    kl_estimator: KlEstimator = "k1"
 
 
 P = TypeVar("P", bound="KLPolicyParams")
@@ -61,7 +63,6 @@ def validate_policy(params: PolicyParams) -> None:
     base.check_positive(params, "entropy_coef", "early_stop_ratio", "early_stop_kl", "reward_clip", allow_zero=True)
     base.check_choice("loss_agg", params.loss_agg, registry.names(registry.AGGREGATIONS))
     base.check_choice("policy_loss", params.policy_loss, registry.names(registry.POLICY_LOSSES))
-    base.check_choice("is_correction", params.is_correction, is_correction.IS_CORRECTIONS)
     base.check_positive(params, "clip_eps_low", "clip_eps_high", allow_zero=True)
     if params.clip_eps_low >= 1.0 or (params.clip_eps_low == 0 and params.clip_eps >= 1.0):
         raise ConfigError(f"algo.clip_eps_low: the ratio's lower clip 1 - {params.clip_eps_low or params.clip_eps} "
@@ -83,7 +84,6 @@ def validate_kl_policy(params_class: type[P], cfg: ExperimentConfig) -> P:
     params = base.parse_params(params_class, cfg)
     validate_policy(params)
     base.check_positive(params, "kl_coef", allow_zero=True)
-    base.check_choice("kl_estimator", params.kl_estimator, losses.KL_ESTIMATORS)
     base.check_reward_source(cfg)
     return params
 

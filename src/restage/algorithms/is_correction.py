@@ -16,12 +16,15 @@ When both layouts agree to the bit, every weight is exactly 1 (``exp(0)``) and t
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
-IS_CORRECTIONS = ("none", "tis", "mis")  # the allowed values of algo.is_correction
+IsCorrection = Literal["none", "tis", "mis"]  # algo.is_correction
+IS_CORRECTIONS: tuple[IsCorrection, ...] = get_args(IsCorrection)
 
 
-def importance_weights(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor, mode: str,
+def importance_weights(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor, mode: IsCorrection,
                        cap: float) -> tuple[torch.Tensor, dict]:
     """``[T]`` weights ``w = exp(train - gen)`` on the masked tokens, truncated (``tis``) or masked (``mis``) at
     ``cap``; 0 off the mask. Statistics over the masked tokens: ``is_weight_mean`` and ``is_weight_max`` (before the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal, assert_never, get_args
+
 import torch
 import torch.nn.functional as F
 
@@ -10,7 +12,9 @@ from restage.algorithms import (
     registry,
 )
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KlEstimator = Literal["k1", "k2", "k3"]  # algo.kl_estimator
+KL_ESTIMATORS: tuple[KlEstimator, ...] = get_args(KlEstimator)
+DpoLossType = Literal["dpo", "ipo"]  # algo.loss_type
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, cu_seqlens: torch.Tensor, mode: str = "token_mean",
@@ -42,7 +46,7 @@ def pair_accuracy(margin: torch.Tensor) -> torch.Tensor:
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float, loss_type: str = "dpo",
+             ref_rejected: torch.Tensor, beta: float, loss_type: DpoLossType = "dpo",
              label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair DPO (or IPO) loss from sequence log-probs, and the implicit rewards of chosen and rejected.
 
@@ -53,28 +57,31 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     chosen_ratio = policy_chosen - ref_chosen
     rejected_ratio = policy_rejected - ref_rejected
     h = chosen_ratio - rejected_ratio
-    if loss_type == "dpo":
-        loss = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
-    elif loss_type == "ipo":
-        loss = (h - 1 / (2 * beta)) ** 2
-    else:
-        raise ValueError(f"loss_type must be dpo or ipo, got {loss_type!r}")
+    match loss_type:
+        case "dpo":
+            loss = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+        case "ipo":
+            loss = (h - 1 / (2 * beta)) ** 2
+        case unknown:
+            assert_never(unknown)
     return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k1") -> torch.Tensor:
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KlEstimator = "k1") -> torch.Tensor:
     """Per-token estimate of KL(policy || ref) from samples of the policy (Schulman's k1, k2, k3).
 
     With ``d = ref - logp``: k1 = ``-d``; k2 = ``d^2 / 2``; k3 = ``exp(d) - d - 1`` (unbiased, always >= 0).
     """
     d = ref_logprobs - logprobs
-    if kind == "k1":
-        return -d
-    if kind == "k2":
-        return 0.5 * d * d
-    if kind == "k3":
-        return torch.exp(d) - d - 1
-    raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {kind!r}")
+    match kind:
+        case "k1":
+            return -d
+        case "k2":
+            return 0.5 * d * d
+        case "k3":
+            return torch.exp(d) - d - 1
+        case unknown:
+            assert_never(unknown)
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
