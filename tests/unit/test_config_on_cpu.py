@@ -1,7 +1,10 @@
+import dataclasses
+
 import pytest
+import yaml
 
 from restage.config.load import load_config
-from restage.config.schema import ConfigError
+from restage.config.schema import ConfigError, DatasetKind, Execution, ExperimentConfig, ModelSpec, PlanConfig, PlanMode
 
 
 @pytest.fixture
@@ -45,6 +48,8 @@ def test_load_with_overrides(config_file):
     ("rewards.on_error=ignore", "rewards.on_error: 'ignore' must be one of zero, stop"),
     ("rewards.on_timeout=retry", "rewards.on_timeout: 'retry' must be one of score, stop"),
     ("models.actor.optim.lr_schedule=step", "models.actor.optim.lr_schedule: 'step' must be one of constant, linear, cosine"),
+    ("models.actor.zero_stage=5", "models.actor.zero_stage: 5 must be one of 0, 1, 2, 3"),
+    ("models.actor.zero_stage=true", "models.actor.zero_stage: True must be one of 0, 1, 2, 3"),
     ("run.eval_every=-1", "run.eval_every: -1 must be >= 0 (0: no evaluation)"),
     ("run.threads_per_rank=-1", "run.threads_per_rank: -1 must be >= 0 (0: from the rank's cores)"),
     ("run.eval_every=5", "run.eval_every: 5 evaluates held-out prompts, but dataset.eval_fraction is 0; hold some out"),
@@ -87,3 +92,22 @@ def test_evaluation_needs_held_out_prompts_to_answer(config_file):
     with pytest.raises(ConfigError, match="run.eval_every: evaluation generates answers to held-out prompts, but "
                                           "dataset.kind is 'sft' \\(ppo does not generate\\); set run.eval_every=0"):
         load_config(config_file, ["run.eval_every=5", "dataset.eval_fraction=0.1", "dataset.kind=sft"])
+
+
+def test_choices_are_enums_or_literals_in_files_and_in_code(config_file):
+    """A file's names become the enums' members; a config built in code is checked the same way; YAML keeps names."""
+    cfg = load_config(config_file, ["plan.execution=async", "plan.mode=heuristic"])
+    assert (cfg.plan.execution, cfg.plan.mode, cfg.dataset.kind) == (Execution.ASYNC, PlanMode.HEURISTIC,
+                                                                      DatasetKind.PROMPT)
+    assert cfg.plan.execution is Execution.ASYNC
+    plain = yaml.safe_load(cfg.to_yaml())
+    assert (plain["plan"]["execution"], plain["plan"]["mode"], plain["dataset"]["kind"]) == ("async", "heuristic",
+                                                                                            "prompt")
+    assert type(plain["plan"]["execution"]) is str
+    built = ExperimentConfig("x", "ppo", {"actor": ModelSpec(path="a", trainable=True)},
+                             plan=PlanConfig(execution="async"))  # a plain name, as a tool may give it
+    assert built.plan.execution is Execution.ASYNC
+    with pytest.raises(ConfigError, match="^plan.execution: 'asynk' must be one of sync, async, auto$"):
+        dataclasses.replace(built, plan=PlanConfig(execution="asynk"))
+    with pytest.raises(ConfigError, match="^models.actor.dtype: 'f8' must be one of fp32, bf16, fp16, auto$"):
+        ExperimentConfig("x", "ppo", {"actor": ModelSpec(path="a", dtype="f8")})

@@ -55,6 +55,7 @@ Dtype = Literal["fp32", "bf16", "fp16"]
 DTYPES: tuple[Dtype, ...] = typing.get_args(Dtype)
 AUTO_DTYPE: Literal["auto"] = "auto"  # bf16 on a GPU cluster, fp32 on a CPU one (resolved when the config is built)
 DtypeSetting = Literal[Dtype, "auto"]  # models.<name>.dtype as written; "auto" is resolved when the config is built
+ZeroStage = Literal[0, 1, 2, 3]  # models.<name>.zero_stage
 LrSchedule = Literal["constant", "linear", "cosine"]
 KvCacheLayout = Literal["auto", "paged", "contiguous"]  # generation.kv_cache
 KV_CACHE_LAYOUTS: tuple[KvCacheLayout, ...] = typing.get_args(KvCacheLayout)
@@ -129,7 +130,7 @@ class ModelSpec:
     arch: str = ""  # architecture preset (restage.models.presets), e.g. llama-7b; used when path is empty
     trainable: bool = False
     dtype: DtypeSetting = "fp32"  # in a config file an absent dtype is AUTO_DTYPE (config_from_dict)
-    zero_stage: int = 1
+    zero_stage: ZeroStage = 1
     offload_optimizer: bool = False
     offload_params: bool = False
     gradient_checkpointing: bool = False
@@ -352,8 +353,6 @@ class ExperimentConfig:
         for name, spec in self.models.items():
             if not spec.path and not spec.arch:
                 raise ConfigError(f"models.{name}: give path (a HF model directory) or arch (a preset such as llama-7b)")
-            if spec.zero_stage not in (0, 1, 2, 3):
-                raise ConfigError(f"models.{name}.zero_stage: {spec.zero_stage} must be 0, 1, 2 or 3")
             if spec.router_aux_loss_coef is not None and not spec.router_aux_loss_coef >= 0:
                 raise ConfigError(f"models.{name}.router_aux_loss_coef: {spec.router_aux_loss_coef} must be >= 0 "
                                   "(or left out for the checkpoint's config.json value)")
