@@ -63,8 +63,8 @@ from restage.device import DTYPES
 from restage.layout import Layout, Strategy
 from restage.models.hf_checkpoint import load_stage
 from restage.models.tiny import BENCH_SIZES, FAMILIES, build_tiny, load_hf
+from restage.rollout.budget import RolloutLimits
 from restage.rollout.decode_graphs import choose_decode_mode
-from restage.rollout.engine import RolloutLimits
 from restage.rollout.generation import generate
 from restage.rollout.sampling import SamplingParams
 

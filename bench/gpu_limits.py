@@ -63,7 +63,8 @@ from restage.models.packing import pack
 from restage.models.parallel import ParallelContext
 from restage.models.pipeline import MicroBatch, train_1f1b
 from restage.plan.compute import DTYPE_BYTES
-from restage.rollout.engine import RolloutEngine, RolloutLimits, kv_bytes_per_slot
+from restage.rollout.budget import RolloutLimits, kv_bytes_per_slot
+from restage.rollout.engine import RolloutEngine
 from restage.rollout.sampling import SamplingParams, request_keys, request_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

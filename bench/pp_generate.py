@@ -46,7 +46,8 @@ SCHEDULES = {"sequential": 1, "pipelined": None}
 def _bench(rank: int, world_size: int, path: str, args: dict) -> dict:
     from restage.layout import Layout, ProcessGroups, Strategy
     from restage.models.hf_checkpoint import load_stage
-    from restage.rollout.engine import RolloutEngine, RolloutLimits
+    from restage.rollout.budget import RolloutLimits
+    from restage.rollout.engine import RolloutEngine
     from restage.rollout.pipelined import PipelinedRollout
     from restage.rollout.sampling import SamplingParams, request_keys
 

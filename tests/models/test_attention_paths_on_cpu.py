@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from restage.models.attention import KVCache, _sdpa_by_length, _sdpa_padded
+from restage.models.attention import Decode, KVCache, _sdpa_by_length, _sdpa_padded
 from restage.models.packing import PackedBatch
 
 
@@ -39,26 +39,23 @@ def _decode_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: lis
 
 
 def test_a_decode_step_shares_its_mask_over_layers_and_rebuilds_it_when_lengths_change():
-    """The mask made by a step's first layer serves its other layers, and never a later step: lengths set by
-    assignment, by ``set_lengths`` or by ``advance`` (in place) each give every layer the hand-computed answer."""
+    """The mask made by a step's first layer serves its other layers, and never a later step: each step's metadata
+    (new lengths, lengths filled, or lengths grown in place) gives every layer the hand-computed answer."""
     torch.manual_seed(0)
     cache = KVCache(range(2), batch_size=3, max_len=8, kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
     for layer in range(2):
         cache.k[layer].normal_()
         cache.v[layer].normal_()
 
-    def step(lengths: list[int]) -> None:
+    def step(meta: Decode, lengths: list[int]) -> None:
         for layer in range(2):
             q, k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 4)
             want = _decode_reference(cache.k[layer].clone(), cache.v[layer].clone(), lengths, q, k, v)
-            torch.testing.assert_close(cache.decode_attention(layer, q, k, v), want, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(cache.decode_attention(layer, meta, q, k, v), want, rtol=1e-5, atol=1e-6)
 
-    cache.lengths, cache.longest = torch.tensor([2, 5, 0]), 5
-    step([2, 5, 0])
-    cache.lengths = torch.tensor([3, 1, 6])  # the same longest bound would serve; the mask must not
-    cache.longest = 6
-    step([3, 1, 6])
-    cache.set_lengths(4)
-    step([4, 4, 4])
-    cache.advance(PackedBatch.from_seqlens([1, 2, 1]))
-    step([5, 6, 5])
+    step(Decode(torch.tensor([2, 5, 0]), 5), [2, 5, 0])
+    step(Decode(torch.tensor([3, 1, 6]), 6), [3, 1, 6])  # the same longest bound would serve; the mask must not
+    lengths = torch.full((3,), 4)
+    step(Decode(lengths, 4), [4, 4, 4])
+    lengths += torch.tensor([1, 2, 1])
+    step(Decode(lengths, 6), [5, 6, 5])

@@ -17,9 +17,11 @@ from restage.layout import Layout, Strategy
 from restage.models import attention
 from restage.models.decoder import StageModule
 from restage.models.hf_checkpoint import load_stage
+from restage.rollout.budget import RolloutLimits
 from restage.rollout.decode_graphs import DecodeGraphs, buckets, choose_decode_mode, stage_inputs
-from restage.rollout.engine import RolloutEngine, RolloutLimits, _bucket
+from restage.rollout.engine import RolloutEngine
 from restage.rollout.sampling import SamplingParams, request_keys, request_seed
+from restage.rollout.slots import bucket as _bucket
 
 ONE_RANK = Layout((0,), Strategy())
 MANY = sample_sequences([6, 1, 14, 9, 3, 11, 7, 2, 12, 5], seed=11)
@@ -41,12 +43,12 @@ def test_buckets_are_the_bounds_the_engine_uses():
 
 
 def test_stage_inputs_pad_free_slots_into_the_spare_row():
-    lengths, steps, requests = [5, 0, 7, 3, 9], [2, 0, 4, 1, 6], [0, -1, 3, 2, 4]
+    lengths, steps, requests = [5, 0, 7, 3, 9], [2, 0, 4, 1, 6], [0, None, 3, 2, 4]
     host = stage_inputs(lengths, steps, requests, bound=4, spare_row=10)
     assert host.dtype == torch.int64
     assert host.tolist() == [[5, 0, 7, 3], [2, 0, 4, 1], [0, 10, 3, 2]]
     # A free slot keeps its recorded length (0 once retired) but never its stale step.
-    assert stage_inputs([4, 8], [3, 5], [-1, 1], bound=2, spare_row=7).tolist() == [[4, 8], [0, 5], [7, 1]]
+    assert stage_inputs([4, 8], [3, 5], [None, 1], bound=2, spare_row=7).tolist() == [[4, 8], [0, 5], [7, 1]]
 
 
 def test_run_copies_into_one_static_buffer_and_steps_over_its_view():
@@ -123,12 +125,12 @@ def test_static_steps_keep_their_shapes_and_addresses_per_bucket(llama, monkeypa
     original_forward = StageModule.forward
     original_sdpa = attention.F.scaled_dot_product_attention
 
-    def forward(self, inputs, batch, cache=None, select=None, routing=None):
-        if cache is not None and cache.decoding:
+    def forward(self, inputs, batch, cache=None, select=None, routing=None, *, attn=None):
+        if isinstance(attn, attention.Decode):
             bound = inputs.shape[0]
             per_bucket.setdefault(bound, set()).add((inputs.data_ptr(), batch.positions.data_ptr(),
-                                                     cache.lengths.data_ptr(), cache.longest))
-        return original_forward(self, inputs, batch, cache, select, routing)
+                                                     attn.lengths.data_ptr(), attn.longest))
+        return original_forward(self, inputs, batch, cache, select, routing, attn=attn)
 
     in_step = [False]
 

@@ -20,8 +20,9 @@ from restage.layout import Layout, Strategy
 from restage.models.hf_checkpoint import load_stage
 from restage.models.packing import pack
 from restage.models.tiny import load_hf
+from restage.rollout.budget import RolloutLimits
 from restage.rollout.decode_graphs import buckets
-from restage.rollout.engine import RolloutEngine, RolloutLimits
+from restage.rollout.engine import RolloutEngine
 from restage.rollout.generation import PartialRequest, continue_generate, generate
 from restage.rollout.sampling import SamplingParams, request_keys, request_seed
 

@@ -58,7 +58,7 @@ def _run(rank, world_size, paths, early_eos):
     from restage.models.hf_checkpoint import load_stage
     from restage.models.parallel import gather_from_tp, vocab_sizes
     from restage.models.pipeline import pipeline_forward, train_1f1b
-    from restage.rollout.engine import RolloutLimits
+    from restage.rollout.budget import RolloutLimits
     from restage.rollout.generation import generate
     from restage.rollout.sampling import SamplingParams
     from restage.runtime.dataplane.realloc import execute_reallocation, groups_for

@@ -13,6 +13,7 @@ import torch
 from model_cases import PROMPTS
 
 from restage.layout import Layout, Strategy
+from restage.models.attention import Decode, Prefill
 from restage.models.packing import PackedBatch, pack
 
 
@@ -66,15 +67,17 @@ def test_prefill_and_decode_never_sync(tiny_models, name, prompts):
         with torch.no_grad():
             full = module(wrap(tokens), wrap_batch(batch))  # no cache: training / inference
             cache = module.new_cache(len(prompts), batch.max_seqlen + steps)
-            cache.lengths = wrap(cache.lengths)
+            lengths, longest = wrap(torch.zeros(len(prompts), dtype=torch.int64)), 0
             step_batch, inputs, select, logits = wrap_batch(batch), wrap(tokens), batch.last_token_index(), []
             for step in range(steps):
-                cache.decoding = step > 0
-                out = module(inputs, step_batch, cache=cache, select=wrap(select) if select is not None else None)
-                cache.advance(step_batch)
+                attn = Decode(lengths, longest) if step > 0 else Prefill()
+                out = module(inputs, step_batch, cache=cache, select=wrap(select) if select is not None else None,
+                             attn=attn)
+                lengths = lengths + (step_batch.cu_seqlens[1:] - step_batch.cu_seqlens[:-1]).to(lengths)
+                longest += max(step_batch.seqlens)
                 logits.append(out)
                 inputs = out.argmax(-1)
-                step_batch, select = PackedBatch.decode_step(cache.lengths.clone()), None
+                step_batch, select = PackedBatch.decode_step(lengths.clone()), None
         outputs[kind] = (full, logits)
     torch.testing.assert_close(outputs["device"][0].as_subclass(torch.Tensor), outputs["plain"][0], rtol=0, atol=0)
     for got, want in zip(outputs["device"][1], outputs["plain"][1]):

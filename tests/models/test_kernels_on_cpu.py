@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from restage.models.attention import KVCache, varlen_attention
+from restage.models.attention import Decode, KVCache, Prefill, varlen_attention
 from restage.models.packing import PackedBatch, pack, split_micro_batches, unpack
 from restage.models.parallel import ParallelContext, vocab_parallel_entropy, vocab_parallel_logprobs
 
@@ -61,14 +61,12 @@ def test_kv_cache_decoding_equals_attention_over_the_whole_sequence():
     q, k, v = ([torch.randn(n, 4, 8) for n in full] for _ in range(3))
     cache = KVCache([0], batch_size=2, max_len=max(full), kv_heads=4, head_dim=8, dtype=torch.float32, device=None)
     _, prefill = pack([[0] * n for n in prompt_lengths])
-    cache.prefill(0, prefill, torch.cat([t[:n] for t, n in zip(k, prompt_lengths)]),
+    cache.prefill(0, Prefill(), prefill, torch.cat([t[:n] for t, n in zip(k, prompt_lengths)]),
                   torch.cat([t[:n] for t, n in zip(v, prompt_lengths)]))
-    cache.advance(prefill)
     for step in range(steps):
         pos = [n + step for n in prompt_lengths]
-        out = cache.decode_attention(0, torch.stack([t[p] for t, p in zip(q, pos)]), torch.stack([t[p] for t, p in zip(k, pos)]),
-                                     torch.stack([t[p] for t, p in zip(v, pos)]))
-        cache.advance(PackedBatch.decode_step(cache.lengths))
+        out = cache.decode_attention(0, Decode(torch.tensor(pos), max(pos)), torch.stack([t[p] for t, p in zip(q, pos)]),
+                                     torch.stack([t[p] for t, p in zip(k, pos)]), torch.stack([t[p] for t, p in zip(v, pos)]))
         for b in range(2):
             expected = naive_attention(q[b][: pos[b] + 1], k[b][: pos[b] + 1], v[b][: pos[b] + 1])[-1]
             assert torch.allclose(out[b], expected, atol=1e-6)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from restage.models.arch import ModelConfig
-from restage.rollout.engine import (
+from restage.rollout.budget import (
     GPU_FREE_MEMORY_FRACTION,
     RolloutLimits,
     available_device_bytes,

@@ -35,7 +35,8 @@ def _run_layouts(rank, world_size, paths, save_root):
     from restage.models.parallel import ParallelContext, gather_from_tp, vocab_sizes
     from restage.models.pipeline import MicroBatch, pipeline_forward
     from restage.models.sharding import shard_bytes
-    from restage.rollout.engine import RolloutEngine, RolloutLimits
+    from restage.rollout.budget import RolloutLimits
+    from restage.rollout.engine import RolloutEngine
     from restage.rollout.generation import generate
     from restage.rollout.sampling import SamplingParams, request_keys
 

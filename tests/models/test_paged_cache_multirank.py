@@ -35,7 +35,8 @@ def _params(mode: str, eos: bool):
 def _run(rank, world_size, paths):
     from restage.layout import Layout, ProcessGroups
     from restage.models.hf_checkpoint import load_stage
-    from restage.rollout.engine import RolloutEngine, RolloutLimits, group_count, kv_bytes_per_slot
+    from restage.rollout.budget import RolloutLimits, group_count, kv_bytes_per_slot
+    from restage.rollout.engine import RolloutEngine
     from restage.rollout.generation import generate
     from restage.rollout.sampling import request_keys, request_seed
 

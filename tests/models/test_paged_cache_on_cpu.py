@@ -13,7 +13,8 @@ from model_cases import sample_sequences
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
 from restage.models.hf_checkpoint import load_stage
-from restage.rollout.engine import RolloutEngine, RolloutLimits, kv_bytes_per_slot
+from restage.rollout.budget import RolloutLimits, kv_bytes_per_slot
+from restage.rollout.engine import RolloutEngine
 from restage.rollout.generation import generate
 from restage.rollout.paged_cache import PagedKVCache, blocks_for
 from restage.rollout.sampling import SamplingParams, request_keys
@@ -146,5 +147,6 @@ def test_compaction_moves_block_tables_without_copying(llama, monkeypatch):
     before = engine.cache.held[3]
     engine._decode()  # requests 0-2 leave at their cap; the 4th moves down to slot 0 at the next check
     engine.reap()
-    assert engine.request[:4] == [3, -1, -1, -1] and engine.cache.held[0] == before and engine.cache.held[3] == []
+    assert [engine.slots.request(i) for i in range(4)] == [3, None, None, None]
+    assert engine.cache.held[0] == before and engine.cache.held[3] == []
     assert copies == [5]  # only the admission's prefix copy (three siblings, one call); the move copied nothing

@@ -22,7 +22,7 @@ EOS = tuple(range(3, 40))  # about one token in seven stops an answer
 def _run(rank, world_size, path):
     from restage.layout import Layout, ProcessGroups
     from restage.models.hf_checkpoint import load_stage
-    from restage.rollout.engine import RolloutLimits
+    from restage.rollout.budget import RolloutLimits
     from restage.rollout.generation import PartialRequest, continue_generate, generate
     from restage.rollout.sampling import SamplingParams
 
@@ -86,7 +86,7 @@ def _replica_batches(d: int) -> list[list[list[int]]]:
 def _run_moe(rank, world_size, path):
     from restage.layout import Layout, ProcessGroups
     from restage.models.hf_checkpoint import load_stage
-    from restage.rollout.engine import RolloutLimits
+    from restage.rollout.budget import RolloutLimits
     from restage.rollout.generation import PartialRequest, continue_generate, generate
     from restage.rollout.sampling import SamplingParams
 

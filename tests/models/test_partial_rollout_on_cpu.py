@@ -11,7 +11,8 @@ from model_cases import sample_sequences
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
 from restage.models.hf_checkpoint import load_stage
-from restage.rollout.engine import RolloutEngine, RolloutLimits
+from restage.rollout.budget import RolloutLimits
+from restage.rollout.engine import RolloutEngine
 from restage.rollout.generation import PartialRequest, continue_generate, generate
 from restage.rollout.sampling import SamplingParams
 

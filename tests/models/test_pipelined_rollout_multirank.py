@@ -40,7 +40,7 @@ def _run(rank, world_size, path):
     from restage.models.hf_checkpoint import load_stage
     from restage.models.packing import pack
     from restage.models.pipeline import MicroBatch, pipeline_forward
-    from restage.rollout.engine import RolloutLimits
+    from restage.rollout.budget import RolloutLimits
     from restage.rollout.generation import generate
     from restage.rollout.pipelined import PipelinedRollout
     from restage.rollout.sampling import request_seed

@@ -16,10 +16,12 @@ from model_cases import sample_sequences
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
 from restage.models.hf_checkpoint import load_stage
-from restage.rollout.engine import RolloutEngine, RolloutLimits, slot_groups
+from restage.rollout.budget import RolloutLimits
+from restage.rollout.engine import RolloutEngine
 from restage.rollout.generation import generate
 from restage.rollout.pipelined import PipelinedRollout
 from restage.rollout.sampling import SamplingParams, request_keys
+from restage.rollout.slots import slot_groups
 
 PROMPTS = sample_sequences([6, 1, 14, 9, 3, 11, 7], seed=5)
 CAPS = [(r * 7) % 12 + 1 for r in range(len(PROMPTS) * 2)]

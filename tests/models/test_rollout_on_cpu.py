@@ -12,7 +12,8 @@ from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
 from restage.models.attention import KVCache
 from restage.models.hf_checkpoint import load_stage
-from restage.rollout.engine import RolloutEngine, RolloutLimits, kv_bytes_per_slot, plan_slots
+from restage.rollout.budget import RolloutLimits, kv_bytes_per_slot, plan_slots
+from restage.rollout.engine import RolloutEngine
 from restage.rollout.generation import generate
 from restage.rollout.sampling import SamplingParams, choose_tokens, request_keys
 

@@ -17,7 +17,7 @@ from restage.models.presets import preset
 from restage.plan.estimator import Estimator, ModelRole, restage_occupancy
 from restage.plan.generation_cost import RestageEngine, block_tokens, paged_occupancy, replays_graphs
 from restage.plan.planner import build_problem, engine_of
-from restage.rollout.engine import RolloutLimits
+from restage.rollout.budget import RolloutLimits
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plan_helpers import ppo_config  # noqa: E402

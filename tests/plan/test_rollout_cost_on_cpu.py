@@ -32,7 +32,7 @@ from restage.plan.simulator import (
     zero3_in_place_bytes,
 )
 from restage.plan.transfer_cost import zero3_gather_seconds
-from restage.rollout.engine import GATHER_ONCE_FRACTION, GPU_FREE_MEMORY_FRACTION, RolloutLimits
+from restage.rollout.budget import GATHER_ONCE_FRACTION, GPU_FREE_MEMORY_FRACTION, RolloutLimits
 from restage.schedule.ops import Run
 
 sys.path.insert(0, str(Path(__file__).parent))

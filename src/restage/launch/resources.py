@@ -17,32 +17,36 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-from restage.config.schema import LauncherSetting
+from restage.config.schema import LauncherSetting, check_choice
 from restage.errors import ConfigError
 from restage.launch import site
 from restage.launch.geometry import JobGeometry
 
-LAUNCHER_SETTINGS: tuple[LauncherSetting, ...] = typing.get_args(LauncherSetting)
 DEFAULT_TIME_MINUTES = 24 * 60  # a partition's limit unknown (no sinfo) or unlimited: a day per attempt
 
 
 def choose_launcher(setting: str, plugins: list[str] | None) -> tuple[str, str]:
     """(``srun`` or ``mpirun``, why) for ``slurm.launcher`` given the site's srun MPI plugins (None: no srun)."""
-    if setting not in LAUNCHER_SETTINGS:
-        raise ConfigError(f"slurm.launcher: {setting!r} must be one of {', '.join(LAUNCHER_SETTINGS)}")
+    # A job file's setting may not have come through the config reader: checked here too.
+    chosen: LauncherSetting = check_choice(setting, LauncherSetting, "slurm.launcher")
     pmix = [p for p in plugins or [] if p.startswith("pmix")]
-    if setting == "srun":
-        if plugins is not None and not pmix:
-            raise ConfigError(f"slurm.launcher=srun needs Slurm's PMIx plugin, but `srun --mpi=list` here offers "
-                              f"{', '.join(plugins) or 'none'}; set slurm.launcher=mpirun (or auto)")
-        return "srun", "slurm.launcher=srun"
-    if setting == "mpirun":
-        return "mpirun", "slurm.launcher=mpirun"
-    if plugins is None:
-        return "mpirun", "slurm.launcher=auto and no srun here to ask (`srun --mpi=list`)"
-    if pmix:
-        return "srun", f"slurm.launcher=auto and this site's srun offers {pmix[0]} (`srun --mpi=list`)"
-    return "mpirun", f"slurm.launcher=auto and this site's srun has no PMIx plugin ({', '.join(plugins) or 'none'})"
+    match chosen:
+        case "srun":
+            if plugins is not None and not pmix:
+                raise ConfigError(f"slurm.launcher=srun needs Slurm's PMIx plugin, but `srun --mpi=list` here offers "
+                                  f"{', '.join(plugins) or 'none'}; set slurm.launcher=mpirun (or auto)")
+            return "srun", "slurm.launcher=srun"
+        case "mpirun":
+            return "mpirun", "slurm.launcher=mpirun"
+        case "auto" if plugins is None:
+            return "mpirun", "slurm.launcher=auto and no srun here to ask (`srun --mpi=list`)"
+        case "auto" if pmix:
+            return "srun", f"slurm.launcher=auto and this site's srun offers {pmix[0]} (`srun --mpi=list`)"
+        case "auto":
+            return "mpirun", (f"slurm.launcher=auto and this site's srun has no PMIx plugin "
+                              f"({', '.join(plugins or []) or 'none'})")
+        case unknown:
+            typing.assert_never(unknown)
 
 
 @dataclass(frozen=True)

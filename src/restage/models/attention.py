@@ -8,21 +8,36 @@ are stacked), so no compute goes to padding.
 
 Shapes: ``q`` is ``[T, H, D]``, ``k``/``v`` are ``[T, H_kv, D]`` (grouped-query attention when
 ``H_kv < H``).
+
+A forward that uses a KV cache is handed its attention metadata (``Prefill`` or ``Decode``: the rows, lengths and
+span of this step), built once per step by whoever owns the rows (the rollout engine); the cache itself only
+stores keys and values and holds no per-step state.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from restage.models.packing import PackedBatch
 
+FlashFn = Callable[..., torch.Tensor]
 try:  # optional: only on GPU machines with flash-attn installed
-    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+    from flash_attn import flash_attn_varlen_func as _varlen_kernel
+    from flash_attn import flash_attn_with_kvcache as _kvcache_kernel
+    flash_attn_varlen_func: FlashFn | None = _varlen_kernel
+    flash_attn_with_kvcache: FlashFn | None = _kvcache_kernel
 except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_varlen_func = flash_attn_with_kvcache = None
+
+
+def flash_installed() -> bool:
+    """Whether flash-attn imports (its kernels then serve CUDA half-precision calls)."""
+    return flash_attn_with_kvcache is not None
 
 
 def use_flash(q: torch.Tensor) -> bool:
@@ -35,18 +50,33 @@ def _window_pair(window: int | None) -> tuple[int, int]:
     return (-1, -1) if window is None else (window - 1, 0)
 
 
+def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 lengths: torch.Tensor, scale: float, window: int | None,
+                 block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """flash-attn's decode kernel: append ``k``/``v`` (``[B, H_kv, D]``) at ``lengths`` in the cache (rows
+    ``[B, L, H_kv, D]``, or a block pool read through ``block_table``) and attend ``q`` ``[B, H, D]`` to it."""
+    assert flash_attn_with_kvcache is not None  # use_flash(q) checked it
+    out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, k=k.unsqueeze(1), v=v.unsqueeze(1),
+                                  cache_seqlens=lengths.to(torch.int32), block_table=block_table,
+                                  softmax_scale=scale, causal=True, window_size=_window_pair(window))
+    return out.squeeze(1)
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch,
                      window: int | None = None) -> torch.Tensor:
     """Causal attention inside each packed sequence; returns ``[T, H, D]``."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     if use_flash(q):
+        assert flash_attn_varlen_func is not None  # use_flash checked it
         cu = batch.cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return flash_attn_varlen_func(q, k, v, cu, cu, batch.max_seqlen, batch.max_seqlen, softmax_scale=scale,
-                                      causal=True, window_size=_window_pair(window))
+        out: torch.Tensor = flash_attn_varlen_func(q, k, v, cu, cu, batch.max_seqlen, batch.max_seqlen,
+                                                   softmax_scale=scale, causal=True, window_size=_window_pair(window))
+        return out
     return _sdpa_varlen(q, k, v, batch, scale, window)
 
 
-def _sdpa_varlen(q, k, v, batch: PackedBatch, scale: float, window: int | None) -> torch.Tensor:
+def _sdpa_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, scale: float,
+                 window: int | None) -> torch.Tensor:
     lengths = batch.seqlens
     # One padded call beats a call per distinct length while padding wastes little (short, similar
     # sequences: per-call overhead dominates); long sequences of mixed lengths go by length.
@@ -55,7 +85,8 @@ def _sdpa_varlen(q, k, v, batch: PackedBatch, scale: float, window: int | None) 
     return _sdpa_by_length(q, k, v, batch, scale, window)
 
 
-def _sdpa_padded(q, k, v, batch: PackedBatch, scale: float, window: int | None) -> torch.Tensor:
+def _sdpa_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, scale: float,
+                 window: int | None) -> torch.Tensor:
     """All sequences in one ``[B, H, L_max, D]`` call; a mask hides the padding keys and the future."""
     # Index tensors come from the host lengths and go to the device without a sync; a boolean
     # mask index would make the host wait for the mask's count.
@@ -79,15 +110,17 @@ def _sdpa_padded(q, k, v, batch: PackedBatch, scale: float, window: int | None) 
     return o.transpose(1, 2).reshape(-1, *q.shape[1:]).index_select(0, flat_valid)
 
 
-def _starts(seqlens) -> list[int]:
-    starts, start = [], 0
+def _starts(seqlens: Sequence[int]) -> list[int]:
+    starts: list[int] = []
+    start = 0
     for n in seqlens:
         starts.append(start)
         start += n
     return starts
 
 
-def _sdpa_by_length(q, k, v, batch: PackedBatch, scale: float, window: int | None) -> torch.Tensor:
+def _sdpa_by_length(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch, scale: float,
+                    window: int | None) -> torch.Tensor:
     out = torch.empty_like(q)
     by_length: dict[int, list[int]] = {}
     for start, length in zip(_starts(batch.seqlens), batch.seqlens):
@@ -97,7 +130,7 @@ def _sdpa_by_length(q, k, v, batch: PackedBatch, scale: float, window: int | Non
         index = (torch.tensor(group_starts).unsqueeze(1) + offsets).reshape(-1).to(q.device, non_blocking=True)
         offsets = offsets.to(q.device, non_blocking=True)
         # [n, L, H, D] -> [n, H, L, D], the layout SDPA wants.
-        qs, ks, vs = (t.index_select(0, index).unflatten(0, (len(group_starts), length)).transpose(1, 2)
+        qs, ks, vs = (t.index_select(0, index).view(len(group_starts), length, *t.shape[1:]).transpose(1, 2)
                       for t in (q, k, v))
         mask = None
         if window is not None and length > window:
@@ -109,62 +142,60 @@ def _sdpa_by_length(q, k, v, batch: PackedBatch, scale: float, window: int | Non
     return out
 
 
-class CacheState:
-    """What every KV cache shares: the rows' lengths on the device, a host bound on them, and the switch between
-    prefill and decode. ``KVCache`` stores rows contiguously; ``paged_cache.PagedKVCache`` in blocks.
+@dataclass(frozen=True)
+class Prefill:
+    """A forward that stores a packed batch's keys/values in cache rows (one sequence per row, at its positions)
+    and attends within each sequence."""
 
-    Sequences are stored left-aligned: sequence ``b`` holds ``lengths[b]`` tokens at positions
-    ``0 .. lengths[b] - 1``. ``decoding`` switches the attention from "prefill a packed batch
-    into the cache" to "one new token per sequence against everything cached".
+    rows: torch.Tensor | None = None  # [B] cache row of each sequence (on the device); None: rows 0 .. B-1
+
+
+@dataclass(frozen=True)
+class Decode:
+    """A forward of one new token per row of ``first_row .. first_row + B - 1``, attending to everything cached.
+
+    Rows are left-aligned: row ``b`` holds ``lengths[b]`` tokens at positions ``0 .. lengths[b] - 1`` and this
+    step's token goes to position ``lengths[b]``. ``longest`` bounds ``lengths.max()`` on the host (exact in
+    generation), so attention spans keys ``0 .. longest`` without the host waiting for the device.
+    """
+
+    lengths: torch.Tensor  # [B] int64 on the device
+    longest: int
+    first_row: int = 0
+    # What the step's layers share (the rows' write index, the attention mask), made by its first layer: one
+    # object per step, so nothing made for an earlier step is ever read.
+    shared: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    def rows_and_mask(self, rows: int, window: int | None,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row index ``[B]`` and attention mask ``[B, 1, 1, longest + 1]`` (a key is seen when its position is
+        filled, within ``window``)."""
+        key = (rows, window)
+        if key not in self.shared:
+            slots = torch.arange(self.longest + 1, device=device)
+            mask = slots.unsqueeze(0) <= self.lengths.unsqueeze(1)
+            if window is not None:
+                mask &= slots.unsqueeze(0) > self.lengths.unsqueeze(1) - window
+            self.shared[key] = (torch.arange(rows, device=device), mask[:, None, None, :])
+        return self.shared[key]
+
+
+# What a forward does with the KV cache; None where there is none (training, scoring).
+AttentionMetadata = Prefill | Decode
+
+
+class KVStore:
+    """Keys and values of one stage's layers in ``num_rows`` rows of at most ``max_len`` positions; the metadata of
+    each forward (``Prefill``, ``Decode``) says which rows it reads and writes. ``KVCache`` stores rows
+    contiguously; ``rollout.paged_cache.PagedKVCache`` in blocks.
 
     The host-side hooks (``hold``, ``release``, ``move``, ``flush``) let the rollout engine treat both alike:
     a contiguous row always has room, so they do nothing there.
     """
 
-    def __init__(self, batch_size: int, max_len: int, device):
-        # What a decode step's layers share (the rows' write index and the attention mask), made by its first
-        # layer; dropped whenever lengths or longest change (their setters, set_lengths, advance).
-        self._step_index: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
-        # Host bound on lengths.max() (exact when a prefill is followed by decode steps, as in generation):
-        # the decode step reads it instead of making the host wait for the device.
-        self._longest = 0
-        self.max_len = max_len
-        self.decoding = False
-        # Cache row of each sequence of a prefill batch (``[B]`` on the device); None: rows 0 .. B-1.
-        self.rows: torch.Tensor | None = None
-        # A decode step over B sequences uses rows first_row .. first_row + B - 1 (the rollout engine's
-        # slots; a pipelined rollout decodes one micro-group of consecutive slots at a time).
-        self.first_row = 0
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """``[B]`` tokens each row holds before this step's token (on the device)."""
-        return self._lengths
-
-    @lengths.setter
-    def lengths(self, lengths: torch.Tensor) -> None:
-        self._lengths = lengths
-        self._step_index.clear()
-
-    @property
-    def longest(self) -> int:
-        return self._longest
-
-    @longest.setter
-    def longest(self, longest: int) -> None:
-        self._longest = longest
-        self._step_index.clear()
-
-    def set_lengths(self, length: int) -> None:
-        """Pretend every row holds ``length`` tokens (the profiler times a decode step against a full cache)."""
-        self.lengths.fill_(length)
-        self.longest = length
-
-    def advance(self, batch: PackedBatch) -> None:
-        """Count the tokens a forward over ``batch`` (one sequence per cache row) has just stored."""
-        self.lengths += (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).to(self.lengths)
-        self.longest += max(batch.seqlens)
+    def __init__(self, num_rows: int, max_len: int):
+        self.num_rows, self.max_len = num_rows, max_len
 
     # Host-side room management (the rollout engine's calls); a contiguous row holds max_len tokens from the start.
     def hold(self, row: int, tokens: int, share_from: int | None = None, shared_tokens: int = 0) -> bool:
@@ -182,7 +213,7 @@ class CacheState:
         """Bring the device's view of the rows' storage up to date with the host's (before a forward)."""
 
     # Device side, each storage its own.
-    def prefill(self, layer: int, batch: PackedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+    def prefill(self, layer: int, meta: Prefill, batch: PackedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a packed batch's keys/values (one sequence per cache row, at their positions)."""
         raise NotImplementedError
 
@@ -190,30 +221,19 @@ class CacheState:
         """Give rows ``targets`` the first ``num_tokens`` keys/values of row ``source`` (a prompt prefilled once)."""
         raise NotImplementedError
 
-    def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def decode_attention(self, layer: int, meta: Decode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          window: int | None = None) -> torch.Tensor:
-        """Append one token per sequence (``q`` ``[B, H, D]``) and attend to the cache; ``[B, H, D]``."""
+        """Append one token per row (``q`` ``[B, H, D]``) and attend to the cache; ``[B, H, D]``."""
         raise NotImplementedError
 
-    def _decode_index(self, rows: int, window: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's row index ``[B]`` and attention mask ``[B, 1, 1, longest + 1]`` (a key is seen when its slot is
-        filled, within ``window``): made once per step, for the first layer, and shared by the others."""
-        key = (rows, window)
-        if key not in self._step_index:
-            slots = torch.arange(self.longest + 1, device=device)
-            mask = slots.unsqueeze(0) <= self.lengths.unsqueeze(1)
-            if window is not None:
-                mask &= slots.unsqueeze(0) > self.lengths.unsqueeze(1) - window
-            self._step_index[key] = (torch.arange(rows, device=device), mask[:, None, None, :])
-        return self._step_index[key]
 
-
-class KVCache(CacheState):
+class KVCache(KVStore):
     """Keys and values of the layers one stage holds, ``[B, L_max, H_kv_local, D]`` per layer: row ``b`` is one
-    contiguous block of ``L_max`` positions (see ``CacheState``)."""
+    contiguous block of ``L_max`` positions (see ``KVStore``)."""
 
-    def __init__(self, layers, batch_size: int, max_len: int, kv_heads: int, head_dim: int, dtype, device):
-        super().__init__(batch_size, max_len, device)
+    def __init__(self, layers: Iterable[int], batch_size: int, max_len: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str | None):
+        super().__init__(batch_size, max_len)
         shape = (batch_size, max_len, kv_heads, head_dim)
         self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
@@ -221,11 +241,11 @@ class KVCache(CacheState):
     def move(self, source: int, target: int, num_tokens: int) -> None:
         self.copy_prefix(source, [target], num_tokens)
 
-    def prefill(self, layer: int, batch: PackedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+    def prefill(self, layer: int, meta: Prefill, batch: PackedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a packed batch's keys/values (one sequence per cache row, at their positions)."""
         seq, pos = batch.seq_index(), batch.positions
-        if self.rows is not None:
-            seq = self.rows[seq]
+        if meta.rows is not None:
+            seq = meta.rows[seq]
         self.k[layer][seq, pos] = k
         self.v[layer][seq, pos] = v
 
@@ -234,21 +254,18 @@ class KVCache(CacheState):
         for cache in (*self.k.values(), *self.v.values()):
             cache[targets, :num_tokens] = cache[source, :num_tokens]
 
-    def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def decode_attention(self, layer: int, meta: Decode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          window: int | None = None) -> torch.Tensor:
-        """Append one token per sequence (``q`` ``[B, H, D]``) and attend to the cache; ``[B, H, D]``."""
+        """Append one token per row (``q`` ``[B, H, D]``) and attend to the cache; ``[B, H, D]``."""
         scale = 1.0 / math.sqrt(q.shape[-1])
-        rows_used = slice(self.first_row, self.first_row + q.shape[0])
+        rows_used = slice(meta.first_row, meta.first_row + q.shape[0])
         k_cache, v_cache = self.k[layer][rows_used], self.v[layer][rows_used]  # views of B consecutive rows
         if use_flash(q):
-            out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, k=k.unsqueeze(1), v=v.unsqueeze(1),
-                                          cache_seqlens=self.lengths.to(torch.int32), softmax_scale=scale,
-                                          causal=True, window_size=_window_pair(window))
-            return out.squeeze(1)
-        rows, mask = self._decode_index(q.shape[0], window, q.device)
-        k_cache[rows, self.lengths] = k
-        v_cache[rows, self.lengths] = v
-        used = self.longest + 1  # only attend over slots some sequence has filled
+            return flash_decode(q, k_cache, v_cache, k, v, meta.lengths, scale, window)
+        rows, mask = meta.rows_and_mask(q.shape[0], window, q.device)
+        k_cache[rows, meta.lengths] = k
+        v_cache[rows, meta.lengths] = v
+        used = meta.longest + 1  # only attend over slots some sequence has filled
         keys = k_cache[:, :used].transpose(1, 2)
         values = v_cache[:, :used].transpose(1, 2)
         return decode_sdpa(q, keys, values, mask, scale)
@@ -259,4 +276,5 @@ def decode_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     """One query per sequence (``q`` ``[B, H, D]``) against ``keys``/``values`` ``[B, H_kv, L, D]``; ``[B, H, D]``."""
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask,
                                          scale=scale, enable_gqa=keys.shape[1] != q.shape[1])
-    return out.squeeze(2)
+    squeezed: torch.Tensor = out.squeeze(2)
+    return squeezed

@@ -24,7 +24,7 @@ from torch.types import Device
 from restage.errors import ConfigError, LayoutError
 from restage.layout import Strategy
 from restage.models.arch import ModelConfig
-from restage.models.attention import CacheState, KVCache, varlen_attention
+from restage.models.attention import AttentionMetadata, Decode, KVCache, KVStore, Prefill, varlen_attention
 from restage.models.family import Activation
 from restage.models.lora import apply_lora
 from restage.models.moe import MoEMLP, RouterLog
@@ -41,7 +41,6 @@ from restage.models.parallel import (
 )
 from restage.models.rope import RopeTables, apply_rope_qk, rope_tables
 from restage.models.sharding import shard_specs, split_range, stage_layers, validate_strategy
-from restage.rollout.paged_cache import PagedKVCache
 
 ACTIVATIONS: dict[Activation, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -124,7 +123,8 @@ class Attention(nn.Module):
         self.q_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, ctx, dtype, device) if cfg.qk_norm else None
         self.k_norm = HeadNorm(cfg.head_dim, cfg.norm_eps, ctx, dtype, device) if cfg.qk_norm else None
 
-    def forward(self, x, batch: PackedBatch, rope: RopeTables | None, cache: CacheState | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: PackedBatch, rope: RopeTables | None, cache: KVStore | None,
+                attn: AttentionMetadata | None) -> torch.Tensor:
         tokens = x.shape[0]
         x = copy_to_tp(x, self.ctx)
         q = self.q(x).view(tokens, -1, self.head_dim)
@@ -134,12 +134,18 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope_qk(q, k, rope)
-        if cache is not None and cache.decoding:
-            out = cache.decode_attention(self.layer, q, k, v, self.window)
-        else:
-            if cache is not None:
-                cache.prefill(self.layer, batch, k, v)
-            out = varlen_attention(q, k, v, batch, self.window)
+        match attn:
+            case None:
+                out = varlen_attention(q, k, v, batch, self.window)
+            case Prefill():
+                assert cache is not None, "a prefill stores into a cache"
+                cache.prefill(self.layer, attn, batch, k, v)
+                out = varlen_attention(q, k, v, batch, self.window)
+            case Decode():
+                assert cache is not None, "a decode step attends to a cache"
+                out = cache.decode_attention(self.layer, attn, q, k, v, self.window)
+            case _:
+                assert_never(attn)
         return self.o(out.reshape(tokens, -1))
 
 
@@ -172,9 +178,9 @@ class Block(nn.Module):
         self.mlp: MLP | MoEMLP = MoEMLP(cfg, ctx, layer, dtype, device) if cfg.is_sparse(layer) else MLP(
             cfg, ctx, dtype, device)
 
-    def forward(self, h, batch: PackedBatch, rope: RopeTables | None, cache: CacheState | None, routing: RouterLog | None = None
-                ) -> torch.Tensor:
-        h = h + self.attn(self.attn_norm(h), batch, rope, cache)
+    def forward(self, h: torch.Tensor, batch: PackedBatch, rope: RopeTables | None, cache: KVStore | None,
+                attn: AttentionMetadata | None, routing: RouterLog | None = None) -> torch.Tensor:
+        h = h + self.attn(self.attn_norm(h), batch, rope, cache, attn)
         if isinstance(self.mlp, MoEMLP):
             return h + self.mlp(self.mlp_norm(h), routing)
         return h + self.mlp(self.mlp_norm(h))
@@ -243,11 +249,14 @@ class StageModule(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight
 
-    def forward(self, inputs: torch.Tensor, batch: PackedBatch, cache: CacheState | None = None,
-                select: torch.Tensor | None = None, routing: RouterLog | None = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, batch: PackedBatch, cache: KVStore | None = None,
+                select: torch.Tensor | None = None, routing: RouterLog | None = None, *,
+                attn: AttentionMetadata | None = None) -> torch.Tensor:
         """Run this stage on a packed batch.
 
         ``inputs``: token ids ``[T]`` on the first stage, hidden states ``[T, hidden]`` elsewhere.
+        ``cache`` and ``attn``: the KV cache and what this forward does with it (``attention.Prefill``: store the
+        batch's keys/values in its rows; ``attention.Decode``: one token per row against its cache), both or neither.
         ``select``: on the last stage, indices of the tokens whose logits/values are wanted
         (e.g. each sequence's last token during generation); all tokens when None.
         ``routing``: for a mixture-of-experts model, where its sparse layers report their
@@ -263,12 +272,14 @@ class StageModule(nn.Module):
                 rope = rope_tables(batch.positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype, self.cfg.rope_scaling)
             case unknown:
                 assert_never(unknown)
+        if (cache is None) != (attn is None):
+            raise ValueError("StageModule.forward: give a KV cache together with its attention metadata, or neither")
         recompute = self.recompute_blocks and torch.is_grad_enabled() and cache is None
         for block in self.layers.values():
             if recompute:  # non-reentrant: the recomputed forward runs inside the backward, in block order on every rank
-                h = torch.utils.checkpoint.checkpoint(block, h, batch, rope, None, routing, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(block, h, batch, rope, None, None, routing, use_reentrant=False)
             else:
-                h = block(h, batch, rope, cache, routing)
+                h = block(h, batch, rope, cache, attn, routing)
         if not self.ctx.is_last_stage:
             return h
         if select is not None:
@@ -297,11 +308,3 @@ class StageModule(nn.Module):
         kv_heads = self.cfg.num_kv_heads // self.ctx.tp_size
         device = next(self.parameters()).device
         return KVCache(range(*self.layer_range), batch_size, max_len, kv_heads, self.cfg.head_dim, self.dtype, device)
-
-    def new_paged_cache(self, rows: int, max_len: int, block_tokens: int, num_blocks: int,
-                        pools: list[tuple[int, int]] | None = None) -> PagedKVCache:
-        """An empty paged KV cache for this stage's layers (``paged_cache.py``)."""
-        kv_heads = self.cfg.num_kv_heads // self.ctx.tp_size
-        device = next(self.parameters()).device
-        return PagedKVCache(range(*self.layer_range), rows, max_len, block_tokens, num_blocks, kv_heads,
-                            self.cfg.head_dim, self.dtype, device, pools)

@@ -61,7 +61,7 @@ from restage.plan.generation_cost import (
 )
 from restage.plan.nccl import bus_bandwidth
 from restage.plan.profile import find_profile
-from restage.rollout.engine import group_count
+from restage.rollout.budget import group_count
 from restage.rollout.paged_cache import blocks_for
 
 # Bytes per parameter of mixed-precision AdamW state: fp32 master copy, m and v. Plain fp32

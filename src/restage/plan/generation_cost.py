@@ -57,8 +57,8 @@ from restage.models.flops import block_shape
 from restage.models.sharding import stage_layers
 from restage.plan.comm import allreduce_seconds
 from restage.plan.compute import DTYPE_BYTES, RooflineCompute
+from restage.rollout.budget import CPU_KV_CACHE_BYTES, GPU_FREE_MEMORY_FRACTION, RolloutLimits, slot_count
 from restage.rollout.decode_graphs import choose_decode_mode
-from restage.rollout.engine import CPU_KV_CACHE_BYTES, GPU_FREE_MEMORY_FRACTION, RolloutLimits, slot_count
 from restage.rollout.paged_cache import DEFAULT_BLOCK_TOKENS, FLASH_BLOCK_TOKENS, blocks_for
 
 # Measured on one H100 with restage's own engine (docs/plan.md, "GPU cost constants"):

@@ -33,7 +33,7 @@ from restage.plan.problem import (
     untrainable,
 )
 from restage.plan.search import SearchResult, search
-from restage.rollout.engine import RolloutLimits
+from restage.rollout.budget import RolloutLimits
 from restage.schedule.program import ema_targets
 
 GIB = 2**30

@@ -37,6 +37,7 @@ from restage.device import DTYPES
 from restage.errors import ConfigError
 from restage.layout import Coord, Strategy
 from restage.models.arch import ModelConfig
+from restage.models.attention import Decode, Prefill
 from restage.models.decoder import StageModule
 from restage.models.packing import PackedBatch
 from restage.models.parallel import ParallelContext, lm_logits
@@ -187,9 +188,8 @@ def _shape_jobs(module, block, batch: int, seq: int, tp: int, device) -> list[tu
     cache = module.new_cache(batch, seq + 1)
     # One decoding step against ``seq`` cached tokens per sequence (a separate cache: prefill refills its own).
     step_cache = module.new_cache(batch, seq + 1)
-    step_cache.set_lengths(seq)
-    step_cache.decoding = True
-    step = PackedBatch.decode_step(step_cache.lengths.clone())
+    step_lengths = torch.full((batch,), seq, dtype=torch.int64, device=device)
+    step = PackedBatch.decode_step(step_lengths.clone())
     step_rope = (rope_tables(step.positions, cfg.head_dim, cfg.rope_theta, module.dtype, cfg.rope_scaling)
                  if rope is not None else None)
     one = hidden[:batch]
@@ -202,16 +202,13 @@ def _shape_jobs(module, block, batch: int, seq: int, tp: int, device) -> list[tu
         return run
 
     def prefill():
-        cache.set_lengths(0)
-        cache.decoding = False
-        block(hidden, packed, rope, cache)
+        block(hidden, packed, rope, cache, Prefill())
 
     def decode():
-        step_cache.set_lengths(seq)
-        block(one, step, step_rope, step_cache)
+        block(one, step, step_rope, step_cache, Decode(step_lengths, seq))
 
     def block_forward_backward():
-        y = block(x, packed, rope, None)
+        y = block(x, packed, rope, None, None)
         y.backward(torch.ones_like(y))
 
     def head_forward_backward():
@@ -220,7 +217,7 @@ def _shape_jobs(module, block, batch: int, seq: int, tp: int, device) -> list[tu
     jobs = []
     if tp == 1:
         jobs.append((("embed_forward", 1, tokens, 1), no_grad(lambda: module.embed(ids))))
-    jobs += [(("block_forward", tp, batch, seq), no_grad(lambda: block(hidden, packed, rope, None))),
+    jobs += [(("block_forward", tp, batch, seq), no_grad(lambda: block(hidden, packed, rope, None, None))),
              (("head_forward", tp, tokens, 1), no_grad(lambda: _head(module, hidden))),
              (("prefill", tp, batch, seq), no_grad(prefill)),
              (("decode_step", tp, batch, seq), no_grad(decode)),

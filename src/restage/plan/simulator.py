@@ -34,7 +34,7 @@ from restage.models.sharding import stage_layers
 from restage.plan.estimator import lockstep_forwards
 from restage.plan.generation_cost import RestageEngine
 from restage.plan.transfer_cost import key_bytes, zero3_gather_seconds
-from restage.rollout.engine import gathers_once
+from restage.rollout.budget import gathers_once
 from restage.schedule.async_program import async_layout_problem, build_async_program, lookahead, producers
 from restage.schedule.ops import (
     Ema,

@@ -1,6 +1,6 @@
 """Decode steps over static buffers: eager, or captured as one CUDA graph per batch-size bucket and replayed.
 
-A decode step of the rollout engine (``rollout.py``) runs over the first ``bound`` cache slots,
+A decode step of the rollout engine (``engine.py``) runs over the first ``bound`` cache slots,
 ``bound`` a bucket: a power of two, or the slot count (``buckets``). Everything the step reads
 lives in buffers allocated once per engine (the KV cache, the slots' next tokens, alive flags and
 noise keys, the output rows) plus one staging buffer, ``[3, slots]`` int64: each slot's cache
@@ -36,7 +36,7 @@ tokens-per-expert counts are read on the host); those layouts stay eager (same r
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Literal, assert_never
 
 import torch
 
@@ -50,17 +50,16 @@ def buckets(slots: int) -> list[int]:
     return sizes + [slots] if slots else []
 
 
-def stage_inputs(lengths: Sequence[int], steps: Sequence[int], requests: Sequence[int], bound: int,
+def stage_inputs(lengths: Sequence[int], steps: Sequence[int], requests: Sequence[int | None], bound: int,
                  spare_row: int) -> torch.Tensor:
     """``[3, bound]`` int64 host rows (position, answer step, output row) of slots ``0 .. bound-1``.
 
-    A free slot (``requests[i] < 0``) decodes into its own unused cache row at its recorded length
+    A free slot (``requests[i]`` None) decodes into its own unused cache row at its recorded length
     (0 once retired), with step 0 and the output's spare row, so it writes nothing anyone reads.
     """
-    busy = [r >= 0 for r in requests[:bound]]
     return torch.tensor([list(lengths[:bound]),
-                         [s if b else 0 for s, b in zip(steps[:bound], busy)],
-                         [r if b else spare_row for r, b in zip(requests[:bound], busy)]], dtype=torch.int64)
+                         [s if r is not None else 0 for s, r in zip(steps[:bound], requests[:bound])],
+                         [r if r is not None else spare_row for r in requests[:bound]]], dtype=torch.int64)
 
 
 def choose_decode_mode(device: torch.device, *, enabled: bool, tp_size: int, pp_size: int, ep_size: int,
@@ -86,6 +85,20 @@ def choose_decode_mode(device: torch.device, *, enabled: bool, tp_size: int, pp_
     return "graphs", "one CUDA graph per batch bucket" + (" (TP collectives captured)" if tp_size > 1 else "")
 
 
+def mode_traits(mode: DecodeMode) -> tuple[bool, bool]:
+    """(captures: steps are captured as CUDA graphs and replayed, fixed_span: attention covers every cache
+    position, one shape per bucket as a graph needs) of ``mode``."""
+    match mode:
+        case "graphs":
+            return True, True
+        case "static":
+            return False, True
+        case "eager":
+            return False, False
+        case _:
+            assert_never(mode)
+
+
 class DecodeGraphs:
     """The staging buffer and, in ``graphs`` mode, the captured graph of each bucket; ``run`` does one step."""
 
@@ -93,12 +106,8 @@ class DecodeGraphs:
         self.mode, self.device = mode, device
         self.staged = torch.zeros(3, slots, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if mode == "graphs" else None
-
-    @property
-    def fixed_span(self) -> bool:
-        """Whether attention covers every cache position (one shape per bucket, as a graph needs)."""
-        return self.mode != "eager"
+        self.captures, self.fixed_span = mode_traits(mode)
+        self.pool = torch.cuda.graph_pool_handle() if self.captures else None  # one memory pool for every bucket
 
     @torch.no_grad()  # inference only: a capture must record no autograd state
     def run(self, bound: int, host: torch.Tensor, step: StepFn) -> None:
@@ -109,7 +118,7 @@ class DecodeGraphs:
         """
         staged = self.staged[:, :bound]
         staged.copy_(host, non_blocking=True)  # before the step, on the stream it runs on
-        if self.mode != "graphs":
+        if not self.captures:
             step(bound, staged)
         elif bound in self.graphs:
             self.graphs[bound].replay()
@@ -119,7 +128,7 @@ class DecodeGraphs:
     def _warm_up_and_capture(self, bound: int, staged: torch.Tensor, step: StepFn) -> torch.cuda.CUDAGraph:
         """Run this step eagerly on a side stream (the warm-up), then capture it for the next ones."""
         current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
+        side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch declares no types on Stream.__new__
         side.wait_stream(current)  # the staging copy
         with torch.cuda.stream(side):
             step(bound, staged)  # this step's real work: capture below records without running

@@ -1,8 +1,8 @@
 """Generation's entry point: ``generate(module, prompts, params)`` under any dp/tp/pp/ep layout.
 
-The work is done by the rollout engine (``rollout.py``: cache slots, continuous batching, one
+The work is done by the rollout engine (``engine.py``: cache slots, continuous batching, one
 prefill per prompt group), under pp by micro-groups of slots in flight through the stages
-(``rollout_pipeline.py``), and the sampler (``sampling.py``: filters and per-request noise). The
+(``pipelined.py``), and the sampler (``sampling.py``: filters and per-request noise). The
 last stage gathers only the decoded positions' logits over TP (``[B, V]``), picks the next tokens,
 and broadcasts them (with their log-probabilities) to every stage, so all ranks of a data-parallel
 replica return the same GenerationOutput.
@@ -18,7 +18,8 @@ import torch
 
 from restage.errors import ConfigError
 from restage.models.decoder import StageModule
-from restage.rollout.engine import RolloutEngine, RolloutLimits
+from restage.rollout.budget import RolloutLimits
+from restage.rollout.engine import RolloutEngine
 from restage.rollout.pipelined import run_pipelined
 from restage.rollout.sampling import SamplingParams, request_keys, request_seed
 

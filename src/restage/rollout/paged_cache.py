@@ -28,10 +28,11 @@ process models; the pieces restage needs (a free list, counts, one table) are a 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
-from restage.models.attention import CacheState, _window_pair, decode_sdpa, flash_attn_with_kvcache, use_flash
+from restage.models.attention import Decode, KVStore, Prefill, decode_sdpa, flash_decode, use_flash
 from restage.models.packing import PackedBatch
 
 DEFAULT_BLOCK_TOKENS = 16  # the gather path's block: small blocks waste little of a row's last block
@@ -43,15 +44,16 @@ def blocks_for(tokens: int, block_tokens: int) -> int:
     return -(-tokens // block_tokens)
 
 
-class PagedKVCache(CacheState):
+class PagedKVCache(KVStore):
     """Keys and values of one stage's layers in ``num_blocks`` blocks of ``block_tokens`` (see the module doc).
 
     ``pools``: row ranges ``(start, stop)`` whose rows share one free list; the blocks are split among them as
     evenly as possible (one pool over all rows when None)."""
 
-    def __init__(self, layers, rows: int, max_len: int, block_tokens: int, num_blocks: int, kv_heads: int,
-                 head_dim: int, dtype, device, pools: list[tuple[int, int]] | None = None):
-        super().__init__(rows, max_len, device)
+    def __init__(self, layers: Iterable[int], rows: int, max_len: int, block_tokens: int, num_blocks: int,
+                 kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str | None,
+                 pools: list[tuple[int, int]] | None = None):
+        super().__init__(rows, max_len)
         self.block_tokens, self.num_blocks = block_tokens, num_blocks
         self.max_blocks = blocks_for(max_len, block_tokens)  # table width: a row of max_len tokens
         self.scratch = num_blocks
@@ -81,6 +83,7 @@ class PagedKVCache(CacheState):
         return sum(1 for owner in self.owner if owner == pool)
 
     def blocks_held(self) -> int:
+        """Blocks some row holds now."""
         return self.num_blocks - sum(len(f) for f in self.free)
 
     def hold(self, row: int, tokens: int, share_from: int | None = None, shared_tokens: int = 0) -> bool:
@@ -111,6 +114,7 @@ class PagedKVCache(CacheState):
         return True
 
     def release(self, row: int) -> None:
+        """Row ``row``'s blocks go back to its pool (a shared one when its last holder leaves)."""
         for block in self.held[row]:
             self.refs[block] -= 1
             if self.refs[block] == 0:
@@ -121,6 +125,7 @@ class PagedKVCache(CacheState):
             self.dirty = True
 
     def move(self, source: int, target: int, num_tokens: int) -> None:
+        """Row ``source``'s blocks become ``target``'s (their table entries move; no key or value is copied)."""
         assert not self.held[target] and self.pool_of_row[source] == self.pool_of_row[target]
         self.held[target], self.held[source] = self.held[source], []
         self.host_table[target] = self.host_table[source]
@@ -163,41 +168,39 @@ class PagedKVCache(CacheState):
         blocks = self.table[rows, positions // self.block_tokens].long()
         return blocks * self.block_tokens + positions % self.block_tokens
 
-    def prefill(self, layer: int, batch: PackedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+    def prefill(self, layer: int, meta: Prefill, batch: PackedBatch, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a packed batch's keys/values (one sequence per row, at their positions) into the rows' blocks."""
         seq, pos = batch.seq_index(), batch.positions
-        rows = self.rows[seq] if self.rows is not None else seq
+        rows = meta.rows[seq] if meta.rows is not None else seq
         index = self._flat(rows, pos)
         for pool, x in ((self.k[layer], k), (self.v[layer], v)):
             pool.view(-1, *pool.shape[2:]).index_copy_(0, index, x.to(pool.dtype))
 
-    def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def decode_attention(self, layer: int, meta: Decode, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          window: int | None = None) -> torch.Tensor:
-        """Append one token per row (``q`` ``[B, H, D]``, rows ``first_row ..``) and attend to its blocks."""
+        """Append one token per row (``q`` ``[B, H, D]``, rows ``meta.first_row ..``) and attend to its blocks."""
         scale = 1.0 / math.sqrt(q.shape[-1])
-        table = self.table[self.first_row:self.first_row + q.shape[0]]
+        table = self.table[meta.first_row:meta.first_row + q.shape[0]]
         k_pool, v_pool = self.k[layer], self.v[layer]
         if use_flash(q) and self.block_tokens % FLASH_BLOCK_TOKENS == 0:
-            out = flash_attn_with_kvcache(q.unsqueeze(1), k_pool, v_pool, k=k.unsqueeze(1), v=v.unsqueeze(1),
-                                          cache_seqlens=self.lengths.to(torch.int32), block_table=table,
-                                          softmax_scale=scale, causal=True, window_size=_window_pair(window))
-            return out.squeeze(1)
-        write, gather, mask = self._paged_index(table, window, q.device)
+            return flash_decode(q, k_pool, v_pool, k, v, meta.lengths, scale, window, block_table=table)
+        write, gather, mask = self._paged_index(meta, table, window, q.device)
         for pool, x in ((k_pool, k), (v_pool, v)):
             pool.view(-1, *pool.shape[2:]).index_copy_(0, write, x.to(pool.dtype))
-        used = self.longest + 1
+        used = meta.longest + 1
         keys, values = ((pool[gather].flatten(1, 2)[:, :used]).transpose(1, 2) for pool in (k_pool, v_pool))
         return decode_sdpa(q, keys, values, mask, scale)
 
-    def _paged_index(self, table: torch.Tensor, window: int | None,
+    def _paged_index(self, meta: Decode, table: torch.Tensor, window: int | None,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This step's write index ``[B]`` (flat pool positions of the new tokens), gather index ``[B, n]`` (each
-        row's first ``n`` blocks, enough for ``longest + 1`` positions) and mask: made for the first layer, shared."""
-        rows, mask = self._decode_index(table.shape[0], window, device)
-        key = (-table.shape[0], window)  # beside _decode_index's (rows, window) entry, dropped with it
-        if key not in self._step_index:
-            blocks = blocks_for(self.longest + 1, self.block_tokens)
-            write = self._flat(self.first_row + rows, self.lengths)
-            self._step_index[key] = (write, table[:, :blocks].long())
-        write, gather = self._step_index[key]
+        row's first ``n`` blocks, enough for ``longest + 1`` positions) and mask: made for the first layer, shared
+        by the step's others (``meta.shared``)."""
+        rows, mask = meta.rows_and_mask(table.shape[0], window, device)
+        key = (-table.shape[0], window)  # beside rows_and_mask's (rows, window) entry
+        if key not in meta.shared:
+            blocks = blocks_for(meta.longest + 1, self.block_tokens)
+            write = self._flat(meta.first_row + rows, meta.lengths)
+            meta.shared[key] = (write, table[:, :blocks].long())
+        write, gather = meta.shared[key]
         return write, gather, mask

@@ -53,10 +53,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from restage.models.decoder import StageModule
-from restage.models.packing import PackedBatch, pack
+from restage.models.packing import pack
 from restage.models.pipeline import p2p
-from restage.rollout.engine import Admission, RolloutEngine, SlotGroup, join_step, peers_done, slot_groups
+from restage.rollout.engine import RolloutEngine
+from restage.rollout.lockstep import join_step, peers_done
+from restage.rollout.slots import Admission, SlotGroup, slot_groups
 
 
 @dataclass(frozen=True)
@@ -83,14 +84,10 @@ class ScheduleLog:
     decoded_slots: list[int] = field(default_factory=list)
 
 
-def _stage_forward(module: StageModule, inputs: torch.Tensor, batch: PackedBatch, cache, select) -> torch.Tensor:
-    return module(inputs, batch, cache=cache, select=select)
-
-
 class PipelinedRollout:
     """Runs a ``RolloutEngine``'s requests with ``engine.num_groups`` micro-groups in flight (see the module doc)."""
 
-    def __init__(self, engine: RolloutEngine):
+    def __init__(self, engine: RolloutEngine) -> None:
         self.engine, self.module = engine, engine.module
         self.groups = slot_groups(engine.num_slots, engine.num_groups)
         self.decoded = [0] * len(self.groups)  # bound of each group's latest decode, not yet advanced on the host
@@ -141,9 +138,8 @@ class PipelinedRollout:
         check = (index // len(self.groups)) % engine.limits.check_every_steps == 0
         if check:
             engine.reap(group)
-        free = any(engine.request[i] < 0 for i in range(group.start, group.stop))
         admission = None
-        if engine.queue and free and (check or not lockstep):
+        if engine.queue and engine.has_free(group) and (check or not lockstep):
             admission = engine.take_slots(group)
         bound = engine.bound(group)
         self.decoded[g] = bound
@@ -156,7 +152,7 @@ class PipelinedRollout:
         """Send last tick's outputs to the next stage and receive this event's inputs from the previous one."""
         module, ctx = self.module, self.module.ctx
         ops = [("send", t.contiguous(), ctx.next_rank) for t in outbox]
-        inputs = []
+        inputs: list[torch.Tensor] = []
         if not ctx.is_first_stage:
             for tokens in (event.prefill_tokens, event.bound):
                 if tokens:
@@ -175,20 +171,16 @@ class PipelinedRollout:
         if event.admission is not None and event.admission.slots:
             tokens, batch = pack(event.admission.prefixes, device=engine.device)
             hidden = tokens if ctx.is_first_stage else next(received)
-            prefilled = engine.prefill_forward(event.admission.slots, hidden, batch, _stage_forward)
-            assert prefilled is not None  # _stage_forward returns every stage's output
+            prefilled = engine.prefill_forward(event.admission.slots, hidden, batch, relay=False)
+            assert prefilled is not None  # a stage alone returns its output
             outputs.append(prefilled)
         elif lockstep and event.check:
             join_step(module)
         if event.admission is not None:
             engine.copy_prefixes(event.admission)
         if event.bound:
-            assert engine.cache is not None  # slots exist when requests do
             group = event.group
-            staged = engine.stage_group(group, event.bound)
-            engine.cache.lengths, engine.cache.decoding = staged[0], True
-            hidden = engine.next_tokens[group.start:group.start + event.bound] if ctx.is_first_stage else next(received)
-            out = module(hidden, PackedBatch.decode_step(staged[0]), cache=engine.cache)
+            staged, out = engine.decode_group(group, event.bound, None if ctx.is_first_stage else next(received))
             self.staged[event.index] = staged
             outputs.append(out)
             if ctx.is_last_stage:

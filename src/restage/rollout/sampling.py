@@ -60,7 +60,7 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def request_keys(seeds: Sequence[int], device=None) -> torch.Tensor:
+def request_keys(seeds: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
     """``[R]`` int64 32-bit keys, one per request seed (any Python int)."""
     values = [s % (1 << 64) for s in seeds]
     lo = torch.tensor([v & _MASK32 for v in values], dtype=torch.int64)

@@ -11,7 +11,7 @@ own (``keys[row]``), so its tokens do not depend on when it was admitted or besi
 
 The next turn's context (prompt, earlier answers and observations) is prefilled whole: the retired slot's keys
 and values are not kept for it. Keeping them would hold the slot idle for the whole tool call (the slot is the
-unit of KV memory here: ``rollout.py``), which is what giving it to a waiting request avoids; the cost is one
+unit of KV memory here: ``engine.py``), which is what giving it to a waiting request avoids; the cost is one
 prefill of the context per turn, ``sum_t len(context_t)`` prefill tokens per episode instead of the observation
 tokens alone (prefill runs at compute speed, a few decode steps' time for a few hundred tokens), which the
 estimator charges (``plan/estimator.py``'s ``multi_turn_tokens``). Sibling episodes of a group share their first
@@ -41,7 +41,9 @@ import torch
 import torch.distributed as dist
 
 from restage.models.decoder import StageModule
-from restage.rollout.engine import RolloutEngine, RolloutLimits, join_step
+from restage.rollout.budget import RolloutLimits
+from restage.rollout.engine import RolloutEngine
+from restage.rollout.lockstep import join_step
 from restage.rollout.sampling import SamplingParams, request_keys
 
 LOCKSTEP_WAIT_SECONDS = 0.02  # how long replicas in lockstep, all waiting on tools, wait before agreeing again
@@ -126,10 +128,10 @@ class TurnEngine(RolloutEngine):
         self.prefill_tokens = 0  # tokens prefilled over the run (every turn's context; the estimator's figure)
 
     def _retire(self, slots: list[int]) -> None:
-        self.finished_rows.extend(self.request[i] for i in slots if self.request[i] >= 0)
+        self.finished_rows.extend(row for i in slots if (row := self.slots.request(i)) is not None)
         super()._retire(slots)
 
-    def _prefill(self, slots: list[int], prefixes) -> None:
+    def _prefill(self, slots: list[int], prefixes: list[Sequence[int]]) -> None:
         self.prefill_tokens += sum(len(p) for p in prefixes)
         super()._prefill(slots, prefixes)
 
@@ -159,7 +161,7 @@ class TurnEngine(RolloutEngine):
     def required_done(self) -> bool:
         """Whether the required episodes are all done: none of their turns waits, decodes or awaits its tool."""
         return (all(row >= self.required_rows for row in self.queue)
-                and all(not 0 <= row < self.required_rows for row in self.request) and not self.feed.pending())
+                and all(row >= self.required_rows for row in self.requests_in_slots()) and not self.feed.pending())
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run the required episodes to their ends: ``(tokens [rows, W], logprobs [rows, W], lengths [rows])``, row
@@ -184,7 +186,7 @@ class TurnEngine(RolloutEngine):
                 continue
             self._admit(join_if_empty=lockstep)
             for _ in range(self.limits.check_every_steps):
-                if not lockstep and self.queue and -1 in self.request:
+                if not lockstep and self.queue and self.has_free():
                     self._admit(join_if_empty=False)  # without lockstep a free slot is filled at once
                 if self.bound():
                     self._decode()
@@ -206,7 +208,7 @@ class TurnEngine(RolloutEngine):
     def open_turns(self) -> list[NextTurn]:
         """After ``run``: the turns begun or queued and not finished (later episodes'), in row order, each with its
         context and the tokens written so far (one read of their rows)."""
-        rows = sorted([r for r in self.request if r >= 0] + list(self.queue))
+        rows = sorted(self.requests_in_slots() + list(self.queue))
         if not rows:
             return []
         index = torch.tensor(rows).to(self.device)

@@ -28,8 +28,8 @@ from restage.models.moe import RouterLog, router_stats
 from restage.models.packing import PackedBatch
 from restage.models.parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from restage.models.pipeline import MicroBatch, pipeline_forward, train_1f1b
-from restage.rollout.engine import lockstep_group
 from restage.rollout.generation import generate
+from restage.rollout.lockstep import lockstep_group
 from restage.rollout.sampling import SamplingParams, request_seed
 from restage.runtime.control.records import merge_rule
 from restage.runtime.store.zero_engines import Engine

@@ -53,7 +53,7 @@ from restage.data.chat import chat_prompt_ids
 from restage.errors import ConfigError
 from restage.graph import MFC
 from restage.models.decoder import StageModule
-from restage.rollout.engine import RolloutLimits
+from restage.rollout.budget import RolloutLimits
 from restage.rollout.sampling import SamplingParams, request_seed
 from restage.rollout.turns import NextTurn, TurnEngine
 from restage.runtime.step.execute import MFCResult, prompt_lists, request_seeds, run_generate, sampling_params

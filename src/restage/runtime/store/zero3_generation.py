@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from restage.layout import Layout, ProcessGroups
 from restage.models.decoder import StageModule
-from restage.rollout.engine import cuda_available_bytes, gathers_once, is_partitioned
+from restage.rollout.budget import cuda_available_bytes, gathers_once
+from restage.rollout.lockstep import is_partitioned
 
 Mode = Literal["gather_once", "lockstep"]
 
