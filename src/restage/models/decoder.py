@@ -164,9 +164,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.ctx)
-        if self.gate is None:
-            return self.down(self.act(self.up(x)))
-        return self.down(self.act(self.gate(x)) * self.up(x))
+        hidden = self.act(self.up(x)) if self.gate is None else self.act(self.gate(x)) * self.up(x)
+        out: torch.Tensor = self.down(hidden)
+        return out
 
 
 class Block(nn.Module):

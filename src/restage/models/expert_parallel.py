@@ -17,6 +17,7 @@ with no tokens still calls it (zero rows): it sends nothing but computes for its
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,15 +28,17 @@ from restage.models.parallel import ParallelContext
 class _AllToAll(torch.autograd.Function):
     """``all_to_all_single`` with split sizes; backward is the exchange with the splits swapped."""
 
+    # ctx: torch's FunctionCtx, which carries what forward saves as ad-hoc attributes (so Any).
     @staticmethod
-    def forward(ctx, x, send_sizes: list[int], recv_sizes: list[int], group):
+    def forward(ctx: Any, x: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
+                group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.sizes, ctx.group = (send_sizes, recv_sizes), group
         out = x.new_empty((sum(recv_sizes), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), recv_sizes, send_sizes, group=group)
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         send_sizes, recv_sizes = ctx.sizes
         out = grad.new_empty((sum(send_sizes), *grad.shape[1:]))
         dist.all_to_all_single(out, grad.contiguous(), send_sizes, recv_sizes, group=ctx.group)
@@ -44,7 +47,8 @@ class _AllToAll(torch.autograd.Function):
 
 def all_to_all(x: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], ctx: ParallelContext) -> torch.Tensor:
     """Rows ``x`` split by ``send_sizes`` to the ep peers in order; returns what they sent, by peer."""
-    return _AllToAll.apply(x, send_sizes, recv_sizes, ctx.ep_group)
+    out: torch.Tensor = _AllToAll.apply(x, send_sizes, recv_sizes, ctx.ep_group)  # type: ignore[no-untyped-call]  # torch leaves apply untyped
+    return out
 
 
 def local_experts(num_experts: int, ctx: ParallelContext) -> range:
@@ -76,7 +80,7 @@ def run_experts_parallel(routed: torch.Tensor, counts: torch.Tensor,
     grouped = rows.index_select(0, order)
     sizes = by_peer.sum(dim=0).tolist()
     # Every expert runs, on zero rows if none came, so each has a (zero) gradient.
-    outputs = torch.cat([expert(part) for expert, part in zip(experts, grouped.split(sizes), strict=True)])
+    outputs = torch.cat([expert(part) for expert, part in zip(experts, torch.split(grouped, sizes), strict=True)])
     back = outputs.index_select(0, order.argsort())
     return all_to_all(back, recv_sizes, send_sizes, ctx)
 

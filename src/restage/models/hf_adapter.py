@@ -32,6 +32,7 @@ class HFSource:
     key: str
     transpose: bool = False  # HF stores it [in, out] (GPT-2 Conv1D)
     offset: int = 0  # start along canonical dim 0 inside a fused HF tensor (q/k/v in c_attn)
+    fused: bool = False  # a slice of a fused q/k/v tensor (GPT-2's c_attn)
 
     def hf_index(self, spec: ParamSpec, index: tuple[slice, ...]) -> tuple[slice, ...]:
         """The HF-tensor index that holds ``full_param[index]``."""
@@ -61,7 +62,7 @@ def hf_source(cfg: ModelConfig, name: str) -> HFSource:
         return HFSource(f"{prefix}{moe.experts[proj].format(e=expert)}.{kind}")
     if names.fused_qkv is not None and module in _FUSED_ORDER:
         offset = (0, cfg.num_heads, cfg.num_heads + cfg.num_kv_heads)[_FUSED_ORDER.index(module)] * cfg.head_dim
-        return HFSource(f"{prefix}{names.fused_qkv}.{kind}", transpose=weight, offset=offset)
+        return HFSource(f"{prefix}{names.fused_qkv}.{kind}", transpose=weight, offset=offset, fused=True)
     return HFSource(f"{prefix}{names.layer[module]}.{kind}", transpose=weight and module in names.transposed)
 
 

@@ -19,17 +19,19 @@ from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.types import Device
 
 from restage.errors import CheckpointError
 from restage.layout import Layout, ProcessGroups
 from restage.models.arch import LoraConfig, ModelConfig
 from restage.models.decoder import StageModule
-from restage.models.hf_adapter import BASE_PREFIXES, hf_config_dict, hf_source, to_hf_tensors
+from restage.models.hf_adapter import BASE_PREFIXES, HFSource, hf_config_dict, hf_source, to_hf_tensors
 from restage.models.lora import init_adapter
 from restage.models.parallel import ParallelContext
 from restage.models.sharding import (
@@ -50,13 +52,34 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "added_tokens.json", "generation_config.json", "chat_template.jinja")
 
 
+class _Slice(Protocol):
+    """What ``safe_open(...).get_slice`` returns (safetensors ships its stub unannotated)."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def get_dtype(self) -> str: ...
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor: ...
+
+
+class _SafeTensorsFile(Protocol):
+    """The part of a ``safe_open`` handle the reader uses."""
+
+    def keys(self) -> list[str]: ...
+
+    def get_tensor(self, name: str) -> torch.Tensor: ...
+
+    def get_slice(self, name: str) -> _Slice: ...
+
+
 class WeightReader:
     """Reads whole tensors or slices from a HF model directory, counting the bytes it fetches."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.bytes_read = 0
-        self._handles: dict[str, object] = {}
+        # a safetensors file's handle, or a pytorch_model.bin's (memory-mapped) state dict
+        self._handles: dict[str, _SafeTensorsFile | dict[str, torch.Tensor]] = {}
         files = self._weight_map()
         self._file_of = files
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -75,7 +98,7 @@ class WeightReader:
         raise CheckpointError(f"{self.path} has no model.safetensors, model.safetensors.index.json or pytorch_model.bin; "
                               f"point the model's path at a HF model directory")
 
-    def _open(self, file: str):
+    def _open(self, file: str) -> _SafeTensorsFile | dict[str, torch.Tensor]:
         if file not in self._handles:
             full = self.path / file
             try:
@@ -137,11 +160,13 @@ class WeightReader:
         return total
 
 
-def _torch_load(file: Path) -> dict:
+def _torch_load(file: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor]
     try:  # memory-mapped, so slicing touches only the bytes it needs
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except RuntimeError:  # the pre-zip legacy format cannot be memory-mapped
-        return torch.load(file, map_location="cpu", weights_only=True)
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    return state
 
 
 _SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -176,9 +201,10 @@ def load_checkpoint(module: StageModule, path: str | Path, reader: WeightReader 
     return reader
 
 
-def _check_full_shape(cfg, reader: WeightReader, key: str, shard: ShardSpec, source, path) -> None:
+def _check_full_shape(cfg: ModelConfig, reader: WeightReader, key: str, shard: ShardSpec, source: HFSource,
+                      path: str | Path) -> None:
     expected = list(shard.param.shape)
-    if source.offset or key.endswith("c_attn.weight") or key.endswith("c_attn.bias"):
+    if source.fused:
         expected[0] = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim  # the fused q/k/v tensor
     shape = tuple(reversed(expected)) if source.transpose else tuple(expected)
     if reader.shape(key) != shape:
@@ -195,7 +221,7 @@ def _init_score(param: torch.nn.Parameter) -> None:
 
 
 def load_stage(path: str | Path, layout: Layout, groups: ProcessGroups | None, rank: int,
-               dtype: torch.dtype = torch.float32, device=None, critic: bool = False,
+               dtype: torch.dtype = torch.float32, device: Device = None, critic: bool = False,
                lora: LoraConfig | None = None, names: AbstractSet[str] | None = None) -> StageModule:
     """Build this rank's StageModule for ``layout`` and load its shard of the checkpoint at ``path`` (only the
     parameters in ``names`` when given: ``runtime/store/sharded_frozen.py`` builds on "meta" and loads unit by unit).
@@ -218,9 +244,10 @@ def load_stage(path: str | Path, layout: Layout, groups: ProcessGroups | None, r
     return module
 
 
-def _read_hf_config(path: str | Path) -> dict:
+def _read_hf_config(path: str | Path) -> dict[str, Any]:
     ModelConfig.from_pretrained(path)  # validates the directory and config with one-line errors
-    return json.loads((Path(path) / "config.json").read_text())
+    config: dict[str, Any] = json.loads((Path(path) / "config.json").read_text())
+    return config
 
 
 def gather_full(tensor: torch.Tensor, shard: ShardSpec, ctx: ParallelContext) -> torch.Tensor:
@@ -245,7 +272,7 @@ def _stage_file(stage: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
 
 
 def save_checkpoint(module: StageModule, path: str | Path, dtype: torch.dtype | None = None,
-                    hf_config: dict | None = None, tokenizer_from: str | Path | None = None,
+                    hf_config: dict[str, Any] | None = None, tokenizer_from: str | Path | None = None,
                     gathered: GatherUnit | None = None) -> None:
     """Write the model as a HF directory at ``path`` (collective over data-parallel replica 0).
 
@@ -292,7 +319,8 @@ def save_checkpoint(module: StageModule, path: str | Path, dtype: torch.dtype | 
             dist.barrier(group=group)
 
 
-def _write_metadata(module: StageModule, path: Path, dtype, hf_config, tokenizer_from) -> None:
+def _write_metadata(module: StageModule, path: Path, dtype: torch.dtype, hf_config: dict[str, Any] | None,
+                    tokenizer_from: str | Path | None) -> None:
     cfg, pp, ep = module.cfg, module.ctx.pp_size, module.ctx.ep_size
     base = hf_config if hf_config is not None else module.hf_config
     (path / "config.json").write_text(json.dumps(hf_config_dict(cfg, dtype, base), indent=2, sort_keys=True))

@@ -18,6 +18,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.types import Device
 
 from restage.models.arch import ModelConfig
 from restage.models.parallel import ColumnParallelLinear, ParallelContext, RowParallelLinear, copy_to_tp, reduce_from_tp
@@ -31,7 +32,8 @@ class Factor(nn.Module):
     each rank's gradient of it is then a partial sum, which ``copy_to_tp`` on the weight all-reduces over TP.
     """
 
-    def __init__(self, shape: tuple[int, int], dtype, device, replicated_over: ParallelContext | None):
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, device: Device,
+                 replicated_over: ParallelContext | None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
         self.replicated_over = replicated_over
@@ -64,7 +66,7 @@ class LoraLinear(nn.Module):
         self.lora_B = Factor((out_features, rank), dtype, device, tp if self.row else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        update = self.scale * self.lora_B(self.lora_A(x))
+        update: torch.Tensor = self.scale * self.lora_B(self.lora_A(x))
         if not self.row:
             return F.linear(x, self.weight, self.bias) + update
         y = reduce_from_tp(F.linear(x, self.weight) + update, self.ctx)

@@ -10,9 +10,11 @@ into a copy of the base checkpoint that ``transformers`` loads with no PEFT at a
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,7 +51,7 @@ def base_reference(path: str | Path) -> str:
     return str(Path(path).resolve()) if str(path) and Path(path).exists() else str(path)
 
 
-def adapter_config(cfg: ModelConfig, base_model_name_or_path: str | Path) -> dict:
+def adapter_config(cfg: ModelConfig, base_model_name_or_path: str | Path) -> dict[str, Any]:
     """PEFT's ``adapter_config.json`` for ``cfg.lora`` (the base as ``base_reference`` writes it)."""
     lora = cfg.lora
     assert lora is not None  # callers save LoRA models only
@@ -148,14 +150,14 @@ def merge_lora(adapter_dir: str | Path, base_dir: str | Path, out_dir: str | Pat
     return out
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``restage merge-lora ADAPTER_DIR BASE_DIR OUT_DIR``."""
     parser.add_argument("adapter_dir", help="saved adapters (checkpoints/step-N/<model>/adapter, PEFT layout)")
     parser.add_argument("base_dir", help="the HF model directory the adapters were trained on")
     parser.add_argument("out_dir", help="where to write the merged HF checkpoint (new or empty)")
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     out = merge_lora(args.adapter_dir, args.base_dir, args.out_dir)
     print(f"restage: merged {args.adapter_dir} into {out}")
     return 0

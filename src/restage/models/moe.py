@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.types import Device
 
 from restage.models.arch import ModelConfig
 from restage.models.expert_parallel import local_experts, run_experts_parallel
@@ -114,7 +115,7 @@ class Expert(nn.Module):
     hooks on that forward.
     """
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype, device):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, device: Device):
         super().__init__()
         lo, hi = split_range(cfg.moe_intermediate_size, ctx.tp_size, ctx.tp_rank)
         self.gate = ColumnParallelLinear(cfg.hidden_size, hi - lo, False, dtype, device)
@@ -123,13 +124,14 @@ class Expert(nn.Module):
         self.down = ColumnParallelLinear(hi - lo, cfg.hidden_size, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        out: torch.Tensor = self.down(F.silu(self.gate(x)) * self.up(x))
+        return out
 
 
 class Router(nn.Module):
     """The replicated router: logits ``[T, E]``."""
 
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: Device):
         super().__init__()
         self.weight = nn.Parameter(torch.empty((cfg.num_experts, cfg.hidden_size), dtype=dtype, device=device))
 
@@ -140,12 +142,13 @@ class Router(nn.Module):
 class MoEMLP(nn.Module):
     """Top-k routed experts in place of a block's MLP (``layers.<i>.mlp.router`` and ``.experts.<e>``)."""
 
-    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layer: int, dtype, device):
+    def __init__(self, cfg: ModelConfig, ctx: ParallelContext, layer: int, dtype: torch.dtype, device: Device):
         super().__init__()
         self.ctx, self.layer, self.top_k = ctx, layer, cfg.experts_per_token
         self.norm_topk_prob = cfg.norm_topk_prob
-        assert cfg.traits.moe is not None, f"a mixture in a dense {cfg.model_type} model"
-        self.weights_in_model_dtype = cfg.traits.moe.routing_weights_in_model_dtype
+        # A dense family given experts by hand (tests) routes as Mixtral does: weights in fp32.
+        moe = cfg.traits.moe
+        self.weights_in_model_dtype = moe is not None and moe.routing_weights_in_model_dtype
         self.router = Router(cfg, dtype, device)
         # Under ep only this rank's experts (expert_parallel.py); keyed by their global index either way.
         self.experts = nn.ModuleDict({str(e): Expert(cfg, ctx, dtype, device)
@@ -175,7 +178,7 @@ class MoEMLP(nn.Module):
             sizes = torch.bincount(flat, minlength=len(self.experts)).tolist()  # one host sync per layer
             # Every expert runs, on zero tokens if none chose it, so each has a (zero) gradient.
             expert_out = torch.cat([expert(part) for expert, part in
-                                    zip(self.experts.values(), routed.split(sizes), strict=True)])
+                                    zip(self.experts.values(), torch.split(routed, sizes), strict=True)])
         weighted = expert_out * weights.index_select(0, order).unsqueeze(-1)
         out = torch.zeros_like(x).index_add_(0, token, weighted.to(x.dtype))
         return reduce_from_tp(out, self.ctx)

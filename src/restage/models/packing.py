@@ -7,10 +7,11 @@ KV cache during generation).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 
 import torch
+from torch.types import Device
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,12 @@ class PackedBatch:
         """``[B]`` index of every sequence's last token in the packed dimension."""
         return self.cu_seqlens[1:].long() - 1
 
-    def to(self, device) -> PackedBatch:
+    def to(self, device: Device) -> PackedBatch:
         return PackedBatch(self.cu_seqlens.to(device), self.positions.to(device), self.max_seqlen, self.seqlens)
 
     @classmethod
-    def from_seqlens(cls, seqlens: Sequence[int], device=None, start_positions: Sequence[int] | None = None) -> PackedBatch:
+    def from_seqlens(cls, seqlens: Sequence[int], device: Device = None,
+                     start_positions: Sequence[int] | None = None) -> PackedBatch:
         """Metadata for sequences of these lengths; positions start at ``start_positions`` (default 0)."""
         host = tuple(int(n) for n in seqlens)
         if min(host, default=0) <= 0:
@@ -70,7 +72,8 @@ class PackedBatch:
         return cls(cu, positions, 1, (1,) * batch_size)
 
 
-def pack(seqs: Sequence[Sequence[int]] | Sequence[torch.Tensor], device=None) -> tuple[torch.Tensor, PackedBatch]:
+def pack(seqs: Sequence[Sequence[int]] | Sequence[torch.Tensor], device: Device = None
+         ) -> tuple[torch.Tensor, PackedBatch]:
     """Concatenate token sequences: ``(tokens [T] int64, PackedBatch)``."""
     tensors = [torch.as_tensor(s, dtype=torch.int64) for s in seqs]
     batch = PackedBatch.from_seqlens([t.numel() for t in tensors], device=device)
@@ -100,6 +103,6 @@ def contiguous_parts(weights: Sequence[int], n_parts: int) -> list[list[int]]:
     return parts
 
 
-def split_micro_batches(seqs: Sequence, n_micro_batches: int) -> list[list[int]]:
+def split_micro_batches(seqs: Sequence[Sized], n_micro_batches: int) -> list[list[int]]:
     """Indices of ``seqs`` in ``n`` contiguous groups of near-equal token count (each non-empty)."""
     return contiguous_parts([len(s) for s in seqs], n_micro_batches)

@@ -10,11 +10,13 @@ gathering full-vocabulary logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.types import Device
 
 from restage.layout import Coord, Layout, ProcessGroups, Strategy
 from restage.models.sharding import split_range
@@ -133,13 +135,14 @@ class ParallelContext:
 class _CopyToTP(torch.autograd.Function):
     """Identity forward; all-reduce of the gradient backward (input of a column-parallel op)."""
 
+    # ctx: torch's FunctionCtx, which carries what forward saves as ad-hoc attributes (so Any).
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         ctx.group = group
         return x
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
@@ -149,22 +152,30 @@ class _ReduceFromTP(torch.autograd.Function):
     """All-reduce forward; identity backward (the consumer is replicated on every TP rank)."""
 
     @staticmethod
-    def forward(ctx, x, group, op):
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None, op: dist.ReduceOp.RedOpType
+                ) -> torch.Tensor:
         x = x.clone()
         dist.all_reduce(x, op=op, group=group)
         return x
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return grad, None, None
 
 
 def copy_to_tp(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
-    return x if ctx.tp_size == 1 else _CopyToTP.apply(x, ctx.tp_group)
+    if ctx.tp_size == 1:
+        return x
+    out: torch.Tensor = _CopyToTP.apply(x, ctx.tp_group)  # type: ignore[no-untyped-call]  # torch leaves apply untyped
+    return out
 
 
-def reduce_from_tp(x: torch.Tensor, ctx: ParallelContext, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    return x if ctx.tp_size == 1 else _ReduceFromTP.apply(x, ctx.tp_group, op)
+def reduce_from_tp(x: torch.Tensor, ctx: ParallelContext,
+                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    if ctx.tp_size == 1:
+        return x
+    out: torch.Tensor = _ReduceFromTP.apply(x, ctx.tp_group, op)  # type: ignore[no-untyped-call]  # as above
+    return out
 
 
 def gather_from_tp(x: torch.Tensor, ctx: ParallelContext, sizes: list[int]) -> torch.Tensor:
@@ -181,7 +192,7 @@ def gather_from_tp(x: torch.Tensor, ctx: ParallelContext, sizes: list[int]) -> t
 # --- layers ------------------------------------------------------------------------------------
 
 
-def _empty(shape, dtype, device) -> nn.Parameter:
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: Device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
 
 
@@ -191,7 +202,7 @@ class ColumnParallelLinear(nn.Module):
     The caller passes ``x`` through ``copy_to_tp`` once for all linears reading it (q, k, v).
     """
 
-    def __init__(self, in_features: int, out_local: int, bias: bool, dtype, device):
+    def __init__(self, in_features: int, out_local: int, bias: bool, dtype: torch.dtype, device: Device):
         super().__init__()
         self.weight = _empty((out_local, in_features), dtype, device)
         self.bias = _empty((out_local,), dtype, device) if bias else None
@@ -203,7 +214,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``y = sum over TP of x_local W_local^T, + b``: input features split, output replicated."""
 
-    def __init__(self, in_local: int, out_features: int, bias: bool, ctx: ParallelContext, dtype, device):
+    def __init__(self, in_local: int, out_features: int, bias: bool, ctx: ParallelContext, dtype: torch.dtype,
+                 device: Device):
         super().__init__()
         self.ctx = ctx
         self.weight = _empty((out_features, in_local), dtype, device)
@@ -217,7 +229,7 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose rows (the vocabulary) are split over TP; also serves as a tied LM head."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext, dtype, device):
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext, dtype: torch.dtype, device: Device):
         super().__init__()
         self.ctx = ctx
         self.vocab_start, self.vocab_stop = split_range(vocab_size, ctx.tp_size, ctx.tp_rank)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, assert_never
 
 import torch
 import torch.distributed as dist
@@ -56,13 +56,26 @@ def default_backward(tensor: torch.Tensor, grad: torch.Tensor | None, stage_loss
         torch.autograd.backward([tensor, stage_loss], [grad, None])
 
 
-def p2p(ops: list[tuple[str, torch.Tensor, int]]) -> None:
+P2PKind = Literal["send", "recv"]
+Direction = Literal["forward", "backward"]  # which way a tensor travels along the pipeline
+
+
+def p2p(ops: Sequence[tuple[P2PKind, torch.Tensor, int]]) -> None:
     """Run sends and receives together, so two neighbours exchanging at once cannot deadlock."""
     if not ops:
         return
-    p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer) for kind, tensor, peer in ops]
-    for request in dist.batch_isend_irecv(p2p):
+    for request in dist.batch_isend_irecv([_p2p_op(kind, tensor, peer) for kind, tensor, peer in ops]):
         request.wait()
+
+
+def _p2p_op(kind: P2PKind, tensor: torch.Tensor, peer: int) -> dist.P2POp:
+    match kind:
+        case "send":
+            return dist.P2POp(dist.isend, tensor, peer)
+        case "recv":
+            return dist.P2POp(dist.irecv, tensor, peer)
+        case unknown:
+            assert_never(unknown)
 
 
 def _hidden_buffer(module: StageModule, mb: MicroBatch) -> torch.Tensor:
@@ -134,7 +147,7 @@ def train_1f1b(module: StageModule, micro_batches: Sequence[MicroBatch], loss_fn
 
     def forward(i: int, x: torch.Tensor | None) -> torch.Tensor:
         mb = micro_batches[i]
-        out = module(mb.tokens if x is None else x, mb.batch, routing=routing)
+        out: torch.Tensor = module(mb.tokens if x is None else x, mb.batch, routing=routing)
         aux = routing.take_aux_loss() if routing is not None else None
         if aux is not None:
             aux = aux * aux_scale
@@ -143,7 +156,7 @@ def train_1f1b(module: StageModule, micro_batches: Sequence[MicroBatch], loss_fn
                 stage_losses[i] = aux
             return out
         result = loss_fn(out, mb)
-        loss = result[0] if isinstance(result, tuple) else result
+        loss: torch.Tensor = result[0] if isinstance(result, tuple) else result
         results.append(_detached(result))
         return loss if aux is None else loss + aux
 
@@ -155,15 +168,26 @@ def train_1f1b(module: StageModule, micro_batches: Sequence[MicroBatch], loss_fn
             backward_fn(out, grad, stage_loss)
         return None if x is None else x.grad
 
-    def exchange(send_kind: str, tensor: torch.Tensor | None, recv_kind: str | None, recv_like: torch.Tensor | None):
+    def neighbour(direction: Direction, sending: bool) -> int | None:
+        """The stage a tensor travelling ``direction`` goes to (``sending``) or comes from."""
+        match direction:
+            case "forward":
+                return ctx.next_rank if sending else ctx.prev_rank
+            case "backward":
+                return ctx.prev_rank if sending else ctx.next_rank
+            case unknown:
+                assert_never(unknown)
+
+    def exchange(send_kind: Direction, tensor: torch.Tensor | None, recv_kind: Direction | None,
+                 recv_like: torch.Tensor | None) -> torch.Tensor | None:
         """Send to one neighbour and receive from a neighbour in one batch; returns the received tensor."""
-        ops = []
-        peer_out = ctx.next_rank if send_kind == "forward" else ctx.prev_rank
+        ops: list[tuple[P2PKind, torch.Tensor, int]] = []
+        peer_out = neighbour(send_kind, sending=True)
         if tensor is not None and peer_out is not None:
             ops.append(("send", tensor.detach().contiguous(), peer_out))
         received = None
         if recv_kind is not None:
-            peer_in = ctx.next_rank if recv_kind == "backward" else ctx.prev_rank
+            peer_in = neighbour(recv_kind, sending=False)
             if peer_in is not None and recv_like is not None:
                 received = torch.empty_like(recv_like)
                 ops.append(("recv", received, peer_in))
@@ -202,7 +226,7 @@ def train_1f1b(module: StageModule, micro_batches: Sequence[MicroBatch], loss_fn
     return results if ctx.is_last_stage else None
 
 
-def _detached(result):
+def _detached(result: object) -> object:
     if isinstance(result, torch.Tensor):
         return result.detach()
     if isinstance(result, tuple):

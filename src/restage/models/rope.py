@@ -31,12 +31,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, Literal, assert_never, get_args
 
 import torch
+from torch.types import Device
 
 from restage.errors import CheckpointError
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ScaledRopeType = Literal["linear", "dynamic", "llama3", "yarn"]
+RopeType = Literal["default", ScaledRopeType]
+ROPE_TYPES: tuple[RopeType, ...] = ("default", *get_args(ScaledRopeType))
 DEFAULT_THETA = 10000.0  # transformers' default_theta, used when a config names none
 
 
@@ -44,7 +48,7 @@ DEFAULT_THETA = 10000.0  # transformers' default_theta, used when a config names
 class RopeScaling:
     """A scaled RoPE (``rope_type`` other than ``default``), its keys resolved as transformers resolves them."""
 
-    rope_type: str  # linear | dynamic | llama3 | yarn
+    rope_type: ScaledRopeType
     factor: float
     original_max_positions: int = 0  # llama3, yarn: the pre-training context length
     low_freq_factor: float = 1.0  # llama3
@@ -54,54 +58,77 @@ class RopeScaling:
     truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
     attention_factor: float = 1.0  # yarn: multiplies cos and sin
 
-    def to_hf(self) -> dict:
+    def to_hf(self) -> dict[str, Any]:
         """The ``rope_parameters`` keys (but ``rope_theta``) transformers reads back to the same frequencies."""
-        out: dict = {"rope_type": self.rope_type, "factor": self.factor}
-        if self.rope_type == "llama3":
-            out.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor,
-                       original_max_position_embeddings=self.original_max_positions)
-        elif self.rope_type == "yarn":
-            out.update(original_max_position_embeddings=self.original_max_positions, beta_fast=self.beta_fast,
-                       beta_slow=self.beta_slow, truncate=self.truncate, attention_factor=self.attention_factor)
+        out: dict[str, Any] = {"rope_type": self.rope_type, "factor": self.factor}
+        match self.rope_type:
+            case "llama3":
+                out.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor,
+                           original_max_position_embeddings=self.original_max_positions)
+            case "yarn":
+                out.update(original_max_position_embeddings=self.original_max_positions, beta_fast=self.beta_fast,
+                           beta_slow=self.beta_slow, truncate=self.truncate, attention_factor=self.attention_factor)
+            case "linear" | "dynamic":
+                pass
+            case unknown:
+                assert_never(unknown)
         return out
 
     @classmethod
-    def from_json(cls, data: RopeScaling | dict | None) -> RopeScaling | None:
+    def from_json(cls, data: RopeScaling | dict[str, Any] | None) -> RopeScaling | None:
         return cls(**data) if isinstance(data, dict) else data
 
 
-def rope_to_hf(theta: float, scaling: RopeScaling | None) -> dict:
+def rope_to_hf(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
     """A ``rope_parameters`` dict for ``config.json``."""
     return {**(scaling.to_hf() if scaling else {"rope_type": "default"}), "rope_theta": theta}
 
 
-def rope_from_hf(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
+def rope_from_hf(hf: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     """``(rope_theta, scaling)`` of a llama-family HF config dict; raise CheckpointError saying what to change."""
     # transformers takes rope_scaling over rope_parameters, and the dict's own rope_theta over the top-level one.
     rope = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
     theta = float(rope.get("rope_theta") or hf.get("rope_theta") or DEFAULT_THETA)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
+    kind = _ROPE_TYPE_OF.get(str(rope_type))
+    if kind is None:
         raise CheckpointError(f"{source}: rope type {rope_type!r} is not supported; use one of {', '.join(ROPE_TYPES)} "
                               "(rope_scaling / rope_parameters in config.json)")
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise CheckpointError(f"{source}: partial_rotary_factor={partial} is not supported; only RoPE over the whole "
                               "head (1.0)")
-    if rope_type == "default":
-        return theta, None
+    match kind:
+        case "default":
+            return theta, None
+        case "linear" | "dynamic" | "llama3" | "yarn":
+            return theta, _scaling(kind, rope, hf, source)
+        case unknown:
+            assert_never(unknown)
+
+
+_ROPE_TYPE_OF: dict[str, RopeType] = {t: t for t in ROPE_TYPES}  # a config's string -> the checked kind
+
+
+def _scaling(kind: ScaledRopeType, rope: dict[str, Any], hf: dict[str, Any], source: str) -> RopeScaling:
+    """The scaled RoPE a config's ``rope`` dict describes (``kind`` is its checked ``rope_type``)."""
     max_positions = hf.get("max_position_embeddings", 2048)
     original = int(hf.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
                    or max_positions)
     try:
-        if rope_type in ("linear", "dynamic"):
-            return theta, RopeScaling(rope_type, float(rope["factor"]))
-        if rope_type == "llama3":
-            return theta, RopeScaling("llama3", float(rope["factor"]), original,
-                                      low_freq_factor=float(rope["low_freq_factor"]),
-                                      high_freq_factor=float(rope["high_freq_factor"]))
+        match kind:
+            case "linear" | "dynamic":
+                return RopeScaling(kind, float(rope["factor"]))
+            case "llama3":
+                return RopeScaling("llama3", float(rope["factor"]), original,
+                                   low_freq_factor=float(rope["low_freq_factor"]),
+                                   high_freq_factor=float(rope["high_freq_factor"]))
+            case "yarn":
+                pass
+            case unknown:
+                assert_never(unknown)
     except KeyError as missing:
-        raise CheckpointError(f"{source}: rope type {rope_type!r} needs {missing} in rope_scaling / rope_parameters; "
+        raise CheckpointError(f"{source}: rope type {kind!r} needs {missing} in rope_scaling / rope_parameters; "
                               "add it") from None
     factor = float(rope.get("factor") or max_positions / original)
     attention_factor = rope.get("attention_factor")
@@ -109,9 +136,9 @@ def rope_from_hf(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
         mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
         attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
                             if mscale and mscale_all_dim else _yarn_mscale(factor, 1.0))
-    return theta, RopeScaling("yarn", factor, original, beta_fast=float(rope.get("beta_fast") or 32),
-                              beta_slow=float(rope.get("beta_slow") or 1), truncate=bool(rope.get("truncate", True)),
-                              attention_factor=float(attention_factor))
+    return RopeScaling("yarn", factor, original, beta_fast=float(rope.get("beta_fast") or 32),
+                       beta_slow=float(rope.get("beta_slow") or 1), truncate=bool(rope.get("truncate", True)),
+                       attention_factor=float(attention_factor))
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -119,7 +146,8 @@ def _yarn_mscale(factor: float, mscale: float) -> float:
 
 
 @lru_cache(maxsize=64)
-def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None, device=None) -> torch.Tensor:
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                    device: Device = None) -> torch.Tensor:
     """``[head_dim / 2]`` fp32 inverse frequencies on ``device`` (cached: one copy to the device, not one a call)."""
     return _inv_frequencies(head_dim, theta, scaling).to(device)
 
@@ -127,13 +155,19 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = N
 def _inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     base = 1.0 / theta**exponents
-    if scaling is None or scaling.rope_type == "dynamic":
+    if scaling is None:
         return base
-    if scaling.rope_type == "linear":
-        return base / scaling.factor
-    if scaling.rope_type == "llama3":
-        return _llama3(base, scaling)
-    return _yarn(head_dim, theta, exponents, scaling)
+    match scaling.rope_type:
+        case "dynamic":  # the default frequencies at every length restage runs (see the module's docstring)
+            return base
+        case "linear":
+            return base / scaling.factor
+        case "llama3":
+            return _llama3(base, scaling)
+        case "yarn":
+            return _yarn(head_dim, theta, exponents, scaling)
+        case unknown:
+            assert_never(unknown)
 
 
 def _llama3(base: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -166,7 +200,7 @@ def _yarn(head_dim: int, theta: float, exponents: torch.Tensor, s: RopeScaling) 
     return interpolated * (1 - keep) + kept * keep
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype,
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                  scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, head_dim]`` cos and sin of the rotary embedding (computed in fp32, then cast)."""
     inv_freq = inv_frequencies(head_dim, theta, scaling, positions.device)
@@ -187,7 +221,7 @@ class RopeTables:
     signed_sin: torch.Tensor
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype,
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                 scaling: RopeScaling | None = None) -> RopeTables:
     """``rope_cos_sin``'s tables in the shape and sign ``apply_rope`` uses."""
     cos, sin = rope_cos_sin(positions, head_dim, theta, dtype, scaling)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
-from typing import Any, assert_never
+from typing import Any, Literal, assert_never, get_args
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from restage.models import family as families
 
 FAMILIES = tuple(families.FAMILIES)  # the model_types build_tiny writes
+WeightFormat = Literal["safetensors", "bin"]  # model.safetensors (sharded past max_shard_size) or pytorch_model.bin
 
 # Deliberately awkward sizes: the vocabulary and MLP width do not divide by 2, so TP splits are uneven.
 TINY_SIZES = dict(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=171,
@@ -131,7 +132,7 @@ def build_tiny_tokenizer(path: str | Path, vocab_size: int) -> None:
 
 def build_tiny(path: str | Path, family: str = "llama", tied: bool = False, critic: bool = False, seed: int = 0,
                sliding_window: int | None = None, head_dim: int | None = None,
-               rope_parameters: dict[str, Any] | None = None, weight_format: str = "safetensors",
+               rope_parameters: dict[str, Any] | None = None, weight_format: WeightFormat = "safetensors",
                max_shard_size: str | int | None = None, dtype: torch.dtype = torch.float32, tokenizer: bool = True,
                **sizes: Any) -> Path:
     """Write a random HF model directory (with a word-level tokenizer unless ``tokenizer=False``).
@@ -155,12 +156,15 @@ def build_tiny(path: str | Path, family: str = "llama", tied: bool = False, crit
     path.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     model.save_pretrained(path, **kwargs)
-    if weight_format == "bin":
-        for file in path.glob("model*.safetensors*"):
-            file.unlink()
-        torch.save(model.state_dict(), path / "pytorch_model.bin")
-    elif weight_format != "safetensors":
-        raise ValueError(f"weight_format must be safetensors or bin, not {weight_format!r}")
+    match weight_format:
+        case "bin":
+            for file in path.glob("model*.safetensors*"):
+                file.unlink()
+            torch.save(model.state_dict(), path / "pytorch_model.bin")
+        case "safetensors":
+            pass
+        case _:  # a caller's typo, not caught by a type checker in a test
+            raise ValueError(f"weight_format must be one of {get_args(WeightFormat)}, not {weight_format!r}")
     if tokenizer:
         build_tiny_tokenizer(path, config.vocab_size)
     return path
@@ -170,7 +174,7 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> Any:
     """The transformers model stored at ``path`` (eval mode, eager-free SDPA attention)."""
     transformers = quiet_transformers()
     config = transformers.AutoConfig.from_pretrained(path)
-    critic = (config.architectures or [""])[0].endswith("ForSequenceClassification")
+    critic = (config.architectures or [""])[0].endswith(families.CRITIC_SUFFIX)
     cls = transformers.AutoModelForSequenceClassification if critic else transformers.AutoModelForCausalLM
     # The eager experts loop: transformers' default grouped matmul needs 16-byte aligned widths (ours are odd).
     extra = {"experts_implementation": "eager"} if getattr(config, "num_local_experts", None) else {}

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from restage.models.packing import pack
-from restage.models.pipeline import p2p
+from restage.models.pipeline import P2PKind, p2p
 from restage.rollout.engine import RolloutEngine
 from restage.rollout.lockstep import join_step, peers_done
 from restage.rollout.slots import Admission, SlotGroup, slot_groups
@@ -151,7 +151,7 @@ class PipelinedRollout:
     def _exchange(self, outbox: list[torch.Tensor], event: Event) -> list[torch.Tensor]:
         """Send last tick's outputs to the next stage and receive this event's inputs from the previous one."""
         module, ctx = self.module, self.module.ctx
-        ops = [("send", t.contiguous(), ctx.next_rank) for t in outbox]
+        ops: list[tuple[P2PKind, torch.Tensor, int | None]] = [("send", t.contiguous(), ctx.next_rank) for t in outbox]
         inputs: list[torch.Tensor] = []
         if not ctx.is_first_stage:
             for tokens in (event.prefill_tokens, event.bound):
