@@ -46,8 +46,9 @@ from restage.layout import Layout, ProcessGroups, Strategy
 from restage.models.arch import ModelConfig
 from restage.models.sharding import param_specs, shard_specs
 from restage.runtime.control.spawn import spawn
-from restage.runtime.dataplane.realloc import SLOTS, Workspace, execute_reallocation, groups_for
-from restage.schedule.realloc_plan import ReallocPlan, plan_reallocation, schedule_messages
+from restage.runtime.dataplane.realloc import Workspace, execute_reallocation, groups_for
+from restage.schedule.realloc_plan import ReallocPlan, plan_reallocation
+from restage.schedule.realloc_rounds import SLOTS, schedule_messages
 
 WORLD_SIZE = 4
 

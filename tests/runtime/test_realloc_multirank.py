@@ -15,8 +15,9 @@ from restage.errors import LayoutError
 from restage.layout import ProcessGroups
 from restage.runtime.control.spawn import spawn
 from restage.runtime.dataplane.data_transfer import GlooChannel, execute_transfer, plan_transfer
-from restage.runtime.dataplane.realloc import SLOTS, Workspace, execute_reallocation, groups_for
-from restage.schedule.realloc_plan import plan_reallocation, schedule_messages
+from restage.runtime.dataplane.realloc import Workspace, execute_reallocation, groups_for
+from restage.schedule.realloc_plan import plan_reallocation
+from restage.schedule.realloc_rounds import SLOTS, schedule_messages
 
 pytestmark = pytest.mark.multirank
 

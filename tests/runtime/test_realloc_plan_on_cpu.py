@@ -10,7 +10,8 @@ from realloc_cases import PAIRS_8, L, node_of_3, reference_state, shard_of, tiny
 
 from restage.errors import LayoutError, PlanError
 from restage.models.sharding import param_specs, shard_specs
-from restage.schedule.realloc_plan import SLOTS, plan_reallocation, realloc_groups, schedule_messages, schedule_rounds
+from restage.schedule.realloc_plan import plan_reallocation, realloc_groups
+from restage.schedule.realloc_rounds import SLOTS, schedule_messages, schedule_rounds
 
 
 def _view(t: torch.Tensor, dim: int, rng: tuple[int, int]) -> torch.Tensor:
