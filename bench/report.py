@@ -46,7 +46,7 @@ def command_seconds(argv: list[str], repeats: int) -> tuple[float, float]:
 
 def writer_seconds_per_step(folder: Path, steps: int, ranks: int) -> tuple[float, float]:
     """Seconds the master spends in LogWriter per step: recording 6 MFC rows per rank, then end_step (one journal line)."""
-    from restage.report.log import LogWriter
+    from restage.report.log_writer import LogWriter
 
     writer = LogWriter(folder / "writer.h5", world_size=ranks)
     record = close = 0.0

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from restage.report.log import LogWriter, read_log
+from restage.report.log import read_log
+from restage.report.log_writer import LogWriter
 from restage.report.throughput import representative_step
 from restage.runtime.control.master import step_tokens
 from restage.runtime.control.records import MFCRecord, StepRecord

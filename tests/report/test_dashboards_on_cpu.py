@@ -7,7 +7,8 @@ import pytest
 
 from restage.config.load import config_from_dict
 from restage.report import dashboards
-from restage.report.log import LogWriter, read_log
+from restage.report.log import read_log
+from restage.report.log_writer import LogWriter
 
 
 def cfg_with(**section):

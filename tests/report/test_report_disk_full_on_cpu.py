@@ -11,7 +11,8 @@ import pytest
 from restage.cli import main as restage_main
 from restage.errors import DiskFullError, LogError
 from restage.report import journal
-from restage.report.log import LogWriter, read_log
+from restage.report.log import read_log
+from restage.report.log_writer import LogWriter
 
 RANKS, MFCS = 8, 6
 

@@ -17,7 +17,7 @@ from restage.report.summary import summarize
 RANKS, MFCS = 4, 3
 CHILD = f"""
 import sys, time
-from restage.report.log import LogWriter
+from restage.report.log_writer import LogWriter
 path, pause = sys.argv[1], float(sys.argv[2])
 writer = LogWriter(path, world_size={RANKS})
 step = 1  # steps count from 1

@@ -8,7 +8,8 @@ import pytest
 
 from restage.cli import main as restage_main
 from restage.errors import LogError
-from restage.report.log import FORMAT_VERSION, LogWriter, read_log
+from restage.report.log import FORMAT_VERSION, read_log
+from restage.report.log_writer import LogWriter
 from restage.report.summary import format_text, summarize
 
 

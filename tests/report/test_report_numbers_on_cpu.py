@@ -121,7 +121,7 @@ def test_memory_is_compared_with_the_process_baseline_where_the_device_is_known(
 
 def test_a_tiny_cpu_job_predicts_its_process_baseline_not_zero(tmp_path):
     """The tiny PPO job's case: the plan predicts ~3 MB, a rank's resident set is ~0.42 GiB."""
-    from restage.report.log import LogWriter
+    from restage.report.log_writer import LogWriter
     from restage.report.summary import format_text
 
     plan_bytes, measured_bytes = 3_258_624, 451_661_824  # ppo_tiny's actor_train on rank 0 (restage/accuracy.py)
@@ -159,7 +159,7 @@ def test_mfu_reads_the_cluster_and_dtype_where_the_runtime_may_put_them():
 
 
 def test_dtype_and_cluster_fall_back_to_the_schedule(tmp_path):
-    from restage.report.log import LogWriter
+    from restage.report.log_writer import LogWriter
 
     schedule = {"models": {"actor": {"dtype": "fp32"}, "ref": {"dtype": "fp32"}},
                 "cluster": {"peak_fp32_flops_per_second": 1e12, "peak_bf16_flops_per_second": 8e12}}

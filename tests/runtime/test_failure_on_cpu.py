@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from restage.report.log import LogWriter
+from restage.report.log_writer import LogWriter
 from restage.runtime.checkpoint.checkpoint_dir import begin, commit
 from restage.runtime.control.failure import _record, describe_failure, failure_dir
 

@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 from restage.config.load import load_config
 from restage.launch.trial import write_json_atomic
-from restage.report.log import LogWriter
+from restage.report.log_writer import LogWriter
 from restage.runtime.checkpoint import checkpoint_dir
 from restage.runtime.control.failure import abort_on_error
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from restage.report.log import LogWriter
+from restage.report.log_writer import LogWriter
 
 BASE_SECONDS = {"realloc": 0.05, "actor_gen": 1.0, "transfer": 0.02, "ref_inf": 0.3, "reward_inf": 0.25,
                 "critic_inf": 0.25, "actor_train": 0.8, "critic_train": 0.7, "master": 0.01}

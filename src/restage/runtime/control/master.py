@@ -14,7 +14,7 @@ from typing import Any
 from restage.config.schema import ExperimentConfig
 from restage.data.datasets import Cursor, Dataset
 from restage.report import dashboards
-from restage.report.log import LogWriter
+from restage.report.log_writer import LogWriter
 from restage.runtime.control.channels import Control
 from restage.runtime.control.deadline import DeadlineWatch, deadline_from_env, write_time_limit
 from restage.runtime.control.progress import Progress
