@@ -2,7 +2,7 @@ import pytest
 
 from restage.errors import LaunchError
 from restage.launch.geometry import JobGeometry
-from restage.launch.job import launch_command, rendezvous
+from restage.launch.launcher import launch_command, rendezvous
 from restage.launch.mpirun import mpirun_command
 from restage.launch.rank import RankEnv, prepare, rank_env
 
@@ -35,7 +35,7 @@ def test_srun_command():
 def test_each_rank_gets_its_share_of_the_cores_on_both_paths(write_config):
     """srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05); mpirun bound nothing."""
     from restage.config.load import load_config
-    from restage.launch.job import cpus_per_rank
+    from restage.launch.launcher import cpus_per_rank
 
     geometry = JobGeometry(2, 8, 8)
     srun = launch_command("srun", geometry, None, PROGRAM, cpus_per_rank=12)
@@ -172,7 +172,7 @@ def test_every_local_rank_uses_its_own_gpu(visible, launcher):
 
 def test_program_module_override_and_clear_error(write_config, monkeypatch):
     from restage.config.load import load_config
-    from restage.launch.job import program_module
+    from restage.launch.launcher import program_module
 
     monkeypatch.delenv("RESTAGE_PROGRAM", raising=False)
     cfg = load_config(write_config())

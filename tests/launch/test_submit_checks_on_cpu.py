@@ -15,7 +15,7 @@ from restage.config.schema import SlurmConfig
 from restage.errors import ConfigError
 from restage.launch import checks, site
 from restage.launch.geometry import JobGeometry
-from restage.launch.job import node_launcher
+from restage.launch.launcher import node_launcher
 from restage.launch.resources import DEFAULT_TIME_MINUTES, choose_launcher, job_resources
 
 ROOT = Path(__file__).resolve().parents[2]

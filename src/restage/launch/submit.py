@@ -23,9 +23,9 @@ from restage.launch import slurm
 from restage.launch.checks import load_job_config, validate
 from restage.launch.data_check import ACCEPT_OPTION, check_trial_data
 from restage.launch.geometry import JobGeometry, job_geometry
-from restage.launch.job import (
+from restage.launch.job import TrialJob
+from restage.launch.launcher import (
     RUNTIME_MODULE,
-    TrialJob,
     cpus_per_rank,
     forwarded_names,
     interface_environment,

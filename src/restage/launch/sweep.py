@@ -39,7 +39,8 @@ from restage.config.schema import ExperimentConfig
 from restage.errors import ConfigError, RestageError
 from restage.launch import slurm
 from restage.launch.data_check import check_trial_data
-from restage.launch.job import TrialJob, program_module
+from restage.launch.job import TrialJob
+from restage.launch.launcher import program_module
 from restage.launch.submit import PreparedJob, check_fresh, prepare, validate_job
 from restage.launch.trial import TrialPaths, write_json_atomic
 from restage.schedule.file import write_schedule
