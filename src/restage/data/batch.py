@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal, assert_never
 
 import torch
 
@@ -122,14 +123,18 @@ class Batch:
         ids = tuple(self.ids[i] for i in sample_indices) if self.ids else ()
         return self.select_seqs(seq_indices, g, ids)
 
-    def split(self, n_parts: int, balance: str = "tokens") -> list[Batch]:
-        """Contiguous parts of whole samples, each non-empty; ``balance`` is ``tokens`` or ``samples``.
+    def split(self, n_parts: int, balance: Literal["tokens", "samples"] = "tokens") -> list[Batch]:
+        """Contiguous parts of whole samples, each non-empty, of about equal tokens or samples.
 
         Asking for more parts than samples gives one part per sample.
         """
-        if balance not in ("tokens", "samples"):
-            raise ValueError(f"balance must be 'tokens' or 'samples', got {balance!r}")
-        weights = self.sample_tokens() if balance == "tokens" else [1] * self.n_samples
+        match balance:
+            case "tokens":
+                weights = self.sample_tokens()
+            case "samples":
+                weights = [1] * self.n_samples
+            case unknown:
+                assert_never(unknown)
         return [self.select(part) for part in contiguous_parts(weights, n_parts)]
 
 
