@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from restage.errors import RankFailure
 from restage.runtime.control.spawn import spawn
-from restage.testing import nccl_rules
+from restage.testing import host_tensors, nccl_rules
 
 pytestmark = pytest.mark.multirank
 
@@ -54,7 +54,7 @@ def test_crossing_unbatched_sends_are_caught():
 
 def _reduce(rank, world_size, stray_cpu):
     device = nccl_rules.rank_device()
-    assert device == torch.device("cpu", 0) and nccl_rules.same_device(torch.zeros(1).device, device)
+    assert device == torch.device("cpu", 0) and host_tensors.same_device(torch.zeros(1).device, device)
     values = torch.arange(3.0).to(device) + rank
     if stray_cpu:
         values = values.cpu() * 1  # the mark survives arithmetic

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 import restage.device
+from restage.testing.host_tensors import HostTensor, host_move, same_device
 
 ENV = "RESTAGE_NCCL_RULES"
 _COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
@@ -48,10 +49,6 @@ class NcclRuleError(RuntimeError):
     def __init__(self, rule: str, rank: int, group: str, op: str, detail: str):
         super().__init__(f"NCCL rule '{rule}' broken on rank {rank}, group {group}, op {op}: {detail}")
         self.rule = rule
-
-
-class HostTensor(torch.Tensor):
-    """A tensor moved to the host while the rank's device is ``cpu:0``; ops on it stay marked."""
 
 
 @dataclass
@@ -89,14 +86,6 @@ def rank_device() -> torch.device:
     if not torch.cuda.is_available() and _state is not None and _state.device_mode:
         return torch.device("cpu", 0)
     return restage.device.rank_device()
-
-
-def same_device(a: torch.device, b: torch.device) -> bool:
-    """Device equality that treats ``cpu:0`` (the device rule's stand-in device) as the cpu it is."""
-    a, b = torch.device(a), torch.device(b)
-    if a.type == "cpu" and b.type == "cpu":
-        return True
-    return a == b
 
 
 def set_bound(max_groups: int | None = None, max_pairs: int | None = None) -> None:
@@ -340,26 +329,6 @@ def _destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
     original(group)
 
 
-def _host_move(name: str) -> Callable[..., Any]:
-    original = _original[name]
-
-    def wrapped(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
-        if name == "cpu":
-            return out.as_subclass(HostTensor) if type(out) is torch.Tensor else out
-        target = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
-        if target is None:
-            return out
-        target = torch.device(target)
-        if target.type == "cpu" and target.index is None and type(out) is torch.Tensor:
-            return out.as_subclass(HostTensor)
-        if target.type == "cpu" and target.index is not None and isinstance(out, HostTensor):
-            return out.as_subclass(torch.Tensor)
-        return out
-
-    return wrapped
-
-
 def install(device_mode: bool | None = None) -> None:
     """Patch torch.distributed (after ``init_process_group``) when ``RESTAGE_NCCL_RULES`` is set, or when asked."""
     global _state
@@ -384,7 +353,7 @@ def install(device_mode: bool | None = None) -> None:
     if _state.device_mode:
         _original["cpu"], _original["to"] = torch.Tensor.cpu, torch.Tensor.to
         for name in ("cpu", "to"):
-            setattr(torch.Tensor, name, _host_move(name))
+            setattr(torch.Tensor, name, host_move(name, _original[name]))
     bound = os.environ.get("RESTAGE_NCCL_MAX_GROUPS"), os.environ.get("RESTAGE_NCCL_MAX_PAIRS")
     if any(bound):
         set_bound(*(int(b) if b else None for b in bound))

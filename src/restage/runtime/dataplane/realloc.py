@@ -46,7 +46,7 @@ from restage.runtime.dataplane.realloc_batches import Batches, Tally
 from restage.runtime.store.zero_engines import Engine
 from restage.schedule.realloc_plan import Piece, ReallocPlan, check_layouts, realloc_groups
 from restage.schedule.realloc_rounds import Message, schedule_rounds
-from restage.testing.nccl_rules import same_device
+from restage.testing.host_tensors import same_device
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
