@@ -67,7 +67,7 @@ def test_auto_plans_both_modes_and_runs_the_faster():
     assert choice.chosen == ("async" if best[0] > choice.sync_samples_per_second else "sync")
     schedule = build_schedule(cfg, outcome)
     assert schedule.config["plan"]["execution"] == choice.chosen  # the ranks run the chosen mode
-    assert schedule.plan["execution"]["chosen"] == choice.chosen
+    assert schedule.plan.mode_choice.chosen == choice.chosen
     line = mode_line(choice)
     assert line.startswith(f"execution: {choice.chosen} chosen") and f"{choice.sync_samples_per_second:.2f}" in line
     assert f"{choice.async_samples_per_second:.2f}" in line

@@ -77,14 +77,14 @@ def _schedule(problem: PlanProblem, layouts: dict[str, Layout]) -> SimpleNamespa
             home = problem.home[mfc.model]
             layout = layouts[home] if home in layouts else problem.candidates(home)[0].layout
             role = problem.roles[mfc.model]
-            models[mfc.model] = SimpleNamespace(arch=role.arch, home_layout=layout, trainable=role.trainable,
-                                                zero_stage=role.zero_stage)
+            models[mfc.model] = SimpleNamespace(arch=role.arch, held_arch=role.arch, home_layout=layout,
+                                                trainable=role.trainable, zero_stage=role.zero_stage)
     mfcs = tuple(SimpleNamespace(mfc=problem.graph[name], layout=layout) for name, layout in layouts.items())
     return SimpleNamespace(models=models, mfcs=mfcs)
 
 
 def _refusal(cfg, problem: PlanProblem, mfc, layout: Layout) -> str | None:
-    return schedule_problem(_schedule(problem, {mfc.name: layout}), cfg, problem.cluster.world_size)
+    return schedule_problem(_schedule(problem, {mfc.name: layout}), problem.cluster.world_size)
 
 
 def _all_strategies(size: int) -> list[Strategy]:
@@ -103,7 +103,7 @@ def test_every_layout_the_search_can_propose_is_taken_by_the_runtime(case):
     plans = starting_plans(problem, {**all_baselines(problem), **all_references(problem)})  # where it starts
     for plan in plans:
         layouts = {c.mfc: c.layout for c in plan}
-        assert schedule_problem(_schedule(problem, layouts), cfg, problem.cluster.world_size) is None
+        assert schedule_problem(_schedule(problem, layouts), problem.cluster.world_size) is None
     assert checked >= len(problem.mfcs) and all(problem.candidates(m) for m in problem.mfcs)
 
 
@@ -150,7 +150,7 @@ def test_a_schedule_the_planner_writes_passes_the_runtimes_start_up_check(case):
     cfg = CASES[case]()
     outcome = make_plan(cfg, with_baselines=False, time_budget_seconds=1, max_steps=100, seed=0)
     schedule = build_schedule(cfg, outcome, exact=False)
-    assert schedule_problem(schedule, cfg, schedule.world_size) is None
+    assert schedule_problem(schedule, schedule.world_size) is None
     homes = {name: info.home_layout for name, info in schedule.models.items()}
     assert set(homes) == set(cfg.models) & {m.model for m in outcome.problem.mfcs}
     trained = [name for name, info in schedule.models.items() if info.trainable]
@@ -159,5 +159,5 @@ def test_a_schedule_the_planner_writes_passes_the_runtimes_start_up_check(case):
     name = trained[0]
     bad = Layout.contiguous(0, Strategy(tp=3))  # no model here has a head count divisible by 3
     models = {**schedule.models, name: dataclasses.replace(schedule.models[name], home_layout=bad)}
-    assert schedule_problem(dataclasses.replace(schedule, models=models), cfg, schedule.world_size).startswith(
+    assert schedule_problem(dataclasses.replace(schedule, models=models), schedule.world_size).startswith(
         f"models.{name}: tp=3 does not divide")

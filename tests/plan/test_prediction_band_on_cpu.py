@@ -100,7 +100,7 @@ def test_restage_plan_prints_the_band_of_the_stored_errors(name):
     schedule = build_schedule(cfg, outcome)
     gpus = name.endswith("h100x8")
     low_ratio, high_ratio = _by_hand(accuracy.GPU_CALIBRATION if gpus else accuracy.CPU_VALIDATION)
-    iteration = schedule.predicted["iteration_seconds"]
+    iteration = schedule.predicted.iteration_seconds
     printed, low, high = _printed_band(render(schedule, outcome))
     assert printed == round(iteration, 3)
     assert (low, high) == (round(iteration * low_ratio, 3), round(iteration * high_ratio, 3))

@@ -1,7 +1,5 @@
 """Async mode's program (schedule/async_program.py), its ops' JSON, and the rollout buffer's checkpoint state."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -13,6 +11,7 @@ from restage.layout import Layout, Strategy
 from restage.runtime.dataplane.rollout_buffer import Buffered, RolloutBuffer
 from restage.runtime.step.evaluation import plan_eval
 from restage.schedule.async_program import build_async_program, lookahead
+from restage.schedule.execution import Async, Sync
 from restage.schedule.ops import Generate, Push, SendKey, TakeBuffered, op_from_json, op_subject, op_to_json
 
 GEN = Layout.contiguous(1, Strategy(dp=1))
@@ -85,7 +84,7 @@ def test_async_evaluation_answers_in_the_training_layout_and_leaves_the_generati
                         Layout.contiguous(1, Strategy(dp=1)))
     layouts = {m.name: gen if m.name == "actor_gen" else side if m.name == "reward_inf" else train for m in graph}
     build_async_program(graph, layouts, staleness=1, push_every=1)  # layouts async mode runs
-    plan = plan_eval(graph, layouts, cfg, n_prompts=20)
+    plan = plan_eval(graph, layouts, cfg, n_prompts=20, execution=Async(1, 1))
     assert plan.layouts == {**layouts, "actor_gen": train}
     walk = [(op.kind, op.key if isinstance(op, SendKey) else op_subject(op), op.ranks) for op in plan.ops]
     if scorer == "rule":
@@ -95,8 +94,7 @@ def test_async_evaluation_answers_in_the_training_layout_and_leaves_the_generati
         assert walk == [("run", "actor_gen", (0, 1)), ("transfer", "seqs", (0, 1)),
                         ("transfer", "prompt_mask", (0, 1)), ("run", "reward_inf", (1,))]
     assert [len(p) for p in plan.passes] == [8, 8, 4]
-    sync_cfg = replace(cfg, plan=replace(cfg.plan, execution="sync"))
-    sync = plan_eval(graph, layouts, sync_cfg, n_prompts=20)
+    sync = plan_eval(graph, layouts, cfg, n_prompts=20, execution=Sync())
     assert sync is not None and sync.layouts == layouts
     assert [(op.kind, op_subject(op)) for op in sync.ops[:2]] == [("realloc", "actor"), ("run", "actor_gen")]
 

@@ -65,7 +65,7 @@ def _save(rank: int, world_size: int, model_dir: str, out: str) -> dict:
     entry = ModelEntry(arch=cfg, path=model_dir, preset="", trainable=True, dtype="fp32", zero_stage=3,
                        gradient_checkpointing=False, offload_optimizer=False, offload_params=False,
                        offload_when_idle=False, home_mfc="actor_train", home_layout=layout)
-    slot = ModelSlot("actor", entry, spec, cfg, module=engine.module, engine=engine)
+    slot = ModelSlot("actor", entry, cfg, module=engine.module, engine=engine)
     store = SimpleNamespace(slots={"actor": slot}, ema={}, device=torch.device("cpu"), rank=rank)
     run_state._write_models(Path(out) / "new", store, groups)  # type: ignore[arg-type]  # what save() calls
     deepspeed.zero.GatheredParameters = original

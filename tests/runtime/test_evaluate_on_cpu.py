@@ -11,6 +11,7 @@ from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
 from restage.runtime.step import evaluation
 from restage.runtime.step.evaluation import eval_due, eval_passes, pass_ops, plan_eval
+from restage.schedule.execution import Sync
 from restage.schedule.ops import SendKey, op_subject
 
 
@@ -41,7 +42,7 @@ def test_the_program_generates_where_the_actor_generates_scores_with_the_reward_
     side = Layout.contiguous(1, Strategy())
     layouts = {"actor_gen": gen, "reward_inf": side, "ref_inf": side, "critic_inf": side, "actor_train": train,
                "critic_train": gen}
-    plan = plan_eval(graph, layouts, cfg, n_prompts=20, offload_idle=frozenset({"reward"}))
+    plan = plan_eval(graph, layouts, cfg, n_prompts=20, offload_idle=frozenset({"reward"}), execution=Sync())
     assert (plan.generate.name, plan.reward.name) == ("actor_gen", "reward_inf")
     assert [len(p) for p in plan.passes] == [8, 8, 4]
     kinds = [(op.kind, op.key if isinstance(op, SendKey) else op_subject(op)) for op in plan.ops]
@@ -54,9 +55,9 @@ def test_the_program_generates_where_the_actor_generates_scores_with_the_reward_
     rule = _cfg(steps=4, eval_every=2)
     rule = config_from_dict({**rule.to_dict(), "reward_fn": "sort", "models": {
         k: v for k, v in rule.to_dict()["models"].items() if k != "reward"}})
-    plan = plan_eval(build_graph(rule), layouts, rule, n_prompts=20)
+    plan = plan_eval(build_graph(rule), layouts, rule, n_prompts=20, execution=Sync())
     assert plan.reward is None and [op.kind for op in plan.ops] == ["realloc", "run", "free"]
-    assert plan_eval(graph, layouts, _cfg(), n_prompts=20) is None
+    assert plan_eval(graph, layouts, _cfg(), n_prompts=20, execution=Sync()) is None
 
 
 def test_greedy_answers_do_not_depend_on_the_seed_or_the_rng(tmp_path):

@@ -18,7 +18,7 @@ def _store(**trainable: bool) -> ModelStore:
                        device=torch.device("cpu"), node_of=lambda rank: 0)
     for name, is_trained in trainable.items():
         entry = SimpleNamespace(trainable=is_trained, dtype="fp32", home_layout=HOME)  # what the store reads of one
-        store.slots[name] = ModelSlot(name, entry, SimpleNamespace(), tiny())
+        store.slots[name] = ModelSlot(name, entry, tiny())
     return store
 
 

@@ -12,7 +12,7 @@ from restage.data.batch import pack_sequences
 from restage.graph import DataflowGraph
 from restage.layout import Layout, Strategy
 from restage.runtime.control.master import merge_eval, merge_stats
-from restage.runtime.control.records import MFCRecord, MoveRecord, Span, StatsShare, StepDecision, StepRecord
+from restage.runtime.control.records import MFCRecord, MoveKind, MoveRecord, Span, StatsShare, StepDecision, StepRecord
 from restage.runtime.dataplane import routing
 from restage.runtime.dataplane.data_transfer import KeySpec
 
@@ -24,7 +24,7 @@ def _over_mpi(obj):
 def _record(rank: int, reward: float, samples: int, prompts: float, span: tuple[float, float]) -> StepRecord:
     record = StepRecord(rank=rank, step=3, step_start_seconds=1.0, step_end_seconds=2.5)
     record.mfcs.append(MFCRecord("actor_gen", "actor", "generate", 1.0, 1.5, 40, 2.0e9, 1 << 20))
-    record.moves.append(MoveRecord("realloc", "actor", "ranks:0-1 dp2", "ranks:0-1 tp2", 4096, 1.5, 1.7))
+    record.moves.append(MoveRecord(MoveKind.REALLOC, "actor", "ranks:0-1 dp2", "ranks:0-1 tp2", 4096, 1.5, 1.7))
     record.stats.append(StatsShare({"actor_train/reward": reward}, samples))
     record.eval_sums = {"reward": reward * prompts, "prompts": prompts}
     record.eval_span = Span(*span)

@@ -22,8 +22,8 @@ CLUSTER = load_cluster("h100-80gb", nodes=2, devices_per_node=2)
 
 def _schedule(per_node: int = 2):
     cfg = tiny()
-    return SimpleNamespace(models={"actor": SimpleNamespace(arch=cfg, dtype="fp32")},
-                           cluster={"devices_per_node": per_node})
+    return SimpleNamespace(models={"actor": SimpleNamespace(arch=cfg, held_arch=cfg, dtype="fp32")},
+                           cluster=SimpleNamespace(devices_per_node=per_node))
 
 
 def _runtime_plan(src, dst):

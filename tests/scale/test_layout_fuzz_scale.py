@@ -62,7 +62,7 @@ def draw_case(seed: int, assets) -> tuple[Case, int]:
                 cfg = load_config("jobs/ppo_tiny.yaml", [*job_args(assets)[1:], f"run.nprocs={WORLD}", *case.overrides()])
                 cfg = dataclasses.replace(cfg, cluster=base.cluster)
                 schedule = build_schedule(cfg, make_plan(cfg, with_baselines=False))
-                refused = schedule_problem(schedule, cfg, WORLD)
+                refused = schedule_problem(schedule, WORLD)
             except Exception as err:  # noqa: BLE001  (any refusal of the whole plan: draw again)
                 refused = str(err)
             if refused is None:

@@ -10,34 +10,17 @@ the grid ``plan.execution: auto`` searches beside the synchronous plan (``planne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from restage.layout import Layout
 from restage.plan.plan_score import PlanEvaluation, fit_plan
 from restage.plan.problem import Plan, PlanProblem, mesh_options, strategies_for
 from restage.schedule.async_program import producers
+from restage.schedule.predictions import ModeChoice
+
+__all__ = ["STALENESS_CHOICES", "ModeChoice", "best_async_plan", "splits"]
 
 # The staleness bounds plan.execution: auto tries (each with every push_every from 1 to it). Larger bounds only
 # lengthen the warm-up and spread the push thinner; the decoupled loss's correction grows with the gap.
 STALENESS_CHOICES = (1, 2)
-
-
-@dataclass(frozen=True)
-class ModeChoice:
-    """What ``plan.execution: auto`` compared: the synchronous plan's and the best asynchronous plan's predicted
-    samples/s, and the mode chosen (the faster; sync on a tie)."""
-
-    chosen: str  # sync | async
-    sync_samples_per_second: float | None
-    async_samples_per_second: float | None
-    staleness: int  # of the best async plan (0: none found)
-    push_every: int
-    partial: bool = False  # the best async plan uses partial rollouts
-
-    def to_json(self) -> dict:
-        return {"chosen": self.chosen, "sync_samples_per_second": self.sync_samples_per_second,
-                "async_samples_per_second": self.async_samples_per_second, "staleness": self.staleness,
-                "push_every": self.push_every, "partial_rollouts": self.partial}
 
 
 def splits(problem: PlanProblem) -> list[tuple[tuple[int, int], tuple[int, int]]]:

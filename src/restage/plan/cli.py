@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Any
 
 from restage.accuracy import Band, ProcessBaseline, prediction_band, process_baseline
 from restage.cluster import device_is_gpu, load_cluster
@@ -14,6 +15,7 @@ from restage.plan.peers.baselines import BASELINES, LABELS
 from restage.plan.peers.behind import behind_line
 from restage.plan.planner import GIB, PlanOutcome, make_plan
 from restage.plan.schedule import build_schedule
+from restage.schedule.execution import Async
 from restage.schedule.file import Schedule, write_schedule
 from restage.schedule.ops import Realloc
 
@@ -50,35 +52,35 @@ def main(args: argparse.Namespace) -> int:
 
 def accuracy_of(schedule: Schedule) -> tuple[Band, ProcessBaseline]:
     """The uncertainty band and process baseline (restage/accuracy.py) for the schedule's cluster."""
-    gpus = device_is_gpu(str(schedule.cluster["device"]))
+    gpus = device_is_gpu(schedule.cluster.device)
     return prediction_band(gpus), process_baseline(gpus)
 
 
-def summary(schedule: Schedule, outcome: PlanOutcome) -> dict:
+def summary(schedule: Schedule, outcome: PlanOutcome) -> dict[str, Any]:
     p = schedule.predicted
     band, baseline = accuracy_of(schedule)
-    return {"experiment": schedule.experiment, "cluster": schedule.cluster["name"], "world_size": schedule.world_size,
-            "mode": outcome.mode, "iteration_seconds": p["iteration_seconds"],
-            "iteration_band_seconds": list(band.seconds(p["iteration_seconds"])),
+    return {"experiment": schedule.experiment, "cluster": schedule.cluster.name, "world_size": schedule.world_size,
+            "mode": outcome.mode, "iteration_seconds": p.iteration_seconds,
+            "iteration_band_seconds": list(band.seconds(p.iteration_seconds)),
             "band": {"low_ratio": band.low_ratio, "high_ratio": band.high_ratio, "points": band.points,
                      "what": band.what, "source": band.source},
-            "peak_memory_bytes": p["peak_memory_bytes"], "process_baseline_bytes": baseline.bytes,
+            "peak_memory_bytes": p.peak_memory_bytes, "process_baseline_bytes": baseline.bytes,
             "process_baseline": {"what": baseline.what, "source": baseline.source},
-            "samples_per_second": p["samples_per_second"],
-            "pflops_per_second": p["pflops_per_second"], "estimator": p["estimator"],
+            "samples_per_second": p.samples_per_second,
+            "pflops_per_second": p.pflops_per_second, "estimator": list(p.estimator),
             "execution": outcome.mode_choice.to_json() if outcome.mode_choice is not None else None,
             "mfcs": [{"name": m.mfc.name, "layout": m.layout.to_json(), "micro_batches": m.mfc.micro_batches,
-                      **m.predicted} for m in schedule.mfcs],
+                      **m.predicted.to_json()} for m in schedule.mfcs],
             "baselines": {name: (None if ev is None else {"iteration_seconds": ev.iteration_seconds,
-                                                          "speedup": ev.iteration_seconds / p["iteration_seconds"]})
+                                                          "speedup": ev.iteration_seconds / p.iteration_seconds})
                           for name, ev in outcome.baselines.items()}}
 
 
 def render(schedule: Schedule, outcome: PlanOutcome) -> str:
     c, p = schedule.cluster, schedule.predicted
     ep_head = f" {'ep':>3}" if any(m.layout.strategy.ep > 1 for m in schedule.mfcs) else ""  # mixtures split over ep
-    lines = [f"{schedule.experiment}: {c['nodes']} node(s) x {c['devices_per_node']} {c['name']}, plan mode {outcome.mode}, "
-             f"estimator {', '.join(p['estimator'])}",
+    lines = [f"{schedule.experiment}: {c.nodes} node(s) x {c.devices_per_node} {c.name}, plan mode {outcome.mode}, "
+             f"estimator {', '.join(p.estimator)}",
              f"{'MFC':<20} {'mesh':<10} {'dp':>3} {'tp':>3} {'pp':>3}{ep_head} {'mb':>4} {'seconds':>9} {'start':>8} "
              f"{'plan GiB':>9}"]
     for m in schedule.mfcs:
@@ -86,22 +88,22 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
         ranks = f"{mesh[0]}-{mesh[-1]}" if mesh == list(range(mesh[0], mesh[-1] + 1)) else ",".join(map(str, mesh))
         ep = f" {s.ep:>3}" if ep_head else ""
         lines.append(f"{m.mfc.name:<20} {ranks:<10} {s.dp:>3} {s.tp:>3} {s.pp:>3}{ep} "
-                     f"{m.mfc.micro_batches:>4} {pr['seconds']:>9.3f} {pr['start_seconds']:>8.3f} "
-                     f"{pr['peak_memory_bytes'] / GIB:>9.2f}")
+                     f"{m.mfc.micro_batches:>4} {pr.seconds:>9.3f} {pr.start_seconds:>8.3f} "
+                     f"{pr.peak_memory_bytes / GIB:>9.2f}")
     for step in schedule.steps:
         if isinstance(step.op, Realloc) and step.bytes is not None and step.predicted is not None:
             dst, d = step.op.dst, step.op.dst.strategy
             lines.append(f"  realloc {step.op.model} to [{dst.mesh[0]}-{dst.mesh[-1]}]dp{d.dp}tp{d.tp}"
-                         f"pp{d.pp}: {step.bytes / GIB:.2f} GiB moved, {step.predicted['seconds']:.3f} s")
+                         f"pp{d.pp}: {step.bytes / GIB:.2f} GiB moved, {step.predicted.seconds:.3f} s")
     if outcome.mode_choice is not None:
         lines.append(mode_line(outcome.mode_choice))
-    elif (plan := schedule.config.get("plan", {})).get("execution") == "async":
-        lines.append(async_line(plan))
+    elif isinstance(schedule.execution, Async):
+        lines.append(async_line(schedule.execution))
     band, baseline = accuracy_of(schedule)
-    low, high = band.seconds(p["iteration_seconds"])
-    lines.append(f"iteration {p['iteration_seconds']:.3f} s (likely {low:.3f}-{high:.3f} s), "
-                 f"{p['samples_per_second']:.2f} samples/s, {p['pflops_per_second']:.3f} PFLOP/s, peak "
-                 f"{p['peak_memory_bytes'] / GIB:.2f} of {p['usable_memory_bytes'] / GIB:.1f} GiB planned "
+    low, high = band.seconds(p.iteration_seconds)
+    lines.append(f"iteration {p.iteration_seconds:.3f} s (likely {low:.3f}-{high:.3f} s), "
+                 f"{p.samples_per_second:.2f} samples/s, {p.pflops_per_second:.3f} PFLOP/s, peak "
+                 f"{p.peak_memory_bytes / GIB:.2f} of {p.usable_memory_bytes / GIB:.1f} GiB planned "
                  f"+ {baseline.bytes / GIB:.2f} GiB process baseline per rank")
     lines.append(f"  likely: {band.describe()}; process baseline: {baseline.label} (sources: restage/accuracy.py)")
 
@@ -116,16 +118,16 @@ def render(schedule: Schedule, outcome: PlanOutcome) -> str:
                 lines.append(f"  vs {what}: no plan that fits")
             else:
                 lines.append(f"  vs {what}: {ev.iteration_seconds:.3f} s, this plan is "
-                             f"{ev.iteration_seconds / p['iteration_seconds']:.2f}x as fast")
+                             f"{ev.iteration_seconds / p.iteration_seconds:.2f}x as fast")
                 if group and (behind := behind_line(outcome, name, ev)):
                     lines.append(behind)  # a peer ahead: which MFC, and what bears on it (plan/peers/behind.py)
     return "\n".join(lines)
 
 
-def async_line(plan: dict) -> str:
+def async_line(execution: Async) -> str:
     """plan.execution async: the staleness bound, the push interval and whether answers continue across pushes."""
-    partial = ", partial rollouts" if plan.get("partial_rollouts") else ""
-    return f"execution: async (staleness {plan['staleness']}, push every {plan['push_every']}{partial})"
+    partial = ", partial rollouts" if execution.partial else ""
+    return f"execution: async (staleness {execution.staleness}, push every {execution.push_every}{partial})"
 
 
 def mode_line(choice: ModeChoice) -> str:

@@ -9,11 +9,14 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import assert_never
 
 from restage.algorithms.interface import build_graph, unused_models
 from restage.cluster import ClusterSpec, cluster_from_config
+from restage.config.schema import Execution as ExecutionSetting
+from restage.config.schema import ExperimentConfig, PlanMode
 from restage.errors import ConfigError, LayoutError, PlanError
+from restage.graph import MFCKind
 from restage.layout import Layout, Strategy
 from restage.models.attention import flash_attn_with_kvcache
 from restage.plan.async_plan import STALENESS_CHOICES, ModeChoice, best_async_plan
@@ -23,6 +26,7 @@ from restage.plan.peers.baselines import all_baselines, all_references, baseline
 from restage.plan.plan_score import PlanEvaluation, evaluate
 from restage.plan.problem import (
     AsyncExecution,
+    Candidate,
     Plan,
     PlanProblem,
     mesh_options,
@@ -34,38 +38,46 @@ from restage.plan.problem import (
 )
 from restage.plan.search import SearchResult, search
 from restage.rollout.budget import RolloutLimits
+from restage.schedule.execution import Async, Execution, Sync
+from restage.schedule.predictions import PlanMethod
 from restage.schedule.program import ema_targets
 
 GIB = 2**30
+Found = dict[str, tuple[Plan, PlanEvaluation] | None]  # the peers' plans and restricted searches, by name (None: none fits)
 MAX_NODES_TRIED = 1024
 
 
 @dataclass(frozen=True)
 class PlanOutcome:
-    problem: PlanProblem
+    problem: PlanProblem  # its ``execution`` is the mode the plan runs in (the chosen one under plan.execution auto)
     plan: Plan
     evaluation: PlanEvaluation
-    mode: str
+    mode: PlanMethod
     baselines: dict[str, PlanEvaluation | None]  # peers' default plans and restricted searches (baselines.LABELS)
     search: SearchResult | None = None
-    config: Any = None  # plan.execution auto: the config the schedule runs (the chosen mode's); else None
     mode_choice: ModeChoice | None = None  # plan.execution auto: the modes compared
 
+    @property
+    def execution(self) -> Execution:
+        """How the plan's iterations run, as the schedule says it (``schedule/execution.py``)."""
+        ex = self.problem.execution
+        return Sync() if ex is None else Async(ex.staleness, ex.push_every, ex.partial)
 
-def build_problem(cfg, cluster: ClusterSpec | None = None, flash_attn: bool | None = None) -> PlanProblem:
+
+def build_problem(cfg: ExperimentConfig, cluster: ClusterSpec | None = None, flash_attn: bool | None = None) -> PlanProblem:
     """The planning problem of ``cfg`` on ``cluster`` (default the config's); ``flash_attn`` as ``engine_of``'s."""
     graph = build_graph(cfg)
     for name, why in unused_models(cfg, graph).items():
         print(f"restage: models.{name} is unused, so not planned or loaded: {why}", file=sys.stderr, flush=True)
     cluster = cluster or cluster_from_config(cfg)
     execution = (AsyncExecution(cfg.plan.staleness, cfg.plan.push_every, cfg.run.steps, cfg.plan.partial_rollouts)
-                 if cfg.plan.execution == "async" else None)
+                 if cfg.plan.execution == ExecutionSetting.ASYNC else None)
     estimator = Estimator(cluster, engine=engine_of(cfg, flash_attn))
     return PlanProblem(graph, roles_from_config(cfg, graph), cluster, estimator=estimator,
                        samples_per_iteration=cfg.run.batch_size, execution=execution)
 
 
-def engine_of(cfg, flash_attn: bool | None = None) -> RestageEngine:
+def engine_of(cfg: ExperimentConfig, flash_attn: bool | None = None) -> RestageEngine:
     """The rollout engine the config's ``generation`` settings build (``models.generation.generate``'s limits).
     ``flash_attn``: whether flash-attn is installed where the ranks run; None: as in this process, which plans on
     (or as) the ranks' machines (``launch/job.py`` plans inside the job), the runtime asking the same of its own
@@ -82,7 +94,7 @@ def lean_plan(problem: PlanProblem) -> Plan | None:
     sizes = sorted({size for start, size in mesh_options(problem.cluster) if start == 0}, reverse=True)
     plan = []
     for mfc in problem.mfcs:
-        options: list = []
+        options: list[Candidate] = []
         for size in sizes:
             options = [problem.candidate(mfc, Layout.contiguous(0, s), m)
                        for s in strategies_for(size, problem.role(mfc), mfc, problem.cluster)
@@ -103,10 +115,10 @@ def check_placeable(problem: PlanProblem) -> None:
         role = problem.role(mfc)
         if any(strategies_for(size, role, mfc, problem.cluster) for size in sizes):
             continue
-        if mfc.kind == "train_step" and mfc.n_seqs < mfc.minibatches:
+        if mfc.kind is MFCKind.TRAIN_STEP and mfc.n_seqs < mfc.minibatches:
             raise PlanError(f"{mfc.name}: its {mfc.n_seqs} sequences per step cannot fill {mfc.minibatches} "
                             "minibatches; raise run.batch_size or lower algo.minibatches")
-        if mfc.kind == "train_step" and role.zero_stage == 3:
+        if mfc.kind is MFCKind.TRAIN_STEP and role.zero_stage == 3:
             raise PlanError(f"{mfc.name}: models.{mfc.model}: zero_stage=3 trains on all {problem.cluster.world_size} "
                             f"ranks, and its {mfc.n_seqs} sequences per step fill no DP size a layout over them has; "
                             "raise run.batch_size or use zero_stage 1 or 2")
@@ -159,7 +171,7 @@ def parse_manual_layout(text: str, where: str = "plan.layouts") -> tuple[Layout,
     return layout, int(match["mb"]) if match["mb"] else None
 
 
-def manual_plan(cfg, problem: PlanProblem) -> Plan:
+def manual_plan(cfg: ExperimentConfig, problem: PlanProblem) -> Plan:
     layouts = cfg.plan.layouts
     missing = [m.name for m in problem.mfcs if m.name not in layouts]
     unknown = sorted(set(layouts) - {m.name for m in problem.mfcs})
@@ -176,37 +188,38 @@ def manual_plan(cfg, problem: PlanProblem) -> Plan:
     return tuple(plan)
 
 
-def make_plan(cfg, cluster: ClusterSpec | None = None, *, seed: int | None = None, time_budget_seconds: float | None = None,
+def make_plan(cfg: ExperimentConfig, cluster: ClusterSpec | None = None, *, seed: int | None = None,
+              time_budget_seconds: float | None = None,
               max_steps: int = 40000, with_baselines: bool = True) -> PlanOutcome:
     """Choose the plan ``cfg.plan.mode`` asks for; refuse (PlanError) plans that do not fit in memory.
 
     ``plan.execution``: ``sync`` plans as always; ``async`` takes the manual layouts, or else the best split
     (``async_plan.best_async_plan``); ``auto`` plans both and keeps the faster (``choose_mode``)."""
-    if cfg.plan.execution == "auto":
+    if cfg.plan.execution == ExecutionSetting.AUTO:
         return choose_mode(cfg, cluster, seed=seed, time_budget_seconds=time_budget_seconds, max_steps=max_steps,
                            with_baselines=with_baselines)
     problem = build_problem(cfg, cluster)
     mode = cfg.plan.mode
-    if cfg.plan.execution == "async" and mode != "manual":
+    if cfg.plan.execution == ExecutionSetting.ASYNC and mode != PlanMode.MANUAL:
         split = best_async_plan(problem)
         if split is None:
             raise PlanError(f"plan.execution async: no split of the {problem.cluster.world_size} ranks into generation "
                             "and training ranks fits; add ranks or set plan.execution=sync")
         return PlanOutcome(problem, split[0], split[1], "async-split", {})
-    if mode == "manual":
+    if mode == PlanMode.MANUAL:
         plan = manual_plan(cfg, problem)
         ev = evaluate(problem, plan)
         if not ev.feasible:
             raise PlanError(f"plan.layouts need {ev.peak_memory_bytes / GIB:.1f} GiB on the fullest device, "
                             f"{problem.capacity_bytes / GIB:.1f} GiB usable; spread the models over more ranks")
         baselines = _evaluations(_compared(problem)) if with_baselines else {}
-        return PlanOutcome(problem, plan, ev, mode, baselines)
-    if mode == "search" and cfg.plan.shard_frozen == "auto" and (sharded := sharded_variant(problem)) is not None:
+        return PlanOutcome(problem, plan, ev, "manual", baselines)
+    if mode == PlanMode.SEARCH and cfg.plan.shard_frozen == "auto" and (sharded := sharded_variant(problem)) is not None:
         return _faster_of(cfg, (problem, sharded), seed, time_budget_seconds, max_steps)
     check_fits(problem)
-    found = _compared(problem) if (with_baselines or mode == "search") else {}
+    found = _compared(problem) if (with_baselines or mode == PlanMode.SEARCH) else {}
     baselines = _evaluations(found)
-    if mode == "heuristic":
+    if mode == PlanMode.HEURISTIC:
         name = cfg.plan.heuristic
         got = found.get(name) if found else baseline(problem, name)
         if got is None:
@@ -222,11 +235,11 @@ def make_plan(cfg, cluster: ClusterSpec | None = None, *, seed: int | None = Non
             raise PlanError(f"the {name} layouts need {ev.peak_memory_bytes / GIB:.1f} GiB on the fullest device with this "
                             f"config's memory settings, {problem.capacity_bytes / GIB:.1f} GiB usable; set models.<m>.zero_stage=3 "
                             f"(and gradient_checkpointing) as {name} does, or use plan.mode=search")
-        return PlanOutcome(problem, plan, ev, mode, baselines)
+        return PlanOutcome(problem, plan, ev, "heuristic", baselines)
     return _searched(cfg, problem, found, seed, time_budget_seconds, max_steps)
 
 
-def _searched(cfg, problem: PlanProblem, found: dict, seed: int | None, time_budget_seconds: float | None,
+def _searched(cfg: ExperimentConfig, problem: PlanProblem, found: Found, seed: int | None, time_budget_seconds: float | None,
               max_steps: int) -> PlanOutcome:
     budget = cfg.plan.time_budget_seconds if time_budget_seconds is None else time_budget_seconds
     result = search(problem, seed=cfg.seed if seed is None else seed, time_budget_seconds=budget, max_steps=max_steps,
@@ -248,7 +261,7 @@ def sharded_variant(problem: PlanProblem) -> PlanProblem | None:
         mfcs = [m for m in problem.mfcs if m.model == name]
         if (not role.trainable and not role.shard_frozen and name not in ema and role.arch.lora is None
                 and not role.arch.is_moe and not role.offload_when_idle and len(mfcs) == 1
-                and mfcs[0].kind == "inference"):
+                and mfcs[0].kind is MFCKind.INFERENCE):
             roles[name] = replace(role, shard_frozen=True)
     if roles == problem.roles:
         return None
@@ -257,7 +270,7 @@ def sharded_variant(problem: PlanProblem) -> PlanProblem | None:
                        samples_per_iteration=problem.samples_per_iteration, execution=problem.execution)
 
 
-def _faster_of(cfg, problems: tuple[PlanProblem, ...], seed: int | None, time_budget_seconds: float | None,
+def _faster_of(cfg: ExperimentConfig, problems: tuple[PlanProblem, ...], seed: int | None, time_budget_seconds: float | None,
                max_steps: int) -> PlanOutcome:
     """``plan.shard_frozen: auto``: search each problem (frozen models whole, then sharded) that fits and keep the
     faster plan (the first on a tie); when none fits, the first problem's one-line refusal."""
@@ -273,37 +286,48 @@ def _faster_of(cfg, problems: tuple[PlanProblem, ...], seed: int | None, time_bu
     return min(outcomes, key=lambda o: o.evaluation.iteration_seconds)
 
 
-def _compared(problem: PlanProblem) -> dict:
+def _compared(problem: PlanProblem) -> Found:
     """The peers' default plans, then the restricted searches (names in baselines.LABELS)."""
     return {**all_baselines(problem), **all_references(problem)}
 
 
-def _evaluations(found: dict) -> dict[str, PlanEvaluation | None]:
+def _evaluations(found: Found) -> dict[str, PlanEvaluation | None]:
     return {name: (got[1] if got is not None else None) for name, got in found.items()}
 
 
-def with_execution(cfg, execution: str, staleness: int, push_every: int, partial: bool = False):
-    """``cfg`` with ``plan.execution``, ``plan.staleness``, ``plan.push_every`` and ``plan.partial_rollouts`` set."""
-    return replace(cfg, plan=replace(cfg.plan, execution=execution, staleness=staleness, push_every=push_every,
-                                     partial_rollouts=partial))
+def with_execution(cfg: ExperimentConfig, execution: Execution) -> ExperimentConfig:
+    """``cfg`` with ``plan.execution``, ``plan.staleness``, ``plan.push_every`` and ``plan.partial_rollouts`` set
+    to ``execution`` (sync keeps the staleness and push interval as configured)."""
+    match execution:
+        case Sync():
+            plan = replace(cfg.plan, execution=ExecutionSetting.SYNC, partial_rollouts=False)
+        case Async(staleness, push_every, partial):
+            plan = replace(cfg.plan, execution=ExecutionSetting.ASYNC, staleness=staleness, push_every=push_every,
+                           partial_rollouts=partial)
+        case _:
+            assert_never(execution)
+    return replace(cfg, plan=plan)
 
 
-def choose_mode(cfg, cluster: ClusterSpec | None = None, **search) -> PlanOutcome:
+def choose_mode(cfg: ExperimentConfig, cluster: ClusterSpec | None = None, *, seed: int | None = None,
+                time_budget_seconds: float | None = None, max_steps: int = 40000,
+                with_baselines: bool = True) -> PlanOutcome:
     """``plan.execution: auto``: the synchronous plan (``plan.mode`` as given) and the best async plan over
     ``STALENESS_CHOICES`` x push intervals x splits (and, with ``plan.partial_rollouts`` set, partial rollouts
     where ``staleness > push_every``); the faster by predicted samples/s wins (sync on a tie, and the smallest
-    staleness among equal async plans, whole batches before partial ones). The outcome's ``config`` is the chosen mode's."""
-    if cfg.plan.mode == "manual":
+    staleness among equal async plans, whole batches before partial ones). The outcome's problem runs the chosen mode."""
+    if cfg.plan.mode == PlanMode.MANUAL:
         raise ConfigError("plan.execution auto chooses the layouts of each mode; set plan.mode=search (or choose "
                           "plan.execution sync or async for manual layouts)")
-    sync_cfg = with_execution(cfg, "sync", cfg.plan.staleness, cfg.plan.push_every)
-    sync = make_plan(sync_cfg, cluster, **search)
+    sync_cfg = with_execution(cfg, Sync())
+    sync = make_plan(sync_cfg, cluster, seed=seed, time_budget_seconds=time_budget_seconds, max_steps=max_steps,
+                     with_baselines=with_baselines)
     sync_rate = sync.problem.samples_per_iteration / sync.evaluation.iteration_seconds
     best: tuple[float, PlanOutcome] | None = None
     grid = [(staleness, push_every, partial) for staleness in STALENESS_CHOICES for push_every in range(1, staleness + 1)
             for partial in ((False, True) if cfg.plan.partial_rollouts and staleness > push_every else (False,))]
     for staleness, push_every, partial in grid:
-        async_cfg = with_execution(cfg, "async", staleness, push_every, partial)
+        async_cfg = with_execution(cfg, Async(staleness, push_every, partial))
         try:
             problem = build_problem(async_cfg, cluster)
         except ConfigError:  # an algorithm without an async mode
@@ -313,10 +337,9 @@ def choose_mode(cfg, cluster: ClusterSpec | None = None, **search) -> PlanOutcom
             continue
         rate = problem.samples_per_iteration / found[1].iteration_seconds
         if best is None or rate > best[0]:
-            best = (rate, PlanOutcome(problem, found[0], found[1], "async-split", sync.baselines,
-                                      config=async_cfg))
+            best = (rate, PlanOutcome(problem, found[0], found[1], "async-split", sync.baselines))
     faster = best is not None and best[0] > sync_rate
-    chosen = best[1] if best is not None and faster else replace(sync, config=sync_cfg)
+    chosen = best[1] if best is not None and faster else sync
     ex = best[1].problem.execution if best is not None else None
     choice = ModeChoice("async" if faster else "sync", sync_rate, best[0] if best is not None else None,
                         ex.staleness if ex else 0, ex.push_every if ex else 0, ex.partial if ex else False)

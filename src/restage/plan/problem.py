@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 from restage.cluster import ClusterSpec
-from restage.config.schema import LORA_ALL_LINEAR, LoraSpec
+from restage.config.schema import LORA_ALL_LINEAR, ExperimentConfig, LoraSpec
 from restage.errors import ConfigError
-from restage.graph import MFC, DataflowGraph
+from restage.graph import MFC, DataflowGraph, MFCKind
 from restage.layout import Layout, Strategy
 from restage.models.arch import LoraConfig, ModelConfig
 from restage.models.sharding import layout_problem
@@ -65,7 +65,7 @@ class Candidate:
 Plan = tuple[Candidate, ...]
 
 
-def roles_from_config(cfg, graph: DataflowGraph | None = None) -> dict[str, ModelRole]:
+def roles_from_config(cfg: ExperimentConfig, graph: DataflowGraph | None = None) -> dict[str, ModelRole]:
     """ModelRoles of a config's models (with ``graph``: those its MFCs run on): architecture from ``arch`` (a
     preset) or the checkpoint's config.json."""
     from restage.models.presets import preset
@@ -147,7 +147,7 @@ def strategies_for(size: int, role: ModelRole, mfc: MFC, cluster: ClusterSpec) -
 def runtime_refuses(role: ModelRole, mfc: MFC, strategy: Strategy, cluster: ClusterSpec) -> str | None:
     """Why the runtime would refuse to run ``mfc`` in a layout with this strategy (``models.sharding.layout_problem``,
     its start-up rule; a train step trains the model there), or None."""
-    return layout_problem(role.name, role.arch, strategy, cluster.world_size, trained=mfc.kind == "train_step",
+    return layout_problem(role.name, role.arch, strategy, cluster.world_size, trained=mfc.kind is MFCKind.TRAIN_STEP,
                           zero_stage=role.zero_stage)
 
 
@@ -163,7 +163,7 @@ def untrainable(problem: PlanProblem, plan: Plan) -> str | None:
 
 
 def micro_batch_options(mfc: MFC, strategy: Strategy) -> list[int]:
-    if mfc.kind == "generate":
+    if mfc.kind is MFCKind.GENERATE:
         return [1]  # the runtime generates each DP rank's prompts as one batch
     base = max(mfc.micro_batches, strategy.pp)
     most = max(int(sequences_per_rank(mfc, strategy.dp)), 1)
@@ -217,9 +217,9 @@ class PlanProblem:
         self.exact_realloc = exact_realloc  # reallocation bytes from the runtime's planner (slow) or fast arithmetic
         self.keep_per_size = keep_per_size
         self._candidates: dict[str, tuple[Candidate, ...]] = {}
-        self._shapes: dict[str, dict] = {}
-        self._realloc: dict[tuple, ReallocCost] = {}
-        self._transfer: dict[tuple, float] = {}
+        self._shapes: dict[str, dict[tuple[int, Strategy], int]] = {}
+        self._realloc: dict[tuple[str, Layout, Layout, bool], ReallocCost] = {}
+        self._transfer: dict[tuple[Layout, Layout, int], float] = {}
 
     @property
     def capacity_bytes(self) -> int:
@@ -234,7 +234,7 @@ class PlanProblem:
         """Model -> the MFC whose layout holds the model's persistent state."""
         out = {}
         for mfc in self.mfcs:
-            if mfc.kind == "train_step":
+            if mfc.kind is MFCKind.TRAIN_STEP:
                 out[mfc.model] = mfc.name
         for mfc in self.mfcs:
             out.setdefault(mfc.model, mfc.name)
@@ -252,7 +252,7 @@ class PlanProblem:
         """Seconds of ``cand`` run on its ZeRO-3 model's partitioned training layout (``simulator.zero3_in_place``):
         restage's rollout engine decodes eagerly over partitions (``choose_decode_mode``'s ``partitioned``)."""
         mfc, engine = self.graph[cand.mfc], self.estimator.engine
-        if mfc.kind != "generate" or not isinstance(engine, RestageEngine):
+        if mfc.kind is not MFCKind.GENERATE or not isinstance(engine, RestageEngine):
             return cand.seconds
         return self.estimator.estimate(mfc, self.role(mfc), cand.layout, cand.micro_batches,
                                        engine=replace(engine, partitioned=True)).seconds
@@ -342,7 +342,8 @@ class PlanProblem:
 
 def _default_samples(graph: DataflowGraph) -> int:
     """Sequences per iteration: the largest generation batch, else the largest training batch."""
-    gen = [m.n_seqs for m in graph if m.kind == "generate"]
+    gen: list[int] = [m.n_seqs for m in graph if m.kind is MFCKind.GENERATE]
     if gen:
         return max(gen)
-    return max(m.n_seqs for m in graph)
+    every: list[int] = [m.n_seqs for m in graph]
+    return max(every)

@@ -2,70 +2,87 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, fields, replace
 from typing import assert_never
 
+from restage.config.schema import Execution as ExecutionSetting
+from restage.config.schema import ExperimentConfig
+from restage.plan.estimator import ModelRole
 from restage.plan.plan_score import evaluate
+from restage.plan.planner import PlanOutcome, with_execution
+from restage.plan.problem import Candidate, PlanProblem
 from restage.plan.simulator import op_name, plan_ops
 from restage.plan.transfer_cost import key_bytes
-from restage.schedule.file import SCHEDULE_FORMAT_VERSION, MFCEntry, ModelEntry, Schedule, Step
+from restage.schedule.file import SCHEDULE_FORMAT_VERSION, MFCEntry, Schedule, Step
+from restage.schedule.model_entry import ModelEntry, OptimSettings, runs_with_value_head
 from restage.schedule.ops import Ema, Free, Generate, Offload, Op, Push, Realloc, Reload, Run, SendKey, TakeBuffered
+from restage.schedule.predictions import (
+    BaselinePrediction,
+    IterationPrediction,
+    MFCPrediction,
+    PlanFacts,
+    SearchFacts,
+    SpanPrediction,
+)
 
 
-def build_schedule(cfg, outcome, exact: bool = True) -> Schedule:
-    """The schedule of ``outcome`` (a planner.PlanOutcome); ``exact`` takes reallocation bytes from the runtime's planner."""
+def build_schedule(cfg: ExperimentConfig, outcome: PlanOutcome, exact: bool = True) -> Schedule:
+    """The schedule of ``outcome``; ``exact`` takes reallocation bytes from the runtime's planner."""
     problem, plan = outcome.problem, outcome.plan
-    cfg = outcome.config if outcome.config is not None else cfg  # plan.execution auto: the chosen mode's config
+    execution = outcome.execution
+    if cfg.plan.execution == ExecutionSetting.AUTO:  # the algorithms read the chosen mode from the config they run
+        cfg = with_execution(cfg, execution)
     problem.exact_realloc = exact
     ev = evaluate(problem, plan)
     spans = {s.name: s for s in ev.timeline.spans}
     cluster = problem.cluster
-    models = {}
-    for name, role in problem.roles.items():
-        if name not in problem.home:
-            continue
-        home = plan[problem.index[problem.home[name]]]
-        models[name] = ModelEntry(role.arch, role.path, role.preset, role.trainable, role.dtype, role.zero_stage,
-                                  role.gradient_checkpointing, role.offload_optimizer, role.offload_params,
-                                  role.offload_when_idle, problem.home[name], home.layout,
-                                  shard_frozen=role.shard_frozen and not role.trainable)
+    models = {name: model_entry(cfg, problem, name, plan[problem.index[problem.home[name]]]) for name in problem.roles
+              if name in problem.home}
     mfcs = []
-    for i, (mfc, cand) in enumerate(zip(problem.mfcs, plan)):
+    for i, (mfc, cand) in enumerate(zip(problem.mfcs, plan, strict=True)):
         span = spans[mfc.name]
-        predicted = {"seconds": cand.seconds, "peak_memory_bytes": ev.mfc_peak_memory_bytes[i],
-                     "start_seconds": span.start_seconds, "end_seconds": span.end_seconds,
-                     "source": cand.estimate.source, "breakdown": dict(cand.estimate.breakdown)}
-        mfcs.append(MFCEntry(replace(mfc, micro_batches=cand.micro_batches), cand.layout, predicted))
+        mfc_predicted = MFCPrediction(cand.seconds, ev.mfc_peak_memory_bytes[i], span.start_seconds, span.end_seconds,
+                                  cand.estimate.source, dict(cand.estimate.breakdown))
+        mfcs.append(MFCEntry(replace(mfc, micro_batches=cand.micro_batches), cand.layout, mfc_predicted))
     steps = []
     for i, op in enumerate(plan_ops(problem, plan)):
         timed = None
         if not isinstance(op, Free):  # a free takes no time: the timeline has no span for it
             span = spans[op_name(op, i)]
-            timed = {"seconds": span.end_seconds - span.start_seconds, "start_seconds": span.start_seconds,
-                     "end_seconds": span.end_seconds}
+            timed = SpanPrediction(span.end_seconds - span.start_seconds, span.start_seconds, span.end_seconds)
         steps.append(Step(op, timed, _moved_bytes(problem, op)))
     flops = problem.iteration_flops()
-    predicted = {"iteration_seconds": ev.iteration_seconds, "samples_per_iteration": problem.samples_per_iteration,
-                 "samples_per_second": problem.samples_per_iteration / ev.iteration_seconds,
-                 "flops_per_iteration": flops, "pflops_per_second": flops / ev.iteration_seconds / 1e15,
-                 "peak_memory_bytes": ev.peak_memory_bytes, "usable_memory_bytes": problem.capacity_bytes,
-                 "estimator": sorted({c.estimate.source for c in plan}),
-                 "iteration_overlap": problem.overlap_iterations}
-    info = {"mode": outcome.mode, "seed": cfg.seed,
-            "baselines": {name: (None if b is None else {"iteration_seconds": b.iteration_seconds,
-                                                         "peak_memory_bytes": b.peak_memory_bytes})
-                          for name, b in outcome.baselines.items()}}
-    if outcome.mode_choice is not None:
-        info["execution"] = outcome.mode_choice.to_json()
+    predicted = IterationPrediction(ev.iteration_seconds, problem.samples_per_iteration,
+                                    problem.samples_per_iteration / ev.iteration_seconds, flops,
+                                    flops / ev.iteration_seconds / 1e15, ev.peak_memory_bytes, problem.capacity_bytes,
+                                    tuple(sorted({c.estimate.source for c in plan})), problem.overlap_iterations)
+    baselines = {name: (None if b is None else BaselinePrediction(b.iteration_seconds, b.peak_memory_bytes))
+                 for name, b in outcome.baselines.items()}
+    search = None
     if outcome.search is not None:
         s = outcome.search
-        info["search"] = {"method": s.method, "steps": s.steps, "wall_seconds": s.wall_seconds, "stopped_by": s.stopped_by,
-                          "top_iteration_seconds": [e.iteration_seconds for _, e in s.top]}
-    return Schedule(SCHEDULE_FORMAT_VERSION, cfg.experiment, cfg.trial, cfg.to_dict(), cluster.to_json(), cluster.world_size,
-                    models, tuple(mfcs), tuple(steps), predicted, info)
+        search = SearchFacts(s.method, s.steps, s.wall_seconds, s.stopped_by,
+                             tuple(e.iteration_seconds for _, e in s.top))
+    info = PlanFacts(outcome.mode, cfg.seed, baselines, outcome.mode_choice, search)
+    return Schedule(SCHEDULE_FORMAT_VERSION, cfg.experiment, cfg.trial, cfg.to_dict(), cluster, cluster.world_size,
+                    execution, models, tuple(mfcs), tuple(steps), predicted, info)
 
 
-def _moved_bytes(problem, op: Op) -> int | None:
+# The fields a ModelEntry takes from the planner's ModelRole as they are.
+_ROLE_FIELDS = tuple(sorted({f.name for f in fields(ModelEntry)} & {f.name for f in fields(ModelRole)} - {"shard_frozen"}))
+
+
+def model_entry(cfg: ExperimentConfig, problem: PlanProblem, name: str, home: Candidate) -> ModelEntry:
+    """Model ``name`` as the run holds it: its planning role, its home candidate's layout and the settings of
+    ``models.<name>`` the planner does not use (optimizer, router loss weight)."""
+    role, spec = problem.roles[name], cfg.models[name]
+    return ModelEntry(**{f: getattr(role, f) for f in _ROLE_FIELDS}, home_mfc=problem.home[name],
+                      home_layout=home.layout, shard_frozen=role.shard_frozen and not role.trainable,
+                      critic=runs_with_value_head(name, role.arch, spec.init_critic_from_lm),
+                      optim=OptimSettings(**asdict(spec.optim)), router_aux_loss_coef=spec.router_aux_loss_coef)
+
+
+def _moved_bytes(problem: PlanProblem, op: Op) -> int | None:
     """Bytes a reallocation, EMA or key transfer sends (the planner's count); None for ops that send nothing."""
     match op:
         case Realloc() | Push():

@@ -33,7 +33,7 @@ before step 5 runs, so the generate of step ``s`` cannot be finishing it).
 from __future__ import annotations
 
 from restage.errors import ConfigError
-from restage.graph import MFC, DataflowGraph
+from restage.graph import MFC, DataflowGraph, MFCKind
 from restage.layout import Layout
 from restage.schedule.ops import Generate, Op, Push, SendKey, TakeBuffered
 from restage.schedule.program import model_homes, union_ranks, walk
@@ -53,7 +53,7 @@ def steps_drawn_ahead(staleness: int, push_every: int, partial: bool = False) ->
 def producers(graph: DataflowGraph) -> list[MFC]:
     """The generate MFCs of trained models: they run ahead of training in async mode."""
     trained = set(graph.trained_models())
-    return [mfc for mfc in graph if mfc.kind == "generate" and mfc.model in trained]
+    return [mfc for mfc in graph if mfc.kind is MFCKind.GENERATE and mfc.model in trained]
 
 
 def async_layout_problem(graph: DataflowGraph, layouts: dict[str, Layout]) -> str | None:

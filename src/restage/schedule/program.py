@@ -23,7 +23,7 @@ trained model's.
 from __future__ import annotations
 
 from restage.errors import ConfigError
-from restage.graph import MFC, DataflowGraph
+from restage.graph import MFC, DataflowGraph, MFCKind
 from restage.layout import Layout
 from restage.models.arch import ModelConfig
 from restage.models.sharding import param_specs
@@ -34,7 +34,7 @@ def model_homes(graph: DataflowGraph, layouts: dict[str, Layout]) -> dict[str, L
     """The layout that holds each model's master copy."""
     homes: dict[str, Layout] = {}
     for mfc in graph:
-        if mfc.kind == "train_step":
+        if mfc.kind is MFCKind.TRAIN_STEP:
             homes[mfc.model] = layouts[mfc.name]
     for mfc in graph:
         homes.setdefault(mfc.model, layouts[mfc.name])
@@ -120,7 +120,7 @@ def walk(graph: DataflowGraph, mfcs: list[MFC], layouts: dict[str, Layout], offl
         for target, train_mfc in ema.items():
             if train_mfc == mfc.name:
                 ops.append(Ema(union_ranks(home, homes[target]), mfc.name, target, home, homes[target]))
-        if mfc.kind == "train_step":  # copies made before now hold old weights: an MFC after this one gets a new copy
+        if mfc.kind is MFCKind.TRAIN_STEP:  # copies made before now hold old weights: an MFC after this one gets a new copy
             updated = {mfc.model} | {t for t, m in ema.items() if m == mfc.name}
             copies = {(m, lay) for m, lay in copies if m not in updated}
         if layout != home and mfc.model in changing - resident and last_use[(mfc.model, layout)] == i:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, assert_never
 
 from restage.config.schema import ExperimentConfig
 from restage.data.datasets import Cursor, Dataset
@@ -18,7 +18,7 @@ from restage.report.log_writer import LogWriter
 from restage.runtime.control.channels import Control
 from restage.runtime.control.deadline import DeadlineWatch, deadline_from_env, write_time_limit
 from restage.runtime.control.progress import Progress
-from restage.runtime.control.records import StepDecision, StepRecord, merge_rule
+from restage.runtime.control.records import MoveKind, StepDecision, StepRecord, merge_rule
 from restage.schedule.file import Schedule
 
 
@@ -111,7 +111,7 @@ class Master:
     def open_log(self, resume_step: int | None) -> None:
         dtypes = {entry.dtype for entry in self.schedule.models.values()}  # the models the run holds
         self.log = LogWriter(self.trial_dir, world_size=self.control.world_size, config=self.cfg.to_yaml(),
-                             schedule=self.schedule.to_json(), cluster=self.schedule.cluster,
+                             schedule=self.schedule.to_json(), cluster=self.schedule.cluster.to_json(),
                              dtype=dtypes.pop() if len(dtypes) == 1 else "", resume_step=resume_step,
                              overwrite=resume_step is None)  # `restage run` refuses to start over a run unasked
         dashboards.attach(self.log, self.cfg, self.trial_dir, resume_step)
@@ -152,9 +152,15 @@ class Master:
                 log.mfc(done, m.name, m.model, m.kind, record.rank, m.start_seconds, m.end_seconds, tokens=m.tokens,
                         flops=m.flops, peak_memory_bytes=m.peak_memory_bytes)
             for move in record.moves:
-                row = log.realloc if move.kind == "realloc" else log.transfer
-                row(done, move.what, move.src, move.dst, move.num_bytes, move.start_seconds, move.end_seconds,
-                    rank=record.rank)
+                match move.kind:
+                    case MoveKind.REALLOC:
+                        log.realloc(done, move.what, move.src, move.dst, move.num_bytes, move.start_seconds,
+                                    move.end_seconds, rank=record.rank)
+                    case MoveKind.TRANSFER:
+                        log.transfer(done, move.what, move.src, move.dst, move.num_bytes, move.start_seconds,
+                                     move.end_seconds, rank=record.rank)
+                    case _:
+                        assert_never(move.kind)
         stats = merge_stats(records) | merge_eval(records)
         if stats:
             log.stats(done, stats)

@@ -8,7 +8,15 @@ unpickle on every rank alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Literal
+
+
+class MoveKind(StrEnum):
+    """A MoveRecord's: a parameter reallocation (an EMA and an async push are ones) or a data transfer."""
+
+    REALLOC = "realloc"
+    TRANSFER = "transfer"
 
 
 def merge_rule(name: str) -> Literal["max", "min", "mean"]:
@@ -36,7 +44,7 @@ class MFCRecord:
 class MoveRecord:
     """One parameter reallocation (an EMA is one, named ``ema:<model>``) or data transfer a rank took part in."""
 
-    kind: str  # "realloc" | "transfer"
+    kind: MoveKind
     what: str  # the model reallocated, or the output key transferred
     src: str  # str(Layout)
     dst: str

@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import assert_never
 
-from restage.config.load import config_from_dict
-from restage.config.schema import ExperimentConfig, ModelSpec
 from restage.errors import ConfigError
 from restage.layout import Layout
 from restage.models.arch import ModelConfig
@@ -31,7 +29,7 @@ from restage.schedule.realloc_plan import ReallocPlan, plan_reallocation
 
 def ranks_per_node(schedule: Schedule) -> int:
     """Ranks per node: the launcher's ``RESTAGE_RANKS_PER_NODE`` if set, else the schedule's cluster (as planned)."""
-    value = os.environ.get("RESTAGE_RANKS_PER_NODE") or schedule.cluster.get("devices_per_node")
+    value = os.environ.get("RESTAGE_RANKS_PER_NODE") or schedule.cluster.devices_per_node
     not_whole = ConfigError(f"ranks per node {value!r} is not a whole number; set RESTAGE_RANKS_PER_NODE")
     if value is None:
         raise not_whole
@@ -53,17 +51,9 @@ def block_node_of(per_node: int) -> Callable[[int], int]:
     return functools.partial(_block, per_node)
 
 
-def is_critic(name: str, spec: ModelSpec, cfg: ModelConfig) -> bool:
-    """Whether a model runs with a value head (a critic or reward model), whatever its checkpoint says."""
-    return cfg.is_critic or spec.init_critic_from_lm or name in ("critic", "reward")
-
-
-def realloc_model_config(schedule: Schedule, experiment: ExperimentConfig, name: str) -> ModelConfig:
+def realloc_model_config(schedule: Schedule, name: str) -> ModelConfig:
     """The architecture a model's parameters are reallocated in (with its value head where it has one)."""
-    cfg = schedule.models[name].arch
-    if is_critic(name, experiment.models[name], cfg) and not cfg.is_critic:
-        cfg = cfg.as_critic()
-    return cfg
+    return schedule.models[name].held_arch
 
 
 def realloc_ranks(src: Layout, dst: Layout) -> tuple[int, ...]:
@@ -163,12 +153,11 @@ def communicator_bound(schedule: Schedule, realloc_plan: Callable[[str, Layout, 
     ops = schedule.ops()
     layouts = [entry.layout for entry in schedule.mfcs]
     if realloc_plan is None:
-        experiment = config_from_dict(schedule.config)
         node_of = block_node_of(ranks_per_node(schedule))
         dtypes = {"fp32": 4, "bf16": 2, "fp16": 2}
 
         def realloc_plan(model: str, src: Layout, dst: Layout) -> ReallocPlan:
-            return plan_reallocation(realloc_model_config(schedule, experiment, model), src, dst,
+            return plan_reallocation(realloc_model_config(schedule, model), src, dst,
                                      bytes_per_element=dtypes[schedule.models[model].dtype], node_of=node_of)
 
     pairs = pipeline_pairs(layouts)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, assert_never
 
 from restage.data.batch import Batch
 from restage.data.datasets import Dataset
-from restage.graph import MFC, DataflowGraph
+from restage.graph import MFC, DataflowGraph, MFCKind
 from restage.layout import Layout
 from restage.models.arch import ModelConfig
 from restage.models.flops import attended_tokens, forward_flops
@@ -209,4 +209,4 @@ def measured_flops(mfc: MFC, cfg: ModelConfig, batch: Batch | None, tokens: int)
         return 0.0
     mean_len = tokens / max(1, batch.n_seqs if batch is not None else 1)
     flops = forward_flops(cfg, tokens, attended_tokens(int(mean_len), None))
-    return 3 * flops if mfc.kind == "train_step" else flops
+    return 3 * flops if mfc.kind is MFCKind.TRAIN_STEP else flops

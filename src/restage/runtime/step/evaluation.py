@@ -45,7 +45,7 @@ from restage.algorithms.scoring import RewardPool, score
 from restage.config.schema import ExperimentConfig, RewardsConfig, RunConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
-from restage.graph import MFC, DataflowGraph
+from restage.graph import MFC, DataflowGraph, MFCKind
 from restage.layout import Layout
 from restage.models.parallel import ParallelContext
 from restage.runtime.control.records import StepRecord
@@ -53,6 +53,7 @@ from restage.runtime.step.execute import run_eval_generate, run_inference
 from restage.runtime.step.multi_turn import EpisodeRecord, eval_episodes, final_answer
 from restage.runtime.step.op_handlers import OpHandlers, StepData
 from restage.runtime.store.zero3_generation import generation_module
+from restage.schedule.execution import Async, Execution, Sync
 from restage.schedule.ops import Ema, Free, Generate, Offload, Op, Push, Realloc, Reload, Run, SendKey, TakeBuffered
 from restage.schedule.program import build_eval_program, model_homes
 
@@ -78,7 +79,7 @@ def eval_due(done: int, run: RunConfig) -> bool:
 
 def eval_mfcs(graph: DataflowGraph, cfg: ExperimentConfig) -> tuple[MFC, MFC | None]:
     """The actor's (sampling) generate MFC, and the reward model's inference MFC unless a rule reward scores."""
-    generating = [m for m in graph if m.kind == "generate"]
+    generating = [m for m in graph if m.kind is MFCKind.GENERATE]
     if not generating:
         raise ConfigError(f"run.eval_every: {cfg.algorithm} has no generate MFC to answer held-out prompts; "
                           "set run.eval_every=0")
@@ -86,20 +87,24 @@ def eval_mfcs(graph: DataflowGraph, cfg: ExperimentConfig) -> tuple[MFC, MFC | N
     generate = next((m for m in actor if not m.greedy), actor[0])
     if cfg.reward_fn:
         return generate, None
-    reward = next((m for m in graph if m.kind == "inference" and "rewards" in m.outputs
+    reward = next((m for m in graph if m.kind is MFCKind.INFERENCE and "rewards" in m.outputs
                    and m.inputs[:2] == generate.outputs[:2]), None)
     if reward is None:
         raise ConfigError("run.eval_every: no reward scores the actor's answers (set reward_fn or add models.reward)")
     return generate, reward
 
 
-def eval_layouts(graph: DataflowGraph, layouts: dict[str, Layout], cfg: ExperimentConfig,
+def eval_layouts(graph: DataflowGraph, layouts: dict[str, Layout], execution: Execution,
                  generate: MFC) -> dict[str, Layout]:
     """Where the evaluation's MFCs run: the iteration's layouts, but in async mode ``generate`` runs in its model's
     training layout (its home), the one place that holds the version the step made (module docstring)."""
-    if cfg.plan.execution != "async":
-        return layouts
-    return {**layouts, generate.name: model_homes(graph, layouts)[generate.model]}
+    match execution:
+        case Sync():
+            return layouts
+        case Async():
+            return {**layouts, generate.name: model_homes(graph, layouts)[generate.model]}
+        case _:
+            assert_never(execution)
 
 
 def eval_passes(n_prompts: int, per_pass: int, min_prompts: int) -> list[tuple[int, ...]]:
@@ -114,16 +119,17 @@ def eval_passes(n_prompts: int, per_pass: int, min_prompts: int) -> list[tuple[i
 
 
 def plan_eval(graph: DataflowGraph, layouts: dict[str, Layout], cfg: ExperimentConfig, n_prompts: int,
-              offload_idle: frozenset[str] = frozenset()) -> EvalPlan | None:
-    """The run's evaluation, or None when ``run.eval_every`` is 0."""
+              offload_idle: frozenset[str] = frozenset(), *, execution: Execution,
+              resident: frozenset[str] = frozenset()) -> EvalPlan | None:
+    """The run's evaluation, or None when ``run.eval_every`` is 0. ``resident``: the models whose copies stay
+    between passes (LoRA models: a copy keeps its base, ``ModelEntry.arch.lora``)."""
     if cfg.run.eval_every == 0:
         return None
     generate, reward = eval_mfcs(graph, cfg)
-    where = eval_layouts(graph, layouts, cfg, generate)
+    where = eval_layouts(graph, layouts, execution, generate)
     names = (generate.name,) + ((reward.name,) if reward is not None else ())
     min_prompts = max(where[name].strategy.dp for name in names)
     passes = eval_passes(n_prompts, max(cfg.run.batch_size, min_prompts), min_prompts)
-    resident = frozenset(name for name, spec in cfg.models.items() if spec.lora is not None)  # LoRA: copies stay
     return EvalPlan(generate, reward, tuple(build_eval_program(graph, where, names, offload_idle, resident)),
                     tuple(passes), where)
 
@@ -164,13 +170,13 @@ def run_eval(handlers: OpHandlers, op: Run, data: StepData, record: StepRecord, 
     ids_key, mask_key = plan.generate.outputs[:2]
     reporter = ctx.coord.tp == 0 and ctx.coord.pp == ctx.strategy.pp - 1  # one per DP replica
     rewards = None
-    if mfc.kind == "generate" and handlers.cfg.environment.name:
+    if mfc.kind is MFCKind.GENERATE and handlers.cfg.environment.name:
         with generation_module(module, layout, handlers.groups) as generating:
             records = eval_episodes(generating, mfc, batch, handlers.cfg, handlers.state, handlers.context)
         if reporter:
             _add(record.eval_sums, episode_sums(records, tokenizer, accuracy_fn))
         return
-    if mfc.kind == "generate":
+    if mfc.kind is MFCKind.GENERATE:
         with generation_module(module, layout, handlers.groups) as generating:  # ZeRO-3: gathered once, or lockstep
             answered = data.outputs[mfc.name] = run_eval_generate(generating, mfc, batch, handlers.cfg)
     else:  # the reward model: its input holds the answers

@@ -273,8 +273,9 @@ def _end_micro_step(engine: Engine) -> None:
 
 
 def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: ExperimentConfig, state: AlgoState,
-              call: CallContext, seed: int) -> MFCResult:
-    """``epochs`` passes over the batch in ``minibatches`` optimizer steps, each over ``micro_batches``."""
+              call: CallContext, seed: int, router_aux_loss_coef: float | None = None) -> MFCResult:
+    """``epochs`` passes over the batch in ``minibatches`` optimizer steps, each over ``micro_batches``;
+    ``router_aux_loss_coef``: a mixture of experts' load-balancing loss weight (the schedule's ``ModelEntry``)."""
     module: StageModule = engine.module
     module.train()
     wanted = tuple(algo.forward_outputs(mfc.name, cfg))
@@ -306,7 +307,7 @@ def run_train(engine: Engine, mfc: MFC, batch: Batch, algo: Algorithm, cfg: Expe
         stage_backward(engine, tensor, grad, stage_loss)
         done[0] += 1
 
-    routing = RouterLog(module.cfg, cfg.models[mfc.model].router_aux_loss_coef) if module.cfg.is_moe else None
+    routing = RouterLog(module.cfg, router_aux_loss_coef) if module.cfg.is_moe else None
 
     # The dp ranks step the optimizer together and reduce gradients (every micro-batch under ZeRO-2/3, and ZeRO-3
     # gathers parameters every forward): as many minibatches and micro-batches on each, whatever samples it holds.

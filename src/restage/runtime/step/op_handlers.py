@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch
 from restage.data.datasets import Dataset
 from restage.device import DTYPES
-from restage.graph import MFC, DataflowGraph
+from restage.graph import MFC, DataflowGraph, MFCKind
 from restage.layout import Layout, ProcessGroups
 from restage.models.decoder import StageModule
 from restage.models.parallel import ParallelContext
@@ -46,9 +46,10 @@ from restage.runtime.step import dynamic_sampling
 from restage.runtime.step.execute import MFCResult, run_inference, run_train, step_seed
 from restage.runtime.step.multi_turn import generate_batch
 from restage.runtime.step.nonfinite import NonFiniteError, any_rank, nonfinite_samples, nonfinite_stats
-from restage.runtime.store.model_store import ModelStore
+from restage.runtime.store.model_store import ModelSlot, ModelStore
 from restage.runtime.store.zero3_generation import generation_module
 from restage.runtime.store.zero_engines import engine_groups
+from restage.schedule.execution import Async, Sync
 from restage.schedule.ops import Ema, Realloc, Run, SendKey
 from restage.schedule.realloc_plan import ReallocPlan
 
@@ -112,40 +113,56 @@ class OpHandlers:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         begin = self.clock.now_synced()
-        if mfc.kind == "generate" and dynamic_sampling.OPTION in mfc.options:
-            with generation_module(slot.at(layout), layout, self.groups) as module:
-                result = self.generate_filled(module, mfc, layout, batch, step, data)
-        elif mfc.kind == "generate":
-            # A model ZeRO-3 partitions (generating on its training layout): gathered once, or its replicas in lockstep.
-            with generation_module(slot.at(layout), layout, self.groups) as module:
-                result = generate_batch(module, mfc, batch, self.algo, self.cfg, self.state, self.context,
-                                        step_seed(self.cfg.seed, step))
-        elif mfc.kind == "inference":
-            agree = slot.sharded.group if slot.sharded is not None else None  # its dp ranks gather in step
-            result = run_inference(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state, agree)
-        else:
-            call = self.context
-            if self.cfg.plan.execution == "async":  # the version this step trains from: one per completed step
-                call = dataclasses.replace(call, policy_version=step)
-            # Checked before prepare_train too: it folds rewards into algorithm state (normalisers, KL control).
-            skip = self.nonfinite_inputs(mfc, layout, batch, step)
-            if not skip:
-                batch, prep_stats = self.algo.prepare_train(batch, self.cfg, self.state, step, self._dp_reduce(ctx))
-                skip = self.nonfinite_inputs(mfc, layout, batch, step)
-            if skip:
-                result = MFCResult(None, {f"{mfc.name}/skipped_nonfinite": 1.0}, 0)
-            else:
-                with engine_groups(slot.engine):
-                    result = run_train(slot.engine, mfc, batch, self.algo, self.cfg, self.state, call, seed)
-                result.stats.update({f"{mfc.name}/{k}": v for k, v in prep_stats.items()})
-                if bad := nonfinite_stats(result.stats):
-                    raise NonFiniteError(f"step {step + 1}: {mfc.name} trained on finite inputs but its "
-                                         f"{', '.join(bad)} is not finite; its weights are not saved (the newest "
-                                         "checkpoint is the last finite one)")
+        match mfc.kind:
+            case MFCKind.GENERATE if mfc.options.dynamic_sampling_rounds is not None:
+                with generation_module(slot.at(layout), layout, self.groups) as module:
+                    result = self.generate_filled(module, mfc, layout, batch, step, data)
+            case MFCKind.GENERATE:
+                # A model ZeRO-3 partitions (generating on its training layout): gathered once, or its replicas in
+                # lockstep.
+                with generation_module(slot.at(layout), layout, self.groups) as module:
+                    result = generate_batch(module, mfc, batch, self.algo, self.cfg, self.state, self.context,
+                                            step_seed(self.cfg.seed, step))
+            case MFCKind.INFERENCE:
+                agree = slot.sharded.group if slot.sharded is not None else None  # its dp ranks gather in step
+                result = run_inference(slot.at(layout), mfc, batch, self.algo, self.cfg, self.state, agree)
+            case MFCKind.TRAIN_STEP:
+                result = self.train(mfc, slot, layout, ctx, batch, step, seed)
+            case _:
+                assert_never(mfc.kind)
         end = self.clock.now_synced()
         if result.batch is not None:
             data.keep(mfc.name, result.batch, self.taken_rewards(mfc.name))
         self.record_run(mfc, layout, ctx, batch, result, begin, end, record)
+
+    def train(self, mfc: MFC, slot: ModelSlot, layout: Layout, ctx: ParallelContext, batch: Batch, step: int,
+              seed: int) -> MFCResult:
+        """A train step; skipped (one stat) where its inputs are not finite."""
+        call = self.context
+        match self.store.schedule.execution:
+            case Async():  # the version this step trains from: one per completed step
+                call = dataclasses.replace(call, policy_version=step)
+            case Sync():
+                pass
+            case _:
+                assert_never(self.store.schedule.execution)
+        # Checked before prepare_train too: it folds rewards into algorithm state (normalisers, KL control).
+        skip = self.nonfinite_inputs(mfc, layout, batch, step)
+        if not skip:
+            batch, prep_stats = self.algo.prepare_train(batch, self.cfg, self.state, step, self._dp_reduce(ctx))
+            skip = self.nonfinite_inputs(mfc, layout, batch, step)
+        if skip:
+            return MFCResult(None, {f"{mfc.name}/skipped_nonfinite": 1.0}, 0)
+        assert slot.engine is not None, f"{mfc.name}: {mfc.model} has no engine on this rank"
+        with engine_groups(slot.engine):
+            result = run_train(slot.engine, mfc, batch, self.algo, self.cfg, self.state, call, seed,
+                               slot.entry.router_aux_loss_coef)
+        result.stats.update({f"{mfc.name}/{k}": v for k, v in prep_stats.items()})
+        if bad := nonfinite_stats(result.stats):
+            raise NonFiniteError(f"step {step + 1}: {mfc.name} trained on finite inputs but its "
+                                 f"{', '.join(bad)} is not finite; its weights are not saved (the newest "
+                                 "checkpoint is the last finite one)")
+        return result
 
     def generate_filled(self, module: StageModule, mfc: MFC, layout: Layout, batch: Batch, step: int,
                         data: StepData, version: int | None = None) -> MFCResult:

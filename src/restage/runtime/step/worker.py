@@ -17,30 +17,31 @@ master's decision (checkpoint, stop) comes back.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import assert_never
+from typing import TYPE_CHECKING, assert_never
 
 import torch
 import torch.distributed as dist
 
-from restage.algorithms.base import CallContext, RewardScoring
-from restage.algorithms.interface import get_algorithm
-from restage.algorithms.rewards import resolve_accuracy
+from restage.algorithms.base import AlgoState, CallContext, RewardScoring
+from restage.algorithms.interface import Algorithm, get_algorithm
+from restage.algorithms.rewards import AccuracyFn, resolve_accuracy
 from restage.algorithms.scoring import RewardPool
 from restage.config.load import config_from_dict
 from restage.config.schema import ExperimentConfig
-from restage.data.datasets import cut_prompts_warning, default_tokenizer_dir, load_splits, sample_fields
+from restage.data.datasets import Dataset, cut_prompts_warning, default_tokenizer_dir, load_splits, sample_fields
 from restage.data.tokenizer import load_tokenizer
 from restage.device import rank_device
 from restage.errors import ConfigError, LayoutError
-from restage.layout import ProcessGroups
+from restage.layout import Layout, ProcessGroups
 from restage.runtime.checkpoint import checkpoint_dir
 from restage.runtime.checkpoint import run_state as ckpt
 from restage.runtime.control.channels import Control, init_torch_distributed
 from restage.runtime.control.clock import Clock, measure_offset
 from restage.runtime.control.heartbeat import Heartbeat, beat_interval_seconds
 from restage.runtime.control.master import Master
-from restage.runtime.control.records import MoveRecord, Span, StepRecord
+from restage.runtime.control.records import MoveKind, MoveRecord, Span, StepRecord
 from restage.runtime.dataplane import comm_budget
 from restage.runtime.dataplane.routing import SampleRouter
 from restage.runtime.step import evaluation
@@ -50,6 +51,7 @@ from restage.runtime.store.deepspeed_ops import prepare_run_ops
 from restage.runtime.store.feasibility import schedule_problem
 from restage.runtime.store.model_store import ModelStore
 from restage.schedule.async_program import steps_drawn_ahead
+from restage.schedule.execution import Async, Sync
 from restage.schedule.file import Schedule, read_schedule
 from restage.schedule.ops import (
     WITH_PEERS,
@@ -67,51 +69,124 @@ from restage.schedule.ops import (
 )
 from restage.testing import nccl_rules
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class RunData:
+    """What a rank reads before it joins any group: the algorithm, its tokenizer and state, the data sets, what every
+    algorithm call is told, the held-out evaluation's plan and its accuracy function."""
+
+    algo: Algorithm
+    tokenizer: PreTrainedTokenizerBase
+    state: AlgoState
+    train_set: Dataset
+    eval_set: Dataset
+    context: CallContext
+    eval_plan: evaluation.EvalPlan | None
+    accuracy_fn: AccuracyFn | None
+
+    @classmethod
+    def read(cls, control: Control, cfg: ExperimentConfig, schedule: Schedule) -> RunData:
+        algo = get_algorithm(cfg.algorithm)
+        tokenizer = load_tokenizer(default_tokenizer_dir(cfg))
+        state = algo.init_state(cfg, tokenizer)
+        train_set, eval_set = load_splits(cfg, tokenizer)
+        if control.is_master and (warning := cut_prompts_warning(cfg, train_set, eval_set)):
+            print(f"restage: {warning}", flush=True)  # once per run, before the first step
+        # What every algorithm call is told: the samples' dataset fields (the rewards' keywords) and the pool rewards
+        # score on behind the next ops (op_handlers); a train step adds its policy version.
+        context = CallContext(sample_fields=sample_fields(train_set, eval_set),
+                              scoring=RewardScoring(RewardPool(cfg.rewards.workers)))
+        graph = schedule.graph()
+        offloaded = frozenset(op.model for op in schedule.ops() if isinstance(op, Offload))
+        resident = frozenset(name for name, m in schedule.models.items() if m.arch.lora is not None)  # copies stay
+        eval_plan = evaluation.plan_eval(graph, layouts_of(schedule), cfg, len(eval_set), offloaded,
+                                         execution=schedule.execution, resident=resident)
+        accuracy_fn = resolve_accuracy(cfg.reward_fn) if cfg.reward_fn else None
+        return cls(algo, tokenizer, state, train_set, eval_set, context, eval_plan, accuracy_fn)
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """What a rank runs its ops with, made with every rank at start-up: the process groups, the samples' routers
+    (the evaluation's over its own layouts where they differ) and the op handlers (async mode's too)."""
+
+    groups: ProcessGroups
+    router: SampleRouter
+    eval_router: SampleRouter
+    handlers: OpHandlers
+    eval_handlers: OpHandlers
+    async_ops: AsyncOps | None  # async mode only
+
+    @classmethod
+    def make(cls, control: Control, cfg: ExperimentConfig, schedule: Schedule, data: RunData, store: ModelStore,
+             router: SampleRouter, eval_router: SampleRouter, clock: Clock) -> StepParts:
+        """The run's process groups (``comm_budget.run_groups``: layouts and one per reallocation; singletons
+        only where DeepSpeed needs them); data transfers use the MPI communicators made here, not groups."""
+        ops, layouts = schedule.ops(), layouts_of(schedule)
+        bound = comm_budget.communicator_bound(schedule, store.realloc_plan)
+        if control.is_master:
+            print(f"restage: {bound.summary()}", flush=True)
+        nccl_rules.set_bound(max_groups=bound.max_communicators, max_pairs=bound.max_pairs)  # when the checks are on
+        groups = ProcessGroups(comm_budget.run_groups(layouts.values(), ops),
+                               singletons=comm_budget.singleton_ranks(schedule),
+                               timeout_seconds=cfg.run.collective_timeout_seconds,
+                               startup_timeout_seconds=cfg.run.startup_timeout_seconds)
+        eval_ops = list(data.eval_plan.ops) if data.eval_plan is not None else []
+        if eval_router is router:
+            router.create_comms(ops + eval_ops, control.comm)
+        else:  # every rank splits in the same order: the iteration's communicators, then the evaluation's
+            router.create_comms(ops, control.comm)
+            eval_router.create_comms(eval_ops, control.comm)
+        handlers = OpHandlers(store, groups, router, clock, layouts, cfg, data.algo, data.state, data.context)
+        eval_handlers = handlers
+        if eval_router is not router:
+            eval_handlers = OpHandlers(store, groups, eval_router, clock, eval_router.layouts, cfg, data.algo,
+                                       data.state, data.context)
+        match schedule.execution:
+            case Sync():
+                async_ops = None
+            case Async():
+                async_ops = AsyncOps(handlers, first_step=0)
+            case _:
+                assert_never(schedule.execution)
+        return cls(groups, router, eval_router, handlers, eval_handlers, async_ops)
+
+
+def layouts_of(schedule: Schedule) -> dict[str, Layout]:
+    """Each MFC's layout, by name."""
+    return {entry.mfc.name: entry.layout for entry in schedule.mfcs}
+
 
 class Worker:
-    """Everything one rank does in a run."""
+    """Everything one rank does in a run, built whole from its parts (``Worker.start`` makes them)."""
 
-    def __init__(self, control: Control, cfg: ExperimentConfig, schedule: Schedule, trial_dir: Path, resume: str,
-                 heartbeat: Heartbeat):
+    def __init__(self, control: Control, cfg: ExperimentConfig, schedule: Schedule, trial_dir: Path,
+                 heartbeat: Heartbeat, *, data: RunData, store: ModelStore, parts: StepParts, master: Master | None,
+                 clock: Clock, start_step: int) -> None:
         self.control, self.cfg, self.schedule, self.trial_dir = control, cfg, schedule, trial_dir
         self.heartbeat = heartbeat  # what this rank is doing, for the launcher's watchdog
         self.rank = control.rank
         self.ops = schedule.ops()
         self.graph = schedule.graph()
-        self.layouts = {m.name: schedule.layout(m.name) for m in self.graph}
-        self.algo = get_algorithm(cfg.algorithm)
-        self.tokenizer = load_tokenizer(default_tokenizer_dir(cfg))
-        self.state = self.algo.init_state(cfg, self.tokenizer)
-        self.train_set, self.eval_set = load_splits(cfg, self.tokenizer)
-        if control.is_master and (warning := cut_prompts_warning(cfg, self.train_set, self.eval_set)):
-            print(f"restage: {warning}", flush=True)  # once per run, before the first step
-        # What every algorithm call is told: the samples' dataset fields (the rewards' keywords) and the pool rewards
-        # score on behind the next ops (op_handlers); a train step adds its policy version.
-        self.context = CallContext(sample_fields=sample_fields(self.train_set, self.eval_set),
-                                   scoring=RewardScoring(RewardPool(cfg.rewards.workers)))
-        offloaded = frozenset(op.model for op in self.ops if isinstance(op, Offload))
-        self.eval_plan = evaluation.plan_eval(self.graph, self.layouts, cfg, len(self.eval_set), offloaded)
-        self.accuracy_fn = resolve_accuracy(cfg.reward_fn) if cfg.reward_fn else None
-        device = rank_device()
-        # Block placement, as the planner costed it: runtime plans equal the estimator's (same node_of).
-        node_of = comm_budget.block_node_of(comm_budget.ranks_per_node(schedule))
-        self.store = ModelStore(schedule, cfg, self.graph, self.rank, device, node_of)
-        self.router = SampleRouter(self.graph, self.layouts, self.rank, node_of)
-        # The evaluation routes by its own layouts where they differ (async mode: the actor answers at home).
-        eval_layouts = self.eval_plan.layouts if self.eval_plan is not None else self.layouts
-        self.eval_router = (self.router if eval_layouts == self.layouts
-                            else SampleRouter(self.graph, eval_layouts, self.rank, node_of))
-        self._groups: ProcessGroups | None = None  # made at start-up, with every rank (_create_groups)
-        self._handlers: OpHandlers | None = None  # made with the groups
-        self._eval_handlers: OpHandlers | None = None  # the evaluation's: over eval_router and its layouts
-        self.asynchronous = cfg.plan.execution == "async"
+        self.layouts = layouts_of(schedule)
+        self.data, self.store, self.parts = data, store, parts
+        self.algo, self.tokenizer, self.state = data.algo, data.tokenizer, data.state
+        self.train_set, self.eval_set, self.context = data.train_set, data.eval_set, data.context
+        self.eval_plan, self.accuracy_fn = data.eval_plan, data.accuracy_fn
+        self.groups, self.router, self.eval_router = parts.groups, parts.router, parts.eval_router
+        self.handlers = parts.handlers
+        self.master, self.clock, self.start_step = master, clock, start_step
         # async mode: the steps past this one whose ids generation needs (schedule/async_program.py)
-        self.ahead = steps_drawn_ahead(cfg.plan.staleness, cfg.plan.push_every, cfg.plan.partial_rollouts)
-        self._async: AsyncOps | None = None  # async mode's ops, made with the handlers
-        self.master = Master(control, cfg, schedule, trial_dir, self.train_set, bool(resume)) if control.is_master else None
-        self.start_step = 0
-        # Every timestamp this rank reports is on the master's clock, taken once the device is idle.
-        self.clock = Clock(measure_offset(control.comm), device)
+        match schedule.execution:
+            case Sync():
+                self.ahead: int | None = None
+            case Async(staleness, push_every, partial):
+                self.ahead = steps_drawn_ahead(staleness, push_every, partial)
+            case _:
+                assert_never(schedule.execution)
 
     # -- start-up ------------------------------------------------------------------------------------
     @classmethod
@@ -136,71 +211,47 @@ class Worker:
         if resume == "if-any" and checkpoint_dir.latest(trial_dir) is None:
             resume = ""
         beat.doing("start-up: reading the tokenizer and data set, measuring the clock offset to rank 0")
-        worker = cls(control, cfg, schedule, trial_dir, resume, beat)
+        data = RunData.read(control, cfg, schedule)
+        device = rank_device()
+        graph, layouts = schedule.graph(), layouts_of(schedule)
+        # Block placement, as the planner costed it: runtime plans equal the estimator's (same node_of).
+        node_of = comm_budget.block_node_of(comm_budget.ranks_per_node(schedule))
+        store = ModelStore(schedule, cfg, graph, control.rank, device, node_of)
+        router = SampleRouter(graph, layouts, control.rank, node_of)
+        # The evaluation routes by its own layouts where they differ (async mode: the actor answers at home).
+        eval_layouts = data.eval_plan.layouts if data.eval_plan is not None else layouts
+        eval_router = router if eval_layouts == layouts else SampleRouter(graph, eval_layouts, control.rank, node_of)
+        master = Master(control, cfg, schedule, trial_dir, data.train_set, bool(resume)) if control.is_master else None
+        # Every timestamp this rank reports is on the master's clock, taken once the device is idle.
+        clock = Clock(measure_offset(control.comm), device)
         prepare_run_ops(control.comm, schedule.models.values(), doing=beat.doing)  # before any engine loads a compiled op
         beat.reached("compiled ops ready")
         beat.doing("start-up: creating process groups (with every rank)", waiting=True)
-        worker._create_groups()
+        parts = StepParts.make(control, cfg, schedule, data, store, router, eval_router, clock)
         beat.reached("process groups made")
-        problem = schedule_problem(schedule, cfg, control.world_size)
+        problem = schedule_problem(schedule, control.world_size)
         if problem:  # the planner proposes no such layout; a hand-made schedule may hold one
             raise LayoutError(problem)
-        worker.store.load(worker.groups, beat)
-        worker.store.build_engines(worker.groups, beat)
+        store.load(parts.groups, beat)
+        store.build_engines(parts.groups, beat)
+        start_step = 0
         if resume:
             beat.doing("start-up: loading the newest checkpoint")
-            buffer = worker._async.buffer if worker._async is not None else None
+            buffer = parts.async_ops.buffer if parts.async_ops is not None else None
             began = time.monotonic()
-            worker.start_step = ckpt.load(trial_dir, worker.store, worker.groups, control, worker.state, worker.master,
-                                          buffer)
-            if worker.master is not None:
-                worker.master.loaded(time.monotonic() - began)
-            if worker._async is not None:
-                worker._async.first_step = worker.start_step
+            start_step = ckpt.load(trial_dir, store, parts.groups, control, data.state, master, buffer)
+            if master is not None:
+                master.loaded(time.monotonic() - began)
+            if parts.async_ops is not None:
+                parts.async_ops.first_step = start_step
         beat.reached("ready")
-        return worker
-
-    def _create_groups(self) -> None:
-        """The run's process groups (``comm_budget.run_groups``: layouts and one per reallocation; singletons
-        only where DeepSpeed needs them); data transfers use the MPI communicators made here, not groups."""
-        bound = comm_budget.communicator_bound(self.schedule, self.store.realloc_plan)
-        if self.control.is_master:
-            print(f"restage: {bound.summary()}", flush=True)
-        nccl_rules.set_bound(max_groups=bound.max_communicators, max_pairs=bound.max_pairs)  # when the checks are on
-        groups = ProcessGroups(comm_budget.run_groups(self.layouts.values(), self.ops),
-                               singletons=comm_budget.singleton_ranks(self.schedule),
-                               timeout_seconds=self.cfg.run.collective_timeout_seconds,
-                               startup_timeout_seconds=self.cfg.run.startup_timeout_seconds)
-        self._groups = groups
-        eval_ops = list(self.eval_plan.ops) if self.eval_plan is not None else []
-        if self.eval_router is self.router:
-            self.router.create_comms(self.ops + eval_ops, self.control.comm)
-        else:  # every rank splits in the same order: the iteration's communicators, then the evaluation's
-            self.router.create_comms(self.ops, self.control.comm)
-            self.eval_router.create_comms(eval_ops, self.control.comm)
-        self._handlers = OpHandlers(self.store, groups, self.router, self.clock, self.layouts, self.cfg,
-                                    self.algo, self.state, self.context)
-        self._eval_handlers = self._handlers
-        if self.eval_router is not self.router:
-            self._eval_handlers = OpHandlers(self.store, groups, self.eval_router, self.clock,
-                                             self.eval_router.layouts, self.cfg, self.algo, self.state, self.context)
-        if self.asynchronous:
-            self._async = AsyncOps(self._handlers, first_step=0)
-
-    @property
-    def groups(self) -> ProcessGroups:
-        assert self._groups is not None, "the process groups are made at start-up (Worker.start)"
-        return self._groups
+        return cls(control, cfg, schedule, trial_dir, beat, data=data, store=store, parts=parts, master=master,
+                   clock=clock, start_step=start_step)
 
     @property
     def async_ops(self) -> AsyncOps:
-        assert self._async is not None, "async mode's ops are made with the handlers (plan.execution async)"
-        return self._async
-
-    @property
-    def handlers(self) -> OpHandlers:
-        assert self._handlers is not None, "the op handlers are made with the process groups (Worker.start)"
-        return self._handlers
+        assert self.parts.async_ops is not None, "async mode's ops (the schedule's execution is Async)"
+        return self.parts.async_ops
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -208,8 +259,7 @@ class Worker:
         beat = self.heartbeat
         while True:
             beat.doing(f"step {step + 1}: waiting for the step's sample ids from rank 0", waiting=True)
-            drawn = self.control.bcast((self.master.ids_ahead(self.ahead) if self.asynchronous else self.master.next_ids())
-                                       if self.master else None)
+            drawn = self.control.bcast(self._draw_ids() if self.master else None)
             if drawn is None:
                 break
             # async mode: this step's ids and those of the steps generated ahead; sync mode: this step's
@@ -234,11 +284,17 @@ class Worker:
                 beat.doing(f"step {step}: saving checkpoint step-{step}")
                 began = time.monotonic()
                 ckpt.save(self.trial_dir, step, self.store, self.groups, self.control, self.state, self.master,
-                          self.cfg.run.keep_checkpoints, self._async.buffer if self._async is not None else None)
+                          self.cfg.run.keep_checkpoints,
+                          self.parts.async_ops.buffer if self.parts.async_ops is not None else None)
                 if self.master is not None:
                     self.master.saved(time.monotonic() - began)
             if decision.stop:
                 break
+
+    def _draw_ids(self) -> dict[int, list[int]] | list[int] | None:
+        """The master's draw: this step's sample ids (sync mode), or those of the steps generation needs (async)."""
+        assert self.master is not None
+        return self.master.next_ids() if self.ahead is None else self.master.ids_ahead(self.ahead)
 
     def run_step(self, step: int, ids: list[int], ahead: dict[int, list[int]] | None = None) -> StepRecord:
         """One iteration's ops on this rank; ``ahead`` (async mode) holds the ids of the steps generated ahead."""
@@ -265,8 +321,8 @@ class Worker:
                     if self.async_ops.push_due(op, step):
                         begin = self.clock.now_synced()
                         sent = self.async_ops.push(op, step)
-                        record.moves.append(MoveRecord("realloc", f"push:{op.model}", str(op.src), str(op.dst), sent,
-                                                       begin, self.clock.now_synced()))
+                        record.moves.append(MoveRecord(MoveKind.REALLOC, f"push:{op.model}", str(op.src), str(op.dst),
+                                                       sent, begin, self.clock.now_synced()))
                 case Realloc() | SendKey() | Free() | Offload() | Reload() | Ema():
                     self._move(op, record.moves, data, self.handlers)
                 case _:
@@ -279,8 +335,8 @@ class Worker:
         """Answer every held-out prompt greedily and score it (runtime/step/evaluation.py): sums, span and the policy
         ``version`` evaluated (the actor's completed train steps) into ``record``."""
         plan = self.eval_plan
-        assert plan is not None and self._eval_handlers is not None
-        handlers = self._eval_handlers
+        assert plan is not None
+        handlers = self.parts.eval_handlers
         begin = self.clock.now_synced()
         for index, positions in enumerate(plan.passes):
             data = StepData(self.eval_set)
@@ -303,11 +359,11 @@ class Worker:
         begin = self.clock.now_synced()
         match op:
             case Realloc():
-                row = ("realloc", op.model, handlers.realloc(op))
+                row = (MoveKind.REALLOC, op.model, handlers.realloc(op))
             case SendKey():
-                row = ("transfer", op.key, handlers.transfer(op, data))
+                row = (MoveKind.TRANSFER, op.key, handlers.transfer(op, data))
             case Ema():  # logged as a reallocation (it is one, plus the mix) named after the model it updates
-                row = ("realloc", f"ema:{op.model}", handlers.ema(op))
+                row = (MoveKind.REALLOC, f"ema:{op.model}", handlers.ema(op))
             case Free():
                 self.store.free(op.model, op.layout)
                 return

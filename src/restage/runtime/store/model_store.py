@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from restage.config.schema import ExperimentConfig, ModelSpec
+from restage.config.schema import ExperimentConfig
 from restage.device import DTYPES
-from restage.graph import DataflowGraph
+from restage.graph import DataflowGraph, MFCKind
 from restage.layout import Layout, ProcessGroups
 from restage.models.arch import ModelConfig
 from restage.models.decoder import StageModule
@@ -40,8 +40,7 @@ class ModelSlot:
     """One model as this rank sees it: its home shard (and engine) and any copies in other layouts."""
 
     name: str
-    entry: ModelEntry  # the schedule's: checkpoint, dtype, trainable, ZeRO stage, home
-    spec: ModelSpec  # the config's: optimizer settings, which the schedule does not carry
+    entry: ModelEntry  # the schedule's: everything the planner resolved for the model (its one source)
     cfg: ModelConfig
     module: StageModule | None = None
     engine: Engine | None = None
@@ -82,7 +81,7 @@ class ModelStore:
         """The plan moving ``model`` (or, ``adapters_only``, its adapters) from ``src`` to ``dst`` (made once, kept)."""
         key = (model, src, dst, adapters_only)
         if key not in self.realloc_plans:
-            cfg = comm_budget.realloc_model_config(self.schedule, self.cfg, model)
+            cfg = comm_budget.realloc_model_config(self.schedule, model)
             self.realloc_plans[key] = plan_reallocation(cfg, src, dst, node_of=self.node_of,
                                                         bytes_per_element=DTYPES[self.schedule.models[model].dtype].itemsize,
                                                         adapters_only=adapters_only)
@@ -96,11 +95,9 @@ class ModelStore:
         """Each model's shard in its home layout, on the ranks of that layout (every rank gets every slot)."""
         check_ema_architectures(self.graph, {name: self.model_cfg(name) for name in self.schedule.models})
         for name, info in self.schedule.models.items():
-            spec = self.cfg.models[name]
             home = info.home_layout
-            cfg = info.arch
-            critic = comm_budget.is_critic(name, spec, cfg)
-            slot = ModelSlot(name, info, spec, cfg.as_critic() if critic and not cfg.is_critic else cfg)
+            critic = info.critic
+            slot = ModelSlot(name, info, info.held_arch)
             if info.shard_frozen:
                 self._check_sharded(slot)
             if self.rank in home and info.shard_frozen and home.strategy.dp > 1:
@@ -132,11 +129,11 @@ class ModelStore:
             if slot.module is None or not slot.entry.trainable:
                 continue
             heartbeat.doing(f"start-up: building {name}'s DeepSpeed engine (with its ranks)", waiting=True)
-            train_mfc = next(m for m in self.graph if m.model == name and m.kind == "train_step")
+            train_mfc = next(m for m in self.graph if m.model == name and m.kind is MFCKind.TRAIN_STEP)
             optimizer_steps = self.cfg.run.steps * train_mfc.minibatches * train_mfc.epochs
             _mark_norm(slot.module)
-            slot.module.checkpoint_blocks(slot.spec.gradient_checkpointing)
-            slot.engine = build_engine(slot.module, slot.spec, slot.home, self.rank, groups,
+            slot.module.checkpoint_blocks(slot.entry.gradient_checkpointing)
+            slot.engine = build_engine(slot.module, slot.entry, slot.home, self.rank, groups,
                                        train_mfc.micro_batches, optimizer_steps)
             slot.module.eval()
         heartbeat.reached("engines built")

@@ -13,14 +13,14 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import torch
 
-from restage.config.schema import ModelSpec
 from restage.layout import Layout, ProcessGroups
 from restage.runtime.control.channels import local_rank
 from restage.runtime.store.expert_engine import checkpoint_per_ep_rank, mark_expert_params, moe_layers_seen, register_groups
+from restage.schedule.model_entry import effective_zero_stage as _zero_stage_of
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -163,7 +163,43 @@ def mark_norm_ownership(module: torch.nn.Module, tp_rank: int, replicated_names:
         param.model_parallel = owned  # type: ignore[attr-defined]  # DeepSpeed's own mark on a Parameter
 
 
-def lr_lambda(spec: ModelSpec, total_steps: int) -> Callable[[int], float]:
+class OptimizerSettings(Protocol):
+    """AdamW and its LR schedule, as ``schedule.model_entry.OptimSettings`` holds them."""
+
+    @property
+    def lr(self) -> float: ...
+    @property
+    def weight_decay(self) -> float: ...
+    @property
+    def betas(self) -> tuple[float, float]: ...
+    @property
+    def eps(self) -> float: ...
+    @property
+    def grad_clip(self) -> float: ...
+    @property
+    def lr_schedule(self) -> str: ...
+    @property
+    def warmup_steps(self) -> int: ...
+    @property
+    def min_lr_ratio(self) -> float: ...
+
+
+class EngineSettings(Protocol):
+    """What an engine is built from: the schedule's ``ModelEntry`` in a run (a test may hand a config's model)."""
+
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def zero_stage(self) -> int: ...
+    @property
+    def offload_optimizer(self) -> bool: ...
+    @property
+    def offload_params(self) -> bool: ...
+    @property
+    def optim(self) -> OptimizerSettings: ...
+
+
+def lr_lambda(spec: EngineSettings, total_steps: int) -> Callable[[int], float]:
     """Multiplier of the base LR at optimizer step ``i``: linear warmup, then constant / linear / cosine."""
     optim = spec.optim
     warmup = optim.warmup_steps
@@ -182,23 +218,12 @@ def lr_lambda(spec: ModelSpec, total_steps: int) -> Callable[[int], float]:
     return multiplier
 
 
-def effective_zero_stage(spec: ModelSpec, dp: int, ep: int = 1) -> int:
-    """The ZeRO stage the engine really uses: 0 where ZeRO-1/2 would partition over one DP rank, 1 for a
-    ZeRO-0 model under ep (whose gradient norm DeepSpeed gets right only with ZeRO, ``expert_engine``).
-
-    With dp == 1 stages 1 and 2 keep every optimizer state and gradient on the one rank anyway,
-    but their partition bookkeeping costs time on every backward and step (~9% of a tiny GRPO
-    step on CPU in an interleaved A/B of `restage run jobs/grpo_tiny.yaml -n 1`, 3 runs each).
-    Optimizer offload needs ZeRO, and ZeRO-3 manages parameters itself: both keep their stage.
-    """
-    if ep > 1 and spec.zero_stage == 0:
-        return 1
-    if dp == 1 and spec.zero_stage in (1, 2) and not spec.offload_optimizer:
-        return 0
-    return spec.zero_stage
+def effective_zero_stage(spec: EngineSettings, dp: int, ep: int = 1) -> int:
+    """The ZeRO stage the engine really uses (``schedule.model_entry.effective_zero_stage``, the one rule)."""
+    return _zero_stage_of(spec.zero_stage, spec.offload_optimizer, dp, ep)
 
 
-def deepspeed_config(spec: ModelSpec, dp: int, micro_batches: int, ep: int = 1) -> dict[str, Any]:
+def deepspeed_config(spec: EngineSettings, dp: int, micro_batches: int, ep: int = 1) -> dict[str, Any]:
     """The DeepSpeed config dict for one trainable model."""
     optim = spec.optim
     zero: dict[str, Any] = {"stage": effective_zero_stage(spec, dp, ep)}
@@ -234,7 +259,7 @@ def deepspeed_config(spec: ModelSpec, dp: int, micro_batches: int, ep: int = 1) 
     return config
 
 
-def build_engine(module: torch.nn.Module, spec: ModelSpec, layout: Layout, rank: int, groups: ProcessGroups,
+def build_engine(module: torch.nn.Module, spec: EngineSettings, layout: Layout, rank: int, groups: ProcessGroups,
                  micro_batches: int, total_optimizer_steps: int) -> Engine:
     """Wrap ``module`` (this rank's shard) in a DeepSpeed engine with an LR schedule from the config."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
