@@ -232,7 +232,7 @@ QWEN_LIKE = ("{% for m in messages %}{% if m.role == 'tool' %}<|im_start|> user 
 
 def test_multi_turn_chat_template_observation_tokens_are_the_templates_tool_turn(tmp_path):
     from restage.data.tokenizer import build_word_tokenizer, load_tokenizer
-    from restage.runtime.step.multi_turn import observation_ids
+    from restage.runtime.step.episode_feed import observation_ids
 
     words = ["<|im_start|>", "<|im_end|>", "user", "assistant", "tool", "<tool_response>", "</tool_response>", "x",
              "y", "42", "7"]

@@ -20,7 +20,7 @@ from restage.config.schema import EnvironmentConfig
 from restage.data import arith, datasets
 from restage.data.tokenizer import load_tokenizer
 from restage.errors import ConfigError
-from restage.runtime.step.multi_turn import observation_ids
+from restage.runtime.step.episode_feed import observation_ids
 
 SHIPPED = Path(__file__).resolve().parents[2] / "data" / "arith"
 

@@ -19,7 +19,8 @@ from restage.data.tokenizer import load_tokenizer
 from restage.layout import Layout, Strategy
 from restage.models.hf_checkpoint import load_stage
 from restage.rollout.turns import NextTurn
-from restage.runtime.step.multi_turn import EpisodeFeed, generate_batch, start_episodes
+from restage.runtime.step.episode_feed import EpisodeFeed
+from restage.runtime.step.multi_turn import generate_batch, start_episodes
 from restage.runtime.step.partial_episodes import EpisodesInFlight, run_partial_episodes
 
 ONE_RANK = Layout((0,), Strategy())

@@ -34,17 +34,9 @@ from restage.data.batch import Batch
 from restage.graph import MFC
 from restage.models.decoder import StageModule
 from restage.rollout.turns import NextTurn
+from restage.runtime.step.episode_feed import Episode, EpisodeFeed, ReplicaChannel
 from restage.runtime.step.execute import MFCResult, request_seeds, sampling_params
-from restage.runtime.step.multi_turn import (
-    Episode,
-    EpisodeFeed,
-    EpisodeRecord,
-    ReplicaChannel,
-    env_pool,
-    episodes_result,
-    run_turns,
-    start_episodes,
-)
+from restage.runtime.step.multi_turn import EpisodeRecord, env_pool, episodes_result, run_turns, start_episodes
 
 
 @dataclass
