@@ -103,6 +103,7 @@ class MFC:
     ``n_seqs`` sequences go through it per iteration; each has ``prompt_tokens`` prompt tokens
     and ``gen_tokens`` answer tokens (generated for ``generate``, given otherwise).
     ``train_step`` makes ``epochs`` passes over its batch in ``minibatches`` optimizer steps each.
+    ``options``: what else the algorithm says about it (groups, dynamic sampling, episodes, a reference EMA).
     """
 
     name: str
