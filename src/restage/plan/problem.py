@@ -28,6 +28,7 @@ from restage.models.sharding import layout_problem
 from restage.plan.estimator import Estimate, Estimator, ModelRole, dp_size_ok, sequences_per_rank
 from restage.plan.generation_cost import RestageEngine
 from restage.plan.transfer_cost import ReallocCost, data_transfer_seconds, exact_realloc, fast_realloc
+from restage.schedule.model_entry import CRITIC_NAMES
 from restage.schedule.program import check_ema_architectures
 
 KEEP_PER_SIZE = 6  # fastest (strategy, micro-batches) options kept per mesh size and MFC
@@ -77,7 +78,7 @@ def roles_from_config(cfg: ExperimentConfig, graph: DataflowGraph | None = None)
             continue  # e.g. models.ref beside algo.kl_coef=0: nothing to plan (interface.unused_models)
         if spec.arch:
             # A preset has no head of its own: critic and reward models get the scalar head.
-            arch = preset(spec.arch, critic=name in ("critic", "reward") or spec.init_critic_from_lm)
+            arch = preset(spec.arch, critic=name in CRITIC_NAMES or spec.init_critic_from_lm)
         else:
             arch = ModelConfig.from_pretrained(spec.path)
             if spec.init_critic_from_lm:
