@@ -1,1 +1,2 @@
-"""The experiment config: the schema (``schema.py``), the YAML loader (``load.py``), where relative paths point (``paths.py``)."""
+"""The experiment config: the config and its checks (``schema.py``), its sections (``sections.py``) and closed
+choices (``choices.py``), the YAML loader (``load.py``), where relative paths point (``paths.py``)."""
