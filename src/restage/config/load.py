@@ -11,8 +11,9 @@ from typing import Any
 
 import yaml
 
+from restage.config.choices import AUTO_DTYPE, allowed_values, check_choice
 from restage.config.paths import resolve_file_paths, resolve_paths
-from restage.config.schema import AUTO_DTYPE, ExperimentConfig, allowed_values, check_choice
+from restage.config.schema import ExperimentConfig
 from restage.errors import ConfigError
 
 

@@ -22,7 +22,7 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from restage.config.schema import DatasetKind, check_choice
+from restage.config.choices import DatasetKind, check_choice
 from restage.errors import ConfigError, hub_hint
 
 ROLES: dict[DatasetKind, tuple[str, ...]] = {DatasetKind.PROMPT: ("prompt",), DatasetKind.SFT: ("prompt", "answer"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass
 
-from restage.config.schema import LauncherSetting, check_choice
+from restage.config.choices import LauncherSetting, check_choice
 from restage.errors import ConfigError
 from restage.launch import site
 from restage.launch.geometry import JobGeometry
