@@ -7,6 +7,7 @@ so renaming an MFC is one edit here.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from restage.config.schema import Execution, ExperimentConfig
 from restage.errors import ConfigError
@@ -35,7 +36,7 @@ def sizes(cfg: ExperimentConfig) -> dict:
     }
 
 
-def reward_source(cfg: ExperimentConfig) -> str:
+def reward_source(cfg: ExperimentConfig) -> Literal["function", "model"]:
     """``function`` when a rule-based reward is configured, else ``model`` (a reward model MFC)."""
     return "function" if cfg.reward_fn else "model"
 
