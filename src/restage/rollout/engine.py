@@ -41,12 +41,11 @@ from restage.errors import ConfigError
 from restage.models.attention import AttentionMetadata, Decode, KVStore, Prefill
 from restage.models.decoder import StageModule
 from restage.models.packing import PackedBatch, pack
-from restage.models.parallel import gather_from_tp, vocab_sizes
 from restage.models.pipeline import recv_tensor, send_tensor
 from restage.rollout.budget import RolloutLimits, group_count, new_rollout_cache
 from restage.rollout.decode_graphs import DecodeGraphs, DecodeMode, choose_decode_mode, mode_traits
 from restage.rollout.lockstep import is_partitioned, join_step, lockstep_group, peers_done
-from restage.rollout.sampling import SamplingParams, choose_tokens
+from restage.rollout.sampling import SamplingParams, SlotSampler
 from restage.rollout.slots import Admission, SlotGroup, SlotTable, bucket, slot_groups
 
 
@@ -72,19 +71,22 @@ class RolloutEngine:
     position ``started[r]``, so its noise continues where it stopped. With ``must_finish`` = M, ``run`` stops as
     soon as requests ``0 .. M-1`` are all done (at the check that sees the last EOS, or at once when the last
     leaves at its max length), leaving the later ones in their slots (their answers so far in the outputs) or
-    waiting; the cache then holds at most M slots, so later requests start only as the first ones free theirs."""
+    waiting; the cache then holds at most M slots, so later requests start only as the first ones free theirs.
+    ``queue``: the requests waiting at the start (default all, in order); ``width``: the outputs' answer columns
+    (default the largest ``max_new``)."""
 
     def __init__(self, module: StageModule, prompts: Sequence[Sequence[int]], prompt_of: Sequence[int],
                  max_new: Sequence[int], keys: torch.Tensor, params: SamplingParams, eos_ids: Sequence[int],
                  limits: RolloutLimits, decode_mode: DecodeMode | None = None, started: Sequence[int] | None = None,
-                 must_finish: int | None = None, max_len: int | None = None):
+                 must_finish: int | None = None, max_len: int | None = None, queue: Sequence[int] | None = None,
+                 width: int | None = None):
         self.module, self.prompts, self.prompt_of, self.max_new = module, prompts, list(prompt_of), list(max_new)
         self.params, self.limits = params, limits
         self.device = device = next(module.parameters()).device
         requests = len(self.prompt_of)
         self.started = list(started) if started is not None else [0] * requests
         self.must_finish = must_finish if must_finish is not None else requests
-        width = max(self.max_new, default=1)
+        width = width if width is not None else max(self.max_new, default=1)  # the outputs' answer columns
         if max_len is None:  # a slot's length: the longest prompt + answer (TurnEngine gives its episodes')
             max_len = max((len(prompts[p]) + m - s for p, m, s in zip(self.prompt_of, self.max_new, self.started)),
                           default=1)
@@ -92,7 +94,7 @@ class RolloutEngine:
         self.num_groups = group_count(limits.pp_groups, ctx.pp_size)
         self.cache = new_rollout_cache(module, self.must_finish, max_len, limits, self.num_groups)
         self.num_slots = slots = self.cache.num_rows if self.cache is not None else 0
-        self.queue = deque(range(requests))
+        self.queue = deque(queue if queue is not None else range(requests))  # waiting, first served first
         self.slots = SlotTable(slots)  # which request holds each slot (host bookkeeping, exact)
         self.preempted = 0  # requests preempted (their blocks given back, put back in the queue, recomputed)
         # Device state per slot, and the outputs (one spare row takes the free slots' writes).
@@ -100,14 +102,10 @@ class RolloutEngine:
         self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
         self.slot_keys = torch.zeros(slots, dtype=torch.int64, device=device)
         self.keys = keys.to(device)
-        vocab = module.cfg.vocab_size  # an id past the vocabulary (some configs list one) is never sampled
-        self.eos = torch.tensor([i for i in eos_ids if 0 <= i < vocab], dtype=torch.int64, device=device)
-        self.is_eos = torch.zeros(vocab, dtype=torch.bool, device=device)  # a gather, not isin's sort
-        self.is_eos[self.eos] = True
+        self.sampler = SlotSampler(ctx, cfg.vocab_size, params, eos_ids, device)
         self.tokens = torch.full((requests + 1, width), params.pad_token_id, dtype=torch.int64, device=device)
         self.logprobs = torch.zeros(requests + 1, width, dtype=torch.float32, device=device)
         self.lengths = torch.tensor(self.started + [0], dtype=torch.int64, device=device)
-        self.vocab_sizes = vocab_sizes(module.cfg.vocab_size, module.ctx)
         self.whole = SlotGroup(0, slots)
         self.lockstep = lockstep_group(module)  # None: this replica steps on its own
         # decode_mode None: CUDA graphs where they serve (decode_graphs.choose_decode_mode), else eager.
@@ -367,25 +365,12 @@ class RolloutEngine:
         logits = _stage_step(self.module, self.next_tokens[:bound], PackedBatch.decode_step(positions), self._cache(),
                              self.decode_metadata(0, positions), None)
         tokens, logprobs = self.choose(logits, 0, staged)
-        self._share(tokens, logprobs)
+        self.sampler.share(tokens, logprobs)
         self.record(0, staged, tokens, logprobs)
 
     def choose(self, logits: torch.Tensor | None, start: int, staged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The last stage's tokens and log-probs for slots ``start ..`` (zeros elsewhere, to be overwritten)."""
-        params, ctx = self.params, self.module.ctx
-        bound, steps = staged.shape[1], staged[1]
-        tokens = torch.zeros(bound, dtype=torch.int64, device=self.device)
-        logprobs = torch.zeros(bound, dtype=torch.float32, device=self.device)
-        if ctx.is_last_stage:
-            assert logits is not None  # the last stage's forward returns its logits
-            full = gather_from_tp(logits.float(), ctx, self.vocab_sizes)
-            held_back = self.eos if params.min_new_tokens else self.eos[:0]  # EOS ids banned before min_new_tokens
-            tokens, logprobs = choose_tokens(full, greedy=params.greedy, temperature=params.temperature,
-                                             top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-                                             eos=held_back,
-                                             allow_eos=steps >= params.min_new_tokens,
-                                             keys=self.slot_keys[start:start + bound], steps=steps)
-        return tokens, logprobs
+        return self.sampler.choose(logits, self.slot_keys[start:start + staged.shape[1]], staged[1])
 
     def record(self, start: int, staged: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         """Write a decode step's chosen tokens of slots ``start ..`` into the outputs and the slots' state."""
@@ -396,23 +381,8 @@ class RolloutEngine:
         self.tokens[rows, steps] = torch.where(alive, tokens, pad)
         self.logprobs[rows, steps] = torch.where(alive, logprobs, 0.0)
         self.lengths.index_add_(0, rows, alive.long())
-        alive &= ~self.is_eos[tokens]
+        alive &= ~self.sampler.is_eos[tokens]
         self.next_tokens[start:start + bound] = tokens
-
-    def share_over_tp(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """On the last stage, make every TP rank hold the sampler's choice (greedy: they already agree)."""
-        ctx = self.module.ctx
-        if ctx.is_last_stage and ctx.tp_size > 1 and not self.params.greedy:  # one sampler decides for the TP group
-            for t in (tokens, logprobs):
-                dist.broadcast(t, src=ctx.tp_ranks[0], group=ctx.tp_group)
-
-    def _share(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Make every rank of the replica hold the last stage's choice (in place)."""
-        ctx = self.module.ctx
-        self.share_over_tp(tokens, logprobs)
-        if ctx.pp_size > 1:
-            for t in (tokens, logprobs):
-                dist.broadcast(t, src=ctx.last_stage_rank, group=ctx.pp_group)
 
     def _cache(self) -> KVStore:
         assert self.cache is not None  # slots exist when requests do

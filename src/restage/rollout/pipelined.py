@@ -37,7 +37,7 @@ Expert parallelism: the replicas of an ep group run the same ticks (same ``G``),
 events coincide; at each check a stage prefills or joins the sparse layers' exchange, at each
 event it decodes or joins, and "everyone done" is one all-reduce over the ep group per check.
 A ZeRO-3 partitioned module's dp replicas do the same over the dp group, their join a one-token
-forward (``rollout.lockstep_group``, ``rollout.join_step``).
+forward (``lockstep.lockstep_group``, ``lockstep.join_step``).
 
 Decode steps stay eager (``decode_graphs.choose_decode_mode``): activations move between stages by
 host-driven send/recv. On a weight-bandwidth-bound GPU decode a stage's step costs about the same
@@ -185,7 +185,7 @@ class PipelinedRollout:
             outputs.append(out)
             if ctx.is_last_stage:
                 tokens, logprobs = engine.choose(out, group.start, staged)
-                engine.share_over_tp(tokens, logprobs)
+                engine.sampler.share_over_tp(tokens, logprobs)
                 self.chosen[event.index] = torch.stack([tokens.double(), logprobs.double()])
         elif lockstep:
             join_step(module)

@@ -17,9 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from restage.config.schema import GenerationConfig
 from restage.errors import ConfigError
+from restage.models.parallel import ParallelContext, gather_from_tp, vocab_sizes
 
 
 @dataclass(frozen=True)
@@ -131,3 +133,50 @@ def choose_tokens(logits: torch.Tensor, *, greedy: bool, temperature: float, top
             vocab = torch.arange(logits.shape[-1], device=logits.device)
             tokens = (filtered + gumbel_noise(keys, steps, vocab)).argmax(-1)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+class SlotSampler:
+    """The next token of each decoded slot: chosen on the last stage from the logits gathered over TP, with each
+    slot's noise key, then held by every rank of the replica (``share``)."""
+
+    def __init__(self, ctx: ParallelContext, vocab_size: int, params: SamplingParams, eos_ids: Sequence[int],
+                 device: torch.device):
+        self.ctx, self.params, self.device = ctx, params, device
+        # An id past the vocabulary (some configs list one) is never sampled.
+        self.eos = torch.tensor([i for i in eos_ids if 0 <= i < vocab_size], dtype=torch.int64, device=device)
+        self.is_eos = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # a gather, not isin's sort
+        self.is_eos[self.eos] = True
+        self.vocab_sizes = vocab_sizes(vocab_size, ctx)
+
+    def choose(self, logits: torch.Tensor | None, keys: torch.Tensor,
+               steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's tokens and log-probs for slots with noise ``keys`` at answer ``steps`` (zeros on the
+        other stages, to be overwritten by ``share``)."""
+        params, ctx = self.params, self.ctx
+        bound = steps.shape[0]
+        tokens = torch.zeros(bound, dtype=torch.int64, device=self.device)
+        logprobs = torch.zeros(bound, dtype=torch.float32, device=self.device)
+        if ctx.is_last_stage:
+            assert logits is not None  # the last stage's forward returns its logits
+            full = gather_from_tp(logits.float(), ctx, self.vocab_sizes)
+            held_back = self.eos if params.min_new_tokens else self.eos[:0]  # EOS ids banned before min_new_tokens
+            tokens, logprobs = choose_tokens(full, greedy=params.greedy, temperature=params.temperature,
+                                             top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                                             eos=held_back, allow_eos=steps >= params.min_new_tokens,
+                                             keys=keys, steps=steps)
+        return tokens, logprobs
+
+    def share_over_tp(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """On the last stage, make every TP rank hold the sampler's choice (greedy: they already agree)."""
+        ctx = self.ctx
+        if ctx.is_last_stage and ctx.tp_size > 1 and not self.params.greedy:  # one sampler decides for the TP group
+            for t in (tokens, logprobs):
+                dist.broadcast(t, src=ctx.tp_ranks[0], group=ctx.tp_group)
+
+    def share(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Make every rank of the replica hold the last stage's choice (in place)."""
+        ctx = self.ctx
+        self.share_over_tp(tokens, logprobs)
+        if ctx.pp_size > 1:
+            for t in (tokens, logprobs):
+                dist.broadcast(t, src=ctx.last_stage_rank, group=ctx.pp_group)
