@@ -15,11 +15,11 @@ MFCs run on a reallocated copy when their layout differs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 from restage.cluster import ClusterSpec
-from restage.config.schema import LORA_ALL_LINEAR, ExperimentConfig, LoraSpec
+from restage.config.schema import LORA_ALL_LINEAR, ExperimentConfig, LoraSpec, ModelSpec
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph, MFCKind
 from restage.layout import Layout, Strategy
@@ -85,12 +85,15 @@ def roles_from_config(cfg: ExperimentConfig, graph: DataflowGraph | None = None)
                 arch = arch.as_critic()
         if spec.lora is not None:
             arch = with_lora(name, arch, spec.lora)
-        roles[name] = ModelRole(name=name, arch=arch, dtype=spec.dtype, trainable=spec.trainable or name in trained,
-                                zero_stage=spec.zero_stage, gradient_checkpointing=spec.gradient_checkpointing,
-                                offload_optimizer=spec.offload_optimizer, offload_params=spec.offload_params,
-                                offload_when_idle=spec.offload_when_idle, shard_frozen=spec.shard_frozen,
-                                path=spec.path, preset=spec.arch)
+        roles[name] = ModelRole(name=name, arch=arch, trainable=spec.trainable or name in trained, preset=spec.arch,
+                                **{f: getattr(spec, f) for f in _SPEC_FIELDS})
     return roles
+
+
+# The settings a ModelRole takes from models.<name> as they are (dtype, ZeRO, offload, shard_frozen, path): derived,
+# so a setting added to both is carried without another line here.
+_SPEC_FIELDS = tuple(sorted(({f.name for f in fields(ModelRole)} & {f.name for f in fields(ModelSpec)})
+                            - {"name", "arch", "trainable", "preset"}))
 
 
 def with_lora(name: str, arch: ModelConfig, spec: LoraSpec) -> ModelConfig:
