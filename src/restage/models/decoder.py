@@ -146,7 +146,8 @@ class Attention(nn.Module):
                 out = cache.decode_attention(self.layer, attn, q, k, v, self.window)
             case _:
                 assert_never(attn)
-        return self.o(out.reshape(tokens, -1))
+        projected: torch.Tensor = self.o(out.reshape(tokens, -1))
+        return projected
 
 
 class MLP(nn.Module):
@@ -181,9 +182,9 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, batch: PackedBatch, rope: RopeTables | None, cache: KVStore | None,
                 attn: AttentionMetadata | None, routing: RouterLog | None = None) -> torch.Tensor:
         h = h + self.attn(self.attn_norm(h), batch, rope, cache, attn)
-        if isinstance(self.mlp, MoEMLP):
-            return h + self.mlp(self.mlp_norm(h), routing)
-        return h + self.mlp(self.mlp_norm(h))
+        mlp_out: torch.Tensor = (self.mlp(self.mlp_norm(h), routing) if isinstance(self.mlp, MoEMLP)
+                                 else self.mlp(self.mlp_norm(h)))
+        return h + mlp_out
 
 
 class StageModule(nn.Module):
