@@ -96,34 +96,25 @@ class TurnEngine(RolloutEngine):
                 start_prompt.append(unique.setdefault(turn.context, len(prompts)))
                 if start_prompt[-1] == len(prompts):
                     prompts.append(turn.context)
-        # The slots are sized for the required episodes (partial rollouts: later ones take slots they free).
-        super().__init__(module, prompts, [0] * len(starts), [episode_tokens] * len(starts),
-                         torch.zeros(len(starts), dtype=torch.int64), params, eos_ids, limits, decode_mode="eager",
-                         must_finish=max(1, required), max_len=max_len)
         rows = episodes * max_turns
-        self.feed, self.max_turns, self.required_rows = feed, max_turns, required * max_turns
-        self.contexts = prompts  # grows: each later turn's context is a new prompt
-        self.prompts = self.contexts
-        self.prompt_of = [-1] * rows
-        self.max_new = [0] * rows
-        self.started = [0] * rows
-        self.keys = request_keys(list(seeds)).to(self.device)
-        self.tokens = torch.full((rows + 1, episode_tokens), params.pad_token_id, dtype=torch.int64, device=self.device)
-        self.logprobs = torch.zeros(rows + 1, episode_tokens, dtype=torch.float32, device=self.device)
-        self.lengths = torch.zeros(rows + 1, dtype=torch.int64, device=self.device)
+        prompt_of = [-1] * rows  # a later turn's prompt is known when its observation is (_queue_ready)
+        max_new, started = [0] * rows, [0] * rows
         for turn, prompt in zip(starts, start_prompt):
-            self.prompt_of[turn.row] = prompt
-            if turn.tokens:
-                n = len(turn.tokens)
-                self.started[turn.row] = n
-                self.tokens[turn.row, :n] = torch.tensor(turn.tokens, dtype=torch.int64).to(self.device)
-                self.logprobs[turn.row, :n] = torch.tensor(turn.logprobs, dtype=torch.float32).to(self.device)
-                self.lengths[turn.row] = n
             if not 0 < turn.max_new <= episode_tokens or len(turn.tokens) >= turn.max_new:
                 raise ValueError(f"turn row {turn.row}: max_new {turn.max_new} outside {len(turn.tokens) + 1}.."
                                  f"{episode_tokens}")
-            self.max_new[turn.row] = turn.max_new
-        self.queue = deque(turn.row for turn in starts)
+            prompt_of[turn.row], max_new[turn.row], started[turn.row] = prompt, turn.max_new, len(turn.tokens)
+        # The slots are sized for the required episodes (partial rollouts: later ones take slots they free).
+        super().__init__(module, prompts, prompt_of, max_new, request_keys(list(seeds)), params, eos_ids, limits,
+                         decode_mode="eager", started=started, must_finish=max(1, required), max_len=max_len,
+                         queue=[turn.row for turn in starts], width=episode_tokens)
+        self.feed, self.max_turns, self.required_rows = feed, max_turns, required * max_turns
+        self.contexts = prompts  # grows: each later turn's context is a new prompt
+        for turn in starts:  # a continued turn's tokens so far (its length is ``started``)
+            if turn.tokens:
+                n = len(turn.tokens)
+                self.tokens[turn.row, :n] = torch.tensor(turn.tokens, dtype=torch.int64).to(self.device)
+                self.logprobs[turn.row, :n] = torch.tensor(turn.logprobs, dtype=torch.float32).to(self.device)
         self.finished_rows: list[int] = []
         self.prefill_tokens = 0  # tokens prefilled over the run (every turn's context; the estimator's figure)
 
