@@ -7,8 +7,8 @@ schedules) and ``restage.runtime`` (which executes them), so neither of those im
 
 The schedule is the runtime's only source of planning facts: no module under ``restage.runtime`` reads
 ``X.plan``, ``X.models`` or ``X.cluster`` where ``X`` is the experiment config (``config_reads``). And kinds are
-enums, never strings: no code compares an MFC kind, an op kind, a dataset kind, the execution mode or the plan
-mode with a string literal, nor matches one against string patterns (``kind_string_compares``).
+enums, never strings: no code compares an MFC kind, an op kind, a dataset kind, the execution mode or the config's
+plan mode with a string literal, nor matches one against string patterns (``kind_string_compares``).
 """
 
 from __future__ import annotations
@@ -201,44 +201,51 @@ def f(cfg, schedule, run: ExperimentConfig):
 
 # --- Kinds are compared and matched as enum members, never as strings ----------------------------------------------
 
-# The strings that name a kind or a mode, read from the enums and op classes themselves.
-KIND_VALUES = ({k.value for k in MFCKind} | {k.value for k in DatasetKind} | {e.value for e in Execution}
-               | {m.value for m in PlanMode} | {op.kind for op in typing.get_args(Op)})
+# The strings that name a kind or the execution mode, read from the enums and op classes themselves.
+KIND_VALUES = frozenset({k.value for k in MFCKind} | {k.value for k in DatasetKind} | {e.value for e in Execution}
+                        | {op.kind for op in typing.get_args(Op)})
+PLAN_MODE_VALUES = frozenset(m.value for m in PlanMode)  # only for the config's own ``X.plan.mode``
 # What holds a kind: an attribute or a name called kind / execution / mode (or ending in _kind, _mode).
 KIND_HOLDER = re.compile(r"(^|_)(kind|execution|mode)$")
 
 
-def _holds_kind(node: ast.expr) -> bool:
+def _kind_values(node: ast.expr) -> frozenset[str]:
+    """The strings that would name what ``node`` holds; empty when it holds no kind."""
     name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
-    return bool(KIND_HOLDER.search(name))
+    if not KIND_HOLDER.search(name):
+        return frozenset()
+    plan_mode = (isinstance(node, ast.Attribute) and node.attr == "mode" and isinstance(node.value, ast.Attribute)
+                 and node.value.attr == "plan")
+    return KIND_VALUES | PLAN_MODE_VALUES if plan_mode else KIND_VALUES
 
 
-def _kind_strings(node: ast.expr | ast.pattern) -> bool:
-    """A string literal naming a kind, or a tuple / list / set of literals with one among them."""
+def _kind_strings(node: ast.expr | ast.pattern, values: frozenset[str]) -> bool:
+    """A string literal among ``values``, or a tuple / list / set of literals with one among them."""
     match node:
         case ast.Constant(value=str(value)) | ast.MatchValue(value=ast.Constant(value=str(value))):
-            return value in KIND_VALUES
+            return value in values
         case ast.Tuple(elts=items) | ast.List(elts=items) | ast.Set(elts=items):
-            return any(_kind_strings(item) for item in items)
+            return any(_kind_strings(item, values) for item in items)
         case ast.MatchOr(patterns=patterns):
-            return any(_kind_strings(p) for p in patterns)
+            return any(_kind_strings(p, values) for p in patterns)
         case ast.MatchAs(pattern=inner) if inner is not None:
-            return _kind_strings(inner)
+            return _kind_strings(inner, values)
     return False
 
 
 def kind_string_compares(tree: ast.AST) -> list[tuple[int, str]]:
     """(line, code) of each comparison (==, !=, in, not in, is) of a kind holder (``KIND_HOLDER``) with a string that
-    names a kind (``KIND_VALUES``), and each ``match`` on a kind holder with such a string among its patterns."""
+    names a kind or the execution mode (``KIND_VALUES``; the config's ``plan.mode`` also with ``PLAN_MODE_VALUES``),
+    and each ``match`` on a kind holder with such a string among its patterns."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
-            if any((_holds_kind(a) and _kind_strings(b)) or (_holds_kind(b) and _kind_strings(a))
+            if any(_kind_strings(b, _kind_values(a)) or _kind_strings(a, _kind_values(b))
                    for a, b in zip(sides, sides[1:])):
                 found.append((node.lineno, ast.unparse(node)))
-        elif isinstance(node, ast.Match) and _holds_kind(node.subject):
-            if any(_kind_strings(case.pattern) for case in node.cases):
+        elif isinstance(node, ast.Match) and (values := _kind_values(node.subject)):
+            if any(_kind_strings(case.pattern, values) for case in node.cases):
                 found.append((node.lineno, f"match {ast.unparse(node.subject)}"))
     return sorted(found)
 
@@ -257,10 +264,12 @@ if op.kind in ("realloc", "transfer"): pass          # 4: op kinds
 match ds.kind:                                       # 5: a dataset kind as a string pattern
     case "sft" | "preference": pass
 if exec_mode == "sync": pass                         # 7: a name ending in _mode
+if cfg.plan.mode != "manual": pass                   # 8: the config's plan mode
+if outcome.mode == "manual": pass                    # fine: a planner's own Literal, not the config's enum
 if mfc.kind is MFCKind.GENERATE: pass                # fine: the member
 if estimator_kind == "k1": pass                      # fine: not a kind of ours
 if dtype.kind == "O": pass                           # fine: numpy's
 match mfc.kind:
     case MFCKind.TRAIN_STEP: pass                    # fine
 """)
-    assert [line for line, _ in kind_string_compares(planted)] == [2, 3, 4, 5, 7]
+    assert [line for line, _ in kind_string_compares(planted)] == [2, 3, 4, 5, 7, 8]
