@@ -45,15 +45,15 @@ def _run(rank, world_size, paths):
     preempted: list[int] = []
     original = RolloutEngine.run
     RolloutEngine.run = lambda self: original(self) if preempted.append(self) is None else None  # type: ignore
-    from restage.rollout import pipelined
+    from restage.rollout import pipelined as pipelined_rollout
 
-    original_pipelined = pipelined.PipelinedRollout.run
+    original_pipelined = pipelined_rollout.PipelinedRollout.run
 
     def pipelined(self):
         preempted.append(self.engine)
         return original_pipelined(self)
 
-    pipelined.PipelinedRollout.run = pipelined  # type: ignore[method-assign]
+    pipelined_rollout.PipelinedRollout.run = pipelined  # type: ignore[method-assign]
     out = {}
     for key, (family, strategy) in LAYOUTS.items():
         module = load_stage(paths[family], layouts[key], groups, rank)
