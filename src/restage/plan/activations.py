@@ -39,19 +39,26 @@ width (its router and dispatch buffers are not counted).
 
 from __future__ import annotations
 
+from typing import assert_never
+
 from restage.models.arch import ModelConfig
 from restage.models.flops import block_shape
 
 FP32_BYTES = 4
 INDEX_BYTES = 8  # int64 token indices
+LOGIT_BYTES = 4  # logits are materialised in fp32 for log-probabilities and losses
 
 
 def norm_activation_bytes_per_token(cfg: ModelConfig, e: int) -> int:
     """Bytes one of the model's hidden-size norms saves per token: RMSNorm its fp32 input and ``rsqrt``, the
     normalised value and its output; LayerNorm its input, output, mean and reciprocal deviation."""
-    if cfg.family == "gpt2":
-        return 2 * e * cfg.hidden_size + 2 * FP32_BYTES
-    return FP32_BYTES * cfg.hidden_size + FP32_BYTES + 2 * e * cfg.hidden_size
+    match cfg.traits.norm:
+        case "layernorm":
+            return 2 * e * cfg.hidden_size + 2 * FP32_BYTES
+        case "rmsnorm":
+            return FP32_BYTES * cfg.hidden_size + FP32_BYTES + 2 * e * cfg.hidden_size
+        case _:
+            assert_never(cfg.traits.norm)
 
 
 def block_activation_bytes_per_token(cfg: ModelConfig, tp: int, e: int) -> int:
@@ -69,7 +76,13 @@ def block_activation_bytes_per_token(cfg: ModelConfig, tp: int, e: int) -> int:
 def forward_activation_bytes_per_token(cfg: ModelConfig, e: int) -> int:
     """Bytes a stage's forward saves once per token whatever its blocks: the embedding's int64 token ids and
     RoPE's two tables (none for GPT-2, which adds learned positions)."""
-    return INDEX_BYTES + (0 if cfg.family == "gpt2" else 2 * cfg.head_dim * e)
+    match cfg.traits.positions:
+        case "learned":
+            return INDEX_BYTES
+        case "rope":
+            return INDEX_BYTES + 2 * cfg.head_dim * e
+        case _:
+            assert_never(cfg.traits.positions)
 
 
 def head_activation_bytes_per_token(cfg: ModelConfig, tp: int, e: int) -> int:
@@ -80,3 +93,18 @@ def head_activation_bytes_per_token(cfg: ModelConfig, tp: int, e: int) -> int:
     if cfg.is_critic:
         return norm
     return norm + 2 * FP32_BYTES * block_shape(cfg, tp).head_out + INDEX_BYTES + 1 + FP32_BYTES
+
+
+def forward_workspace_elements_per_token(cfg: ModelConfig, tp: int) -> float:
+    """Elements a forward without autograd holds live per token, about one block's worth: the inputs and outputs
+    of the two norms, q, k, v and attention's output, the MLP's intermediates (what a training step keeps for its
+    backward is ``activations.block_activation_bytes_per_token``)."""
+    s = block_shape(cfg, tp)
+    replicated = 4 * s.hidden
+    sharded = 2 * s.q_out + 2 * s.kv_out + (3 if s.gated else 2) * s.inter
+    return replicated + sharded
+
+
+def forward_workspace_bytes(cfg: ModelConfig, tp: int, tokens: float, e: int) -> float:
+    """Live activations of a forward without autograd: about one block's worth."""
+    return forward_workspace_elements_per_token(cfg, tp) * tokens * e

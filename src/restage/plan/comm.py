@@ -71,7 +71,7 @@ def links_seconds(cluster: ClusterSpec, sends: Iterable[tuple[int, Iterable[int]
     """
     send_seconds: dict[int, float] = defaultdict(float)
     recv_seconds: dict[int, float] = defaultdict(float)
-    peers: dict[int, set] = defaultdict(set)
+    peers: dict[int, set[int | tuple[str, int]]] = defaultdict(set)  # a receiver's senders; a sender's ("node", n)
     for src, receivers, nbytes in sends:
         if nbytes <= 0:
             continue

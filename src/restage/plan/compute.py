@@ -24,10 +24,14 @@ and multiplies the rows its ep group routes to them: the same FLOPs per rank on 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
 from restage.cluster import ClusterSpec
 from restage.models.arch import ModelConfig
 from restage.models.flops import BlockShape, attended_tokens, block_shape
 from restage.plan.gemm import gemm_efficiency
+from restage.plan.profile import Profile
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # Bytes an AdamW step moves per parameter: read param/master, grad, m, v; write master, m, v
@@ -60,6 +64,33 @@ def block_gemms(s: BlockShape) -> tuple[tuple[str, int, int], ...]:
              ("gate_up" if s.gated else "up", (2 if s.gated else 1) * s.inter, s.hidden), ("down", s.hidden, s.inter),
              ("router", s.router, s.hidden))
     return tuple(g for g in gemms if g[1])
+
+
+class ComputeModel(Protocol):
+    """What the estimator's cost functions ask a compute model (``RooflineCompute``, ``ProfiledCompute``): seconds
+    of one rank's compute for the pieces of a decoder, and which sources answered since ``begin_estimate``."""
+
+    def block_forward(self, batch: float, seq: int, tp: int, ep: int = 1) -> float: ...
+
+    def block_backward(self, batch: float, seq: int, tp: int, ep: int = 1) -> float: ...
+
+    def block_prefill(self, batch: float, seq: int, tp: int, ep: int = 1) -> float: ...
+
+    def decode_block(self, batch: float, ctx: float, tp: int, ep: int = 1) -> float: ...
+
+    def embed_forward(self, tokens: float) -> float: ...
+
+    def head_forward(self, tokens: float, tp: int) -> float: ...
+
+    def head_backward(self, tokens: float, tp: int) -> float: ...
+
+    def optimizer_step(self, params: float) -> float: ...
+
+    def begin_estimate(self) -> None:
+        """Forget which sources answered: one estimate's ``describe`` names only its own."""
+
+    def describe(self) -> str:
+        """Which sources answered since ``begin_estimate``: ``roofline``, ``profile:<file>`` or both."""
 
 
 class RooflineCompute:
@@ -114,7 +145,7 @@ class RooflineCompute:
         if not s.expert_params:
             return s.weight_params
         cfg = self.cfg
-        touched = 1 - (1 - cfg.experts_per_token / cfg.num_experts) ** (tokens * ep)
+        touched: float = 1 - (1 - cfg.experts_per_token / cfg.num_experts) ** (tokens * ep)
         return s.weight_params - s.expert_params + s.expert_params / ep * touched
 
     def block_forward(self, batch: float, seq: int, tp: int, ep: int = 1) -> float:
@@ -168,6 +199,16 @@ class RooflineCompute:
     def optimizer_step(self, params: float) -> float:
         return params * ADAM_BYTES_PER_PARAM[self.dtype] / self.bytes_per_second
 
+    def begin_estimate(self) -> None:
+        """Nothing to forget: the roofline is its only source."""
+
+    def describe(self) -> str:
+        return self.source
+
+
+# A block op's second argument: a sequence length (forward, backward, prefill) or a cached context (decode).
+_Seq = TypeVar("_Seq", int, float)
+
 
 class ProfiledCompute:
     """Compute time interpolated from a measured profile; pieces the profile lacks fall back to the roofline.
@@ -176,12 +217,12 @@ class ProfiledCompute:
     measurement, the roofline, or both.
     """
 
-    def __init__(self, profile, roofline: RooflineCompute):
+    def __init__(self, profile: Profile, roofline: RooflineCompute):
         self.profile, self.roofline = profile, roofline
         self.source = f"profile:{profile.name}"
         self.used: set[str] = set()
 
-    def _ask(self, op: str, batch: float, seq: float, tp: int, fallback) -> float:
+    def _ask(self, op: str, batch: float, seq: float, tp: int, fallback: Callable[[], float]) -> float:
         seconds = self.profile.lookup(op, batch, seq, tp)
         if seconds is None:
             self.used.add("roofline")
@@ -189,7 +230,8 @@ class ProfiledCompute:
         self.used.add("profile")
         return seconds
 
-    def _block(self, op: str, batch: float, seq: float, tp: int, ep: int, roofline) -> float:
+    def _block(self, op: str, batch: float, seq: _Seq, tp: int, ep: int,
+               roofline: Callable[[float, _Seq, int, int], float]) -> float:
         """A block op from the profile (measured without ep); under ep scaled by the roofline's ratio of the two."""
         seconds = self._ask(op, batch, seq, tp, lambda: roofline(batch, seq, tp, 1))
         return seconds if ep == 1 else seconds * roofline(batch, seq, tp, ep) / roofline(batch, seq, tp, 1)
@@ -231,6 +273,9 @@ class ProfiledCompute:
             return self.roofline.optimizer_step(params)
         self.used.add("profile")
         return per_param * params
+
+    def begin_estimate(self) -> None:
+        self.used.clear()
 
     def describe(self) -> str:
         if self.used == {"profile"}:

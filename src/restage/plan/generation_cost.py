@@ -8,7 +8,7 @@ refilled at once, ``n_seqs`` answers of ``gen`` tokens take ``ceil(n_seqs / live
 a step costs and what a prefill covers:
 
 * **restage's rollout engine** (``RestageEngine``; ``rollout/engine.py``, ``rollout/paged_cache.py``,
-  ``rollout/decode_graphs.py``), costed by ``estimator._generate``. Its cache is paged by default
+  ``rollout/decode_graphs.py``), costed by ``rollout_cost.generate_cost``. Its cache is paged by default
   (``generation.kv_cache``; ``restage_occupancy``): ``min(max_slots, requests)`` rows over a pool of
   blocks of ``block_tokens`` (``block_tokens``: 256 where flash-attn's paged kernel serves, else 16), as
   many as the budget holds; a request holds the blocks of the tokens it has cached, a group's prompt

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
+from restage.graph import MFCKind
 from restage.layout import Layout
 from restage.plan.problem import Plan, PlanProblem
 from restage.plan.simulator import Timeline, needs_copy, steady_state, zero3_in_place, zero3_in_place_bytes
@@ -42,7 +44,8 @@ class PlanEvaluation:
         return self.iteration_seconds * (1.0 + OVERFLOW_PENALTY * over) + (1e6 if over > 0 else 0.0)
 
 
-def _ranks(layout):
+def _ranks(layout: Layout) -> slice | npt.NDArray[np.int64]:
+    """The layout's ranks as an index into a per-rank array: a slice where they are contiguous."""
     mesh = layout.mesh
     if mesh[-1] - mesh[0] + 1 == len(mesh):
         return slice(mesh[0], mesh[-1] + 1)
@@ -71,7 +74,7 @@ def plan_memory(problem: PlanProblem, plan: Plan) -> tuple[int, tuple[int, ...]]
         need = cand.estimate.transient_bytes
         copy = needs_copy(problem, plan, mfc)
         kept = not role.trainable or role.arch.lora is not None  # a LoRA model's copies keep their base
-        kept = kept or (problem.execution is not None and mfc.kind == "generate")  # async: the generation copy stays
+        kept = kept or (problem.execution is not None and mfc.kind is MFCKind.GENERATE)  # async: the generation copy stays
         if copy and kept and not role.offload_when_idle:
             if (mfc.model, cand.layout) not in frozen_copies:
                 frozen_copies.add((mfc.model, cand.layout))

@@ -14,8 +14,10 @@ import math
 import os
 from bisect import bisect_right
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from restage.cluster import cluster_dirs
 from restage.errors import ConfigError
@@ -28,7 +30,7 @@ _SIGNATURE_FIELDS = ("family", "hidden_size", "intermediate_size", "num_heads", 
                      "head_dim", "qk_norm", "num_experts", "experts_per_token", "moe_intermediate_size")
 
 
-def arch_signature(cfg: ModelConfig) -> tuple:
+def arch_signature(cfg: ModelConfig) -> tuple[object, ...]:
     """The fields a block's cost depends on (not the layer count, which the profile does not time)."""
     return tuple(getattr(cfg, f) for f in _SIGNATURE_FIELDS)
 
@@ -51,7 +53,7 @@ class Profile:
     dtype: str
     arch: ModelConfig
     entries: list[ProfileEntry]
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, object] = field(default_factory=dict)  # how it was measured (device, torch, grid)
 
     def __post_init__(self) -> None:
         grid: dict[tuple[str, int], dict[tuple[float, float], float]] = defaultdict(dict)
@@ -78,14 +80,14 @@ class Profile:
         s = min(max(seq, seqs[0]), seqs[-1])
         return scale * _bilinear(table, batches, seqs, b, s)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         return {"format_version": PROFILE_FORMAT_VERSION, "cluster": self.cluster, "dtype": self.dtype,
                 "arch": self.arch.to_json(), "meta": self.meta,
                 "entries": [{"op": e.op, "tp": e.tp, "batch": e.batch, "seq": e.seq, "seconds": e.seconds}
                             for e in self.entries]}
 
     @classmethod
-    def from_json(cls, data: dict, name: str = "profile") -> Profile:
+    def from_json(cls, data: Mapping[str, Any], name: str = "profile") -> Profile:
         if data.get("format_version") != PROFILE_FORMAT_VERSION:
             raise ConfigError(f"profile {name}: format_version {data.get('format_version')!r} is not "
                               f"{PROFILE_FORMAT_VERSION}; run `restage profile` again")
@@ -100,8 +102,9 @@ class Profile:
         return path
 
 
-def _bilinear(table: dict, batches: list, seqs: list, b: float, s: float) -> float:
-    def bracket(values: list, x: float) -> tuple[float, float, float]:
+def _bilinear(table: dict[tuple[float, float], float], batches: list[float], seqs: list[float], b: float,
+              s: float) -> float:
+    def bracket(values: list[float], x: float) -> tuple[float, float, float]:
         i = min(max(bisect_right(values, x) - 1, 0), len(values) - 1)
         lo, hi = values[i], values[min(i + 1, len(values) - 1)]
         w = 0.0 if hi == lo else (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
@@ -120,7 +123,7 @@ def _bilinear(table: dict, batches: list, seqs: list, b: float, s: float) -> flo
     return math.exp(low * (1 - ws) + high * ws)
 
 
-def user_profile_dir(env=os.environ) -> Path:
+def user_profile_dir(env: Mapping[str, str] = os.environ) -> Path:
     """Where ``restage profile`` writes by default: the user's cache, never the repository."""
     return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "restage" / "profiles"
 

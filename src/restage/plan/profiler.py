@@ -25,9 +25,10 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import assert_never
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ from restage.models.decoder import StageModule
 from restage.models.packing import PackedBatch
 from restage.models.parallel import ParallelContext, lm_logits
 from restage.models.presets import preset
-from restage.models.rope import rope_tables
+from restage.models.rope import RopeTables, rope_tables
 from restage.models.sharding import validate_strategy
 from restage.plan.profile import Profile, ProfileEntry, find_profile, user_profile_dir
 
@@ -88,8 +89,12 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+# A timed piece: (op, tp, batch or tokens, seq or 1), as the profile's entries are keyed.
+_Key = tuple[str, int, int, int]
+
+
 @contextmanager
-def _one_process_group():
+def _one_process_group() -> Iterator[dist.ProcessGroup | None]:
     """A gloo group of this process alone, so TP shards run their (trivial) collectives."""
     if dist.is_initialized():
         yield dist.group.WORLD
@@ -102,8 +107,8 @@ def _one_process_group():
             dist.destroy_process_group()
 
 
-def _timed_rounds(jobs: list[tuple[tuple, Callable[[], object]]], repeats: int, sync,
-                  say: Callable[[str], None] = lambda line: None) -> dict[tuple, float]:
+def _timed_rounds(jobs: list[tuple[_Key, Callable[[], object]]], repeats: int, sync: Callable[[], None],
+                  say: Callable[[str], None] = lambda line: None) -> dict[_Key, float]:
     """Median seconds of every job; one warm-up each, then ``repeats`` rounds that time every job once.
 
     Round-robin over the whole grid rather than ``repeats`` calls in a row: on a shared machine a
@@ -117,7 +122,7 @@ def _timed_rounds(jobs: list[tuple[tuple, Callable[[], object]]], repeats: int, 
     sync()
     round_seconds = time.perf_counter() - began
     say(f"warm-up of {len(jobs)} pieces done in {round_seconds:.1f} s; about {repeats * round_seconds:.0f} s left")
-    samples: dict[tuple, list[float]] = {key: [] for key, _ in jobs}
+    samples: dict[_Key, list[float]] = {key: [] for key, _ in jobs}
     order = list(jobs)
     shuffle = random.Random(0).shuffle
     for done in range(1, repeats + 1):
@@ -133,14 +138,14 @@ def _timed_rounds(jobs: list[tuple[tuple, Callable[[], object]]], repeats: int, 
     return {key: statistics.median(values) for key, values in samples.items()}
 
 
-def measure(arch, cluster: str, dtype: str, batches: list[int], seqs: list[int], tps: list[int], repeats: int = 3,
+def measure(arch: ModelConfig, cluster: str, dtype: str, batches: list[int], seqs: list[int], tps: list[int], repeats: int = 3,
             device: str = "cpu", say: Callable[[str], None] = lambda line: None) -> Profile:
     """Time the pieces of ``arch`` over the grid; returns the profile (not saved). ``say`` gets progress lines."""
     torch_dtype = DTYPES[dtype]
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     one_block = dataclasses.replace(arch, num_layers=1)
-    jobs: list[tuple[tuple, Callable[[], object]]] = []
-    numel = {}
+    jobs: list[tuple[_Key, Callable[[], object]]] = []
+    numel: dict[int, int] = {}
     with _one_process_group() as group:
         for tp in tps:
             validate_strategy(arch, Strategy(tp=tp))
@@ -176,15 +181,22 @@ def measure(arch, cluster: str, dtype: str, batches: list[int], seqs: list[int],
     return Profile(f"{cluster}--{dtype}", cluster, dtype, arch, entries, meta)
 
 
-def _shape_jobs(module, block, batch: int, seq: int, tp: int, device) -> list[tuple[tuple, Callable[[], object]]]:
+def _shape_jobs(module: StageModule, block: torch.nn.Module, batch: int, seq: int, tp: int,
+                device: str) -> list[tuple[_Key, Callable[[], object]]]:
     """((op, tp, batch, seq), callable) for every piece at one (batch, seq); the head and embedding are keyed by tokens."""
     cfg = module.cfg
     tokens = batch * seq
     packed = PackedBatch.from_seqlens([seq] * batch, device=device)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), device=device)
     hidden = torch.randn(tokens, cfg.hidden_size, dtype=module.dtype, device=device)
-    rope = (rope_tables(packed.positions, cfg.head_dim, cfg.rope_theta, module.dtype, cfg.rope_scaling)
-            if cfg.family != "gpt2" else None)
+    rope: RopeTables | None
+    match cfg.traits.positions:
+        case "rope":
+            rope = rope_tables(packed.positions, cfg.head_dim, cfg.rope_theta, module.dtype, cfg.rope_scaling)
+        case "learned":
+            rope = None
+        case _:
+            assert_never(cfg.traits.positions)
     cache = module.new_cache(batch, seq + 1)
     # One decoding step against ``seq`` cached tokens per sequence (a separate cache: prefill refills its own).
     step_cache = module.new_cache(batch, seq + 1)
@@ -195,26 +207,26 @@ def _shape_jobs(module, block, batch: int, seq: int, tp: int, device) -> list[tu
     one = hidden[:batch]
     x = hidden.clone().requires_grad_()
 
-    def no_grad(fn):
-        def run():
+    def no_grad(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
             with torch.no_grad():
                 fn()
         return run
 
-    def prefill():
+    def prefill() -> None:
         block(hidden, packed, rope, cache, Prefill())
 
-    def decode():
+    def decode() -> None:
         block(one, step, step_rope, step_cache, Decode(step_lengths, seq))
 
-    def block_forward_backward():
+    def block_forward_backward() -> None:
         y = block(x, packed, rope, None, None)
         y.backward(torch.ones_like(y))
 
-    def head_forward_backward():
-        _head(module, x).float().logsumexp(-1).sum().backward()
+    def head_forward_backward() -> None:
+        torch.autograd.backward(_head(module, x).float().logsumexp(-1).sum())
 
-    jobs = []
+    jobs: list[tuple[_Key, Callable[[], object]]] = []
     if tp == 1:
         jobs.append((("embed_forward", 1, tokens, 1), no_grad(lambda: module.embed(ids))))
     jobs += [(("block_forward", tp, batch, seq), no_grad(lambda: block(hidden, packed, rope, None, None))),
@@ -226,7 +238,7 @@ def _shape_jobs(module, block, batch: int, seq: int, tp: int, device) -> list[tu
     return jobs
 
 
-def _head(module, hidden):
+def _head(module: StageModule, hidden: torch.Tensor) -> torch.Tensor:
     """Final norm and the LM head (or the critic's score) of the last stage."""
     h = module.final_norm(hidden)
     if module.cfg.is_critic:

@@ -22,7 +22,9 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, assert_never
 
+from restage.layout import Strategy
 from restage.plan.plan_score import PlanEvaluation, evaluate
 from restage.plan.problem import Candidate, Plan, PlanProblem
 
@@ -32,15 +34,19 @@ PATIENCE_STEPS = 4 * CYCLE_STEPS  # stop once this many steps have not improved 
 START_TEMPERATURE, END_TEMPERATURE = 0.3, 0.003
 
 
+SearchMethod = Literal["exhaustive", "anneal"]  # how a search ran
+StoppedBy = Literal["exhausted", "steps", "converged", "time"]  # why it ended
+
+
 @dataclass(frozen=True)
 class SearchResult:
     best: Plan
     evaluation: PlanEvaluation
     top: tuple[tuple[Plan, PlanEvaluation], ...]  # the best few distinct feasible plans, best first
-    method: str  # "exhaustive" or "anneal"
+    method: SearchMethod
     steps: int
     wall_seconds: float
-    stopped_by: str  # "exhausted", "steps", "converged" or "time"
+    stopped_by: StoppedBy
 
 
 class _Top:
@@ -67,21 +73,27 @@ def plan_count(problem: PlanProblem) -> int:
 
 
 def search(problem: PlanProblem, *, seed: int = 1, time_budget_seconds: float = 30.0, max_steps: int = 40000,
-           initial: Sequence[Plan] = (), method: str = "auto", top_k: int = 5,
+           initial: Sequence[Plan] = (), method: SearchMethod | Literal["auto"] = "auto", top_k: int = 5,
            patience_steps: int = PATIENCE_STEPS) -> SearchResult:
     """Best plan for ``problem``; ``method`` is auto, exhaustive or anneal."""
     started = time.perf_counter()
-    if method == "exhaustive" or (method == "auto" and plan_count(problem) <= EXHAUSTIVE_LIMIT):
-        budget = float("inf") if method == "exhaustive" else time_budget_seconds
-        return _exhaustive(problem, top_k, started, budget)
-    return _anneal(problem, seed, time_budget_seconds, max_steps, initial, top_k, started, patience_steps)
+    match method:
+        case "exhaustive":
+            return _exhaustive(problem, top_k, started, float("inf"))
+        case "auto" if plan_count(problem) <= EXHAUSTIVE_LIMIT:
+            return _exhaustive(problem, top_k, started, time_budget_seconds)
+        case "auto" | "anneal":
+            return _anneal(problem, seed, time_budget_seconds, max_steps, initial, top_k, started, patience_steps)
+        case _:
+            assert_never(method)
 
 
 def _exhaustive(problem: PlanProblem, top_k: int, started: float, budget: float) -> SearchResult:
     top = _Top(top_k)
     best: Plan | None = None
     best_ev: PlanEvaluation | None = None
-    steps, stopped_by = 0, "exhausted"
+    steps = 0
+    stopped_by: StoppedBy = "exhausted"
     for plan in itertools.product(*(problem.candidates(m) for m in problem.mfcs)):
         if steps % 64 == 0 and steps and time.perf_counter() - started > budget:
             stopped_by = "time"
@@ -102,10 +114,11 @@ class _Moves:
     def __init__(self, problem: PlanProblem):
         self.problem = problem
         self.cands = [problem.candidates(m) for m in problem.mfcs]
-        self.by_mesh: list[dict] = []
-        self.by_shape: list[dict] = []
+        self.by_mesh: list[dict[tuple[int, ...], list[Candidate]]] = []
+        self.by_shape: list[dict[tuple[Strategy, int], list[Candidate]]] = []
         for cands in self.cands:
-            mesh, shape = defaultdict(list), defaultdict(list)
+            mesh: dict[tuple[int, ...], list[Candidate]] = defaultdict(list)
+            shape: dict[tuple[Strategy, int], list[Candidate]] = defaultdict(list)
             for c in cands:
                 mesh[c.layout.mesh].append(c)
                 shape[(c.layout.strategy, c.micro_batches)].append(c)
@@ -164,7 +177,8 @@ def _anneal(problem: PlanProblem, seed: int, budget: float, max_steps: int, init
     _, current, cur_ev = min(scored, key=lambda x: x[0])
     best, best_ev = current, cur_ev
     cache: dict[Plan, PlanEvaluation] = {}
-    steps, stopped_by, improved_at = 0, "steps", 0
+    steps, improved_at = 0, 0
+    stopped_by: StoppedBy = "steps"
     while steps < max_steps:
         if steps % 64 == 0 and time.perf_counter() - started > budget:
             stopped_by = "time"

@@ -30,9 +30,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, assert_never
 
+from restage.graph import MFC, MFCKind
+from restage.layout import Layout
 from restage.models.sharding import stage_layers
-from restage.plan.estimator import lockstep_forwards
 from restage.plan.generation_cost import RestageEngine
+from restage.plan.problem import AsyncExecution, Candidate, Plan, PlanProblem
+from restage.plan.rollout_cost import lockstep_forwards
 from restage.plan.transfer_cost import key_bytes, zero3_gather_seconds
 from restage.rollout.budget import gathers_once
 from restage.schedule.async_program import async_layout_problem, build_async_program, lookahead, producers
@@ -51,6 +54,9 @@ from restage.schedule.ops import (
     op_subject,
 )
 from restage.schedule.program import build_program
+
+# How a generation in place on its ZeRO-3 training layout runs (``zero3_generation_mode``).
+Zero3GenerationMode = Literal["gather_once", "lockstep"]
 
 
 @dataclass(frozen=True)
@@ -104,16 +110,16 @@ def simulate(tasks: Sequence[Task]) -> Timeline:
     return Timeline(tuple(spans))
 
 
-def plan_layouts(problem, plan) -> dict:
+def plan_layouts(problem: PlanProblem, plan: Plan) -> dict[str, Layout]:
     return {m.name: c.layout for m, c in zip(problem.mfcs, plan)}
 
 
-def plan_ops(problem, plan) -> list[Op]:
+def plan_ops(problem: PlanProblem, plan: Plan) -> list[Op]:
     """The runtime's ops for ``plan``, ordered by a relaxed timeline (see the module docstring)."""
     return [op for op, _ in plan_program(problem, plan)]
 
 
-def plan_program(problem, plan) -> list[tuple[Op, float]]:
+def plan_program(problem: PlanProblem, plan: Plan) -> list[tuple[Op, float]]:
     """(op, predicted seconds) in the order of ``plan_ops``.
 
     Sort keys: (relaxed start, rank of the kind at one start, list index); a transfer's start is
@@ -130,7 +136,7 @@ def plan_program(problem, plan) -> list[tuple[Op, float]]:
     run_end: dict[str, float] = {}
     arrived: dict[str, float] = {}  # MFC -> when its last input lands
     ranks_free: dict[str, float] = {}  # MFC -> when the ranks of its first op (realloc or run) are free
-    keys: list = []
+    keys: list[tuple[float, int, int] | None] = []  # sort keys (start, order, index); None: a transfer not yet placed
     seconds = [op_seconds(problem, plan, op) for op in ops]
 
     def start_at(i: int, op: Op, consumer: str, order: int, run: str = "") -> None:
@@ -170,11 +176,13 @@ def plan_program(problem, plan) -> list[tuple[Op, float]]:
     for i, op in enumerate(ops):
         if isinstance(op, SendKey):  # when both its producer has finished and its consumer's ranks are free
             keys[i] = (max(run_end[op.producer], ranks_free.get(op.mfc, 0.0)), 0, i)
-    order = sorted(range(len(ops)), key=lambda i: keys[i])
+    placed = [key for key in keys if key is not None]
+    assert len(placed) == len(keys)  # every transfer was placed above
+    order = sorted(range(len(ops)), key=lambda i: placed[i])
     return [(ops[i], seconds[i]) for i in order]
 
 
-def copy_seconds(problem, src, dst, model: str) -> float:
+def copy_seconds(problem: PlanProblem, src: Layout, dst: Layout, model: str) -> float:
     """Seconds to reallocate ``model`` from ``src`` to ``dst``, plus a ZeRO-3 gather out of its training engine."""
     role = problem.roles[model]
     seconds = 0.0 if src == dst else problem.realloc(model, src, dst).seconds
@@ -183,7 +191,7 @@ def copy_seconds(problem, src, dst, model: str) -> float:
     return seconds
 
 
-def op_seconds(problem, plan, op: Op) -> float:
+def op_seconds(problem: PlanProblem, plan: Plan, op: Op) -> float:
     """Predicted seconds of one op."""
     match op:
         case Run():
@@ -224,26 +232,26 @@ def op_name(op: Op, index: int) -> str:
     return f"{op.kind}:{what}:{op.key}" if isinstance(op, SendKey) else f"{op.kind}:{what}:{index}"
 
 
-def plan_tasks(problem, plan) -> list[Task]:
+def plan_tasks(problem: PlanProblem, plan: Plan) -> list[Task]:
     """One task per op of one iteration (dependencies are the ranks each op shares with earlier ones)."""
     return [Task(op_name(op, i), op.ranks, seconds, (), op.kind)
             for i, (op, seconds) in enumerate(plan_program(problem, plan)) if not isinstance(op, Free)]
 
 
-def needs_copy(problem, plan, mfc) -> bool:
+def needs_copy(problem: PlanProblem, plan: Plan, mfc: MFC) -> bool:
     """Whether ``mfc`` runs on a reallocated copy of its model (a layout other than the model's home)."""
     home = plan[problem.index[problem.home[mfc.model]]]
     return plan[problem.index[mfc.name]].layout != home.layout
 
 
-def zero3_in_place(problem, plan, mfc) -> bool:
+def zero3_in_place(problem: PlanProblem, plan: Plan, mfc: MFC) -> bool:
     """A generate / inference MFC on its ZeRO-3 model's training layout, whose parameters it must gather."""
     role = problem.role(mfc)
-    return (mfc.kind != "train_step" and role.trainable and role.zero_stage == 3 and not problem.is_home(mfc)
+    return (mfc.kind is not MFCKind.TRAIN_STEP and role.trainable and role.zero_stage == 3 and not problem.is_home(mfc)
             and not needs_copy(problem, plan, mfc))
 
 
-def zero3_generation_mode(problem, plan, mfc) -> Literal["gather_once", "lockstep"]:
+def zero3_generation_mode(problem: PlanProblem, plan: Plan, mfc: MFC) -> Zero3GenerationMode:
     """How a generation in place (``zero3_in_place``) runs: the runtime's rule (``runtime/store/zero3_generation.py``,
     ``models.rollout.gathers_once``) on the planner's figures. Gathered once when the stage's parameters fit
     ``GATHER_ONCE_FRACTION`` of what its ranks have left (usable memory less the persistent state of the models
@@ -256,42 +264,57 @@ def zero3_generation_mode(problem, plan, mfc) -> Literal["gather_once", "lockste
     return "gather_once" if gathers_once(cand.estimate.param_bytes, problem.capacity_bytes - held) else "lockstep"
 
 
-def _home_state_bytes(problem, plan, rank: int) -> int:
+def _home_state_bytes(problem: PlanProblem, plan: Plan, rank: int) -> int:
     """Bytes the models whose homes hold ``rank`` keep there all along (``evaluate.plan_memory``'s persistent state)."""
     return sum(home.estimate.state_bytes for model, home in ((m, plan[problem.index[h]]) for m, h in problem.home.items())
                if rank in home.layout.mesh and (problem.roles[model].trainable or not problem.roles[model].offload_when_idle))
 
 
-def zero3_in_place_seconds(problem, plan, mfc) -> float:
+def zero3_in_place_seconds(problem: PlanProblem, plan: Plan, mfc: MFC) -> float:
     """Seconds of an MFC in place (``zero3_in_place``), its ZeRO-3 gathers over the dp group included.
 
     A generation gathered once runs on a plain copy, costed as any copy (CUDA graphs where they serve), plus one
     gather of the stage; in lockstep it decodes eagerly over the partitions (``PlanProblem.in_place_seconds``) and
-    gathers the stage in each forward, ``estimator.lockstep_forwards`` of them (decode steps, and a prefill or an
+    gathers the stage in each forward, ``rollout_cost.lockstep_forwards`` of them (decode steps, and a prefill or an
     empty join per check; the estimator gives every answer one length, so the extra joins uneven answers bring
     are not counted). An inference keeps one gather per call (as before)."""
     cand = plan[problem.index[mfc.name]]
     role = problem.role(mfc)
     gather = zero3_gather_seconds(role.arch, cand.layout, role.bytes_per_element, problem.cluster)
-    if mfc.kind != "generate" or zero3_generation_mode(problem, plan, mfc) == "gather_once":
+    if mfc.kind is not MFCKind.GENERATE:
         return cand.seconds + gather
-    engine = problem.estimator.engine
-    assert isinstance(engine, RestageEngine)  # zero3_generation_mode: other engines gather once
-    forwards = lockstep_forwards(problem.cluster, engine, mfc, role, cand.layout)
-    return problem.in_place_seconds(cand) + forwards * gather
+    mode = zero3_generation_mode(problem, plan, mfc)
+    match mode:
+        case "gather_once":
+            return cand.seconds + gather
+        case "lockstep":
+            engine = problem.estimator.engine
+            assert isinstance(engine, RestageEngine)  # zero3_generation_mode: other engines gather once
+            forwards = lockstep_forwards(problem.cluster, engine, mfc, role, cand.layout)
+            return problem.in_place_seconds(cand) + forwards * gather
+        case _:
+            assert_never(mode)
 
 
-def zero3_in_place_bytes(problem, plan, mfc) -> int:
+def zero3_in_place_bytes(problem: PlanProblem, plan: Plan, mfc: MFC) -> int:
     """Bytes an MFC in place (``zero3_in_place``) gathers on top of its partition: the stage's parameters, or in
     lockstep about one layer's (DeepSpeed's hooks hold a module's parameters while it runs)."""
     param_bytes = plan[problem.index[mfc.name]].estimate.param_bytes
-    if mfc.kind == "generate" and zero3_generation_mode(problem, plan, mfc) == "lockstep":
-        layers = max(hi - lo for lo, hi in stage_layers(problem.role(mfc).arch, plan[problem.index[mfc.name]].layout.strategy.pp))
-        return param_bytes // max(1, layers)
-    return param_bytes
+    if mfc.kind is not MFCKind.GENERATE:
+        return param_bytes
+    mode = zero3_generation_mode(problem, plan, mfc)
+    match mode:
+        case "gather_once":
+            return param_bytes
+        case "lockstep":
+            layers = max(hi - lo for lo, hi in stage_layers(problem.role(mfc).arch,
+                                                            plan[problem.index[mfc.name]].layout.strategy.pp))
+            return param_bytes // max(1, layers)
+        case _:
+            assert_never(mode)
 
 
-def steady_state(problem, plan, overlap: bool = False, iterations: int = 3) -> tuple[float, Timeline]:
+def steady_state(problem: PlanProblem, plan: Plan, overlap: bool = False, iterations: int = 3) -> tuple[float, Timeline]:
     """(steady-state seconds per iteration, the timeline of one iteration).
 
     Async mode (``problem.execution``): one iteration of its program, where the producers generate the next
@@ -300,7 +323,7 @@ def steady_state(problem, plan, overlap: bool = False, iterations: int = 3) -> t
     over the run's steps. Layouts async mode cannot run (generation sharing the trained model's ranks) cost
     infinity."""
     if problem.execution is not None:
-        return _async_steady_state(problem, plan)
+        return _async_steady_state(problem, plan, problem.execution)
     tasks = plan_tasks(problem, plan)
     first = simulate(tasks)
     if not overlap:
@@ -311,7 +334,7 @@ def steady_state(problem, plan, overlap: bool = False, iterations: int = 3) -> t
     return ends[-1] - ends[-2], first
 
 
-def refill_seconds(mfc, candidate) -> float:
+def refill_seconds(mfc: MFC, candidate: Candidate) -> float:
     """Partial rollouts: the prefill again, under the weights of the step, of the answers the step before left in
     flight. Costed at its worst, every answer of the batch cut half-way (prompt + gen / 2 tokens each), scaled from
     the candidate's own prefill (``(prompt - 1)`` tokens once per group); the tiny GRPO job's 50-step run cuts
@@ -322,8 +345,7 @@ def refill_seconds(mfc, candidate) -> float:
     return candidate.estimate.part("prefill_seconds") * group * (mfc.prompt_tokens + mfc.gen_tokens / 2) / prefix
 
 
-def _async_steady_state(problem, plan) -> tuple[float, Timeline]:
-    ex = problem.execution
+def _async_steady_state(problem: PlanProblem, plan: Plan, ex: AsyncExecution) -> tuple[float, Timeline]:
     if async_layout_problem(problem.graph, plan_layouts(problem, plan)) is not None:
         return math.inf, Timeline(())
     timeline = simulate(plan_tasks(problem, plan))

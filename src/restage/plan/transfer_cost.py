@@ -19,7 +19,8 @@ from restage.graph import MFC
 from restage.layout import Layout
 from restage.models.arch import ModelConfig
 from restage.models.sharding import is_adapter, param_specs, split_range, stage_layers
-from restage.plan.comm import links_seconds
+from restage.plan.comm import allgather_seconds, links_seconds
+from restage.plan.model_state import stage_param_elements
 from restage.schedule.realloc_plan import contiguous_chunks, plan_reallocation
 
 # Bytes per token (or per sequence) of the keys MFCs hand each other; unknown keys count 4 per token.
@@ -47,7 +48,8 @@ def exact_realloc(cfg: ModelConfig, src: Layout, dst: Layout, bytes_per_element:
 
 
 @lru_cache(maxsize=1024)
-def _layer_template(cfg: ModelConfig, tp_src: int, tp_dst: int, adapters_only: bool) -> tuple[dict, dict]:
+def _layer_template(cfg: ModelConfig, tp_src: int, tp_dst: int,
+                    adapters_only: bool) -> tuple[dict[tuple[str, int, int], int], dict[str, int]]:
     """Per-group overlap elements: split[(where, t_src, t_dst)] and replicated[where] for one layer / the ends."""
     split: dict[tuple[str, int, int], int] = defaultdict(int)
     replicated: dict[str, int] = defaultdict(int)
@@ -96,8 +98,9 @@ def _fast_realloc(cfg: ModelConfig, src: Layout, dst: Layout, bytes_per_element:
     split, replicated = _layer_template(cfg, s1.tp, s2.tp, adapters_only)
     overlaps = _stage_overlaps(cfg, s1.pp, s2.pp)
     load: dict[int, int] = defaultdict(int)
-    groups: dict[tuple, list[int]] = defaultdict(list)  # (sender, piece) -> receivers
-    sizes: dict[tuple, int] = {}
+    # (sender, src stage, src TP rank or None, dst stage, dst TP rank, node) -> receivers
+    groups: dict[tuple[int, int, int | None, int, int, int], list[int]] = defaultdict(list)
+    sizes: dict[tuple[int, int, int | None, int, int, int], int] = {}
     # Pieces: one per (src stage, src chunk or "replicated", dst stage, dst chunk); receivers are
     # the dst DP replicas that do not already hold it, grouped by node as the planner does.
     for (p1, p2), common in overlaps.items():
@@ -136,9 +139,6 @@ def _fast_realloc(cfg: ModelConfig, src: Layout, dst: Layout, bytes_per_element:
 
 def zero3_gather_seconds(cfg: ModelConfig, layout: Layout, bytes_per_element: int, cluster: ClusterSpec) -> float:
     """Gathering full TP/PP shards out of a ZeRO-3 partition over the DP group (before a non-train MFC)."""
-    from restage.plan.comm import allgather_seconds
-    from restage.plan.estimator import stage_param_elements
-
     s = layout.strategy
     if s.dp == 1:
         return 0.0

@@ -19,9 +19,10 @@ roles (what the runtime would run), for the search's starting points and ``plan.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 from restage.errors import ConfigError
+from restage.graph import MFC, MFCKind
 from restage.layout import Layout, Strategy
 from restage.plan.peers.defaults import BUILDERS as PEER_BUILDERS
 from restage.plan.peers.defaults import PEERS
@@ -47,14 +48,16 @@ def rebased(problem: PlanProblem, plan: Plan) -> Plan:
     return tuple(problem.candidate(c.mfc, c.layout, c.micro_batches) for c in plan)
 
 
-def _common_strategies(problem: PlanProblem, mfcs, size: int) -> list[Strategy]:
+def _common_strategies(problem: PlanProblem, mfcs: Sequence[MFC], size: int) -> list[Strategy]:
+    """The strategies of ``size`` ranks every one of ``mfcs`` admits."""
     sets = [set(strategies_for(size, problem.role(m), m, problem.cluster)) for m in mfcs]
     return sorted(set.intersection(*sets)) if sets else []
 
 
-def _best(results) -> tuple[Plan, PlanEvaluation] | None:
-    results = [r for r in results if r is not None]
-    return min(results, key=lambda r: r[1].iteration_seconds) if results else None
+def _best(results: Iterable[tuple[Plan, PlanEvaluation] | None]) -> tuple[Plan, PlanEvaluation] | None:
+    """The fastest of the plans that fit."""
+    fitting = [r for r in results if r is not None]
+    return min(fitting, key=lambda r: r[1].iteration_seconds) if fitting else None
 
 
 def colocated(problem: PlanProblem) -> tuple[Plan, PlanEvaluation] | None:
@@ -65,7 +68,7 @@ def colocated(problem: PlanProblem) -> tuple[Plan, PlanEvaluation] | None:
 
 def separated(problem: PlanProblem) -> tuple[Plan, PlanEvaluation] | None:
     world = problem.cluster.world_size
-    actor = next((m.model for m in problem.mfcs if m.kind == "generate"), None)
+    actor = next((m.model for m in problem.mfcs if m.kind is MFCKind.GENERATE), None)
     group_a = [m for m in problem.mfcs if m.model == actor]
     group_b = [m for m in problem.mfcs if m.model != actor]
     if world < 2 or not group_a or not group_b:
@@ -100,14 +103,14 @@ def per_model(problem: PlanProblem) -> tuple[Plan, PlanEvaluation] | None:
 
 def gen_optimised(problem: PlanProblem) -> tuple[Plan, PlanEvaluation] | None:
     world = problem.cluster.world_size
-    gens = [m for m in problem.mfcs if m.kind == "generate"]
+    gens = [m for m in problem.mfcs if m.kind is MFCKind.GENERATE]
     if not gens:
         return None
-    rest = [m for m in problem.mfcs if m.kind != "generate"]
+    rest = [m for m in problem.mfcs if m.kind is not MFCKind.GENERATE]
     results = []
     for s in _common_strategies(problem, rest, world):
         for sg in _common_strategies(problem, gens, world):
-            layouts = {m.name: Layout.contiguous(0, sg if m.kind == "generate" else s) for m in problem.mfcs}
+            layouts = {m.name: Layout.contiguous(0, sg if m.kind is MFCKind.GENERATE else s) for m in problem.mfcs}
             results.append(fit_plan(problem, layouts))
     return _best(results)
 

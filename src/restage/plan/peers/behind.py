@@ -11,15 +11,23 @@ MFC that loses the most predicted time against the peer's plan, both figures, an
 
 from __future__ import annotations
 
-from restage.plan.estimator import restage_live, sequences_per_rank
+from typing import assert_never
+
+from restage.graph import MFCKind
+from restage.plan.generation_cost import RestageEngine
+from restage.plan.layout_cost import sequences_per_rank
 from restage.plan.plan_score import PlanEvaluation
+from restage.plan.planner import PlanOutcome
+from restage.plan.problem import Candidate, PlanProblem
+from restage.plan.roles import ModelRole
+from restage.plan.rollout_cost import restage_live
 
 # The generation engine each peer's plan is costed with (peer_engines.py).
 PEER_ENGINES = {"deepspeed_chat": "DeepSpeed's Hybrid Engine", "openrlhf": "vLLM", "verl": "vLLM",
                 "nemo_aligner": "TensorRT-LLM"}
 
 
-def behind_line(outcome, name: str, peer: PlanEvaluation) -> str | None:
+def behind_line(outcome: PlanOutcome, name: str, peer: PlanEvaluation) -> str | None:
     """One line for a peer whose plan is predicted faster than ``outcome``'s: where the time goes and the knob;
     None when ``outcome``'s plan is at least as fast."""
     ours = outcome.evaluation
@@ -38,29 +46,46 @@ def behind_line(outcome, name: str, peer: PlanEvaluation) -> str | None:
     return f"{where}; {_knob(outcome, name, i)}"
 
 
-def _knob(outcome, name: str, index: int) -> str:
+def _knob(outcome: PlanOutcome, name: str, index: int) -> str:
     """What a user can change about MFC ``index`` of ``outcome``'s plan, or why nothing closes the gap."""
     problem, cand = outcome.problem, outcome.plan[index]
     mfc = problem.mfcs[index]
     role = problem.role(mfc)
-    if outcome.mode in ("manual", "heuristic"):
-        return (f"this plan's layouts are plan.mode={outcome.mode}'s; plan.mode=search starts from the peers' layouts "
-                "restage can run")
-    if mfc.kind == "generate":
-        engine = problem.estimator.engine
-        live = restage_live(problem.cluster, engine, mfc, role, cand.layout)
-        requests = int(sequences_per_rank(mfc, cand.layout.strategy.dp))
-        if live < requests and live == engine.limits.max_slots:
-            return (f"restage's rollout engine decodes {live} of a rank's {requests} answers at once: raise "
-                    f"generation.max_slots (now {engine.limits.max_slots})")
-        if live < requests:
-            return (f"restage's rollout engine has KV cache for {live} of a rank's {requests} answers at once: raise "
-                    "generation.kv_cache_gib or give generation more ranks")
-        return (f"{name} generates with {PEER_ENGINES.get(name, 'its own engine')} (plan/peers/peer_engines.py), whose decode "
-                "steps the estimator costs below restage's rollout engine's (CUDA graphs under tp and pp, a paged "
-                "attention kernel, restage's only with flash-attn installed); no setting of restage's closes this")
-    if mfc.kind == "inference" and not role.trainable and not role.shard_frozen:
-        return (f"{name} shards frozen models ZeRO-3 / FSDP style: try plan.shard_frozen=auto (or "
-                f"models.{mfc.model}.shard_frozen=true)")
-    return (f"{name} runs it with its own memory settings (plan/peers/defaults.py); compare models.{mfc.model}.zero_stage, "
-            "gradient_checkpointing and offload_* with docs/plan.md, \"Baselines\"")
+    match outcome.mode:
+        case "manual" | "heuristic":
+            return (f"this plan's layouts are plan.mode={outcome.mode}'s; plan.mode=search starts from the peers' "
+                    "layouts restage can run")
+        case "search" | "async-split":
+            pass
+        case _:
+            assert_never(outcome.mode)
+    match mfc.kind:
+        case MFCKind.GENERATE:
+            return _generation_knob(problem, cand, role, name)
+        case MFCKind.INFERENCE if not role.trainable and not role.shard_frozen:
+            return (f"{name} shards frozen models ZeRO-3 / FSDP style: try plan.shard_frozen=auto (or "
+                    f"models.{mfc.model}.shard_frozen=true)")
+        case MFCKind.INFERENCE | MFCKind.TRAIN_STEP:
+            return (f"{name} runs it with its own memory settings (plan/peers/defaults.py); compare "
+                    f"models.{mfc.model}.zero_stage, gradient_checkpointing and offload_* with docs/plan.md, "
+                    "\"Baselines\"")
+        case _:
+            assert_never(mfc.kind)
+
+
+def _generation_knob(problem: PlanProblem, cand: Candidate, role: ModelRole, name: str) -> str:
+    """What bounds restage's rollout engine on ``cand``'s generation, or that the peer's engine is faster."""
+    mfc = problem.graph[cand.mfc]
+    engine = problem.estimator.engine
+    assert isinstance(engine, RestageEngine)  # restage's own plans generate on its rollout engine
+    live = restage_live(problem.cluster, engine, mfc, role, cand.layout)
+    requests = int(sequences_per_rank(mfc, cand.layout.strategy.dp))
+    if live < requests and live == engine.limits.max_slots:
+        return (f"restage's rollout engine decodes {live} of a rank's {requests} answers at once: raise "
+                f"generation.max_slots (now {engine.limits.max_slots})")
+    if live < requests:
+        return (f"restage's rollout engine has KV cache for {live} of a rank's {requests} answers at once: raise "
+                "generation.kv_cache_gib or give generation more ranks")
+    return (f"{name} generates with {PEER_ENGINES.get(name, 'its own engine')} (plan/peers/peer_engines.py), whose decode "
+            "steps the estimator costs below restage's rollout engine's (CUDA graphs under tp and pp, a paged "
+            "attention kernel, restage's only with flash-attn installed); no setting of restage's closes this")

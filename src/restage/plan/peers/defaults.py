@@ -36,19 +36,27 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Literal, assert_never, get_args
 
+from restage.graph import MFC, MFCKind
 from restage.layout import Layout, Strategy
-from restage.plan.estimator import ModelRole, dp_size_ok, stage_param_elements
 from restage.plan.generation_cost import VllmEngine
+from restage.plan.layout_cost import dp_size_ok
+from restage.plan.model_state import stage_param_elements
 from restage.plan.peers.peer_engines import PeerProblem
 from restage.plan.plan_score import PlanEvaluation, fit_plan
 from restage.plan.problem import Plan, PlanProblem
+from restage.plan.roles import ModelRole
 
 Found = tuple[Plan, PlanEvaluation]
 RoleChange = Callable[[ModelRole], ModelRole]
+# A peer's rule: per problem (one memory level), the layouts it would try, in order; None: a choice that does not apply.
+LayoutOptions = Callable[[PlanProblem], Iterable[dict[str, Layout] | None]]
 PEERS = ("deepspeed_chat", "openrlhf", "nemo_aligner", "verl")
-SAVERS = ("offload_frozen", "gradient_checkpointing", "offload_optimizer")
+# The memory savers a peer turns on one after another until its plan fits (``_ladder``), in that order.
+Saver = Literal["offload_frozen", "gradient_checkpointing", "offload_optimizer"]
+SAVERS: tuple[Saver, ...] = get_args(Saver)
 # OpenRLHF's 70B example: GPUs per group for the actor, critic, vLLM engines, reference, reward.
 OPENRLHF_WEIGHTS = {"trained": 4, "generate": 4, "frozen": 2}
 VERL_GPU_MEMORY_UTILIZATION = 0.5
@@ -75,19 +83,29 @@ def _with_stage(stage: int, shard_frozen: bool = False) -> RoleChange:
     return change
 
 
-def _ladder(base: RoleChange, savers: tuple[str, ...] = SAVERS) -> list[RoleChange]:
+def _ladder(base: RoleChange, savers: tuple[Saver, ...] = SAVERS) -> list[RoleChange]:
     """``base``, then ``base`` with the first k memory savers on, k = 1, 2, ..."""
     def level(k: int) -> RoleChange:
         def change(role: ModelRole) -> ModelRole:
             role = base(role)
             for saver in savers[:k]:
-                if saver == "offload_frozen" and not role.trainable:
-                    role = dataclasses.replace(role, offload_when_idle=True)
-                elif saver != "offload_frozen" and role.trainable:
-                    role = dataclasses.replace(role, **{saver: True})  # type: ignore[arg-type]  # saver names a bool field
+                role = _saved(role, saver)
             return role
         return change
     return [level(k) for k in range(len(savers) + 1)]
+
+
+def _saved(role: ModelRole, saver: Saver) -> ModelRole:
+    """``role`` with ``saver`` on: offloading applies to frozen models, the other savers to trained ones."""
+    match saver:
+        case "offload_frozen":
+            return role if role.trainable else dataclasses.replace(role, offload_when_idle=True)
+        case "gradient_checkpointing":
+            return dataclasses.replace(role, gradient_checkpointing=True) if role.trainable else role
+        case "offload_optimizer":
+            return dataclasses.replace(role, offload_optimizer=True) if role.trainable else role
+        case _:
+            assert_never(saver)
 
 
 def _tp_degrees(start: int, size: int, role: ModelRole, devices_per_node: int) -> list[int]:
@@ -104,7 +122,7 @@ def _dp_ok(problem: PlanProblem, layouts: dict[str, Layout]) -> bool:
     return all(dp_size_ok(m, layouts[m.name].strategy.dp) for m in problem.mfcs)
 
 
-def _first_fit(problem: PlanProblem, levels: list[RoleChange], options,
+def _first_fit(problem: PlanProblem, levels: list[RoleChange], options: LayoutOptions,
                engine: VllmEngine | None) -> Found | None:
     """The first (memory level, layouts) in order that fits; ``options(p)`` yields layouts per level."""
     for change in levels:
@@ -123,11 +141,11 @@ def _colocated_rule(problem: PlanProblem, first_tp: Callable[[ModelRole], int],
     """Every MFC on all devices data-parallel; generation on a copy with TP from ``first_tp`` upward."""
     world, per_node = problem.cluster.world_size, problem.cluster.devices_per_node
 
-    def options(p: PlanProblem):
-        gens = [m for m in p.mfcs if m.kind == "generate"]
+    def options(p: PlanProblem) -> Iterator[dict[str, Layout]]:
+        gens = [m for m in p.mfcs if m.kind is MFCKind.GENERATE]
         tps = _tp_degrees(max(first_tp(p.role(gens[0])), 1), world, p.role(gens[0]), per_node) if gens else [1]
         for tp in tps:
-            yield {m.name: Layout.contiguous(0, Strategy(dp=world // tp, tp=tp) if m.kind == "generate"
+            yield {m.name: Layout.contiguous(0, Strategy(dp=world // tp, tp=tp) if m.kind is MFCKind.GENERATE
                                              else Strategy(dp=world)) for m in p.mfcs}
 
     return _first_fit(problem, _ladder(_with_stage(3, shard_frozen=True)), options, engine)
@@ -164,7 +182,7 @@ def openrlhf_groups(problem: PlanProblem, colocate_pairs: bool) -> Groups:
     of the same head (LM or scalar), in the 1 : 1 : 1 (actor : critic : vLLM) its hybrid-engine docs advise."""
     trained = [n for n in problem.graph.models() if problem.roles[n].trainable]
     frozen = [n for n in problem.graph.models() if not problem.roles[n].trainable]
-    generates = any(m.kind == "generate" for m in problem.mfcs)
+    generates = any(m.kind is MFCKind.GENERATE for m in problem.mfcs)
     groups: Groups = []
     if not colocate_pairs:
         groups += [((n,), OPENRLHF_WEIGHTS["trained"]) for n in trained]
@@ -185,18 +203,19 @@ def _grouped_rule(problem: PlanProblem, groups: Groups, engine: VllmEngine) -> F
     sizes = _proportional(world, [w for _, w in groups])
     if sizes is None:
         return None
-    where, first = {}, 0
+    where: dict[str, tuple[int, int]] = {}  # a group member (or GENERATE) -> (first rank, ranks)
+    first = 0
     for (members, _), size in zip(groups, sizes):
         where.update({member: (first, size) for member in members})
         first += size
 
-    def options(p: PlanProblem):
-        gen = next((m for m in p.mfcs if m.kind == "generate"), None)
+    def options(p: PlanProblem) -> Iterator[dict[str, Layout]]:
+        gen = next((m for m in p.mfcs if m.kind is MFCKind.GENERATE), None)
         g0, gsize = where.get(GENERATE, (0, 1))
         for tp in _tp_degrees(1, gsize, p.role(gen), per_node) if gen is not None else [1]:
             if gen is not None and g0 // per_node != (g0 + tp - 1) // per_node:
                 continue  # an engine's TP group must stay inside a node
-            yield {m.name: Layout.contiguous(g0, Strategy(dp=gsize // tp, tp=tp)) if m.kind == "generate"
+            yield {m.name: Layout.contiguous(g0, Strategy(dp=gsize // tp, tp=tp)) if m.kind is MFCKind.GENERATE
                    else Layout.contiguous(where[m.model][0], Strategy(dp=where[m.model][1])) for m in p.mfcs}
 
     return _first_fit(problem, _ladder(_with_stage(3, shard_frozen=True)), options, engine)
@@ -215,7 +234,7 @@ def openrlhf(problem: PlanProblem) -> Found | None:
     return _fastest(openrlhf_arrangements(problem).values())
 
 
-def _fastest(found) -> Found | None:
+def _fastest(found: Iterable[Found | None]) -> Found | None:
     fitting = [f for f in found if f is not None]
     return min(fitting, key=lambda f: f[1].iteration_seconds) if fitting else None
 
@@ -260,10 +279,10 @@ def nemo_aligner(problem: PlanProblem) -> Found | None:
                     for size in nemo_critic_sizes(problem))
 
 
-def _nemo_split(problem: PlanProblem, jobs: list, sizes: list[int], per_node: int) -> Found | None:
+def _nemo_split(problem: PlanProblem, jobs: list[list[MFC]], sizes: list[int], per_node: int) -> Found | None:
     """Each job one Megatron (TP, PP), the smallest that fits, TP to a node first; generation resharded from PP
     to TP (``trainer.ppo.trt_llm.reshard``: TP x PP, PP 1) where the heads divide."""
-    def megatron(job, size: int) -> list[Strategy]:
+    def megatron(job: list[MFC], size: int) -> list[Strategy]:
         roles = list({m.model: problem.role(m) for m in job}.values())
         tps = [tp for tp in _tp_degrees(1, size, roles[0], per_node)
                if all(r.arch.num_heads % tp == 0 and r.arch.num_kv_heads % tp == 0 for r in roles)]
@@ -282,9 +301,9 @@ def _nemo_split(problem: PlanProblem, jobs: list, sizes: list[int], per_node: in
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
     choices = [megatron(job, size) for job, size in zip(jobs, sizes)]
 
-    def options(p: PlanProblem):
+    def options(p: PlanProblem) -> Iterator[dict[str, Layout]]:
         for picked in itertools.product(*choices):
-            yield {m.name: Layout.contiguous(start, resharded(s, p.role(m)) if m.kind == "generate" else s)
+            yield {m.name: Layout.contiguous(start, resharded(s, p.role(m)) if m.kind is MFCKind.GENERATE else s)
                    for start, job, s in zip(starts, jobs, picked) for m in job}
 
     return _first_fit(problem, _ladder(_with_stage(1), SAVERS[:2]), options, VllmEngine())  # TensorRT-LLM

@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import assert_never
 
-from restage.graph import MFC, MFCKind
+from restage.cluster import ClusterSpec
+from restage.graph import MFC, DataflowGraph, MFCKind
 from restage.layout import Layout
-from restage.plan.estimator import Estimate, sequences_per_rank
+from restage.plan.estimator import Estimate, Estimator
 from restage.plan.generation_cost import OneBatchEngine, VllmEngine, vllm_generate_seconds
+from restage.plan.layout_cost import sequences_per_rank
 from restage.plan.problem import Candidate, PlanProblem
+from restage.plan.roles import ModelRole
 
 
 def wave_counts(mfc: MFC, dp: int) -> list[int]:
@@ -58,7 +62,7 @@ def waves_estimate(problem: PlanProblem, mfc: MFC, layout: Layout, waves: int) -
 
 def old_logprob_seconds(problem: PlanProblem, train: MFC, layout: Layout, micro_batches: int) -> float:
     """One forward of the trained model over the generation's sequences on its training layout."""
-    gen = next(m for m in problem.mfcs if m.kind == "generate" and m.model == train.model)
+    gen = next(m for m in problem.mfcs if m.kind is MFCKind.GENERATE and m.model == train.model)
     role = problem.role(train)
     sharded = role.zero_stage == 3  # the peer's ZeRO-3 engine gathers (and prefetches) the parameters
     frozen = dataclasses.replace(role, trainable=False, shard_frozen=sharded, prefetch_gathers=sharded,
@@ -86,24 +90,31 @@ class PeerProblem(PlanProblem):
 
     zero3_lockstep = False  # the Hybrid Engine gathers once per generation (and vLLM holds its own copy)
 
-    def __init__(self, *args, engine: VllmEngine | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, graph: DataflowGraph, roles: dict[str, ModelRole], cluster: ClusterSpec, *, estimator: Estimator,
+                 samples_per_iteration: int, overlap_iterations: bool, exact_realloc: bool, keep_per_size: int,
+                 engine: VllmEngine | None = None):
+        super().__init__(graph, roles, cluster, estimator=estimator, samples_per_iteration=samples_per_iteration,
+                         overlap_iterations=overlap_iterations, exact_realloc=exact_realloc, keep_per_size=keep_per_size)
         self.engine = engine
 
     def candidate(self, mfc: MFC | str, layout: Layout, micro_batches: int | None = None) -> Candidate:
         mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
-        if mfc.kind == "generate":
-            waves = micro_batches or 1
-            est = (waves_estimate(self, mfc, layout, waves) if self.engine is None
-                   else engine_estimate(self, mfc, layout, waves, self.engine))
-            return Candidate(mfc.name, layout, est)
-        cand = super().candidate(mfc, layout, micro_batches)
-        if mfc.kind == "train_step" and any(m.kind == "generate" and m.model == mfc.model for m in self.mfcs):
-            extra = old_logprob_seconds(self, mfc, layout, cand.micro_batches)
-            est = cand.estimate
-            cand = Candidate(mfc.name, layout, dataclasses.replace(
-                est, seconds=est.seconds + extra, breakdown=est.breakdown + (("old_logprob_seconds", extra),)))
-        return cand
+        match mfc.kind:
+            case MFCKind.GENERATE:
+                waves = micro_batches or 1
+                est = (waves_estimate(self, mfc, layout, waves) if self.engine is None
+                       else engine_estimate(self, mfc, layout, waves, self.engine))
+                return Candidate(mfc.name, layout, est)
+            case MFCKind.TRAIN_STEP if any(m.kind is MFCKind.GENERATE and m.model == mfc.model for m in self.mfcs):
+                cand = super().candidate(mfc, layout, micro_batches)
+                extra = old_logprob_seconds(self, mfc, layout, cand.micro_batches)
+                est = cand.estimate
+                return Candidate(mfc.name, layout, dataclasses.replace(
+                    est, seconds=est.seconds + extra, breakdown=est.breakdown + (("old_logprob_seconds", extra),)))
+            case MFCKind.TRAIN_STEP | MFCKind.INFERENCE:
+                return super().candidate(mfc, layout, micro_batches)
+            case _:
+                assert_never(mfc.kind)
 
     def in_place_seconds(self, cand: Candidate) -> float:
         """The peers' engines hold their own copy to generate from (vLLM, TensorRT-LLM, the Hybrid Engine's gather)."""
@@ -111,7 +122,7 @@ class PeerProblem(PlanProblem):
 
     def options(self, mfc: MFC | str, layout: Layout) -> list[Candidate]:
         mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
-        if mfc.kind != "generate":
+        if mfc.kind is not MFCKind.GENERATE:
             return super().options(mfc, layout)
         return sorted((self.candidate(mfc, layout, w) for w in wave_counts(mfc, layout.strategy.dp)),
                       key=lambda c: c.seconds)
