@@ -160,7 +160,7 @@ NODE = """
 import fcntl, json, socket, sys, time
 fcntl.flock = lambda *args: None
 socket.gethostname = lambda: sys.argv[1]
-from restage.runtime import ops
+from restage.runtime.store import deepspeed_ops
 with deepspeed_ops.build_lock("cpu_adam", say=lambda line: None, poll_seconds=0.05):
     start = time.time()
     time.sleep(1.0)

@@ -240,7 +240,7 @@ def deepspeed_config(spec: EngineSettings, dp: int, micro_batches: int, ep: int 
         "optimizer": {"type": "AdamW", "params": {
             "lr": optim.lr, "betas": list(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay,
             # torch's AdamW everywhere but offload (which steps on the host with DeepSpeed's CPU Adam,
-            # runtime.ops): on GPUs its multi-tensor kernels need no JIT build of DeepSpeed's FusedAdam,
+            # store/deepspeed_ops.py): on GPUs its multi-tensor kernels need no JIT build of DeepSpeed's FusedAdam,
             # so no nvcc on compute nodes and no rank waiting on a shared build lock.
             **({} if spec.offload_optimizer else {"torch_adam": True}),
         }},
