@@ -122,7 +122,7 @@ def eval_episodes(module: StageModule, mfc: MFC, prompts: Batch, cfg: Experiment
                   state: AlgoState, call: CallContext) -> list[EpisodeRecord]:
     """One greedy episode per held-out prompt (evaluation during training, runtime/step/evaluation.py), every rank of the
     replica holding them all. Greedy turns take no random numbers: the run's streams are as without evaluation."""
-    one_each = dataclasses.replace(mfc, greedy=True, options={**mfc.options, "group_size": 1})
+    one_each = dataclasses.replace(mfc, greedy=True, options=dataclasses.replace(mfc.options, group_size=1))
     return play_episodes(module, one_each, prompts, cfg, state, call, seed=0)[0]
 
 
