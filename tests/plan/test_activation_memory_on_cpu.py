@@ -65,7 +65,7 @@ def block_bytes(module: StageModule, layer: int = 0) -> int:
     batch = PackedBatch.from_seqlens(SEQLENS)
     h = torch.randn(batch.num_tokens, cfg.hidden_size, dtype=module.dtype, requires_grad=True)
     rope = None if cfg.family == "gpt2" else rope_tables(batch.positions, cfg.head_dim, cfg.rope_theta, module.dtype)
-    return saved_bytes(module, lambda: module.layers[str(layer)](h, batch, rope, None))
+    return saved_bytes(module, lambda: module.layers[str(layer)](h, batch, rope, None, None))
 
 
 def cpu_norm_statistics_difference(cfg: ModelConfig, e: int) -> int:
