@@ -5,7 +5,7 @@
 
 Runs one episode per prompt and seed (the last ``--prompts`` rows of the job's data, the held-out prompts of
 ``restage.data.arith``; sampled at the job's temperature, one rank, the job's environment and tools) through
-``runtime.multi_turn.run_episodes`` and prints one line, pooled over the seeds: the fraction of episodes with a
+``runtime.step.multi_turn.run_episodes`` and prints one line, pooled over the seeds: the fraction of episodes with a
 call that ran, the fraction whose final answer is exactly right (``restage.data.arith.correct``), the mean final
 score and turns; ``--show N`` prints the first N episodes first.
 """

@@ -1,6 +1,6 @@
 """Pipeline-parallel generation under pp=2 on CPU gloo: stages one after another against micro-groups in flight.
 
-Two ranks (``runtime.spawn``, gloo, one thread each) hold the two stages of a random LLaMA-family
+Two ranks (``runtime.control.spawn``, gloo, one thread each) hold the two stages of a random LLaMA-family
 model (``--size``: ``bench/generate.py``'s sizes, or ``small``) and generate the same requests
 with the two schedules of the rollout engine, alternating, best of ``--repeats`` after a warm-up:
 

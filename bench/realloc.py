@@ -2,7 +2,7 @@
 
 For each layout pair it times restage and three other ways of producing every destination shard, and one cost:
 
-* ``restage``: the planned, bucketed reallocation (``runtime.realloc``), called as the runtime
+* ``restage``: the planned, bucketed reallocation (``runtime.dataplane.realloc``), called as the runtime
   calls it: a destination tensor a rank holds whole shares the source's storage
   (``share_local``; ``--copy-local`` copies it instead);
 * ``equal-link broadcast`` (the target's baseline, the only broadcast timed): one

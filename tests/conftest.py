@@ -1,6 +1,6 @@
 """Suite-wide setup: every rank a test starts checks NCCL's rules (restage.testing.nccl_rules).
 
-``runtime.spawn`` turns the layer on for its children itself; this covers ranks started through
+``runtime.control.spawn`` turns the layer on for its children itself; this covers ranks started through
 mpirun (``restage run``, ``restage generate``, the e2e jobs), which inherit the environment.
 Also the ``small_tmpfs`` fixture, for tests that fill a disk, and ``bench_module``, for tests of the benchmarks.
 """

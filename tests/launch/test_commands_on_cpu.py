@@ -145,7 +145,7 @@ def test_prepare_when_srun_bound_one_gpu_per_task():
 @pytest.mark.parametrize("launcher", ["mpirun", "srun"])
 def test_every_local_rank_uses_its_own_gpu(visible, launcher):
     """For every local rank of a node: the visible devices and the LOCAL_RANK DeepSpeed (and
-    runtime.control's set_device(local_rank % device_count)) will use name the rank's own GPU, all distinct."""
+    runtime.control.channels's set_device(local_rank % device_count)) will use name the rank's own GPU, all distinct."""
     node_gpus = (visible or "0,1,2,3,4,5,6,7").split(",")
     used = []
     for local in range(8):
@@ -163,7 +163,7 @@ def test_every_local_rank_uses_its_own_gpu(visible, launcher):
         assert devices == node_gpus  # the whole node, as SLURM gave it
         deepspeed_index = int(env["LOCAL_RANK"])
         assert deepspeed_index < len(devices)  # no "invalid device ordinal"
-        assert deepspeed_index == local % len(devices)  # what runtime.control.init_torch_distributed sets
+        assert deepspeed_index == local % len(devices)  # what runtime.control.channels.init_torch_distributed sets
         if launcher == "mpirun":
             assert env["LOCAL_RANK"] == env["OMPI_COMM_WORLD_LOCAL_RANK"]  # DeepSpeed's assertion
         used.append(devices[deepspeed_index])

@@ -1,7 +1,7 @@
 """The planner never proposes a layout the runtime refuses, and proposes every one it takes (within the planner's own
 policies: TP inside a node, a sequence per DP rank): property-style over the shipped tiny jobs, tiny presets with
 ZeRO-3 and tied embeddings, and the paper's configs. "The runtime refuses" is its start-up check
-(``runtime.feasibility.schedule_problem``) on a schedule holding the layout; a schedule ``build_schedule`` writes
+(``runtime.store.feasibility.schedule_problem``) on a schedule holding the layout; a schedule ``build_schedule`` writes
 passes that check whole."""
 
 from __future__ import annotations

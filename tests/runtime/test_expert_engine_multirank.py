@@ -64,7 +64,7 @@ def _engine(path, layout, zero_stage, groups, rank):
 
 
 def _step(engine, step: int) -> tuple[dict[str, torch.Tensor], float]:
-    """One optimizer step as ``runtime.execute.run_train`` takes it; returns the parameters after it and the
+    """One optimizer step as ``runtime.step.execute.run_train`` takes it; returns the parameters after it and the
     gradient norm the engine clipped by."""
     from restage.models.pipeline import train_1f1b
     from restage.runtime.step.execute import stage_backward

@@ -20,7 +20,7 @@ def test_load_with_overrides(config_file):
     assert cfg.models["actor"].dtype == "bf16"
     assert cfg.models["actor"].optim.lr == pytest.approx(1e-5)
     assert cfg.algo == {"kl_coef": 0.05}
-    assert cfg.trial_dir == config_file.parent / "results" / "x" / "default"  # beside the config (config_paths)
+    assert cfg.trial_dir == config_file.parent / "results" / "x" / "default"  # beside the config (config.paths)
 
 
 @pytest.mark.parametrize("override,message", [

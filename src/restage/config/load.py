@@ -121,7 +121,7 @@ def apply_override(data: dict, override: str) -> None:
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
     """Read a YAML experiment config, apply overrides, validate. The file's relative paths are made absolute against
-    its directory, the overrides' against the working directory (``config_paths``)."""
+    its directory, the overrides' against the working directory (``config.paths``)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path.absolute()} does not exist")

@@ -145,7 +145,7 @@ class DashboardsConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """How generate MFCs sample (``models.sampling.SamplingParams`` extends it with the run's own settings)."""
+    """How generate MFCs sample (``rollout.sampling.SamplingParams`` extends it with the run's own settings)."""
 
     max_new_tokens: int = 32
     min_new_tokens: int = 0

@@ -264,7 +264,7 @@ def layout_problem(name: str, cfg: ModelConfig, strategy: Strategy, world_size: 
 
     The one feasibility rule: the planner proposes no layout it refuses (``plan.problem.strategies_for``, the
     candidates, the search's starting plans and manual layouts) and the runtime checks every layout of a
-    schedule with it at start-up (``runtime.feasibility.schedule_problem``). Placement (which ranks) does not
+    schedule with it at start-up (``runtime.store.feasibility.schedule_problem``). Placement (which ranks) does not
     matter to it; a layout's mesh is as large as its strategy.
     """
     problem = strategy_problem(cfg, strategy, f"models.{name}")

@@ -16,12 +16,12 @@ a step costs and what a prefill covers:
   (``paged_occupancy``: answers spread over their positions, the steady state of continuous batching
   and the length model of the vLLM peers below), and the first wave's requests, which start together,
   are preempted where their growth overruns the pool (their work done again). Contiguous
-  (``generation.kv_cache: contiguous``): ``live`` = its slots, ``models.rollout.slot_count`` of the
+  (``generation.kv_cache: contiguous``): ``live`` = its slots, ``rollout.budget.slot_count`` of the
   budget over a slot of ``prompt + gen`` tokens. The budget is ``generation.kv_cache_gib`` (0:
   ``GPU_FREE_MEMORY_FRACTION`` of the memory the rank's weights leave; ``CPU_KV_CACHE_BYTES`` on a CPU).
   A group's prompt (``group_size``) is prefilled once (all but its last token) and its KV copied to
   the siblings (paged: only its partial last block); decode steps replayed as CUDA graphs where the
-  runtime replays them (``replays_graphs``: ``models.decode_graphs.choose_decode_mode``, and one
+  runtime replays them (``replays_graphs``: ``rollout.decode_graphs.choose_decode_mode``, and one
   micro-group in flight): a block's kernels take at least ``GRAPH_BLOCK_SECONDS`` instead of the eager
   ``block_overhead_seconds`` and each call captures its graph once (a warm-up step and a capture, each
   costed as one eager step); eager elsewhere (per-block launch time). Attention reads, per sequence,
@@ -97,7 +97,7 @@ GenerationEngine = RestageEngine | OneBatchEngine
 
 
 def kv_budget_bytes(cluster: ClusterSpec, engine: RestageEngine, weight_bytes: float) -> int:
-    """The rollout engine's KV budget on one rank (``models.rollout.kv_budget_bytes``): the configured one, else
+    """The rollout engine's KV budget on one rank (``rollout.budget.kv_budget_bytes``): the configured one, else
     ``GPU_FREE_MEMORY_FRACTION`` of the usable memory the rank's weights leave (the runtime takes it of the memory
     free when the engine is built; the other models a plan keeps on the rank are not subtracted here), or
     ``CPU_KV_CACHE_BYTES`` on a CPU."""
@@ -110,7 +110,7 @@ def kv_budget_bytes(cluster: ClusterSpec, engine: RestageEngine, weight_bytes: f
 
 def restage_slots(cluster: ClusterSpec, engine: RestageEngine, slot_bytes: float, weight_bytes: float,
                   requests: int) -> int:
-    """The contiguous cache's slots on one rank, by ``models.rollout.plan_slots``' rule over ``kv_budget_bytes``. At
+    """The contiguous cache's slots on one rank, by ``rollout.budget.plan_slots``' rule over ``kv_budget_bytes``. At
     least one: a budget under one slot, which the runtime refuses, is costed as one slot (its memory then shows the
     overdraft)."""
     budget = kv_budget_bytes(cluster, engine, weight_bytes)
@@ -123,7 +123,7 @@ def flash_decodes(cluster: ClusterSpec, engine: RestageEngine, dtype: str) -> bo
 
 
 def block_tokens(cluster: ClusterSpec, engine: RestageEngine, dtype: str) -> int:
-    """A paged cache's block (``models.rollout.block_tokens_for``): ``generation.kv_block_tokens``, else
+    """A paged cache's block (``rollout.budget.block_tokens_for``): ``generation.kv_block_tokens``, else
     ``FLASH_BLOCK_TOKENS`` where flash-attn serves, else ``DEFAULT_BLOCK_TOKENS``."""
     if engine.limits.block_tokens:
         return engine.limits.block_tokens
@@ -155,7 +155,7 @@ class Occupancy:
 
 def paged_occupancy(budget_bytes: int, token_bytes: float, prompt: int, answer: int, group: int, requests: int,
                     max_slots: int, block: int) -> Occupancy:
-    """The paged cache (``models.rollout.new_rollout_cache``) for ``requests`` of ``prompt`` + ``answer`` tokens, in
+    """The paged cache (``rollout.budget.new_rollout_cache``) for ``requests`` of ``prompt`` + ``answer`` tokens, in
     groups of ``group`` siblings, with ``token_bytes`` of keys and values a token.
 
     Pool: ``min(budget // block_bytes, rows x blocks_for(max_len))`` blocks (one more, the scratch block, is

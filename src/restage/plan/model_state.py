@@ -45,7 +45,7 @@ def stage_trained_elements(cfg: ModelConfig, tp: int, pp: int, ep: int = 1) -> t
 
 
 def trained_zero_stage(zero_stage: int, ep: int) -> int:
-    """The ZeRO stage a model trains with (``runtime.engines.effective_zero_stage``: ZeRO-0 runs as 1 under ep)."""
+    """The ZeRO stage a model trains with (``runtime.store.zero_engines.effective_zero_stage``: ZeRO-0 runs as 1 under ep)."""
     return 1 if ep > 1 and zero_stage == 0 else zero_stage
 
 

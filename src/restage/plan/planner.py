@@ -78,7 +78,7 @@ def build_problem(cfg: ExperimentConfig, cluster: ClusterSpec | None = None, fla
 
 
 def engine_of(cfg: ExperimentConfig, flash_attn: bool | None = None) -> RestageEngine:
-    """The rollout engine the config's ``generation`` settings build (``models.generation.generate``'s limits).
+    """The rollout engine the config's ``generation`` settings build (``rollout.generation.generate``'s limits).
     ``flash_attn``: whether flash-attn is installed where the ranks run; None: as in this process, which plans on
     (or as) the ranks' machines (``launch/job.py`` plans inside the job), the runtime asking the same of its own
     (``models.attention.flash_attn_with_kvcache``)."""

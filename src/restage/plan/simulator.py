@@ -253,7 +253,7 @@ def zero3_in_place(problem: PlanProblem, plan: Plan, mfc: MFC) -> bool:
 
 def zero3_generation_mode(problem: PlanProblem, plan: Plan, mfc: MFC) -> Zero3GenerationMode:
     """How a generation in place (``zero3_in_place``) runs: the runtime's rule (``runtime/store/zero3_generation.py``,
-    ``models.rollout.gathers_once``) on the planner's figures. Gathered once when the stage's parameters fit
+    ``rollout.budget.gathers_once``) on the planner's figures. Gathered once when the stage's parameters fit
     ``GATHER_ONCE_FRACTION`` of what its ranks have left (usable memory less the persistent state of the models
     whose homes hold them, the most on any of its ranks); else lockstep. The peers' engines and engines other than
     restage's rollout engine gather once (``PlanProblem.zero3_lockstep``)."""

@@ -33,7 +33,7 @@ counted from 0) are still read: ``read_log`` adds one to their step numbers, and
 writer rewrites such a log as version 2.
 
 Times are seconds on the master's clock (each rank corrects its own by an offset measured at
-start-up, ``runtime.clock``); the report only ever uses differences, within a rank for durations
+start-up, ``runtime.control.clock``); the report only ever uses differences, within a rank for durations
 and against the step's start for the timeline.
 """
 

@@ -1,10 +1,10 @@
 """``python -m restage.runtime.spmd SCHEDULE [--resume]``: the program every rank runs.
 
 Every rank reads the same schedule and walks the same op list each iteration, doing the ops it
-takes part in (``schedule.program``). Rank 0 is also the master (``runtime.master``): it owns the
+takes part in (``schedule.program``). Rank 0 is also the master (``runtime.control.master``): it owns the
 data cursor, the log and the decisions to checkpoint and stop, and talks to the others over MPI.
-Any exception on any rank aborts the whole job with the rank named (``runtime.failure``). Each rank's
-heartbeat (``runtime.heartbeat``) tells the launcher's watchdog that it lives and what it is doing.
+Any exception on any rank aborts the whole job with the rank named (``runtime.control.failure``). Each rank's
+heartbeat (``runtime.control.heartbeat``) tells the launcher's watchdog that it lives and what it is doing.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """NCCL's rules, checked on CPU: make gloo fail where NCCL would fail or hang.
 
 Off unless ``RESTAGE_NCCL_RULES`` is set in the environment (``install()`` then patches
-``torch.distributed``; nothing is patched otherwise). ``runtime.spawn`` sets it for its children
+``torch.distributed``; nothing is patched otherwise). ``runtime.control.spawn`` sets it for its children
 and the test suite's ``conftest.py`` sets it for ``restage run``/mpirun-launched ranks. Rules:
 
 a. ``first-batched-p2p``: a ``batch_isend_irecv`` as a group's first call must involve every rank

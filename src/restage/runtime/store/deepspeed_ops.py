@@ -18,7 +18,7 @@ the lock and still finds torch's ``lock`` knows its maker is dead (no live proce
 lock, and none on this host has the file open), reports it and removes it.
 
 restage trains with torch's own AdamW on GPUs (multi-tensor CUDA kernels, nothing to compile,
-no nvcc on compute nodes; see ``runtime.engines.deepspeed_config``), so the only op it needs there
+no nvcc on compute nodes; see ``runtime.store.zero_engines.deepspeed_config``), so the only op it needs there
 is ``cpu_adam``, for ZeRO optimizer offload; on CPU ranks DeepSpeed's communication backend also
 loads ``deepspeed_shm_comm``. ``prepare_ops`` makes one rank per node load (and if needed build)
 them while the others wait at a barrier; then they load the finished build, one at a time.

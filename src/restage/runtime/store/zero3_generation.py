@@ -7,11 +7,11 @@ replicas whose answers end at different steps run different numbers of forwards.
   plain copy of the stage, the call generates on the copy (no hooks: no gathers per forward, and CUDA-graph decode
   steps where they serve) and the copy is dropped after it. It holds the whole stage's parameters for the call.
 * ``lockstep``: the call generates on the partitioned module; the rollout engine keeps the dp replicas in lockstep
-  (``models.rollout.lockstep_group``: one agreement per check, a one-token join forward for a replica with
+  (``rollout.lockstep.lockstep_group``: one agreement per check, a one-token join forward for a replica with
   nothing to run), so every forward's gathers have all their ranks. It holds one unit at a time, but pays a
   gather of the stage per forward, joins included, and decodes eagerly.
 
-The rule (``models.rollout.gathers_once``, which the planner applies to its own figures): gather once when the
+The rule (``rollout.budget.gathers_once``, which the planner applies to its own figures): gather once when the
 stage's parameters not already held whole fit in ``GATHER_ONCE_FRACTION`` of the memory available on every rank
 of the layout (a GPU: free plus PyTorch's reserved-but-unallocated, ``rollout.cuda_available_bytes``; the host:
 ``MemAvailable``), else lockstep. The ranks take the smallest figure among them (one all-reduce over the layout),
