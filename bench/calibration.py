@@ -30,9 +30,10 @@ from restage.cluster import ClusterSpec, load_cluster
 from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
-from restage.plan.estimator import Estimator, ModelRole
+from restage.plan.estimator import Estimator
 from restage.plan.gemm import mamf_efficiency
 from restage.plan.generation_cost import VllmEngine, ray_tp_step_seconds, vllm_generate_seconds
+from restage.plan.roles import ModelRole
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from published import POINTS, Placed, Published, TrainStage, VllmStage  # noqa: E402  (bench/ is not a package)

@@ -13,7 +13,7 @@ import time
 
 from restage.algorithms.rewards import resolve_reward
 from restage.algorithms.scoring import RewardPool
-from restage.config.schema import RewardsConfig
+from restage.config.sections import RewardsConfig
 
 ANSWERS = 64
 

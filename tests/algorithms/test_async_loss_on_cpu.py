@@ -9,9 +9,8 @@ from restage.algorithms import losses, offpolicy, registry
 from restage.algorithms.base import CallContext
 from restage.algorithms.interface import build_graph, get_algorithm
 from restage.config.load import config_from_dict
-from restage.config.schema import ConfigError
 from restage.data.batch import pack_sequences
-from restage.errors import StalenessError
+from restage.errors import ConfigError, StalenessError
 
 MODELS = {"sft": ["actor"], "rm": ["reward"], "dpo": ["actor", "ref"], "ppo": ["actor", "critic", "ref"],
           "grpo": ["actor", "ref"], "remax": ["actor", "ref"], "raft": ["actor"]}

@@ -8,7 +8,7 @@ import pytest
 
 from restage.algorithms import register_algorithm
 from restage.algorithms.interface import get_algorithm
-from restage.config.schema import ConfigError
+from restage.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"<!-- (file: (?P<file>\S+)|run) -->\n```\w*\n(?P<code>.*?)```", re.S)

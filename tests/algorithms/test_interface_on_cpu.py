@@ -8,10 +8,10 @@ import torch
 from restage.algorithms import base, packed_ops
 from restage.algorithms.interface import build_graph, check_algorithm, get_algorithm
 from restage.config.load import config_from_dict, load_config
-from restage.config.schema import ConfigError
 from restage.data.batch import pack_sequences
 from restage.data.tasks import VOCAB
 from restage.data.tokenizer import load_tokenizer
+from restage.errors import ConfigError
 from restage.graph import MFCOptions, RefEMA
 
 ROOT = Path(__file__).resolve().parents[2]

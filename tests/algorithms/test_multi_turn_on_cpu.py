@@ -26,7 +26,7 @@ from restage.algorithms.rewards import resolve_reward
 from restage.algorithms.sandbox import Limits
 from restage.algorithms.tools import ToolCall, parse_tool_calls, resolve_tools, run_tool
 from restage.config.load import config_from_dict, load_config
-from restage.config.schema import EnvironmentConfig
+from restage.config.sections import EnvironmentConfig
 from restage.data import arith
 from restage.data.batch import pack_sequences
 from restage.errors import ConfigError

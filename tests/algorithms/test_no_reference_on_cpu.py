@@ -11,9 +11,9 @@ from tiny_loop import logprobs, tiny_model
 from restage.algorithms import _policy, losses
 from restage.algorithms.interface import build_graph, get_algorithm, unused_models
 from restage.config.load import config_from_dict
-from restage.config.schema import ConfigError
 from restage.data.batch import pack_sequences
 from restage.data.tasks import VOCAB
+from restage.errors import ConfigError
 from restage.graph import RefEMA
 
 KL_ALGORITHMS = ("ppo", "grpo", "remax")

@@ -15,7 +15,7 @@ from restage.algorithms.rewards import resolve_reward
 from restage.algorithms.scoring import RewardPool, score
 from restage.algorithms.timelimit import TimeLimitedWorkers, TimeLimitExceeded, WorkerDied
 from restage.config.load import config_from_dict
-from restage.config.schema import RewardsConfig
+from restage.config.sections import RewardsConfig
 from restage.errors import ConfigError, RewardError
 
 PROMPTS = ["p0", "p1", "p2", "p3"]

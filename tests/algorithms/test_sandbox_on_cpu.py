@@ -11,7 +11,7 @@ from victim import snapshot
 
 from restage.algorithms import rewards
 from restage.algorithms.sandbox import Limits, run_test
-from restage.config.schema import RewardsConfig
+from restage.config.sections import RewardsConfig
 
 TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]
 OPTIONS = RewardsConfig(code_timeout_seconds=3.0)

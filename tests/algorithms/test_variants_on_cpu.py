@@ -9,7 +9,7 @@ import torch
 from restage.algorithms import estimators, grpo, is_correction, losses, registry
 from restage.algorithms.interface import build_graph, get_algorithm
 from restage.config.load import config_from_dict
-from restage.config.schema import PlanConfig
+from restage.config.sections import PlanConfig
 from restage.data.batch import Batch, pack_sequences
 from restage.errors import ConfigError
 from restage.graph import MFC, MFCOptions

@@ -10,7 +10,7 @@ import torch
 
 from restage.algorithms import base, rewards, scoring, verifiers
 from restage.config.load import config_from_dict
-from restage.config.schema import RewardsConfig
+from restage.config.sections import RewardsConfig
 from restage.data.batch import pack_sequences
 from restage.errors import ConfigError, RewardError
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from restage.data.batch import Batch, concat, contiguous_parts, pack_sequences
+from restage.data.batch import Batch, concat, pack_sequences
+from restage.models.packing import contiguous_parts
 
 
 def make_batch():

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 
 from restage.config.load import config_from_dict
-from restage.config.schema import ConfigError
 from restage.data import datasets, make, sources, tasks
 from restage.data.tokenizer import load_tokenizer
+from restage.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "data" / "synthetic"

@@ -16,7 +16,7 @@ import torch
 
 from restage.algorithms import sft
 from restage.algorithms.environments import EpisodeContext, SpelledToolUse
-from restage.config.schema import EnvironmentConfig
+from restage.config.sections import EnvironmentConfig
 from restage.data import arith, datasets
 from restage.data.tokenizer import load_tokenizer
 from restage.errors import ConfigError

@@ -6,7 +6,7 @@ import pytest
 
 from restage import cli
 from restage.config.load import load_config
-from restage.config.schema import SlurmConfig
+from restage.config.sections import SlurmConfig
 from restage.errors import ConfigError
 from restage.launch.slurm import render_template, sbatch_error, signal_delay_seconds
 

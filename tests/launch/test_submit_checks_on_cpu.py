@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from restage import cli
-from restage.config.schema import SlurmConfig
+from restage.config.sections import SlurmConfig
 from restage.errors import ConfigError
 from restage.launch import checks, site
 from restage.launch.geometry import JobGeometry

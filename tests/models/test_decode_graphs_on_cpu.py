@@ -11,7 +11,7 @@ import torch
 from model_cases import PROMPTS, sample_sequences
 
 from restage.config.load import build
-from restage.config.schema import GenerationConfig
+from restage.config.sections import GenerationConfig
 from restage.errors import ConfigError
 from restage.layout import Layout, Strategy
 from restage.models import attention

@@ -5,7 +5,7 @@ import json
 import os
 from pathlib import Path
 
-from restage.config.schema import LORA_MODULES, LoraSpec
+from restage.config.sections import LORA_MODULES, LoraSpec
 from restage.layout import Layout, Strategy
 from restage.models.arch import LoraConfig
 from restage.models.hf_checkpoint import load_stage

@@ -55,7 +55,7 @@ def _forward_backward(module):
 
 
 def _ranks(rank: int, world_size: int, path: str) -> dict:
-    from restage.config.schema import ModelSpec, OptimConfig
+    from restage.config.sections import ModelSpec, OptimConfig
     from restage.models.hf_checkpoint import load_stage
     from restage.models.sharding import is_adapter
     from restage.runtime.dataplane.realloc import execute_reallocation, groups_for

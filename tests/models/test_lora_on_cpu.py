@@ -156,7 +156,7 @@ def test_lora_on_a_frozen_model_is_refused_and_hf_names_map_to_canonical_ones():
 
 
 def test_lora_on_gpt2_is_refused_in_one_line(tiny_models):
-    from restage.config.schema import LoraSpec
+    from restage.config.sections import LoraSpec
     from restage.plan.problem import with_lora
 
     with pytest.raises(ConfigError, match=r"models\.actor\.lora: LoRA supports the LLaMA family"):

@@ -140,7 +140,7 @@ def test_tp_wider_than_the_experts_is_refused_in_one_line():
 
 def test_experiment_config_overrides_the_checkpoints_aux_loss_coefficient(tmp_path):
     from restage.config.load import load_config
-    from restage.config.schema import ConfigError
+    from restage.errors import ConfigError
 
     job = tmp_path / "job.yaml"
     job.write_text("experiment: x\nalgorithm: sft\nmodels:\n  actor: {path: a, trainable: true}\n")
@@ -153,7 +153,8 @@ def test_experiment_config_overrides_the_checkpoints_aux_loss_coefficient(tmp_pa
 
 
 def test_lora_on_a_mixtures_mlp_is_refused_in_one_line_and_attention_lora_is_taken():
-    from restage.config.schema import ConfigError, LoraSpec
+    from restage.config.sections import LoraSpec
+    from restage.errors import ConfigError
     from restage.plan.problem import with_lora
 
     cfg = preset("qwen3-30b-a3b")

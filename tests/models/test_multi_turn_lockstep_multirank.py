@@ -112,7 +112,7 @@ def test_multi_turn_episodes_under_expert_parallelism_equal_one_rank(ep_results,
 def _run_zero3(rank, world_size, path):
     from multi_turn_cases import config
 
-    from restage.config.schema import ModelSpec, OptimConfig
+    from restage.config.sections import ModelSpec, OptimConfig
     from restage.models.hf_checkpoint import load_stage
     from restage.runtime.store import zero3_generation
     from restage.runtime.store.zero_engines import build_engine

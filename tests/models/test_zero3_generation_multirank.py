@@ -82,7 +82,7 @@ def choose_prompts(reference, replicas: int) -> tuple[int, list[list[list[int]]]
 
 
 def _generate_in_place(rank: int, world_size: int, dp: int, tp: int, mode: str | None) -> dict:
-    from restage.config.schema import ModelSpec, OptimConfig
+    from restage.config.sections import ModelSpec, OptimConfig
     from restage.models.parallel import ParallelContext
     from restage.rollout.generation import generate
     from restage.runtime.store import zero3_generation

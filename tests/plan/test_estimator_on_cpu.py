@@ -6,9 +6,10 @@ from restage.cluster import load_cluster
 from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
-from restage.plan.estimator import Estimator, ModelRole, overhead_counts, overhead_seconds
+from restage.plan.estimator import Estimator, overhead_counts, overhead_seconds
 from restage.plan.mfc_flops import mfc_flops
 from restage.plan.profile import Profile, ProfileEntry
+from restage.plan.roles import ModelRole
 
 GEN = MFC("actor_gen", "generate", "actor", ("prompts",), ("seqs",), 64, 128, 256)
 INF = MFC("ref_inf", "inference", "actor", ("seqs",), ("ref_logprobs",), 64, 128, 256)

@@ -12,8 +12,10 @@ from restage.models.flops import block_shape
 from restage.models.presets import preset
 from restage.models.sharding import layout_problem
 from restage.plan.compute import RooflineCompute
-from restage.plan.estimator import Estimator, ModelRole, expert_exchange_seconds
+from restage.plan.estimator import Estimator
+from restage.plan.layout_cost import expert_exchange_seconds
 from restage.plan.problem import strategies_for
+from restage.plan.roles import ModelRole
 
 GEN = MFC("actor_gen", "generate", "actor", ("prompts",), ("seqs",), 64, 128, 256)
 INF = MFC("ref_inf", "inference", "actor", ("seqs",), ("ref_logprobs",), 64, 128, 256)
@@ -83,7 +85,7 @@ def test_bad_ep_is_refused_in_one_line_naming_what_to_change():
 
 def test_training_under_ep_reduces_expert_gradients_over_the_expert_dp_group():
     from restage.plan.comm import allgather_seconds, reduce_scatter_seconds
-    from restage.plan.estimator import stage_expert_elements, stage_param_elements
+    from restage.plan.model_state import stage_expert_elements, stage_param_elements
 
     cfg, cluster = preset("mixtral-8x7b"), load_cluster("h100-80gb", nodes=2)
     r = role(zero_stage=1)

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from plan_helpers import ppo_config
 
-from restage.config.schema import ClusterRef
+from restage.config.sections import ClusterRef
 from restage.errors import LayoutError, PlanError
 from restage.layout import Strategy
 from restage.models.presets import preset

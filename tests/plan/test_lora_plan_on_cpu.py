@@ -7,7 +7,7 @@ from restage.config.load import config_from_dict
 from restage.layout import Layout, Strategy
 from restage.models.arch import LoraConfig
 from restage.models.sharding import is_adapter, param_specs
-from restage.plan.estimator import stage_param_elements, stage_trained_elements
+from restage.plan.model_state import stage_param_elements, stage_trained_elements
 from restage.plan.plan_score import plan_memory
 from restage.plan.problem import PlanProblem, roles_from_config
 from restage.plan.transfer_cost import exact_realloc, fast_realloc

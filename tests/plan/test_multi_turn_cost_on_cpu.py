@@ -9,7 +9,8 @@ from restage.config.load import config_from_dict
 from restage.graph import MFC, Episodes, MFCOptions
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
-from restage.plan.estimator import Estimator, ModelRole
+from restage.plan.estimator import Estimator
+from restage.plan.roles import ModelRole
 
 
 def _cfg(**environment):

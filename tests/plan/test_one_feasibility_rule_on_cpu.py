@@ -14,10 +14,10 @@ import pytest
 from plan_helpers import ppo_config
 
 from restage.config.load import load_config
-from restage.config.schema import ClusterRef
+from restage.config.sections import ClusterRef
 from restage.demo import ensure_arith_model, ensure_tiny_model
 from restage.layout import Layout, Strategy
-from restage.plan.estimator import dp_size_ok
+from restage.plan.layout_cost import dp_size_ok
 from restage.plan.peers.baselines import all_baselines, all_references, starting_plans
 from restage.plan.planner import build_problem, make_plan
 from restage.plan.problem import PlanProblem, mesh_options, strategies_for

@@ -14,9 +14,11 @@ from restage.graph import MFC, MFCOptions
 from restage.layout import Layout, Strategy
 from restage.models.attention import flash_attn_with_kvcache
 from restage.models.presets import preset
-from restage.plan.estimator import Estimator, ModelRole, restage_occupancy
+from restage.plan.estimator import Estimator
 from restage.plan.generation_cost import RestageEngine, block_tokens, paged_occupancy, replays_graphs
 from restage.plan.planner import build_problem, engine_of
+from restage.plan.roles import ModelRole
+from restage.plan.rollout_cost import restage_occupancy
 from restage.rollout.budget import RolloutLimits
 
 sys.path.insert(0, str(Path(__file__).parent))

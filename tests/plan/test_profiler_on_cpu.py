@@ -6,9 +6,10 @@ from restage.cluster import find_cluster_file, load_cluster
 from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
-from restage.plan.estimator import Estimator, ModelRole
+from restage.plan.estimator import Estimator
 from restage.plan.profile import OPS, load_profile
 from restage.plan.profiler import add_arguments, main
+from restage.plan.roles import ModelRole
 
 
 def test_profile_times_every_piece_and_the_estimator_uses_it(tmp_path, monkeypatch):

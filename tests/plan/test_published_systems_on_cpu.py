@@ -14,7 +14,7 @@ from restage.cluster import load_cluster
 from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
-from restage.plan.estimator import Estimator, ModelRole, stage_param_elements
+from restage.plan.estimator import Estimator
 from restage.plan.generation_cost import (
     VLLM_RAY_TP_STEP_SECONDS,
     VllmEngine,
@@ -22,6 +22,8 @@ from restage.plan.generation_cost import (
     ray_tp_step_seconds,
     vllm_generate_seconds,
 )
+from restage.plan.model_state import stage_param_elements
+from restage.plan.roles import ModelRole
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

@@ -15,15 +15,13 @@ from restage.graph import MFC, MFCOptions
 from restage.layout import Layout, Strategy
 from restage.models.flops import block_shape
 from restage.models.presets import preset
-from restage.plan.estimator import (
-    Estimator,
-    ModelRole,
-    forward_workspace_elements_per_token,
-    lockstep_forwards,
-    stage_param_elements,
-)
+from restage.plan.activations import forward_workspace_elements_per_token
+from restage.plan.estimator import Estimator
 from restage.plan.generation_cost import GRAPH_BLOCK_SECONDS, HOST_CHECK_SECONDS, OneBatchEngine, RestageEngine, restage_slots
+from restage.plan.model_state import stage_param_elements
 from restage.plan.planner import build_problem
+from restage.plan.roles import ModelRole
+from restage.plan.rollout_cost import lockstep_forwards
 from restage.plan.simulator import (
     _home_state_bytes,
     plan_program,

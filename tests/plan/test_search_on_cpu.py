@@ -3,10 +3,10 @@ import pytest
 from restage.cluster import load_cluster
 from restage.graph import MFC, DataflowGraph
 from restage.models.presets import preset
-from restage.plan.estimator import ModelRole
 from restage.plan.peers.baselines import all_baselines
 from restage.plan.plan_score import evaluate
 from restage.plan.problem import PlanProblem
+from restage.plan.roles import ModelRole
 from restage.plan.search import plan_count, search
 
 

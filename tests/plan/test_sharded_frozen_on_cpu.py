@@ -11,7 +11,9 @@ from restage.graph import MFC
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
 from restage.plan.comm import allgather_seconds
-from restage.plan.estimator import Estimator, ModelRole, stage_param_elements
+from restage.plan.estimator import Estimator
+from restage.plan.model_state import stage_param_elements
+from restage.plan.roles import ModelRole
 
 INF = MFC("ref_inf", "inference", "ref", ("seqs",), ("ref_logprobs",), 256, 128, 896)
 

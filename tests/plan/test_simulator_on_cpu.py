@@ -4,9 +4,9 @@ from plan_helpers import StubEstimator, ideal_cluster
 from restage.graph import MFC, DataflowGraph
 from restage.layout import Layout, Strategy
 from restage.models.presets import preset
-from restage.plan.estimator import ModelRole
 from restage.plan.plan_score import evaluate
 from restage.plan.problem import PlanProblem
+from restage.plan.roles import ModelRole
 from restage.plan.simulator import Task, simulate, steady_state
 
 

@@ -22,14 +22,14 @@ SIZES = dict(hidden_size=64, intermediate_size=1600, num_layers=3, num_heads=4, 
 def _save(rank: int, world_size: int, model_dir: str, out: str) -> dict:
     import deepspeed
 
-    from restage.config.schema import ModelSpec, OptimConfig
+    from restage.config.sections import ModelSpec, OptimConfig
     from restage.layout import Layout, ProcessGroups, Strategy
     from restage.models.hf_checkpoint import load_stage, save_checkpoint
     from restage.models.sharding import param_specs, unit_of
     from restage.runtime.checkpoint import run_state
     from restage.runtime.store.model_store import ModelSlot
     from restage.runtime.store.zero_engines import build_engine
-    from restage.schedule.file import ModelEntry
+    from restage.schedule.model_entry import ModelEntry
 
     layout = Layout((0, 1), Strategy(dp=2))
     groups = ProcessGroups(layout.all_groups(), singletons=True)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from restage.config.schema import ModelSpec, OptimConfig
+from restage.config.sections import ModelSpec, OptimConfig
 from restage.layout import Layout, ProcessGroups, Strategy
 from restage.runtime.control.spawn import spawn
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from restage.config.schema import ModelSpec, OptimConfig
+from restage.config.sections import ModelSpec, OptimConfig
 from restage.layout import Layout, Strategy
 from restage.runtime.control.spawn import spawn
 

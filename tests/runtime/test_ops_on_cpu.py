@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from restage.config.schema import ModelSpec
+from restage.config.sections import ModelSpec
 from restage.runtime.store import deepspeed_ops
 from restage.runtime.store.zero_engines import deepspeed_config
 

@@ -10,9 +10,10 @@ import torch.distributed as dist
 from realloc_cases import PAIRS_8, L, node_of_3, reference_state, shard_of, tiny
 from transfer_cases import TRANSFERS_8, make_meta, producer_batch, sample_batch
 
-from restage.data.batch import concat, contiguous_parts
+from restage.data.batch import concat
 from restage.errors import LayoutError
 from restage.layout import ProcessGroups
+from restage.models.packing import contiguous_parts
 from restage.runtime.control.spawn import spawn
 from restage.runtime.dataplane.data_transfer import GlooChannel, execute_transfer, plan_transfer
 from restage.runtime.dataplane.realloc import Workspace, execute_reallocation, groups_for

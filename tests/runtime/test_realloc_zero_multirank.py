@@ -6,7 +6,7 @@ import pytest
 import torch
 from realloc_cases import L, module_from_state, reference_state, shard_of, tiny
 
-from restage.config.schema import ModelSpec, OptimConfig
+from restage.config.sections import ModelSpec, OptimConfig
 from restage.layout import ProcessGroups
 from restage.models.sharding import shard_specs
 from restage.runtime.control.spawn import spawn

@@ -9,8 +9,8 @@ import pytest
 from realloc_cases import L
 from transfer_cases import TRANSFERS_8, make_meta
 
-from restage.data.batch import contiguous_parts
 from restage.errors import LayoutError
+from restage.models.packing import contiguous_parts
 from restage.runtime.dataplane.data_transfer import balance_by_tokens, plan_transfer
 
 

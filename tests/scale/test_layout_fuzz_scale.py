@@ -19,7 +19,7 @@ import pytest
 from scale_jobs import ROOT, TRAINED, Case, difference, job_args, record, reference, run
 
 from restage.config.load import load_config
-from restage.config.schema import ClusterRef
+from restage.config.sections import ClusterRef
 from restage.models.sharding import layout_problem
 
 pytestmark = [pytest.mark.multirank, pytest.mark.e2e, pytest.mark.scale]

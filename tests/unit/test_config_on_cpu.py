@@ -3,8 +3,11 @@ import dataclasses
 import pytest
 import yaml
 
+from restage.config.choices import DatasetKind, Execution, PlanMode
 from restage.config.load import load_config
-from restage.config.schema import ConfigError, DatasetKind, Execution, ExperimentConfig, ModelSpec, PlanConfig, PlanMode
+from restage.config.schema import ExperimentConfig
+from restage.config.sections import ModelSpec, PlanConfig
+from restage.errors import ConfigError
 
 
 @pytest.fixture

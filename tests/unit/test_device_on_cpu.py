@@ -2,7 +2,7 @@
 
 import torch
 
-from restage.config import schema as config
+from restage.config import choices as config
 from restage.device import DTYPES, TORCH_NAMES, rank_device, torch_dtype
 
 

@@ -2,7 +2,7 @@ import pytest
 
 from restage.algorithms.interface import build_graph
 from restage.config.load import config_from_dict
-from restage.config.schema import ConfigError
+from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph, Episodes, MFCOptions, RefEMA
 
 

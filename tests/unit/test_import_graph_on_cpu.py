@@ -18,7 +18,7 @@ import re
 import typing
 from pathlib import Path
 
-from restage.config.schema import DatasetKind, Execution, PlanMode
+from restage.config.choices import DatasetKind, Execution, PlanMode
 from restage.graph import MFCKind
 from restage.schedule.ops import Op
 

@@ -1,6 +1,6 @@
 """The default timeouts survive a long step on a cluster (NCCL's watchdog counts from when an op is queued)."""
 
-from restage.config.schema import RunConfig
+from restage.config.sections import RunConfig
 
 
 def test_default_timeouts_outlast_a_long_step():

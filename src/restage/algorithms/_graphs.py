@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from restage.config.schema import Execution, ExperimentConfig
+from restage.config.choices import Execution
+from restage.config.schema import ExperimentConfig
 from restage.errors import ConfigError
 from restage.graph import MFC, MFCKind
 

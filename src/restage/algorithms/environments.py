@@ -29,7 +29,7 @@ from restage.algorithms.rewards import resolve_callable
 from restage.algorithms.sandbox import Limits
 from restage.algorithms.scoring import score
 from restage.algorithms.tools import TOOL_FORMATS, ToolFormat, ToolResult, parse_tool_calls, resolve_tools, run_tool
-from restage.config.schema import EnvironmentConfig, RewardsConfig
+from restage.config.sections import EnvironmentConfig, RewardsConfig
 from restage.errors import ConfigError, RestageError
 
 Message = Mapping[str, str]  # {"role": ..., "content": ...}

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from restage.algorithms.scoring import PendingScores, RewardPool
-from restage.config.schema import RewardsConfig
+from restage.config.sections import RewardsConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from restage.algorithms.timelimit import TimeLimitedWorkers, TimeLimitExceeded
-from restage.config.schema import RewardsConfig
+from restage.config.sections import RewardsConfig
 from restage.errors import ConfigError, RewardError
 
 

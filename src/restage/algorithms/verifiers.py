@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from restage.algorithms.sandbox import Limits, run_test
-from restage.config.schema import RewardsConfig
+from restage.config.sections import RewardsConfig
 from restage.errors import ConfigError
 
 SampleReward = Callable[..., float]

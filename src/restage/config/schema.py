@@ -21,22 +21,9 @@ from restage.algorithms import algorithm_names, is_algorithm_name
 from restage.cluster import load_cluster
 from restage.config.choices import (
     AUTO_DTYPE,
-    DTYPES,
-    KV_CACHE_LAYOUTS,
     DatasetKind,
     Dtype,
-    DtypeSetting,
     Execution,
-    KvCacheLayout,
-    LauncherSetting,
-    LrSchedule,
-    OnNonfinite,
-    OnRewardError,
-    OnRewardTimeout,
-    PlanMode,
-    ShardFrozenChoice,
-    WandbMode,
-    ZeroStage,
     allowed_values,
     check_choice,
 )
@@ -49,9 +36,7 @@ from restage.config.sections import (
     DatasetConfig,
     EnvironmentConfig,
     GenerationConfig,
-    LoraSpec,
     ModelSpec,
-    OptimConfig,
     PlanConfig,
     RewardsConfig,
     RunConfig,
@@ -60,15 +45,6 @@ from restage.config.sections import (
 from restage.errors import ConfigError
 
 # What ``restage.config.schema`` has always offered: the config, its sections, its choices and ConfigError.
-__all__ = [
-    "AUTO_DTYPE", "DTYPES", "KV_CACHE_LAYOUTS", "LORA_ALL_LINEAR", "LORA_HF_NAMES", "LORA_MODULES", "ClusterRef",
-    "ConfigError", "DashboardsConfig", "DatasetConfig", "DatasetKind", "Dtype", "DtypeSetting", "EnvironmentConfig",
-    "Execution", "ExperimentConfig", "GenerationConfig", "KvCacheLayout", "LauncherSetting", "LoraSpec", "LrSchedule",
-    "ModelSpec", "OnNonfinite", "OnRewardError", "OnRewardTimeout", "OptimConfig", "PlanConfig", "PlanMode",
-    "RewardsConfig", "RunConfig", "ShardFrozenChoice", "SlurmConfig", "WandbMode", "ZeroStage", "allowed_values",
-    "check_choice",
-]
-
 
 @dataclass(frozen=True)
 class ExperimentConfig:

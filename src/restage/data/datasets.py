@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from restage.config.schema import DatasetKind, ExperimentConfig, check_choice
+from restage.config.choices import DatasetKind, check_choice
+from restage.config.schema import ExperimentConfig
 from restage.data.batch import Batch, pack_sequences
 from restage.data.chat import answer_ids, cut_prompt, episode_answer_ids, full_prompt_ids
 from restage.data.sources import ROLES as FIELDS

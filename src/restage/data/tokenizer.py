@@ -6,8 +6,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from restage.data.sources import hub_hint
-from restage.errors import ConfigError
+from restage.errors import ConfigError, hub_hint
 
 
 def build_word_tokenizer(vocab: Sequence[str], out_dir: str | Path) -> Path:

@@ -10,7 +10,6 @@ from typing import Any
 from restage.accuracy import Band, ProcessBaseline, prediction_band, process_baseline
 from restage.cluster import device_is_gpu, load_cluster
 from restage.config.load import load_config
-from restage.plan.async_plan import ModeChoice
 from restage.plan.peers.baselines import BASELINES, LABELS
 from restage.plan.peers.behind import behind_line
 from restage.plan.planner import GIB, PlanOutcome, make_plan
@@ -18,6 +17,7 @@ from restage.plan.schedule import build_schedule
 from restage.schedule.execution import Async
 from restage.schedule.file import Schedule, write_schedule
 from restage.schedule.ops import Realloc
+from restage.schedule.predictions import ModeChoice
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

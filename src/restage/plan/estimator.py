@@ -16,8 +16,7 @@ every rank of the mesh.
 
 This file dispatches by MFC kind and caches; the parts live apart: ``pass_cost.py`` (train steps and forwards),
 ``rollout_cost.py`` (generation), ``model_state.py`` (parameters, gradients, optimizer state per rank),
-``layout_cost.py`` (groups, stages, per-rank batches), ``roles.py`` (``ModelRole``). The names tests and
-benchmarks import from here are re-exported (``__all__``).
+``layout_cost.py`` (groups, stages, per-rank batches), ``roles.py`` (``ModelRole``).
 """
 
 from __future__ import annotations
@@ -31,15 +30,11 @@ from restage.graph import MFC, MFCKind
 from restage.layout import Layout
 from restage.models.arch import ModelConfig
 from restage.models.sharding import validate_strategy
-from restage.plan.activations import forward_workspace_elements_per_token
 from restage.plan.compute import ProfiledCompute, RooflineCompute
 from restage.plan.generation_cost import GRAPH_BLOCK_SECONDS, GenerationEngine, RestageEngine
-from restage.plan.layout_cost import GroupKind, dp_size_ok, expert_exchange_seconds, sequences_per_rank, worst_group
+from restage.plan.layout_cost import GroupKind, worst_group
 from restage.plan.model_state import (
     sharded_frozen,
-    stage_expert_elements,
-    stage_param_elements,
-    stage_trained_elements,
     state_bytes,
     worst_stage,
 )
@@ -47,16 +42,7 @@ from restage.plan.nccl import bus_bandwidth
 from restage.plan.pass_cost import inference_cost, train_cost
 from restage.plan.profile import find_profile
 from restage.plan.roles import ModelRole
-from restage.plan.rollout_cost import generate_cost, lockstep_forwards, restage_live, restage_occupancy
-
-__all__ = [
-    # this file's
-    "OVERHEADS", "Estimate", "Estimator", "Overhead", "overhead_counts", "overhead_seconds", "overhead_unit_seconds",
-    # re-exported: the estimator's names as tests and benchmarks import them
-    "ModelRole", "dp_size_ok", "expert_exchange_seconds", "forward_workspace_elements_per_token", "lockstep_forwards",
-    "restage_live", "restage_occupancy", "sequences_per_rank", "stage_expert_elements", "stage_param_elements",
-    "stage_trained_elements",
-]
+from restage.plan.rollout_cost import generate_cost
 
 # The groups whose slowest links an estimate depends on (part of its cache key).
 _LINK_GROUPS: tuple[GroupKind, ...] = ("tp", "dp", "pp", "ep")

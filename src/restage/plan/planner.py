@@ -13,13 +13,14 @@ from typing import assert_never
 
 from restage.algorithms.interface import build_graph, unused_models
 from restage.cluster import ClusterSpec, cluster_from_config
-from restage.config.schema import Execution as ExecutionSetting
-from restage.config.schema import ExperimentConfig, PlanMode
+from restage.config.choices import Execution as ExecutionSetting
+from restage.config.choices import PlanMode
+from restage.config.schema import ExperimentConfig
 from restage.errors import ConfigError, LayoutError, PlanError
 from restage.graph import MFCKind
 from restage.layout import Layout, Strategy
 from restage.models.attention import flash_attn_with_kvcache
-from restage.plan.async_plan import STALENESS_CHOICES, ModeChoice, best_async_plan
+from restage.plan.async_plan import STALENESS_CHOICES, best_async_plan
 from restage.plan.estimator import Estimator
 from restage.plan.generation_cost import RestageEngine
 from restage.plan.peers.baselines import all_baselines, all_references, baseline, rebased, starting_plans
@@ -39,7 +40,7 @@ from restage.plan.problem import (
 from restage.plan.search import SearchResult, search
 from restage.rollout.budget import RolloutLimits
 from restage.schedule.execution import Async, Execution, Sync
-from restage.schedule.predictions import PlanMethod
+from restage.schedule.predictions import ModeChoice, PlanMethod
 from restage.schedule.program import ema_targets
 
 GIB = 2**30

@@ -19,14 +19,17 @@ from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 from restage.cluster import ClusterSpec
-from restage.config.schema import LORA_ALL_LINEAR, ExperimentConfig, LoraSpec, ModelSpec
+from restage.config.schema import ExperimentConfig
+from restage.config.sections import LORA_ALL_LINEAR, LoraSpec, ModelSpec
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph, MFCKind
 from restage.layout import Layout, Strategy
 from restage.models.arch import LoraConfig, ModelConfig
 from restage.models.sharding import layout_problem
-from restage.plan.estimator import Estimate, Estimator, ModelRole, dp_size_ok, sequences_per_rank
+from restage.plan.estimator import Estimate, Estimator
 from restage.plan.generation_cost import RestageEngine
+from restage.plan.layout_cost import dp_size_ok, sequences_per_rank
+from restage.plan.roles import ModelRole
 from restage.plan.transfer_cost import ReallocCost, data_transfer_seconds, exact_realloc, fast_realloc
 from restage.schedule.model_entry import CRITIC_NAMES
 from restage.schedule.program import check_ema_architectures

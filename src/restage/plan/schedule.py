@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, fields, replace
 from typing import assert_never
 
-from restage.config.schema import Execution as ExecutionSetting
+from restage.config.choices import Execution as ExecutionSetting
 from restage.config.schema import ExperimentConfig
-from restage.plan.estimator import ModelRole
 from restage.plan.plan_score import evaluate
 from restage.plan.planner import PlanOutcome, with_execution
 from restage.plan.problem import Candidate, PlanProblem
+from restage.plan.roles import ModelRole
 from restage.plan.simulator import op_name, plan_ops
 from restage.plan.transfer_cost import key_bytes
 from restage.schedule.file import SCHEDULE_FORMAT_VERSION, MFCEntry, Schedule, Step

@@ -16,7 +16,7 @@ from typing import assert_never
 import torch
 import torch.distributed as dist
 
-from restage.config.schema import GenerationConfig
+from restage.config.sections import GenerationConfig
 from restage.errors import ConfigError
 from restage.models.attention import KVStore, flash_installed
 from restage.models.decoder import StageModule

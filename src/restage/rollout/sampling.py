@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from restage.config.schema import GenerationConfig
+from restage.config.sections import GenerationConfig
 from restage.errors import ConfigError
 from restage.models.parallel import ParallelContext, gather_from_tp, vocab_sizes
 

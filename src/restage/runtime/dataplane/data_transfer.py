@@ -28,9 +28,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from restage.data.batch import Batch, contiguous_parts
+from restage.data.batch import Batch
 from restage.errors import LayoutError
 from restage.layout import Layout
+from restage.models.packing import contiguous_parts
 from restage.runtime.control.channels import wait_quietly
 
 if TYPE_CHECKING:

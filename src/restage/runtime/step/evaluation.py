@@ -42,7 +42,8 @@ import torch
 
 from restage.algorithms.rewards import AccuracyFn, RewardFn, decode, seq_sample_ids
 from restage.algorithms.scoring import RewardPool, score
-from restage.config.schema import ExperimentConfig, RewardsConfig, RunConfig
+from restage.config.schema import ExperimentConfig
+from restage.config.sections import RewardsConfig, RunConfig
 from restage.data.batch import Batch
 from restage.errors import ConfigError
 from restage.graph import MFC, DataflowGraph, MFCKind

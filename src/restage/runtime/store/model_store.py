@@ -30,7 +30,8 @@ from restage.runtime.dataplane import comm_budget
 from restage.runtime.store.offload import ModelCopy
 from restage.runtime.store.sharded_frozen import ShardedFrozen, check_sharded, load_sharded
 from restage.runtime.store.zero_engines import Engine, build_engine, mark_norm_ownership
-from restage.schedule.file import ModelEntry, Schedule
+from restage.schedule.file import Schedule
+from restage.schedule.model_entry import ModelEntry
 from restage.schedule.program import check_ema_architectures, ema_targets
 from restage.schedule.realloc_plan import ReallocPlan, plan_reallocation
 
