@@ -8,11 +8,12 @@ from pathlib import Path
 from plan_helpers import ppo_config
 
 from restage.cluster import ClusterSpec
+from restage.config.optim import OptimConfig
 from restage.plan.planner import make_plan
 from restage.plan.schedule import build_schedule
 from restage.schedule.execution import Async, Sync
 from restage.schedule.file import SCHEDULE_FORMAT_VERSION, Schedule, read_schedule, write_schedule
-from restage.schedule.model_entry import OptimSettings, effective_zero_stage
+from restage.schedule.model_entry import effective_zero_stage
 from restage.schedule.predictions import IterationPrediction, MFCPrediction, PlanFacts
 
 V1_FIXTURE = Path(__file__).parent / "data" / "schedule_v1_grpo_tiny_async.json"  # `restage plan` before version 2
@@ -34,7 +35,7 @@ def test_a_version_1_file_reads_into_the_schedule_version_2_writes(tmp_path):
     schedule = build_schedule(cfg, make_plan(cfg, time_budget_seconds=2, max_steps=200))
     assert SCHEDULE_FORMAT_VERSION == 2 and schedule.execution == Sync()
     assert schedule.models["critic"].critic and not schedule.models["ref"].critic
-    assert schedule.models["critic"].optim == OptimSettings(lr=3e-4, warmup_steps=2)
+    assert schedule.models["critic"].optim == OptimConfig(lr=3e-4, warmup_steps=2)
     path = write_schedule(schedule, tmp_path / "v2.json")
     assert read_schedule(path) == schedule
     old = tmp_path / "v1.json"
@@ -48,7 +49,7 @@ def test_the_committed_version_1_file_is_read_with_its_execution_and_model_setti
     assert raw["format_version"] == 1 and isinstance(schedule, Schedule)
     assert schedule.execution == Async(staleness=1, push_every=1, partial=False)
     actor = schedule.models["actor"]
-    assert actor.optim == OptimSettings(**raw["config"]["models"]["actor"]["optim"] | {"betas": (0.9, 0.95)})
+    assert actor.optim == OptimConfig(**raw["config"]["models"]["actor"]["optim"] | {"betas": (0.9, 0.95)})
     assert not actor.critic and actor.router_aux_loss_coef is None
     assert isinstance(schedule.cluster, ClusterSpec) and schedule.cluster.to_json() == raw["cluster"]
     assert isinstance(schedule.predicted, IterationPrediction) and isinstance(schedule.plan, PlanFacts)

@@ -11,7 +11,6 @@ from restage.config.choices import (
     Execution,
     KvCacheLayout,
     LauncherSetting,
-    LrSchedule,
     OnNonfinite,
     OnRewardError,
     OnRewardTimeout,
@@ -20,19 +19,7 @@ from restage.config.choices import (
     WandbMode,
     ZeroStage,
 )
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    lr_schedule: LrSchedule = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-
+from restage.config.optim import OptimConfig
 
 # LoRA targets: restage's canonical module names, and the HF names they may also be given as.
 LORA_MODULES = ("q", "k", "v", "o", "gate", "up", "down")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields, replace
+from dataclasses import fields, replace
 from typing import assert_never
 
 from restage.config.choices import Execution as ExecutionSetting
@@ -14,7 +14,7 @@ from restage.plan.roles import ModelRole
 from restage.plan.simulator import op_name, plan_ops
 from restage.plan.transfer_cost import key_bytes
 from restage.schedule.file import SCHEDULE_FORMAT_VERSION, MFCEntry, Schedule, Step
-from restage.schedule.model_entry import ModelEntry, OptimSettings, runs_with_value_head
+from restage.schedule.model_entry import ModelEntry, runs_with_value_head
 from restage.schedule.ops import Ema, Free, Generate, Offload, Op, Push, Realloc, Reload, Run, SendKey, TakeBuffered
 from restage.schedule.predictions import (
     BaselinePrediction,
@@ -79,7 +79,7 @@ def model_entry(cfg: ExperimentConfig, problem: PlanProblem, name: str, home: Ca
     return ModelEntry(**{f: getattr(role, f) for f in _ROLE_FIELDS}, home_mfc=problem.home[name],
                       home_layout=home.layout, shard_frozen=role.shard_frozen and not role.trainable,
                       critic=runs_with_value_head(name, role.arch, spec.init_critic_from_lm),
-                      optim=OptimSettings(**asdict(spec.optim)), router_aux_loss_coef=spec.router_aux_loss_coef)
+                      optim=spec.optim, router_aux_loss_coef=spec.router_aux_loss_coef)
 
 
 def _moved_bytes(problem: PlanProblem, op: Op) -> int | None:

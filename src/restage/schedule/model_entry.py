@@ -6,38 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from restage.config.optim import OptimConfig
 from restage.layout import Layout
 from restage.models.arch import ModelConfig
 
-LrSchedule = Literal["constant", "linear", "cosine"]
 CRITIC_NAMES = ("critic", "reward")  # models by these names run with a value head whatever their checkpoint holds
 
 
-@dataclass(frozen=True)
-class OptimSettings:
-    """A trainable model's AdamW and LR schedule (``models.<name>.optim``)."""
-
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    lr_schedule: LrSchedule = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"betas": list(self.betas)}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> OptimSettings:
-        known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        if "betas" in values:
-            values["betas"] = (float(values["betas"][0]), float(values["betas"][1]))
-        return cls(**values)
 
 
 def runs_with_value_head(name: str, arch: ModelConfig, init_critic_from_lm: bool) -> bool:
@@ -80,7 +57,7 @@ class ModelEntry:
     # A frozen model held 1/dp per rank of its home layout (runtime/store/sharded_frozen.py).
     shard_frozen: bool = False
     critic: bool = False  # runs with a value head (``runs_with_value_head``), whatever ``arch`` says
-    optim: OptimSettings = OptimSettings()
+    optim: OptimConfig = OptimConfig()
     router_aux_loss_coef: float | None = None  # mixture of experts: load-balancing loss weight; None: config.json's
 
     @property
@@ -106,4 +83,4 @@ class ModelEntry:
         values = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
         return cls(**values | {"arch": ModelConfig.from_json(data["arch"]),
                                "home_layout": Layout.from_json(data["home_layout"]),
-                               "optim": OptimSettings.from_json(data.get("optim", {}))})
+                               "optim": OptimConfig.from_json(data.get("optim", {}))})

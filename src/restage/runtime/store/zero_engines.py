@@ -164,7 +164,7 @@ def mark_norm_ownership(module: torch.nn.Module, tp_rank: int, replicated_names:
 
 
 class OptimizerSettings(Protocol):
-    """AdamW and its LR schedule, as ``schedule.model_entry.OptimSettings`` holds them."""
+    """AdamW and its LR schedule, as ``config.optim.OptimConfig`` holds them."""
 
     @property
     def lr(self) -> float: ...
