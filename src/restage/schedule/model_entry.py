@@ -15,8 +15,6 @@ from restage.models.arch import ModelConfig
 CRITIC_NAMES = ("critic", "reward")  # models by these names run with a value head whatever their checkpoint holds
 
 
-
-
 def runs_with_value_head(name: str, arch: ModelConfig, init_critic_from_lm: bool) -> bool:
     """Whether a model runs with a value head (a critic or reward model), whatever its checkpoint says."""
     return arch.is_critic or init_critic_from_lm or name in CRITIC_NAMES
