@@ -127,21 +127,19 @@ def ensure_eval_model() -> Path:
     return path
 
 
-def overrides_for(name: str, size: dict, layouts: dict[str, str], steps: int) -> list[str]:
-    values = {**SIZE, **size, "experiment": EXPERIMENT, "trial": name, "run.steps": steps, "plan.mode": "manual",
+def overrides_for(name: str, size: dict, layouts: dict[str, str], steps: int, experiment: str = EXPERIMENT) -> list[str]:
+    values = {**SIZE, **size, "experiment": experiment, "trial": name, "run.steps": steps, "plan.mode": "manual",
               "run.save_every": 0, "run.keep_checkpoints": 1}
     values.update({f"plan.layouts.{m}": layout for m, layout in layouts.items()})
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def world_of(layouts: dict[str, str], size: dict) -> int:
-    return 2
-
-
-def run_job(name: str, size: dict, layouts: dict[str, str], steps: int, nice: int) -> Path:
-    """One real run; returns its trial directory."""
-    cmd = [sys.executable, "-m", "restage.cli", "run", str(JOB), "-n", str(world_of(layouts, size)),
-           *overrides_for(name, size, layouts, steps), "--overwrite"]
+def run_job(name: str, size: dict, layouts: dict[str, str], steps: int, nice: int, ranks: int = 2,
+            experiment: str = EXPERIMENT) -> Path:
+    """One real run on ``ranks`` ranks (each on one thread unless ``size`` sets run.threads_per_rank); returns its
+    trial directory."""
+    cmd = [sys.executable, "-m", "restage.cli", "run", str(JOB), "-n", str(ranks),
+           *overrides_for(name, size, layouts, steps, experiment), "--overwrite"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def lower_others() -> None:
@@ -154,7 +152,7 @@ def run_job(name: str, size: dict, layouts: dict[str, str], steps: int, nice: in
     for attempt in range(2):  # one retry: other work on a shared checkout can break a run for a moment
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, preexec_fn=lower_others)
         if done.returncode == 0:
-            return ROOT / "results" / EXPERIMENT / name
+            return ROOT / "results" / experiment / name
         print(f"run {name} failed ({done.returncode}): {(done.stdout + done.stderr).strip().splitlines()[-1:]}",
               file=sys.stderr, flush=True)
         time.sleep(20 * (attempt + 1))

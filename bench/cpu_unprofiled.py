@@ -1,0 +1,183 @@
+"""A held-out check of the CPU roofline for models without a measured profile: ten PPO jobs of widths, depths and
+layouts that neither the calibration nor the evaluation of ``bench/estimator.py`` ran.
+
+    python bench/cpu_unprofiled.py [--rounds R] [--steps N] [--warmup K] [--nice -19] [--reuse] [--json]
+
+The set (``JOBS``) was fixed and committed before any of its jobs was run or predicted; it is not changed after
+its result is seen. Each job is a real run of jobs/ppo_tiny.yaml (actor, critic, reference; the synthetic task)
+under ``restage run`` with ``plan.mode=manual``, on a random LLaMA of the job's shape built once under
+results/assets/ (no profile exists for it, so every estimate is the roofline's). Measured as ``bench/estimator.py``
+measures (per MFC the median over the steps after the warm-up of its slowest rank; per iteration the median step
+time; over rounds the median). Predicted as ``restage plan`` predicts, with the cluster file's constants, and the
+band ``restage plan`` prints (``restage.accuracy.prediction_band``).
+
+Targets (issue 30): median |error| per MFC <= 25%, and every measured iteration inside the printed band in at
+least 8 of the 10 jobs. Progress goes to stderr, one line a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from estimator import MFCS, ROOT, measure, predict, run_job  # noqa: E402  (bench/ is not a package)
+
+EXPERIMENT = "cpu-unprofiled"
+# (width, layers, heads, kv heads, MLP width): none of them the calibration's (64 x 2) or the evaluation's (96 x 3).
+# Heads and KV heads divide by 2 wherever a job splits the model over tp2.
+MODELS = {
+    "w128-l2": (128, 2, 4, 2, 384),
+    "w160-l6": (160, 6, 4, 2, 448),
+    "w192-l3": (192, 3, 6, 2, 512),
+    "w256-l4": (256, 4, 8, 4, 704),
+    "w320-l2": (320, 2, 10, 10, 864),
+    "w384-l5": (384, 5, 6, 2, 1024),
+    "w448-l3": (448, 3, 8, 4, 1216),
+    "w512-l6": (512, 6, 8, 4, 1376),
+    "w576-l2": (576, 2, 8, 2, 1536),
+    "w640-l4": (640, 4, 10, 10, 1728),
+}
+
+
+def _all(layout: str) -> dict[str, str]:
+    return {m: layout for m in MFCS}
+
+
+# Six layouts; "one rank" runs on a single rank with both cores (run.threads_per_rank=2), the rest on two ranks of
+# one thread each.
+ONE_RANK = _all("ranks:0 dp1")
+DP2, TP2, PP2 = _all("ranks:0-1 dp2"), _all("ranks:0-1 tp2"), _all("ranks:0-1 pp2")
+APART = {m: ("ranks:0 dp1" if m.startswith("actor") else "ranks:1 dp1") for m in MFCS}
+GEN_TP2 = {**DP2, "actor_gen": "ranks:0-1 tp2"}
+# name: (model, layout, ranks)
+JOBS: dict[str, tuple[str, dict[str, str], int]] = {
+    "w128-l2-one-rank": ("w128-l2", ONE_RANK, 1),
+    "w160-l6-dp2": ("w160-l6", DP2, 2),
+    "w192-l3-apart": ("w192-l3", APART, 2),
+    "w256-l4-one-rank": ("w256-l4", ONE_RANK, 1),
+    "w320-l2-tp2": ("w320-l2", TP2, 2),
+    "w384-l5-pp2": ("w384-l5", PP2, 2),
+    "w448-l3-gen-tp2": ("w448-l3", GEN_TP2, 2),
+    "w512-l6-dp2": ("w512-l6", DP2, 2),
+    "w576-l2-apart": ("w576-l2", APART, 2),
+    "w640-l4-tp2": ("w640-l4", TP2, 2),
+}
+# The job size: batch 32, answers always 16 tokens, 2 PPO epochs over 2 minibatches.
+SIZE = {"run.batch_size": 32, "generation.max_new_tokens": 16, "generation.min_new_tokens": 16,
+        "run.micro_batches": 1, "algo.minibatches": 2, "algo.ppo_epochs": 2}
+TARGET_MFC_ERROR = 0.25
+TARGET_IN_BAND = 8
+
+
+def model_path(model: str) -> str:
+    return f"results/assets/cpu-unprofiled-{model}"
+
+
+def ensure_model(model: str) -> Path:
+    """A random LLaMA of ``MODELS[model]``'s shape over the synthetic task's tokenizer (built once)."""
+    from restage.demo import TOKENIZER
+    from restage.models.tiny import build_tiny
+
+    path = ROOT / model_path(model)
+    if (path / "config.json").is_file():
+        return path
+    width, layers, heads, kv_heads, inter = MODELS[model]
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny(tmp, family="llama", seed=2, vocab_size=16, tokenizer=False, max_positions=64, hidden_size=width,
+               num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter)
+    for file in (ROOT / TOKENIZER).iterdir():
+        shutil.copy(file, tmp / file.name)
+    tmp.replace(path)
+    return path
+
+
+def size_of(name: str) -> dict:
+    model, _, ranks = JOBS[name]
+    size = {**SIZE, **{f"models.{m}.path": model_path(model) for m in ("actor", "critic", "ref")}}
+    if ranks == 1:
+        size["run.threads_per_rank"] = 2
+    return size
+
+
+def score(name: str, measured: dict) -> dict:
+    """One job's measured and predicted seconds (per MFC and per iteration) and whether it fell in the band."""
+    from restage.accuracy import prediction_band
+
+    pred = predict(measured["config"])
+    band = prediction_band(pred["problem"].cluster.has_gpus, profiled=False)
+    low, high = band.seconds(pred["iteration_seconds"])
+    mfcs = {m: {"predicted_seconds": pred["mfc_seconds"][m], "measured_seconds": measured["mfc_seconds"][m],
+                "error": pred["mfc_seconds"][m] / measured["mfc_seconds"][m] - 1} for m in MFCS}
+    it = measured["iteration_seconds"]
+    return {"job": name, "sources": pred["sources"], "mfcs": mfcs, "measured_iteration_seconds": it,
+            "predicted_iteration_seconds": pred["iteration_seconds"], "band_seconds": [low, high],
+            "in_band": low <= it <= high, "iteration_error": pred["iteration_seconds"] / it - 1}
+
+
+def summarise(rows: list[dict]) -> dict:
+    per_mfc = {m: statistics.median(abs(r["mfcs"][m]["error"]) for r in rows) for m in MFCS}
+    in_band = sum(r["in_band"] for r in rows)
+    return {"median_abs_error_per_mfc": per_mfc,
+            "median_abs_iteration_error": statistics.median(abs(r["iteration_error"]) for r in rows),
+            "in_band": in_band, "jobs": len(rows),
+            "targets": {"mfc_error_met": all(e <= TARGET_MFC_ERROR for e in per_mfc.values()),
+                        "in_band_met": in_band >= TARGET_IN_BAND}}
+
+
+def render(result: dict) -> str:
+    lines = []
+    for r in result["jobs"]:
+        low, high = r["band_seconds"]
+        lines.append(f"{r['job']:<18} iteration measured {r['measured_iteration_seconds'] * 1e3:7.1f} ms, predicted "
+                     f"{r['predicted_iteration_seconds'] * 1e3:7.1f} ({r['iteration_error']:+.0%}), band "
+                     f"{low * 1e3:.0f}-{high * 1e3:.0f} {'in' if r['in_band'] else 'OUT'}")
+        lines.append("    " + "  ".join(f"{m} {v['error']:+.0%}" for m, v in r["mfcs"].items()))
+    s = result["summary"]
+    lines.append("median |error| per MFC: " + ", ".join(f"{m} {e:.1%}" for m, e in s["median_abs_error_per_mfc"].items())
+                 + f" (target <= {TARGET_MFC_ERROR:.0%}); iteration {s['median_abs_iteration_error']:.1%}; "
+                 f"{s['in_band']} of {s['jobs']} inside the band (target >= {TARGET_IN_BAND})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every job; figures are medians over rounds")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
+    parser.add_argument("--nice", type=int, default=0, help="niceness of the runs (negative needs root)")
+    parser.add_argument("--reuse", action="store_true", help="read the logs of earlier runs instead of running")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    from restage.demo import ensure_tiny_model
+
+    ensure_tiny_model()
+    started, rows = time.time(), []
+    runs: dict[str, list[dict]] = {name: [] for name in JOBS}
+    for k in range(args.rounds):
+        for name, (model, layouts, ranks) in JOBS.items():
+            trial = f"{name}-r{k}"
+            if not args.reuse:
+                ensure_model(model)
+                run_job(trial, size_of(name), layouts, args.steps, args.nice, ranks=ranks, experiment=EXPERIMENT)
+                print(f"cpu_unprofiled: ran {trial} ({time.time() - started:.0f} s, load average "
+                      f"{os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+            runs[name].append(measure(ROOT / "results" / EXPERIMENT / trial, args.warmup))
+    for name, got in runs.items():
+        measured = {**got[0], "iteration_seconds": statistics.median(g["iteration_seconds"] for g in got),
+                    "mfc_seconds": {m: statistics.median(g["mfc_seconds"][m] for g in got) for m in MFCS}}
+        rows.append(score(name, measured))
+    result = {"jobs": rows, "summary": summarise(rows), "rounds": args.rounds, "load_average_after": os.getloadavg()}
+    print(json.dumps(result, indent=1) if args.json else render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
