@@ -1,7 +1,7 @@
 """A held-out check of the CPU roofline for models without a measured profile: ten PPO jobs of widths, depths and
 layouts that neither the calibration nor the evaluation of ``bench/estimator.py`` ran.
 
-    python bench/cpu_unprofiled.py [--rounds R] [--steps N] [--warmup K] [--nice -19] [--reuse] [--json]
+    python bench/cpu_unprofiled.py [--rounds R] [--steps N] [--warmup K] [--nice -19] [--reuse] [--run-only] [--json]
 
 The set (``JOBS``) was fixed and committed before any of its jobs was run or predicted; it is not changed after
 its result is seen. Each job is a real run of jobs/ppo_tiny.yaml (actor, critic, reference; the synthetic task)
@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     parser.add_argument("--nice", type=int, default=0, help="niceness of the runs (negative needs root)")
     parser.add_argument("--reuse", action="store_true", help="read the logs of earlier runs instead of running")
+    parser.add_argument("--run-only", action="store_true", help="run the jobs and stop: measure and predict later "
+                        "(--reuse), once the cost model to be checked is in place")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     from restage.demo import ensure_tiny_model
@@ -169,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                 run_job(trial, size_of(name), layouts, args.steps, args.nice, ranks=ranks, experiment=EXPERIMENT)
                 print(f"cpu_unprofiled: ran {trial} ({time.time() - started:.0f} s, load average "
                       f"{os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
-            runs[name].append(measure(ROOT / "results" / EXPERIMENT / trial, args.warmup))
+            if not args.run_only:
+                runs[name].append(measure(ROOT / "results" / EXPERIMENT / trial, args.warmup))
+    if args.run_only:
+        return 0
     for name, got in runs.items():
         measured = {**got[0], "iteration_seconds": statistics.median(g["iteration_seconds"] for g in got),
                     "mfc_seconds": {m: statistics.median(g["mfc_seconds"][m] for g in got) for m in MFCS}}
