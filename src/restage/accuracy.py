@@ -23,6 +23,7 @@ model changes, rerun the commands in ``source`` and replace the checks:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 BAND_QUANTILES = (0.1, 0.9)  # the central 80% of the measured / predicted ratios
@@ -131,9 +132,24 @@ CPU_VALIDATION = CheckSet(
 )
 
 
-def prediction_band(has_gpus: bool) -> Band:
-    """The band for a prediction on a GPU cluster (published calibration) or on CPU ranks (the CPU validation)."""
-    return band_of(GPU_CALIBRATION if has_gpus else CPU_VALIDATION)
+# Plans whose every estimate came from a measured profile, held out from what was fitted: none measured yet on either
+# kind of cluster, so such plans take the unprofiled set's band (``prediction_band``) until a set is recorded here.
+GPU_PROFILED: CheckSet | None = None
+CPU_PROFILED: CheckSet | None = None
+
+
+def profiled(sources: Iterable[str]) -> bool:
+    """Whether every estimate of a plan came from a measured profile alone (sources as ``Estimate.source`` writes
+    them: ``roofline``, ``profile:<name>``, or ``profile:<name>+roofline`` where the profile lacked a piece)."""
+    sources = list(sources)
+    return bool(sources) and all(s.startswith("profile:") and not s.endswith("+roofline") for s in sources)
+
+
+def prediction_band(has_gpus: bool, profiled: bool = False) -> Band:
+    """The band for a prediction: GPU clusters and CPU ranks apart, plans estimated from a measured profile apart from
+    the roofline's where a held-out set of profiled plans exists (``GPU_PROFILED``, ``CPU_PROFILED``)."""
+    measured = (GPU_PROFILED if has_gpus else CPU_PROFILED) if profiled else None
+    return band_of(measured or (GPU_CALIBRATION if has_gpus else CPU_VALIDATION))
 
 
 @dataclass(frozen=True)

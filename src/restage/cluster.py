@@ -22,7 +22,8 @@ _FLOAT_FIELDS = (
     "memory_bandwidth_bytes_per_second", "intra_node_bandwidth_bytes_per_second", "intra_node_latency_seconds",
     "inter_node_bandwidth_bytes_per_second", "inter_node_latency_seconds", "compute_efficiency",
     "memory_efficiency", "network_efficiency", "usable_memory_fraction", "block_overhead_seconds", "attention_efficiency",
-    "host_bandwidth_bytes_per_second", *(f"{name}_overhead_seconds" for name in (
+    "host_bandwidth_bytes_per_second", "thread_efficiency", "cache_bandwidth_bytes_per_second",
+    *(f"{name}_overhead_seconds" for name in (
         "mfc", "sequence", "forward", "backward", "decode_step", "optimizer_step", "dp_step", "transfer", "realloc")),
 )
 
@@ -76,6 +77,16 @@ class ClusterSpec:
     dp_step_overhead_seconds: float = 0.0
     transfer_overhead_seconds: float = 0.0  # per data transfer between two different layouts
     realloc_overhead_seconds: float = 0.0  # per parameter reallocation
+    # CPU ranks only (a GPU cluster leaves them unset; ``bench/cpu_rates.py`` measures them). A rank computes and
+    # streams at ``thread_speedup`` times one thread's rate: each thread beyond the first adds ``thread_efficiency``
+    # of one. ``threads_per_rank`` 0: the node's ``cores_per_node`` shared by its ``devices_per_node`` ranks (the
+    # runtime's rule, ``runtime/control/threads.py``; ``cluster_from_config`` fills in the run's own count). An op
+    # whose largest tensor fits ``cache_bytes`` streams at ``cache_bandwidth_bytes_per_second`` (0: no cache term).
+    cores_per_node: int = 0
+    threads_per_rank: int = 0
+    thread_efficiency: float = 1.0
+    cache_bytes: int = 0
+    cache_bandwidth_bytes_per_second: float = 0.0
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -84,8 +95,11 @@ class ClusterSpec:
         for name in _FLOAT_FIELDS:
             if getattr(self, name) < 0:
                 raise ConfigError(f"cluster {self.name}: {name} must not be negative")
+        for name in ("cores_per_node", "threads_per_rank", "cache_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"cluster {self.name}: {name} must not be negative")
         for name in ("compute_efficiency", "attention_efficiency", "memory_efficiency", "network_efficiency",
-                     "usable_memory_fraction"):
+                     "usable_memory_fraction", "thread_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"cluster {self.name}: {name} must be in (0, 1]")
 
@@ -102,6 +116,27 @@ class ClusterSpec:
     def usable_memory_bytes(self) -> int:
         """Memory per device a plan may fill (the rest is CUDA context, allocator slack)."""
         return int(self.memory_bytes * self.usable_memory_fraction)
+
+    @property
+    def rank_threads(self) -> int:
+        """Threads one CPU rank computes with: ``threads_per_rank``, else the node's cores over its ranks (at least 1)."""
+        if self.threads_per_rank:
+            return self.threads_per_rank
+        return max(1, self.cores_per_node // self.devices_per_node) if self.cores_per_node else 1
+
+    @property
+    def thread_speedup(self) -> float:
+        """A CPU rank's compute and streaming rate over one thread's (1 on GPUs): ``1 + (threads - 1) x efficiency``."""
+        return 1.0 if self.has_gpus else 1.0 + (self.rank_threads - 1) * self.thread_efficiency
+
+    def stream_bandwidth(self, largest_tensor_bytes: float) -> float:
+        """Bytes per second an op streams at when its largest tensor takes ``largest_tensor_bytes``: the cache's rate
+        where it fits the cache (CPU clusters with a measured cache; a GPU's caches are not modelled), else memory's;
+        times the rank's thread speedup."""
+        if (not self.has_gpus and self.cache_bytes and self.cache_bandwidth_bytes_per_second
+                and largest_tensor_bytes <= self.cache_bytes):
+            return self.cache_bandwidth_bytes_per_second * self.thread_speedup
+        return self.achievable_memory_bandwidth() * self.thread_speedup
 
     def node_of(self, rank: int) -> int:
         return rank // self.devices_per_node
@@ -185,9 +220,15 @@ def load_cluster(name_or_path: str, nodes: int | None = None, devices_per_node: 
 
 
 def cluster_from_config(cfg) -> ClusterSpec:
-    """The cluster an ExperimentConfig names (``cluster.name``, ``cluster.nodes``, ``cluster.devices_per_node``)."""
+    """The cluster an ExperimentConfig names (``cluster.name``, ``cluster.nodes``, ``cluster.devices_per_node``), with
+    the threads each CPU rank will run: ``run.threads_per_rank``, else ``OMP_NUM_THREADS`` of this process's
+    environment (which the ranks inherit), as the runtime's rule takes them (``runtime/control/threads.py``);
+    unset, the spec's cores over ranks."""
     ref = cfg.cluster
-    return load_cluster(ref.name, ref.nodes, ref.devices_per_node or None)
+    spec = load_cluster(ref.name, ref.nodes, ref.devices_per_node or None)
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    threads = cfg.run.threads_per_rank or (int(omp) if omp.isdigit() else 0)
+    return dataclasses.replace(spec, threads_per_rank=threads) if threads else spec
 
 
 def _build(data: dict, source: str) -> ClusterSpec:
@@ -203,7 +244,8 @@ def _build(data: dict, source: str) -> ClusterSpec:
         try:
             if name in _FLOAT_FIELDS:
                 values[name] = float(value)  # YAML 1.1 reads 312e12 as a string
-            elif name in ("nodes", "devices_per_node", "memory_bytes"):
+            elif name in ("nodes", "devices_per_node", "memory_bytes", "cores_per_node", "threads_per_rank",
+                          "cache_bytes"):
                 values[name] = int(float(value))
             else:
                 values[name] = str(value)

@@ -103,18 +103,19 @@ class RooflineCompute:
         (an engine with CUDA graphs passes about 0: ``engines.py``)."""
         self.cluster, self.cfg, self.dtype = cluster, cfg, dtype
         self.bytes = DTYPE_BYTES[dtype]
-        self.peak_flops_per_second = cluster.peak_flops_per_second(dtype)
-        self.flops_per_second = cluster.achievable_flops_per_second(dtype)
+        # A CPU rank's threads: its FLOP/s and streaming rate are one thread's times the speedup (1 on GPUs).
+        self.peak_flops_per_second = cluster.peak_flops_per_second(dtype) * cluster.thread_speedup
         self.attention_flops_per_second = self.peak_flops_per_second * cluster.attention_efficiency
-        self.bytes_per_second = cluster.achievable_memory_bandwidth()
         self.launch_overhead_seconds = (cluster.block_overhead_seconds if launch_overhead_seconds is None
                                         else launch_overhead_seconds)
 
-    def _kernel(self, flops: float, nbytes: float) -> float:
-        return max(flops / self.flops_per_second, nbytes / self.bytes_per_second)
+    def _stream(self, nbytes: float, largest_elements: float) -> float:
+        """Seconds an op takes to move ``nbytes`` when its largest tensor holds ``largest_elements`` of the model's
+        dtype: at the cache's rate where that tensor fits the cache (CPU clusters), else at memory's."""
+        return nbytes / self.cluster.stream_bandwidth(largest_elements * self.bytes)
 
-    def _attention(self, flops: float, nbytes: float) -> float:
-        return max(flops / self.attention_flops_per_second, nbytes / self.bytes_per_second)
+    def _attention(self, flops: float, nbytes: float, largest_elements: float) -> float:
+        return max(flops / self.attention_flops_per_second, self._stream(nbytes, largest_elements))
 
     def _matmuls(self, s: BlockShape, tokens: float, weights: float) -> float:
         """The block's GEMMs over ``tokens`` rows, each at the efficiency of its per-rank shape, or the bytes of
@@ -122,7 +123,8 @@ class RooflineCompute:
         flops_seconds = sum(2 * tokens * cols * depth / (self.peak_flops_per_second
                                                          * gemm_efficiency(self.cluster, tokens, cols, depth))
                             for _, cols, depth in block_gemms(s))
-        return max(flops_seconds, (weights + tokens * (s.hidden + s.inter)) * self.bytes / self.bytes_per_second)
+        largest = max(max(cols * depth for _, cols, depth in block_gemms(s)), tokens * max(s.hidden, s.inter))
+        return max(flops_seconds, self._stream((weights + tokens * (s.hidden + s.inter)) * self.bytes, largest))
 
     def block_matmuls(self, tokens: float, tp: int, ep: int = 1) -> float:
         """Device seconds of one block's GEMMs in a forward over ``tokens`` token rows on one TP rank (no launches)."""
@@ -154,8 +156,9 @@ class RooflineCompute:
         weights = self._weight_elements(s, tokens, ep)
         matmul = self._matmuls(s, tokens, weights)
         ctx = attended_tokens(seq, self.cfg.sliding_window)
-        attention = self._attention(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes)
-        elementwise = tokens * elementwise_elements_per_token(s) * self.bytes / self.bytes_per_second
+        attention = self._attention(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes,
+                                    tokens * s.q_out)
+        elementwise = self._stream(tokens * elementwise_elements_per_token(s) * self.bytes, tokens * max(s.hidden, s.inter))
         return self._with_launches(matmul, attention, elementwise)
 
     def block_backward(self, batch: float, seq: int, tp: int, ep: int = 1) -> float:
@@ -166,38 +169,45 @@ class RooflineCompute:
         weights = self._weight_elements(s, tokens, ep)
         matmul = 2 * self._matmuls(s, tokens, weights)
         ctx = attended_tokens(seq, self.cfg.sliding_window)
-        attention = 2.5 * self._attention(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes)
-        elementwise = 2 * tokens * elementwise_elements_per_token(s) * self.bytes / self.bytes_per_second
+        attention = 2.5 * self._attention(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes,
+                                          tokens * s.q_out)
+        elementwise = self._stream(2 * tokens * elementwise_elements_per_token(s) * self.bytes,
+                                   tokens * max(s.hidden, s.inter))
         return self._with_launches(matmul, attention, elementwise, calls=2)
 
     def block_prefill(self, batch: float, seq: int, tp: int, ep: int = 1) -> float:
         """A forward over the prompts that also writes the KV cache."""
         s = block_shape(self.cfg, tp)
-        return self.block_forward(batch, seq, tp, ep) + batch * seq * 2 * s.kv_out * self.bytes / self.bytes_per_second
+        return self.block_forward(batch, seq, tp, ep) + self._stream(batch * seq * 2 * s.kv_out * self.bytes,
+                                                                     batch * seq * s.kv_out)
 
     def decode_block(self, batch: float, ctx: float, tp: int, ep: int = 1) -> float:
         """One new token for each of ``batch`` sequences, attending to ``ctx`` cached tokens each."""
         s = block_shape(self.cfg, tp)
         ctx = min(ctx, self.cfg.sliding_window) if self.cfg.sliding_window else ctx
         matmul = self._matmuls(s, batch, self._weight_elements(s, batch, ep))
-        attention = self._attention(4 * batch * ctx * s.q_out, batch * ctx * 2 * s.kv_out * self.bytes)
+        attention = self._attention(4 * batch * ctx * s.q_out, batch * ctx * 2 * s.kv_out * self.bytes,
+                                    batch * ctx * s.kv_out)
         return self._with_launches(matmul, attention, 0.0)
 
     def embed_forward(self, tokens: float) -> float:
-        return tokens * self.cfg.hidden_size * self.bytes * 2 / self.bytes_per_second
+        return self._stream(tokens * self.cfg.hidden_size * self.bytes * 2, tokens * self.cfg.hidden_size)
 
     def head_forward(self, tokens: float, tp: int) -> float:
         # Logits are kept in fp32 for the log-probabilities: written once, read by the softmax.
         s = block_shape(self.cfg, tp)
         flops_seconds = 2 * tokens * s.hidden * s.head_out / (
             self.peak_flops_per_second * gemm_efficiency(self.cluster, tokens, s.head_out, s.hidden))
-        return max(flops_seconds, (s.head_out * s.hidden * self.bytes + tokens * s.head_out * 8) / self.bytes_per_second)
+        logits_elements = tokens * s.head_out * 4 / self.bytes  # the fp32 logits, in elements of the model's dtype
+        return max(flops_seconds, self._stream(s.head_out * s.hidden * self.bytes + tokens * s.head_out * 8,
+                                               max(s.head_out * s.hidden, logits_elements)))
 
     def head_backward(self, tokens: float, tp: int) -> float:
         return 2 * self.head_forward(tokens, tp)
 
     def optimizer_step(self, params: float) -> float:
-        return params * ADAM_BYTES_PER_PARAM[self.dtype] / self.bytes_per_second
+        # The flattened fp32 master copy is the largest tensor the step streams (4 bytes a parameter).
+        return self._stream(params * ADAM_BYTES_PER_PARAM[self.dtype], params * 4 / self.bytes)
 
     def begin_estimate(self) -> None:
         """Nothing to forget: the roofline is its only source."""

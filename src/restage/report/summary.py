@@ -59,7 +59,7 @@ def summarize(log: RunLog, last_n: int = 20) -> dict:
         warnings.append("the schedule carries no per-MFC predictions; predicted against measured is skipped")
     if peak is None:
         warnings.append(f"MFU skipped: {dtype_or_reason}")
-    accuracy = accuracy_for(cluster)
+    accuracy = accuracy_for(cluster, log.schedule)
     memory_note = "" if accuracy else "the log names no device, so no process baseline or band is known"
     mfcs = mfc_table(log, predictions, accuracy)
     if predictions and not memory_note and not any(m["memory_compared"] for m in mfcs):

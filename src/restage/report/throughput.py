@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from restage.accuracy import Band, ProcessBaseline, prediction_band, process_baseline
+from restage.accuracy import Band, ProcessBaseline, prediction_band, process_baseline, profiled
 from restage.cluster import device_is_gpu
 from restage.report.log import RunLog
 
@@ -81,9 +81,10 @@ def peak_flops_per_device(cluster: dict | None, dtype: str) -> tuple[float | Non
     return float(table[dtype]), dtype
 
 
-def accuracy_for(cluster: dict | None) -> tuple[Band, ProcessBaseline] | None:
+def accuracy_for(cluster: dict | None, schedule: dict | None = None) -> tuple[Band, ProcessBaseline] | None:
     """The uncertainty band and process baseline (``restage/accuracy.py``) for the run's cluster, as ``restage plan``
-    printed them; None when the log names no device.
+    printed them (the profiled plans' band where the schedule's every estimate came from a profile); None when the
+    log names no device.
 
     The runtime's peak memory is the whole rank's (on a GPU: allocated plus what lives outside the allocator; on a
     CPU: the peak resident set), so the prediction it is set against is the plan's bytes plus the process baseline.
@@ -92,7 +93,8 @@ def accuracy_for(cluster: dict | None) -> tuple[Band, ProcessBaseline] | None:
     if not isinstance(device, str) or not device:
         return None
     gpus = device_is_gpu(device)
-    return prediction_band(gpus), process_baseline(gpus)
+    sources = ((schedule or {}).get("predicted") or {}).get("estimator") or ()
+    return prediction_band(gpus, profiled(sources)), process_baseline(gpus)
 
 
 _LAYOUT = re.compile(r"^\[([0-9,\- ]+)\]")
