@@ -111,23 +111,23 @@ GPU_CALIBRATION = CheckSet(
 
 CPU_VALIDATION = CheckSet(
     what="held-out CPU plans (bench/estimator.py)",
-    source="OMP_NUM_THREADS=1 python bench/estimator.py --both --rounds 2 --steps 12 --nice -19 --json: 'evaluation' "
-           "(the constants fitted on the calibration set, which cluster/local-cpu.yaml now holds: what restage plan "
-           "uses), iteration seconds of the 11 evaluated plans (another model and job size than the calibration's, "
-           "no calibration layout), median of 2 rounds; 2026-11-26, the 2-core local-cpu machine quiet (load "
-           "average 1.8-2.5, the benchmark alone)",
+    source="OMP_NUM_THREADS=1 python bench/estimator.py --both --rounds 1 --steps 10 --nice -19, then bench/estimator.py "
+           "--reuse with cluster/local-cpu.yaml holding that day's rates (bench/cpu_rates.py), profile and overheads "
+           "(fitted on the calibration set of the same runs): 'evaluation', iteration seconds of the 11 evaluated "
+           "plans (another model and job size than the calibration's, no profile: the roofline with its CPU thread "
+           "and cache terms, as restage plan predicts); 2026-11-28, the 2-core Zen 4 machine (load average 1.5-1.9)",
     checks=(
-        Check("colocated-pp2", 0.7503, 0.4665),
-        Check("separated", 0.3655, 0.2238),
-        Check("gen-dp2-split", 0.3626, 0.2363),
-        Check("gen-dp2-train-tp2", 0.5724, 0.4401),
-        Check("gen-tp2-train-dp2", 0.8799, 0.6381),
-        Check("critic-tp2", 0.5929, 0.4546),
-        Check("train-pp2", 0.6353, 0.3671),
-        Check("gen-pp2", 0.6457, 0.3711),
-        Check("inference-split", 0.5619, 0.3289),
-        Check("trains-apart", 0.3270, 0.2081),
-        Check("gen-tp2-train-pp2", 0.9843, 0.6358),
+        Check("colocated-pp2", 0.3861, 0.4172),
+        Check("separated", 0.1559, 0.2661),
+        Check("gen-dp2-split", 0.1602, 0.4092),
+        Check("gen-dp2-train-tp2", 0.3542, 0.4582),
+        Check("gen-tp2-train-dp2", 0.6625, 0.5756),
+        Check("critic-tp2", 0.3694, 0.4087),
+        Check("train-pp2", 0.3080, 0.3398),
+        Check("gen-pp2", 0.4378, 0.4389),
+        Check("inference-split", 0.3441, 0.3694),
+        Check("trains-apart", 0.1487, 0.1915),
+        Check("gen-tp2-train-pp2", 0.6334, 0.6091),
     ),
 )
 

@@ -85,6 +85,6 @@ def test_a_plan_for_cpus_on_a_machine_with_gpus_is_run_with_a_warning():
     assert check_local_devices(cfg, 0) == ""
     assert check_local_devices(cfg, 8) == (
         "warning: the ranks will run on this machine's 8 CUDA device(s) with a plan costed for cluster.name=local-cpu "
-        "(AMD EPYC (Zen 3) core, CPU); set cluster.name to a GPU cluster file (cluster/*.yaml) to plan for them")
+        "(AMD EPYC core, CPU); set cluster.name to a GPU cluster file (cluster/*.yaml) to plan for them")
     gpu = load_config(ROOT / "jobs/ppo_tiny.yaml", ["cluster.name=h100-80gb"])
     assert check_local_devices(gpu, 1) == ""

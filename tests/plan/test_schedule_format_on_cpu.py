@@ -51,7 +51,9 @@ def test_the_committed_version_1_file_is_read_with_its_execution_and_model_setti
     actor = schedule.models["actor"]
     assert actor.optim == OptimConfig(**raw["config"]["models"]["actor"]["optim"] | {"betas": (0.9, 0.95)})
     assert not actor.critic and actor.router_aux_loss_coef is None
-    assert isinstance(schedule.cluster, ClusterSpec) and schedule.cluster.to_json() == raw["cluster"]
+    # The file's cluster fields as they were; fields added to ClusterSpec since (the CPU roofline's) take their defaults.
+    assert isinstance(schedule.cluster, ClusterSpec) and schedule.cluster == ClusterSpec.from_json(raw["cluster"])
+    assert {k: schedule.cluster.to_json()[k] for k in raw["cluster"]} == raw["cluster"]
     assert isinstance(schedule.predicted, IterationPrediction) and isinstance(schedule.plan, PlanFacts)
     assert all(isinstance(e.predicted, MFCPrediction) for e in schedule.mfcs)
     assert schedule.predicted.iteration_seconds == raw["predicted"]["iteration_seconds"]
@@ -59,8 +61,9 @@ def test_the_committed_version_1_file_is_read_with_its_execution_and_model_setti
     again = json.loads(write_schedule(schedule, tmp_path / "again.json").read_text())
     assert again["format_version"] == 2 and again["execution"] == {"mode": "async", "staleness": 1, "push_every": 1,
                                                                    "partial_rollouts": False}
-    for key in ("cluster", "predicted", "plan", "mfcs", "steps", "config"):
+    for key in ("predicted", "plan", "mfcs", "steps", "config"):
         assert again[key] == raw[key], key
+    assert {k: again["cluster"][k] for k in raw["cluster"]} == raw["cluster"]  # and the newer fields' defaults
     kept = {k: v for k, v in again["models"]["actor"].items() if k in raw["models"]["actor"]}
     assert kept == raw["models"]["actor"]
 
