@@ -1,7 +1,8 @@
 """A held-out check of the CPU roofline for models without a measured profile: ten PPO jobs of widths, depths and
 layouts that neither the calibration nor the evaluation of ``bench/estimator.py`` ran.
 
-    python bench/cpu_unprofiled.py [--rounds R] [--steps N] [--warmup K] [--nice -19] [--reuse] [--run-only] [--json]
+    python bench/cpu_unprofiled.py [--rounds R] [--steps N] [--warmup K] [--nice -19] [--reuse] [--run-only]
+                                   [--profiles DIR] [--json]
 
 The set (``JOBS``) was fixed and committed before any of its jobs was run or predicted; it is not changed after
 its result is seen. Each job is a real run of jobs/ppo_tiny.yaml (actor, critic, reference; the synthetic task)
@@ -13,6 +14,11 @@ band ``restage plan`` prints (``restage.accuracy.prediction_band``).
 
 Targets (issue 30): median |error| per MFC <= 25%, and every measured iteration inside the printed band in at
 least 8 of the 10 jobs. Progress goes to stderr, one line a run.
+
+``--profiles DIR`` predicts the same runs as profiled plans: each job's model is profiled once on this machine
+(``restage profile``, ``PROFILE_GRID``) into ``DIR/profiles/`` (never into cluster/profiles, so the set stays
+unprofiled for everyone else), and the planner finds them there (``RESTAGE_CLUSTER_DIR=DIR``). That gives the
+profiled plans' band its own held-out set (``restage.accuracy.CPU_PROFILED``).
 """
 
 from __future__ import annotations
@@ -72,6 +78,8 @@ JOBS: dict[str, tuple[str, dict[str, str], int]] = {
 # The job size: batch 32, answers always 16 tokens, 2 PPO epochs over 2 minibatches.
 SIZE = {"run.batch_size": 32, "generation.max_new_tokens": 16, "generation.min_new_tokens": 16,
         "run.micro_batches": 1, "algo.minibatches": 2, "algo.ppo_epochs": 2}
+# restage profile's grid for --profiles: covers the jobs' per-rank batches (1-32) and sequences (prompt + 16 tokens).
+PROFILE_GRID = ["--batches", "1,4,16,32", "--seqs", "8,16,32,64", "--tp", "1,2", "--repeats", "9"]
 TARGET_MFC_ERROR = 0.25
 TARGET_IN_BAND = 8
 
@@ -107,12 +115,25 @@ def size_of(name: str) -> dict:
     return size
 
 
+def ensure_profile(model: str, directory: Path) -> None:
+    """``model``'s profile on this machine under ``directory/profiles`` (measured once; progress on stderr)."""
+    import subprocess
+
+    out = directory / "profiles" / f"local-cpu--cpu-unprofiled-{model}--fp32.json"
+    if out.is_file():
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "restage.cli", "profile", "--model", str(ROOT / model_path(model)),
+                    *PROFILE_GRID, "--out", str(out)], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                   check=True)
+
+
 def score(name: str, measured: dict) -> dict:
     """One job's measured and predicted seconds (per MFC and per iteration) and whether it fell in the band."""
-    from restage.accuracy import prediction_band
+    from restage.accuracy import prediction_band, profiled
 
     pred = predict(measured["config"])
-    band = prediction_band(pred["problem"].cluster.has_gpus, profiled=False)
+    band = prediction_band(pred["problem"].cluster.has_gpus, profiled=profiled(pred["sources"]))
     low, high = band.seconds(pred["iteration_seconds"])
     mfcs = {m: {"predicted_seconds": pred["mfc_seconds"][m], "measured_seconds": measured["mfc_seconds"][m],
                 "error": pred["mfc_seconds"][m] / measured["mfc_seconds"][m] - 1} for m in MFCS}
@@ -156,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse", action="store_true", help="read the logs of earlier runs instead of running")
     parser.add_argument("--run-only", action="store_true", help="run the jobs and stop: measure and predict later "
                         "(--reuse), once the cost model to be checked is in place")
+    parser.add_argument("--profiles", default="", help="predict as profiled plans, with each model's profile measured "
+                        "once into DIR/profiles")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     from restage.demo import ensure_tiny_model
@@ -175,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name].append(measure(ROOT / "results" / EXPERIMENT / trial, args.warmup))
     if args.run_only:
         return 0
+    if args.profiles:
+        directory = Path(args.profiles).resolve()
+        for model in sorted({model for model, _, _ in JOBS.values()}):
+            ensure_profile(model, directory)
+            print(f"cpu_unprofiled: profile of {model} ready", file=sys.stderr, flush=True)
+        os.environ["RESTAGE_CLUSTER_DIR"] = str(directory)
     for name, got in runs.items():
         measured = {**got[0], "iteration_seconds": statistics.median(g["iteration_seconds"] for g in got),
                     "mfc_seconds": {m: statistics.median(g["mfc_seconds"][m] for g in got) for m in MFCS}}
