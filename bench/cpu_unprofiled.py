@@ -125,7 +125,7 @@ def ensure_profile(model: str, directory: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "restage.cli", "profile", "--model", str(ROOT / model_path(model)),
                     *PROFILE_GRID, "--out", str(out)], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                   check=True)
+                   check=True, stdout=sys.stderr)  # its progress is not the result
 
 
 def score(name: str, measured: dict) -> dict:

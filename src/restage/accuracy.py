@@ -132,22 +132,43 @@ CPU_VALIDATION = CheckSet(
 )
 
 
-# Plans whose every estimate came from a measured profile, held out from what was fitted: none measured yet on either
-# kind of cluster, so such plans take the unprofiled set's band (``prediction_band``) until a set is recorded here.
+# Plans whose blocks were costed from a measured profile, held out from what was fitted. GPU: none measured yet, so such
+# plans take the published set's band. CPU: bench/cpu_unprofiled.py's held-out runs predicted with each model's profile
+# taken on the same machine (--profiles); the critics' and reward models' heads are not in an LM's profile and fall back
+# to the roofline, as they do in every PPO plan.
 GPU_PROFILED: CheckSet | None = None
-CPU_PROFILED: CheckSet | None = None
+CPU_PROFILED: CheckSet | None = CheckSet(
+    what="held-out profiled CPU plans (bench/cpu_unprofiled.py --profiles)",
+    source="OMP_NUM_THREADS=1 python bench/cpu_unprofiled.py --steps 8 --nice -19 --run-only, then --reuse --profiles "
+           "results/cpu-unprofiled-profiles --json (docs/cpu_check_2026-11-28_heldout_profiled.json): iteration "
+           "seconds of its 10 jobs, each model profiled on the machine (restage profile, one thread); 2026-11-28, "
+           "the 2-core Zen 4 machine",
+    checks=(
+        Check("w128-l2-one-rank", 0.2589, 0.1945),
+        Check("w160-l6-dp2", 0.7289, 0.7022),
+        Check("w192-l3-apart", 0.3656, 0.3517),
+        Check("w256-l4-one-rank", 1.2256, 0.8551),
+        Check("w320-l2-tp2", 1.0556, 0.9442),
+        Check("w384-l5-pp2", 2.9742, 1.9291),
+        Check("w448-l3-gen-tp2", 2.0178, 1.7643),
+        Check("w512-l6-dp2", 3.9876, 4.5617),
+        Check("w576-l2-apart", 1.4760, 1.3265),
+        Check("w640-l4-tp2", 4.5550, 3.6676),
+    ),
+)
 
 
 def profiled(sources: Iterable[str]) -> bool:
-    """Whether every estimate of a plan came from a measured profile alone (sources as ``Estimate.source`` writes
-    them: ``roofline``, ``profile:<name>``, or ``profile:<name>+roofline`` where the profile lacked a piece)."""
+    """Whether every estimate of a plan was made from a measured profile (sources as ``Estimate.source`` writes them:
+    ``roofline``, ``profile:<name>``, or ``profile:<name>+roofline`` where the profile lacked a piece, such as a
+    critic's head, which an LM's profile never holds)."""
     sources = list(sources)
-    return bool(sources) and all(s.startswith("profile:") and not s.endswith("+roofline") for s in sources)
+    return bool(sources) and all(s.startswith("profile:") for s in sources)
 
 
 def prediction_band(has_gpus: bool, profiled: bool = False) -> Band:
     """The band for a prediction: GPU clusters and CPU ranks apart, plans estimated from a measured profile apart from
-    the roofline's where a held-out set of profiled plans exists (``GPU_PROFILED``, ``CPU_PROFILED``)."""
+    the roofline's where a held-out set of profiled plans exists (``CPU_PROFILED``; ``GPU_PROFILED`` not yet)."""
     measured = (GPU_PROFILED if has_gpus else CPU_PROFILED) if profiled else None
     return band_of(measured or (GPU_CALIBRATION if has_gpus else CPU_VALIDATION))
 

@@ -98,12 +98,13 @@ def test_the_run_sets_a_rank_s_threads_as_the_runtime_will(monkeypatch):
 
 
 def test_profiled_plans_take_their_own_band_where_one_is_recorded(monkeypatch):
-    assert accuracy.profiled(["profile:local-cpu--tiny-llama--fp32"])
+    assert accuracy.profiled(["profile:local-cpu--tiny-llama--fp32", "profile:x+roofline"])  # a critic's head
     assert not accuracy.profiled(["profile:local-cpu--tiny-llama--fp32", "roofline"])
-    assert not accuracy.profiled(["profile:x+roofline"])
     assert not accuracy.profiled([])
     unprofiled = accuracy.prediction_band(False)
-    assert accuracy.prediction_band(False, profiled=True) == unprofiled  # none recorded: the roofline's band
+    assert accuracy.prediction_band(True, profiled=True) == accuracy.prediction_band(True)  # none on GPUs yet
+    assert accuracy.CPU_PROFILED is not None and accuracy.prediction_band(False, profiled=True) == accuracy.band_of(
+        accuracy.CPU_PROFILED)
     checks = accuracy.CheckSet("profiled", "by hand", tuple(accuracy.Check(str(i), 1.0, m) for i, m in
                                                              enumerate((0.8, 0.9, 1.0, 1.1, 1.2))))
     monkeypatch.setattr(accuracy, "CPU_PROFILED", checks)
