@@ -92,10 +92,7 @@ class ClusterSpec:
         if self.nodes < 1 or self.devices_per_node < 1:
             raise ConfigError(f"cluster {self.name}: nodes ({self.nodes}) and devices_per_node "
                               f"({self.devices_per_node}) must be >= 1")
-        for name in _FLOAT_FIELDS:
-            if getattr(self, name) < 0:
-                raise ConfigError(f"cluster {self.name}: {name} must not be negative")
-        for name in ("cores_per_node", "threads_per_rank", "cache_bytes"):
+        for name in (*_FLOAT_FIELDS, "cores_per_node", "threads_per_rank", "cache_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"cluster {self.name}: {name} must not be negative")
         for name in ("compute_efficiency", "attention_efficiency", "memory_efficiency", "network_efficiency",

@@ -13,7 +13,9 @@ issue one block's kernels (``block_overhead_seconds``: Python, dispatcher, launc
 runs ahead of the GPU asynchronously on a GPU cluster, spread over the block's ``KERNELS_PER_BLOCK``
 kernels: each kernel takes the larger of its device time and its share of the host time, so small
 decoding steps are launch-bound while a long attention still adds its time. On a CPU, where ops run
-synchronously, the overhead adds.
+synchronously, the overhead adds; a CPU rank also computes and streams at its threads' speedup, and an op
+whose largest tensor fits the cache streams at the cache's rate (``ClusterSpec.thread_speedup`` and
+``stream_bandwidth``, measured by ``bench/cpu_rates.py``; GPU clusters leave both at memory's rate x 1).
 
 A mixture's expert GEMMs: a block's tokens are spread over its experts, each expert multiplying
 only the rows routed to it, so on a small batch the experts are memory-bound and only those some
