@@ -17,13 +17,16 @@ import torch
 from model_cases import PROMPTS, logprob_gap_to_teacher_forcing, sample_sequences
 
 from restage.layout import Layout, Strategy
+from restage.models.attention import Decode
 from restage.models.hf_checkpoint import load_stage
 from restage.models.packing import pack
 from restage.models.tiny import load_hf
+from restage.rollout import paged_cache
 from restage.rollout.budget import RolloutLimits
 from restage.rollout.decode_graphs import buckets
 from restage.rollout.engine import RolloutEngine
 from restage.rollout.generation import PartialRequest, continue_generate, generate
+from restage.rollout.paged_cache import PagedKVCache
 from restage.rollout.sampling import SamplingParams, request_keys, request_seed
 
 pytestmark = [pytest.mark.gpu,
@@ -159,8 +162,8 @@ def test_a_batch_continued_under_graphs_equals_its_uninterrupted_generation(tiny
 
 
 def test_paged_cache_replays_its_static_steps_and_equals_the_contiguous_cache(tiny_models):
-    """The paged cache's decode step (block-table gather, or flash-attn's paged kernel in half precision) replays
-    as a graph bit for bit, and gives the contiguous cache's tokens."""
+    """The paged cache's decode step (the Triton kernel, or flash-attn's paged kernel in half precision with 256-token
+    blocks) replays as a graph bit for bit, and gives the contiguous cache's tokens."""
     module = _stage(tiny_models["llama"])
     requests = len(MANY) * 2
     runs = {}
@@ -211,3 +214,57 @@ def test_nccl_collectives_are_captured_in_a_cuda_graph_on_a_one_rank_group(tmp_p
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, x * 2 + 1)
+
+
+def _filled_cache(dtype: torch.dtype, rows: int = 4) -> tuple[PagedKVCache, torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor]:
+    """A paged cache on the GPU (blocks of 16, GQA 4, head dim 64) whose rows hold 70, 33, 16 and 0 positions, the
+    first two sharing two blocks; a step's q, k, v."""
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    cache = PagedKVCache([0], rows=rows, max_len=96, block_tokens=16, num_blocks=20, kv_heads=2, head_dim=64,
+                         dtype=dtype, device="cuda")
+    cache.hold(0, 71)
+    cache.hold(1, 34, share_from=0, shared_tokens=32)
+    cache.hold(2, 17)
+    cache.hold(3, 1)
+    cache.flush()
+    for pool in (cache.k[0], cache.v[0]):
+        pool[:-1] = torch.randn(pool[:-1].shape, generator=generator, device="cuda", dtype=dtype)
+    q, k, v = (torch.randn(rows, h, 64, generator=generator, device="cuda", dtype=dtype) for h in (8, 2, 2))
+    return cache, q, k, v
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_the_triton_kernel_equals_the_gather_path_on_cuda(monkeypatch, dtype, atol, window):
+    cache, q, k, v = _filled_cache(dtype)
+    assert paged_cache.paged_kernel(q, cache.block_tokens) == "triton"  # blocks of 16: never flash-attn's
+    lengths = [70, 33, 16, 0]
+    triton = cache.decode_attention(0, Decode(torch.tensor(lengths, device="cuda"), 70), q, k, v, window)
+    monkeypatch.setattr(paged_cache, "paged_kernel", lambda q, block_tokens: "gather")
+    gathered = cache.decode_attention(0, Decode(torch.tensor(lengths, device="cuda"), 70), q, k, v, window)
+    assert (triton.float() - gathered.float()).abs().max().item() < atol
+
+
+def test_a_graph_replay_through_the_triton_kernel_equals_the_eager_step():
+    cache, q, k, v = _filled_cache(torch.bfloat16)
+    lengths = torch.tensor([70, 33, 16, 0], device="cuda")
+    out = torch.empty_like(q)
+
+    def step():
+        out.copy_(cache.decode_attention(0, Decode(lengths, 95), q, k, v, None))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # the warm-up compiles the kernel outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for new in ([71, 40, 5, 90], [3, 60, 17, 1]):  # other lengths than the capture's: read on the device
+        lengths.copy_(torch.tensor(new))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = cache.decode_attention(0, Decode(lengths.clone(), 95), q, k, v, None)
+        assert torch.equal(out, expected)

@@ -15,10 +15,12 @@ into it. Compacting moves a row by moving its table entries (``move``), no key o
 The rows may be split into pools (``pools``: one per pipelined micro-group of slots) so that one group's rows
 never wait on another's blocks; a row shares only blocks of its own pool and copies the others.
 
-Attention reads the block table: flash-attn's ``flash_attn_with_kvcache`` with ``block_table`` where it serves
-(CUDA, half precision, installed, blocks a multiple of 256 tokens, its requirement); otherwise one gather of the
-rows' first blocks per layer, then the same masked SDPA as the contiguous cache (``attention.decode_sdpa``),
-which keeps every shape fixed for a CUDA graph when the span is fixed. The block table is a static device buffer
+Attention reads the block table by one of three paths (``paged_kernel``): flash-attn's ``flash_attn_with_kvcache``
+with ``block_table`` where it serves (CUDA, half precision, installed, blocks a multiple of 256 tokens, its
+requirement); else on a CUDA GPU with triton, restage's own kernel (``paged_attention_triton``: any block size,
+fp16/bf16/fp32, each row read to its own length on the device); otherwise (a CPU) one gather of the rows' first
+blocks per layer, then the same masked SDPA as the contiguous cache (``attention.decode_sdpa``), which keeps every
+shape fixed for a CUDA graph when the span is fixed. The block table is a static device buffer
 the host rewrites (``flush``) before a forward whenever a row took or gave back blocks.
 
 Written here rather than taken from vLLM or SGLang: their caches are bound to their own schedulers, kernels and
@@ -29,14 +31,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Literal, assert_never
 
 import torch
 
 from restage.models.attention import Decode, KVStore, Prefill, decode_sdpa, flash_decode, use_flash
 from restage.models.packing import PackedBatch
+from restage.rollout import paged_attention_triton
 
 DEFAULT_BLOCK_TOKENS = 16  # the gather path's block: small blocks waste little of a row's last block
 FLASH_BLOCK_TOKENS = 256  # flash-attn 2's paged kernel needs page_block_size % 256 == 0
+
+
+PagedKernel = Literal["flash", "triton", "gather"]
+
+
+def paged_kernel(q: torch.Tensor, block_tokens: int) -> PagedKernel:
+    """Which path reads a paged cache for this decode: flash-attn's paged kernel where it serves, else the Triton
+    kernel (CUDA, triton installed, a supported dtype and head dim), else the gather and SDPA."""
+    if use_flash(q) and block_tokens % FLASH_BLOCK_TOKENS == 0:
+        return "flash"
+    if paged_attention_triton.serves(q):
+        return "triton"
+    return "gather"
 
 
 def blocks_for(tokens: int, block_tokens: int) -> int:
@@ -182,14 +199,37 @@ class PagedKVCache(KVStore):
         scale = 1.0 / math.sqrt(q.shape[-1])
         table = self.table[meta.first_row:meta.first_row + q.shape[0]]
         k_pool, v_pool = self.k[layer], self.v[layer]
-        if use_flash(q) and self.block_tokens % FLASH_BLOCK_TOKENS == 0:
-            return flash_decode(q, k_pool, v_pool, k, v, meta.lengths, scale, window, block_table=table)
-        write, gather, mask = self._paged_index(meta, table, window, q.device)
+        kernel = paged_kernel(q, self.block_tokens)
+        match kernel:
+            case "flash":
+                return flash_decode(q, k_pool, v_pool, k, v, meta.lengths, scale, window, block_table=table)
+            case "triton":
+                self._write(k_pool, v_pool, k, v, self._write_index(meta, table))
+                return paged_attention_triton.paged_decode_attention(q, k_pool, v_pool, table, meta.lengths, scale,
+                                                                     window)
+            case "gather":
+                write, gather, mask = self._paged_index(meta, table, window, q.device)
+                self._write(k_pool, v_pool, k, v, write)
+                used = meta.longest + 1
+                keys, values = ((pool[gather].flatten(1, 2)[:, :used]).transpose(1, 2) for pool in (k_pool, v_pool))
+                return decode_sdpa(q, keys, values, mask, scale)
+            case _:
+                assert_never(kernel)
+
+    @staticmethod
+    def _write(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               write: torch.Tensor) -> None:
+        """This step's keys/values into their flat pool positions ``write``."""
         for pool, x in ((k_pool, k), (v_pool, v)):
             pool.view(-1, *pool.shape[2:]).index_copy_(0, write, x.to(pool.dtype))
-        used = meta.longest + 1
-        keys, values = ((pool[gather].flatten(1, 2)[:, :used]).transpose(1, 2) for pool in (k_pool, v_pool))
-        return decode_sdpa(q, keys, values, mask, scale)
+
+    def _write_index(self, meta: Decode, table: torch.Tensor) -> torch.Tensor:
+        """This step's write index ``[B]``, made for the first layer and shared by the step's others."""
+        key = (0, -1)  # beside rows_and_mask's (rows, window) and _paged_index's (-rows, window) entries
+        if key not in meta.shared:
+            rows = torch.arange(table.shape[0], device=table.device)
+            meta.shared[key] = (self._flat(meta.first_row + rows, meta.lengths), rows)
+        return meta.shared[key][0]
 
     def _paged_index(self, meta: Decode, table: torch.Tensor, window: int | None,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
