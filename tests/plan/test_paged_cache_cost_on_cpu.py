@@ -15,7 +15,14 @@ from restage.layout import Layout, Strategy
 from restage.models.attention import flash_attn_with_kvcache
 from restage.models.presets import preset
 from restage.plan.estimator import Estimator
-from restage.plan.generation_cost import RestageEngine, block_tokens, paged_occupancy, replays_graphs
+from restage.plan.generation_cost import (
+    RestageEngine,
+    block_tokens,
+    paged_flash,
+    paged_occupancy,
+    paged_triton,
+    replays_graphs,
+)
 from restage.plan.planner import build_problem, engine_of
 from restage.plan.roles import ModelRole
 from restage.plan.rollout_cost import restage_occupancy
@@ -121,6 +128,45 @@ def test_attention_reads_what_flash_reads_or_a_gather_of_blocks(h100):
     gather = 128 * 16 * (128 + 129 / 2 + 256) * KV_TOKEN / h100.achievable_memory_bandwidth()
     assert a["kv_gather_seconds"] == pytest.approx(gather, rel=1e-12)
     assert a["decode_seconds"] - b["decode_seconds"] == pytest.approx(gather, rel=1e-9)
+
+
+def test_the_triton_kernel_reads_in_place_in_blocks_of_16_without_a_gather(h100):
+    """kv_cache: paged on a GPU without flash-attn, triton installed: 16-token blocks (not flash-attn's 256), each row
+    read to its own length (as flash-attn does), so no gather: the same decode seconds as flash-attn's paged kernel
+    (every answer fits at once either way: 16 live rows), where the gather path adds 128 steps of 16 rows each reading
+    its own 128 + 129 / 2 tokens and writing 256 positions."""
+    role, mfc = ModelRole("actor", preset("llama-7b")), gen_mfc(16, 128, 128)
+    limits = RolloutLimits(paged=True, kv_cache_bytes=16 * GIB)
+    triton, flash, gathered = (RestageEngine(limits, triton=True), RestageEngine(limits, flash_attn=True),
+                               RestageEngine(limits))
+    assert paged_triton(h100, triton, "bf16", 128) and not paged_flash(h100, triton, "bf16")
+    assert block_tokens(h100, triton, "bf16") == 16 and block_tokens(h100, flash, "bf16") == 256
+    occ = restage_occupancy(h100, triton, mfc, role, one_rank())
+    assert occ.block_tokens == 16 and occ.live == 16
+    assert occ.cache_bytes == (16 * 16 + 1) * BLOCK  # 16 rows of 256 tokens in 16-token blocks, and the scratch
+    t, f, g = (parts(Estimator(h100, engine=e).estimate(mfc, role, one_rank())) for e in (triton, flash, gathered))
+    assert "kv_gather_seconds" not in t and t["decode_seconds"] == f["decode_seconds"]
+    gather = 128 * 16 * (128 + 129 / 2 + 256) * KV_TOKEN / h100.achievable_memory_bandwidth()
+    assert g["kv_gather_seconds"] == pytest.approx(gather, rel=1e-12)
+    # The gather path also attends the whole slot in a graph (SDPA over the gathered span), as contiguous slots do
+    # under SDPA; the kernel attends each row's filled prefix: less than the gather path less its gather.
+    slots = parts(Estimator(h100, engine=RestageEngine(RolloutLimits(paged=False, kv_cache_bytes=16 * GIB))).estimate(
+        mfc, role, one_rank()))
+    assert g["decode_seconds"] - gather == pytest.approx(slots["decode_seconds"], rel=1e-9)
+    assert t["decode_seconds"] < slots["decode_seconds"]
+    # Not served: a CPU, a head dim that is not a power of two, flash-attn's own paged kernel (256-token blocks)
+    assert not paged_triton(load_cluster("local-cpu"), triton, "fp32", 128)
+    assert not paged_triton(h100, triton, "bf16", 24)
+    assert not paged_triton(h100, RestageEngine(limits, flash_attn=True, triton=True), "bf16", 128)
+    assert paged_triton(h100, RestageEngine(limits, flash_attn=True, triton=True), "fp32", 128)  # flash: half only
+
+
+def test_the_planner_takes_triton_only_where_a_paged_cache_is_asked_for():
+    generation = {"max_new_tokens": 128, "kv_cache_gib": 3, "max_slots": 8}
+    for kv_cache, expected in (("paged", True), ("auto", False), ("contiguous", False)):
+        cfg = ppo_config("llama-7b", "llama-7b", batch=64, gen=128, generation=generation | {"kv_cache": kv_cache})
+        assert engine_of(cfg, flash_attn=False, triton=True).triton is expected
+        assert not engine_of(cfg, flash_attn=False, triton=False).triton
 
 
 def test_block_size_and_graphs_as_the_runtime_chooses_them(h100):

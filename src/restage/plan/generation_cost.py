@@ -25,9 +25,11 @@ a step costs and what a prefill covers:
   micro-group in flight): a block's kernels take at least ``GRAPH_BLOCK_SECONDS`` instead of the eager
   ``block_overhead_seconds`` and each call captures its graph once (a warm-up step and a capture, each
   costed as one eager step); eager elsewhere (per-block launch time). Attention reads, per sequence,
-  its own cached tokens where flash-attn serves (``flash_decodes``, ``paged_flash``); else SDPA: over
-  the filled prefix eagerly and the whole slot in a graph, and a paged cache first gathers each row's
-  blocks up to the longest row's, about the whole slot (read and written, then read by SDPA). One host
+  its own cached tokens where flash-attn serves (``flash_decodes``, ``paged_flash``), and so does a paged
+  cache's Triton kernel on a GPU without flash-attn's paged kernel (``paged_triton``: ``RestageEngine.triton``,
+  blocks of ``DEFAULT_BLOCK_TOKENS``, no gather); else SDPA: over the filled prefix eagerly and the whole slot
+  in a graph, and a paged cache first gathers each row's blocks up to the longest row's, about the whole slot
+  (read and written, then read by SDPA). One host
   sync every ``check_every_steps`` steps (``HOST_CHECK_SECONDS`` each on a GPU).
 * **vLLM** (``VllmEngine``, ``vllm_generate_seconds``), for the peers' baselines and the calibration:
   CUDA graphs (``RooflineCompute(launch_overhead_seconds=0)``); a paged KV cache, so ``live`` is as
@@ -59,6 +61,7 @@ from restage.plan.comm import allreduce_seconds
 from restage.plan.compute import DTYPE_BYTES, RooflineCompute
 from restage.rollout.budget import CPU_KV_CACHE_BYTES, GPU_FREE_MEMORY_FRACTION, RolloutLimits, slot_count
 from restage.rollout.decode_graphs import choose_decode_mode
+from restage.rollout.paged_attention_triton import head_dim_supported
 from restage.rollout.paged_cache import DEFAULT_BLOCK_TOKENS, FLASH_BLOCK_TOKENS, blocks_for
 
 # Measured on one H100 with restage's own engine (docs/plan.md, "GPU cost constants"):
@@ -80,12 +83,16 @@ VLLM_RAY_TP_STEP_SECONDS = (24.2 - 17.0) / 2000
 class RestageEngine:
     """restage's rollout engine as configured: ``generation.kv_cache_gib`` / ``max_slots`` / ``kv_cache`` /
     ``kv_block_tokens`` (``limits``) and ``generation.cuda_graphs``; ``flash_attn``: whether flash-attn is installed
-    where the ranks run (``planner.engine_of``), which decides the runtime's block size and attention kernel."""
+    where the ranks run (``planner.engine_of``), which decides the runtime's block size and attention kernel;
+    ``triton``: whether a paged cache may read its blocks with restage's Triton kernel where flash-attn's does not
+    serve (``rollout.paged_cache.paged_kernel``; ``engine_of`` sets it where ``kv_cache: paged`` is asked for and
+    triton is installed), else it gathers them."""
 
     limits: RolloutLimits = RolloutLimits()
     cuda_graphs: bool = True
     partitioned: bool = False  # generating in its ZeRO-3 training layout (``PlanProblem.in_place_seconds``)
     flash_attn: bool = False
+    triton: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,13 @@ def paged_flash(cluster: ClusterSpec, engine: RestageEngine, dtype: str) -> bool
     """Whether a paged decode runs flash-attn's paged kernel (``PagedKVCache.decode_attention``: flash serves and the
     block is a multiple of ``FLASH_BLOCK_TOKENS``), reading each row's own tokens; else it gathers blocks for SDPA."""
     return flash_decodes(cluster, engine, dtype) and block_tokens(cluster, engine, dtype) % FLASH_BLOCK_TOKENS == 0
+
+
+def paged_triton(cluster: ClusterSpec, engine: RestageEngine, dtype: str, head_dim: int) -> bool:
+    """Whether a paged decode runs restage's Triton kernel (``rollout.paged_cache.paged_kernel``: a GPU, triton, a
+    dtype and head dim it supports, flash-attn's paged kernel not serving), reading each row's own blocks in place."""
+    return (engine.triton and cluster.has_gpus and dtype in ("bf16", "fp16", "fp32") and head_dim_supported(head_dim)
+            and not paged_flash(cluster, engine, dtype))
 
 
 @dataclass(frozen=True)

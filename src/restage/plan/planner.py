@@ -39,6 +39,7 @@ from restage.plan.problem import (
 )
 from restage.plan.search import SearchResult, search
 from restage.rollout.budget import RolloutLimits
+from restage.rollout.paged_attention_triton import triton_installed
 from restage.schedule.execution import Async, Execution, Sync
 from restage.schedule.predictions import ModeChoice, PlanMethod
 from restage.schedule.program import ema_targets
@@ -78,15 +79,18 @@ def build_problem(cfg: ExperimentConfig, cluster: ClusterSpec | None = None, fla
                        samples_per_iteration=cfg.run.batch_size, execution=execution)
 
 
-def engine_of(cfg: ExperimentConfig, flash_attn: bool | None = None) -> RestageEngine:
+def engine_of(cfg: ExperimentConfig, flash_attn: bool | None = None, triton: bool | None = None) -> RestageEngine:
     """The rollout engine the config's ``generation`` settings build (``rollout.generation.generate``'s limits).
     ``flash_attn``: whether flash-attn is installed where the ranks run; None: as in this process, which plans on
     (or as) the ranks' machines (``launch/job.py`` plans inside the job), the runtime asking the same of its own
-    (``models.attention.flash_attn_with_kvcache``)."""
+    (``models.attention.flash_attn_with_kvcache``). ``triton``: likewise for triton (the paged cache's kernel where
+    flash-attn's does not serve), taken only where ``generation.kv_cache: paged`` asks for a paged cache (``auto``
+    pages only where flash-attn serves), so other configs' estimates stay as they were."""
     gen = cfg.generation
     flash = flash_attn_with_kvcache is not None if flash_attn is None else flash_attn
     limits = RolloutLimits.of_params(gen)  # kv_cache=auto stays None: the estimator decides as the engine does
-    return RestageEngine(limits, cuda_graphs=gen.cuda_graphs, flash_attn=flash)
+    paged_triton = bool(limits.paged) and (triton_installed() if triton is None else triton)
+    return RestageEngine(limits, cuda_graphs=gen.cuda_graphs, flash_attn=flash, triton=paged_triton)
 
 
 def lean_plan(problem: PlanProblem) -> Plan | None:

@@ -28,6 +28,7 @@ from restage.plan.generation_cost import (
     kv_budget_bytes,
     paged_flash,
     paged_occupancy,
+    paged_triton,
     replays_graphs,
     restage_slots,
 )
@@ -130,13 +131,17 @@ def generate_cost(cluster: ClusterSpec, compute: ComputeModel, graph_compute: Ro
             prompts, prefix, head = math.ceil(b / mfc.options.group), prompt - 1, 0
             groups = group_count(engine.limits.pp_groups, s.pp) if s.pp > 1 else 1
             graphs = replays_graphs(cluster, engine, cfg, s, groups)
-            if occupancy.block_tokens and not paged_flash(cluster, engine, role.dtype):
+            in_place = paged_flash(cluster, engine, role.dtype) or paged_triton(cluster, engine, role.dtype,
+                                                                                cfg.head_dim)
+            if occupancy.block_tokens and not in_place:
                 # One gather of each row's blocks up to the longest row (a graph: the whole slot; eagerly, in the
                 # steady state some row is near its end), then SDPA over those positions.
                 attended = length
                 gathered = blocks_for(length, occupancy.block_tokens) * occupancy.block_tokens
-            else:  # flash-attn reads each row's own length; SDPA on slots: a graph's over the whole slot, masked
-                attended = length if graphs and not flash_decodes(cluster, engine, role.dtype) else filled
+            else:  # flash-attn and the paged Triton kernel read each row's own length; SDPA on slots: a graph's
+                # over the whole slot, masked
+                own = flash_decodes(cluster, engine, role.dtype) or bool(occupancy.block_tokens)
+                attended = length if graphs and not own else filled
             checks = (math.ceil(restage_decode_steps(occupancy, b, gen) / engine.limits.check_every_steps)
                       if cluster.has_gpus else 0)
         case _:
