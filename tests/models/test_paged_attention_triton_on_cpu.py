@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from types import ModuleType
 
 import pytest
 import torch
@@ -33,13 +34,27 @@ pytestmark = pytest.mark.skipif(not paged_attention_triton.triton_installed(),
 TOL = 1e-5
 
 
+def _triton_modules() -> dict[str, ModuleType]:
+    """triton's Python modules now imported (its compiled library, ``triton._C``, is loaded once and kept)."""
+    return {name: module for name, module in sys.modules.items()
+            if (name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")}
+
+
 @pytest.fixture(scope="module", autouse=True)
 def interpreted():
-    """Triton's interpreter for this module's kernels (read when the kernel is first built), rebuilt after it."""
+    """Triton's interpreter for this module's kernels. TRITON_INTERPRET must be set when triton is imported (its
+    library's own jitted functions are built then), and another test may have imported it already: its modules are
+    imported afresh here under the interpreter, and the session's put back after (nothing else runs interpreted)."""
+    session = _triton_modules()
+    for name in session:
+        del sys.modules[name]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         paged_attention_triton._kernel.cache_clear()
         yield
+    for name in _triton_modules():
+        del sys.modules[name]
+    sys.modules.update(session)
     paged_attention_triton._kernel.cache_clear()
 
 
