@@ -26,14 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from estimator import MFCS, ROOT, measure, predict, run_job  # noqa: E402  (bench/ is not a package)
+from estimator import MFCS, ROOT, ensure_model, measure, predict, run_job  # noqa: E402  (bench/ is not a package)
 
 EXPERIMENT = "cpu-unprofiled"
 # (width, layers, heads, kv heads, MLP width): none of them the calibration's (64 x 2) or the evaluation's (96 x 3).
@@ -88,23 +87,11 @@ def model_path(model: str) -> str:
     return f"results/assets/cpu-unprofiled-{model}"
 
 
-def ensure_model(model: str) -> Path:
+def ensure_job_model(model: str) -> Path:
     """A random LLaMA of ``MODELS[model]``'s shape over the synthetic task's tokenizer (built once)."""
-    from restage.demo import TOKENIZER
-    from restage.models.tiny import build_tiny
-
-    path = ROOT / model_path(model)
-    if (path / "config.json").is_file():
-        return path
     width, layers, heads, kv_heads, inter = MODELS[model]
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny(tmp, family="llama", seed=2, vocab_size=16, tokenizer=False, max_positions=64, hidden_size=width,
-               num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter)
-    for file in (ROOT / TOKENIZER).iterdir():
-        shutil.copy(file, tmp / file.name)
-    tmp.replace(path)
-    return path
+    return ensure_model(model_path(model), 2, hidden_size=width, num_layers=layers, num_heads=heads,
+                        num_kv_heads=kv_heads, intermediate_size=inter)
 
 
 def size_of(name: str) -> dict:
@@ -190,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, (model, layouts, ranks) in JOBS.items():
             trial = f"{name}-r{k}"
             if not args.reuse:
-                ensure_model(model)
+                ensure_job_model(model)
                 run_job(trial, size_of(name), layouts, args.steps, args.nice, ranks=ranks, experiment=EXPERIMENT)
                 print(f"cpu_unprofiled: ran {trial} ({time.time() - started:.0f} s, load average "
                       f"{os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)

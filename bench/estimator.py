@@ -108,23 +108,28 @@ assert not {tuple(sorted(p.items())) for p in PLANS.values()} & \
     {tuple(sorted(layouts.items())) for _, layouts in CALIBRATION.values()}, "an evaluated layout is a calibration layout"
 
 
-def ensure_eval_model() -> Path:
-    """The evaluation's model: a random LLaMA of ``EVAL_MODEL``'s size over the synthetic task's tokenizer (built once)."""
+def ensure_model(relative: str, seed: int, **sizes: int) -> Path:
+    """A random LLaMA of ``sizes`` over the synthetic task's tokenizer at ``ROOT / relative`` (built once)."""
     import shutil
 
     from restage.demo import TOKENIZER
     from restage.models.tiny import build_tiny
 
-    path = ROOT / EVAL_MODEL_PATH
+    path = ROOT / relative
     if (path / "config.json").is_file():
         return path
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny(tmp, family="llama", seed=1, vocab_size=16, tokenizer=False, max_positions=64, **EVAL_MODEL)
+    build_tiny(tmp, family="llama", seed=seed, vocab_size=16, tokenizer=False, max_positions=64, **sizes)
     for file in (ROOT / TOKENIZER).iterdir():
         shutil.copy(file, tmp / file.name)
     tmp.replace(path)
     return path
+
+
+def ensure_eval_model() -> Path:
+    """The evaluation's model: a random LLaMA of ``EVAL_MODEL``'s size (built once)."""
+    return ensure_model(EVAL_MODEL_PATH, 1, **EVAL_MODEL)
 
 
 def overrides_for(name: str, size: dict, layouts: dict[str, str], steps: int, experiment: str = EXPERIMENT) -> list[str]:
