@@ -26,6 +26,7 @@ and multiplies the rows its ep group routes to them: the same FLOPs per rank on 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
@@ -108,13 +109,17 @@ class RooflineCompute:
         # A CPU rank's threads: its FLOP/s and streaming rate are one thread's times the speedup (1 on GPUs).
         self.peak_flops_per_second = cluster.peak_flops_per_second(dtype) * cluster.thread_speedup
         self.attention_flops_per_second = self.peak_flops_per_second * cluster.attention_efficiency
+        # The two rates ``_stream`` picks from, read once (the cluster is frozen; the search asks millions of times).
+        self.memory_bytes_per_second = cluster.stream_bandwidth(math.inf)
+        self.cache_bytes_per_second = cluster.stream_bandwidth(0.0)  # memory's rate where no cache term applies
         self.launch_overhead_seconds = (cluster.block_overhead_seconds if launch_overhead_seconds is None
                                         else launch_overhead_seconds)
 
     def _stream(self, nbytes: float, largest_elements: float) -> float:
         """Seconds an op takes to move ``nbytes`` when its largest tensor holds ``largest_elements`` of the model's
         dtype: at the cache's rate where that tensor fits the cache (CPU clusters), else at memory's."""
-        return nbytes / self.cluster.stream_bandwidth(largest_elements * self.bytes)
+        fits = largest_elements * self.bytes <= self.cluster.cache_bytes
+        return nbytes / (self.cache_bytes_per_second if fits else self.memory_bytes_per_second)
 
     def _attention(self, flops: float, nbytes: float, largest_elements: float) -> float:
         return max(flops / self.attention_flops_per_second, self._stream(nbytes, largest_elements))
@@ -122,10 +127,11 @@ class RooflineCompute:
     def _matmuls(self, s: BlockShape, tokens: float, weights: float) -> float:
         """The block's GEMMs over ``tokens`` rows, each at the efficiency of its per-rank shape, or the bytes of
         the weights and activations they read, whichever takes longer."""
+        gemms = block_gemms(s)
         flops_seconds = sum(2 * tokens * cols * depth / (self.peak_flops_per_second
                                                          * gemm_efficiency(self.cluster, tokens, cols, depth))
-                            for _, cols, depth in block_gemms(s))
-        largest = max(max(cols * depth for _, cols, depth in block_gemms(s)), tokens * max(s.hidden, s.inter))
+                            for _, cols, depth in gemms)
+        largest = max(max(cols * depth for _, cols, depth in gemms), tokens * max(s.hidden, s.inter))
         return max(flops_seconds, self._stream((weights + tokens * (s.hidden + s.inter)) * self.bytes, largest))
 
     def block_matmuls(self, tokens: float, tp: int, ep: int = 1) -> float:
