@@ -207,3 +207,10 @@ PROCESS_BASELINES = {
 
 def process_baseline(has_gpus: bool) -> ProcessBaseline:
     return PROCESS_BASELINES["gpu" if has_gpus else "cpu"]
+
+
+def accuracy_of(has_gpus: bool, sources: Iterable[str]) -> tuple[Band, ProcessBaseline]:
+    """What ``restage plan`` prints beside a prediction and ``restage report`` sets the run against: the band (the
+    profiled plans' where every estimate came from a profile, ``sources`` as the schedule's ``predicted.estimator``)
+    and the process baseline of the cluster's kind of device."""
+    return prediction_band(has_gpus, profiled(sources)), process_baseline(has_gpus)

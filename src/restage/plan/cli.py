@@ -7,7 +7,8 @@ import json
 import time
 from typing import Any
 
-from restage.accuracy import Band, ProcessBaseline, prediction_band, process_baseline, profiled
+from restage.accuracy import Band, ProcessBaseline
+from restage.accuracy import accuracy_of as band_and_baseline
 from restage.cluster import device_is_gpu, load_cluster
 from restage.config.load import load_config
 from restage.plan.peers.baselines import BASELINES, LABELS
@@ -53,8 +54,7 @@ def main(args: argparse.Namespace) -> int:
 def accuracy_of(schedule: Schedule) -> tuple[Band, ProcessBaseline]:
     """The uncertainty band and process baseline (restage/accuracy.py) for the schedule's cluster, the band of profiled
     plans where every estimate came from a measured profile."""
-    gpus = device_is_gpu(schedule.cluster.device)
-    return prediction_band(gpus, profiled(schedule.predicted.estimator)), process_baseline(gpus)
+    return band_and_baseline(device_is_gpu(schedule.cluster.device), schedule.predicted.estimator)
 
 
 def summary(schedule: Schedule, outcome: PlanOutcome) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from restage.accuracy import Band, ProcessBaseline, prediction_band, process_baseline, profiled
+from restage.accuracy import Band, ProcessBaseline, accuracy_of
 from restage.cluster import device_is_gpu
 from restage.report.log import RunLog
 
@@ -92,9 +92,8 @@ def accuracy_for(cluster: dict | None, schedule: dict | None = None) -> tuple[Ba
     device = (cluster or {}).get("device")
     if not isinstance(device, str) or not device:
         return None
-    gpus = device_is_gpu(device)
     sources = ((schedule or {}).get("predicted") or {}).get("estimator") or ()
-    return prediction_band(gpus, profiled(sources)), process_baseline(gpus)
+    return accuracy_of(device_is_gpu(device), sources)
 
 
 _LAYOUT = re.compile(r"^\[([0-9,\- ]+)\]")
