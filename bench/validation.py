@@ -1,0 +1,505 @@
+"""restage's cost model on issue 30's validation set (bench/validation_set.py), each point under its system's plan.
+
+    python bench/validation.py [--json] [--terms off|fitted] [--final]
+
+Every point of the fit and held-out sets is predicted with restage's estimator (``plan/estimator.py``, no
+profiles) and vLLM model (``plan/generation_cost.py``) on the layout and settings its system ran, then with the
+scale terms of ``plan/scale_terms.py`` (ZeRO overlap, the slowest rank, the longest answer's tail). What a source does
+not state is taken from ``DEFAULTS``: each entry says what it fills and why, and the table was committed before this
+script printed any prediction of a held-out point. A point's prediction is a tree of phases (``Seq``: one after the
+other; ``Par``: at once, the longest counts) whose leaves are estimates.
+
+* The two constants of the scale terms are fitted on the fit set only (``fit_terms``: the pair minimising the median
+  |log(predicted / measured)| over a grid), then again on each of two disjoint halves of it, alternate points by
+  name (``stability``): issue 30's target is that the constants move less than 20% between the halves.
+* The held-out set is scored, never fitted on.
+* The untouched set is not predicted here: ``--final`` refuses until issue 30's GPU runs (item 3) exist, because the
+  constants may still be fitted on those runs, and the untouched set is predicted once, with the final model.
+
+The points that ``bench/published.py`` holds (``Point.reuses``) are predicted from its setups, as
+``bench/calibration.py`` does, with the estimates' breakdowns kept so the terms apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from restage.cluster import ClusterSpec, load_cluster
+from restage.graph import MFC
+from restage.layout import Layout, Strategy
+from restage.models.arch import ModelConfig
+from restage.models.presets import preset
+from restage.plan.estimator import Estimate, Estimator
+from restage.plan.generation_cost import VllmEngine, ray_tp_step_seconds, vllm_generate_seconds
+from restage.plan.roles import ModelRole
+from restage.plan.scale_terms import ScaleTerms, longest_answer, slowest_rank_factor, train_seconds
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import published  # noqa: E402  (bench/ is not a package)
+import validation_set as vs  # noqa: E402
+from calibration import cluster_for  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Default:
+    """A value a source does not state, and why this one."""
+
+    value: float | int | str
+    why: str
+
+
+DEFAULTS: dict[str, Default] = {
+    # Hardware the clusters/ files do not hold.
+    "h20.peak_bf16_flops": Default(148e12, "NVIDIA H20 product brief: 148 TFLOP/s dense BF16"),
+    "h20.memory": Default("96 GB HBM3 at 4.0 TB/s", "NVIDIA H20 product brief; the verl page does not state the memory"),
+    "h20.nvlink": Default(450e9, "NVLink 900 GB/s per GPU in total (H20 brief), 450 each way, as h100-80gb.yaml's"),
+    "h20.efficiencies": Default("h100-80gb.yaml's", "no published MAMF or FlashAttention figure for the H20; the same "
+                                "Hopper die family, so the H100 file's compute, attention and memory efficiencies"),
+    # Precision and compilers the estimator does not model.
+    "float8": Default(2.0, "Float8 linears (torchtitan rows): the H100's dense FP8 rate is 2x its BF16 rate (H100 "
+                      "datasheet); costed as the cluster's BF16 peak x 2 for the whole step, attention included, "
+                      "so it overstates the gain"),
+    "torch.compile": Default("not modelled", "predicted as the eager step: the estimator has no fusion term"),
+    "context_parallel": Default("sequence split", "torchtitan's CP rows: a rank costs 1/cp of its sequence's step on "
+                                "the FSDP group of dp = gpus / cp; the ring's K/V exchange counted as hidden"),
+    "selective_ac": Default("none", "selective activation checkpointing costed as no recomputation, as "
+                            "bench/published.py does for torchtitan's FSDP rows"),
+    # verl's fully-async page.
+    "verl.rollout_tp": Default(2, "verl's ppo_trainer.yaml actor_rollout_ref.rollout.tensor_model_parallel_size "
+                               "default (the page does not state the recipe's)"),
+    "verl.prompt_tokens": Default(256, "dapo-math-17k prompts with their instruction: a few hundred tokens; not stated"),
+    "verl.mean_answer_fraction": Default(0.125, "a guess, stated before prediction: the mean answer is 1/8 of "
+                                         "max_response_length; no source for these runs states it"),
+    "verl.micro_batch": Default(1, "one sequence per micro-batch: verl packs by ppo_max_token_len_per_gpu, and these "
+                                "answers reach 8K-28K tokens"),
+    "verl.zero": Default("FSDP2 = ZeRO-3 with prefetch, gradient checkpointing on", "verl's DAPO recipes set "
+                         "enable_gradient_checkpointing True; FSDP shards parameters, gradients and optimizer"),
+    "verl.30b_layout": Default("training ep 8 inside dp; generation TP 4", "the Megatron TP/PP/EP sizes and the "
+                               "rollout TP of the 30B rows are not stated; EP 8 and rollout TP 4 are the verl "
+                               "Qwen3-30B-A3B examples' choices"),
+    "verl.async_step": Default("max(generation on the rollout GPUs, log-probs and update on the trainer GPUs)",
+                               "fully_async_policy overlaps generation with training (staleness 0.5); the step is the "
+                               "slower side"),
+    "verl.10k_prompts": Default(512, "the colocated 10K row's prompts per step are not stated; the async row's 512"),
+    # NeMo-Aligner's PPO tables.
+    "aligner.layout": Default("TP 8; PP 4 at 70B, PP 14 at 405B", "the tables do not state TP / PP; NeMo-Aligner's "
+                              "70B examples run TP 8 x PP 4; at 405B the smallest PP dividing its 126 layers that "
+                              "holds the weights beside Adam's state on 80 GB"),
+    "aligner.generation": Default("engines of TP 8 over the actor's GPUs", "TRT-LLM with reshard (TP-only "
+                                  "inference), costed by the vLLM model with no per-step Ray cost"),
+    "aligner.prompt_tokens": Default(256, "Helpsteer2 prompts: a few hundred tokens; not stated"),
+    "aligner.max_answer": Default(2048, "NeMo-Aligner's gpt_ppo_actor.yaml length_params.max_length (half of a "
+                                  "4,096 encoder_seq_length); the tables state only the mean generated"),
+    "aligner.micro_batch": Default(1, "micro_batch_size 1, the examples' setting; global_batch_size 128 as stated"),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A prediction: a tree of phases.
+
+@dataclass(frozen=True)
+class Leaf:
+    """One estimated phase: ``kind`` "train" (overlap and the slowest rank apply), "work" (the slowest rank applies)
+    or "tail" (counted only with the tail term on); ``ranks``: how many ranks it waits for."""
+
+    label: str
+    seconds: float
+    kind: str = "work"
+    ranks: int = 1
+    parts: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Seq:
+    items: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class Par:
+    items: tuple[Node, ...]
+
+
+Node = Leaf | Seq | Par
+
+
+def evaluate(node: Node, terms: ScaleTerms) -> float:
+    """Seconds of ``node`` with ``terms`` applied at its leaves."""
+    match node:
+        case Leaf(kind="train"):
+            return train_seconds(node.seconds, dict(node.parts), node.ranks, terms)
+        case Leaf(kind="tail"):
+            return node.seconds * slowest_rank_factor(node.ranks, terms.straggler_sigma) if terms.tail else 0.0
+        case Leaf():
+            return node.seconds * slowest_rank_factor(node.ranks, terms.straggler_sigma)
+        case Seq():
+            return sum(evaluate(n, terms) for n in node.items)
+        case Par():
+            return max(evaluate(n, terms) for n in node.items)
+
+
+def leaves(node: Node) -> Iterator[Leaf]:
+    match node:
+        case Leaf():
+            yield node
+        case Seq() | Par():
+            for n in node.items:
+                yield from leaves(n)
+
+
+def _leaf(label: str, est: Estimate, kind: str, ranks: int, times: float = 1.0) -> Leaf:
+    return Leaf(label, times * est.seconds, kind, ranks, tuple((k, times * v) for k, v in est.breakdown))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Clusters and models the bench's cluster files do not hold.
+
+def h20_cluster(nodes: int) -> ClusterSpec:
+    """verl's H20s (``DEFAULTS`` h20.*): the H100 file with the H20's peak, HBM and NVLink."""
+    base = load_cluster("h100-80gb", nodes=nodes)
+    return dataclasses.replace(base, name="h20-96gb", device="NVIDIA H20",
+                               peak_bf16_flops_per_second=float(DEFAULTS["h20.peak_bf16_flops"].value),
+                               peak_fp16_flops_per_second=float(DEFAULTS["h20.peak_bf16_flops"].value),
+                               memory_bytes=96 * 10**9, memory_bandwidth_bytes_per_second=4.0e12,
+                               intra_node_bandwidth_bytes_per_second=float(DEFAULTS["h20.nvlink"].value))
+
+
+def fp8(cluster: ClusterSpec) -> ClusterSpec:
+    factor = float(DEFAULTS["float8"].value)
+    return dataclasses.replace(cluster, peak_bf16_flops_per_second=cluster.peak_bf16_flops_per_second * factor)
+
+
+# https://huggingface.co/Qwen/Qwen2.5-Math-7B/blob/main/config.json, with the positions verl's 28K recipe extends to.
+QWEN25_MATH_7B = ModelConfig.from_hf_dict({
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
+    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+    "max_position_embeddings": 32768, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "bos_token_id": 151643, "eos_token_id": 151643,
+}, source="preset")
+
+
+def _role(name: str, arch: ModelConfig, trainable: bool, zero: int, checkpointing: bool, offload_optimizer: bool = False,
+          offload_params: bool = False, shard_frozen: bool = False) -> ModelRole:
+    return ModelRole(name, arch, dtype="bf16", trainable=trainable, zero_stage=zero, gradient_checkpointing=checkpointing,
+                     offload_optimizer=offload_optimizer, offload_params=offload_params, shard_frozen=shard_frozen,
+                     prefetch_gathers=shard_frozen)
+
+
+def _train(est: Estimator, role: ModelRole, strategy: Strategy, samples: int, minibatches: int, seq: int,
+           micro: int) -> Estimate:
+    per_rank = samples // (strategy.dp * minibatches)
+    mfc = MFC("train", "train_step", role.name, ("seqs",), (), samples, seq, 0, micro_batches=max(1, per_rank // micro),
+              minibatches=minibatches)
+    return est.estimate(mfc, role, Layout.contiguous(0, strategy))
+
+
+def _forward(est: Estimator, role: ModelRole, strategy: Strategy, samples: int, prompt: int, answer: int,
+             micro: int) -> Estimate:
+    per_rank = samples // strategy.dp
+    mfc = MFC("score", "inference", role.name, ("seqs",), ("out",), samples, prompt, answer,
+              micro_batches=max(1, per_rank // micro))
+    return est.estimate(mfc, role, Layout.contiguous(0, strategy))
+
+
+def _generation(cluster: ClusterSpec, cfg: ModelConfig, gpus: int, tp: int, samples: int, prompt: int, mean: float,
+                cap: int, step_overhead: float = 0.0) -> Seq:
+    """``gpus / tp`` engines share ``samples`` prompts; each decodes their mean answer, then (the tail leaf) the
+    longest answer's tokens past the mean at the one-sequence rate."""
+    engines = gpus // tp
+    engine = VllmEngine(tp=tp, step_overhead_seconds=step_overhead)
+    per_engine = math.ceil(samples / engines)
+    body = vllm_generate_seconds(cluster, cfg, "bf16", engine, per_engine, prompt, round(mean))
+    extra = longest_answer(mean, cap, samples) - mean
+    tail = vllm_generate_seconds(cluster, cfg, "bf16", engine, 1, prompt + round(mean), round(extra)) if extra >= 1 else 0.0
+    return Seq((Leaf("generate", body, "work", engines), Leaf("tail", tail, "tail", engines)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fit set: the points of bench/published.py, as calibration.py predicts them.
+
+def _published_tree(point: published.Published) -> Node:
+    cluster = cluster_for(point.cluster, point.nodes)
+    est = Estimator(cluster, use_profiles=False)
+    match point.stage:
+        case published.TrainStage() as stage:
+            items = []
+            for p in stage.models:
+                role = _role("critic" if p.critic else "actor", preset(p.arch, critic=p.critic), True, p.zero_stage,
+                             stage.gradient_checkpointing, p.offload_optimizer, p.offload_params)
+                e = _train(est, role, Strategy(dp=p.gpus), stage.samples, stage.samples // stage.train_batch,
+                           stage.seq_tokens, p.micro_batch)
+                items.append(_leaf(f"train {role.name}", e, "train", p.gpus))
+            return Par(tuple(items)) if stage.concurrent else Seq(tuple(items))
+        case published.VllmStage() as stage:
+            rounds = stage.samples / (stage.engines * stage.live)
+            engine = VllmEngine(tp=stage.tp, step_overhead_seconds=ray_tp_step_seconds(stage.tp))
+            gen = vllm_generate_seconds(cluster, preset(stage.actor), "bf16", engine, stage.live, stage.prompt_tokens,
+                                        stage.gen_tokens)
+            scorers = []
+            for p in stage.scorers:
+                role = _role("critic" if p.critic else "actor", preset(p.arch, critic=p.critic), False, 3, False)
+                e = _forward(est, role, Strategy(dp=p.gpus), round(stage.engines * stage.live), stage.prompt_tokens,
+                             stage.gen_tokens, p.micro_batch)
+                scorers.append(_leaf(f"score {role.name}", e, "work", p.gpus, rounds))
+            return Seq((Leaf("generate", rounds * gen, "work", stage.engines), Par(tuple(scorers))))
+
+
+# torchtitan's rows bench/published.py does not hold: (gpus, model, global batch, seq, dp, tp, pp, cp, local batch,
+# float8, full activation checkpointing), read off the point's fields.
+_TITAN_SETUPS: dict[str, tuple[int, str, int, int, int, int, int, int, int, bool, bool]] = {
+    "torchtitan-llama3.1-8b-fsdp-compile-8gpu": (8, "llama-3.1-8b", 16, 8192, 8, 1, 1, 1, 2, False, False),
+    "torchtitan-llama3.1-8b-fsdp-compile-float8-8gpu": (8, "llama-3.1-8b", 16, 8192, 8, 1, 1, 1, 2, True, False),
+    "torchtitan-llama3.1-8b-fsdp-compile-128gpu": (128, "llama-3.1-8b", 256, 8192, 128, 1, 1, 1, 2, False, False),
+    "torchtitan-llama3.1-8b-fsdp-compile-float8-128gpu": (128, "llama-3.1-8b", 256, 8192, 128, 1, 1, 1, 2, True, False),
+    "torchtitan-llama3.1-8b-cp1-32k-8gpu": (8, "llama-3.1-8b", 8, 32768, 8, 1, 1, 1, 1, True, True),
+    "torchtitan-llama3.1-8b-cp2-64k-8gpu": (8, "llama-3.1-8b", 4, 65536, 4, 1, 1, 2, 1, True, True),
+    "torchtitan-llama3.1-70b-2d-256gpu": (256, "llama-3.1-70b", 512, 8192, 32, 8, 1, 1, 16, True, True),
+    "torchtitan-llama3.1-70b-2d-asynctp-256gpu": (256, "llama-3.1-70b", 512, 8192, 32, 8, 1, 1, 16, True, True),
+    "torchtitan-llama3.1-405b-3d-1f1b-512gpu": (512, "llama-3.1-405b", 256, 8192, 8, 8, 8, 1, 32, True, True),
+    "torchtitan-llama3.1-405b-3d-interleaved-512gpu": (512, "llama-3.1-405b", 256, 8192, 8, 8, 8, 1, 32, True, True),
+}
+
+
+def _titan_tree(point: vs.Point) -> Node:
+    gpus, arch, batch, seq, dp, tp, pp, cp, local, float8, full_ac = _TITAN_SETUPS[point.name]
+    assert gpus == point.gpus == dp * tp * pp * cp, point.name
+    cluster = cluster_for("h100-96gb-500w", max(1, gpus // 8))
+    est = Estimator(fp8(cluster) if float8 else cluster, use_profiles=False)
+    role = _role("model", preset(arch), True, 3, full_ac)
+    # One sequence per micro-batch under pp (the local batch flows through 1F1B), the local batch at once otherwise.
+    micro = 1 if pp > 1 else local
+    e = _train(est, role, Strategy(dp=dp, tp=tp, pp=pp), batch, 1, seq, micro)
+    return Seq((_leaf("train", e, "train", gpus, 1.0 / cp),))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Held-out set: verl's fully-async page and NeMo-Aligner's PPO tables.
+
+# name -> (colocated or (rollout GPUs, trainer GPUs), model, max answer, prompts per step, prompts per minibatch)
+_VERL_SETUPS: dict[str, tuple[int | tuple[int, int], str, int, int, int]] = {
+    "verl-qwen2.5-7b-dapo-colocate-32gpu": (32, "7b", 28 * 1024, 512, 32),
+    "verl-qwen2.5-7b-dapo-async-16x16": ((16, 16), "7b", 28 * 1024, 512, 32),
+    "verl-qwen2.5-7b-dapo-colocate-64gpu": (64, "7b", 28 * 1024, 512, 32),
+    "verl-qwen2.5-7b-dapo-async-32x32": ((32, 32), "7b", 28 * 1024, 512, 32),
+    "verl-qwen2.5-7b-dapo-colocate-128gpu": (128, "7b", 28 * 1024, 512, 32),
+    "verl-qwen2.5-7b-dapo-async-64x64": ((64, 64), "7b", 28 * 1024, 512, 32),
+    "verl-qwen3-30b-a3b-grpo-colocate-128gpu": (128, "30b", 8 * 1024, 512, 128),
+    "verl-qwen3-30b-a3b-grpo-async-96x32": ((96, 32), "30b", 8 * 1024, 512, 128),
+    "verl-qwen2.5-7b-dapo-colocate-16gpu-10k": (16, "7b", 10 * 1024, int(DEFAULTS["verl.10k_prompts"].value), 32),
+    "verl-qwen2.5-7b-dapo-async-8x8-10k": ((8, 8), "7b", 10 * 1024, 512, 32),
+}
+VERL_SAMPLES_PER_PROMPT = 16  # rollout.n 16 in every row (the page)
+
+
+def _verl_tree(point: vs.Point) -> Node:
+    placement, size, cap, prompts, per_minibatch = _VERL_SETUPS[point.name]
+    cluster = h20_cluster(max(1, point.gpus // 8))
+    est = Estimator(cluster, use_profiles=False)
+    moe = size == "30b"
+    cfg = preset("qwen3-30b-a3b") if moe else QWEN25_MATH_7B
+    rollout_tp = 4 if moe else int(DEFAULTS["verl.rollout_tp"].value)
+    prompt = int(DEFAULTS["verl.prompt_tokens"].value)
+    mean = cap * float(DEFAULTS["verl.mean_answer_fraction"].value)
+    samples = prompts * VERL_SAMPLES_PER_PROMPT
+    micro = int(DEFAULTS["verl.micro_batch"].value)
+    rollout_gpus, trainer_gpus = (placement, placement) if isinstance(placement, int) else placement
+    ep = 8 if moe else 1
+
+    def trainer(gpus: int, with_old_log_prob: bool) -> Seq:
+        s = Strategy(dp=gpus, ep=ep)
+        items: list[Node] = []
+        if with_old_log_prob:
+            e = _forward(est, _role("actor", cfg, False, 3, False, shard_frozen=True), s, samples, prompt, round(mean), micro)
+            items.append(_leaf("old log-probs", e, "work", gpus))
+        if moe:  # the GRPO rows run a reference model (the page's ref column)
+            e = _forward(est, _role("ref", cfg, False, 3, False, shard_frozen=True), s, samples, prompt, round(mean), micro)
+            items.append(_leaf("ref log-probs", e, "work", gpus))
+        e = _train(est, _role("actor", cfg, True, 3, True), s, samples, prompts // per_minibatch, prompt + round(mean), micro)
+        items.append(_leaf("update actor", e, "train", gpus))
+        return Seq(tuple(items))
+
+    generate = _generation(cluster, cfg, rollout_gpus, rollout_tp, samples, prompt, mean, cap)
+    if isinstance(placement, int):  # colocated: each phase in turn on every GPU
+        return Seq((generate, trainer(trainer_gpus, with_old_log_prob=True)))
+    return Par((generate, trainer(trainer_gpus, with_old_log_prob=False)))  # log-probs come from the rollout
+
+
+# name -> (actor nodes, critic nodes, mean tokens generated, rollout samples, model, pp)
+_ALIGNER_SETUPS: dict[str, tuple[int, int, float, int, str, int]] = {
+    "nemo-aligner-llama3-70b-ppo-8x4-nodes": (8, 4, 350.7, 1024, "llama-3.1-70b", 4),
+    "nemo-aligner-llama3-70b-ppo-16x8-nodes": (16, 8, 323.3, 1024, "llama-3.1-70b", 4),
+    "nemo-aligner-llama3-70b-ppo-32x16-nodes": (32, 16, 331.7, 1024, "llama-3.1-70b", 4),
+    "nemo-aligner-llama3-70b-ppo-64x32-nodes": (64, 32, 334.0, 1024, "llama-3.1-70b", 4),
+    "nemo-aligner-llama3.1-405b-ppo-84x42-nodes": (84, 42, 915.6, 128, "llama-3.1-405b", 14),
+}
+ALIGNER_GLOBAL_BATCH = 128  # global_batch_size 128 in every row (the page)
+
+
+def _aligner_tree(point: vs.Point) -> Node:
+    actor_nodes, critic_nodes, mean, samples, arch, pp = _ALIGNER_SETUPS[point.name]
+    cluster = cluster_for("h100-80gb", actor_nodes + critic_nodes)
+    est = Estimator(cluster, use_profiles=False)
+    tp, prompt = 8, int(DEFAULTS["aligner.prompt_tokens"].value)
+    cap, micro = int(DEFAULTS["aligner.max_answer"].value), int(DEFAULTS["aligner.micro_batch"].value)
+    actor_gpus, critic_gpus = actor_nodes * 8, critic_nodes * 8
+    cfg, critic_cfg = preset(arch), preset(arch, critic=True)
+    actor_s, critic_s = Strategy(dp=actor_gpus // (tp * pp), tp=tp, pp=pp), Strategy(dp=critic_gpus // (tp * pp), tp=tp, pp=pp)
+    answer = round(mean)
+    minibatches = max(1, samples // ALIGNER_GLOBAL_BATCH)
+
+    def forward(name: str, c: ModelConfig, s: Strategy, gpus: int) -> Leaf:
+        return _leaf(name, _forward(est, _role(name, c, False, 1, False), s, samples, prompt, answer, micro), "work", gpus)
+
+    def train(name: str, c: ModelConfig, s: Strategy, gpus: int) -> Leaf:
+        e = _train(est, _role(name, c, True, 1, True), s, samples, minibatches, prompt + answer, micro)
+        return _leaf(f"train {name}", e, "train", gpus)
+
+    generate = _generation(cluster, cfg, actor_gpus, tp, samples, prompt, mean, cap)
+    inference = Par((Seq((forward("actor", cfg, actor_s, actor_gpus), forward("init policy", cfg, actor_s, actor_gpus))),
+                     Seq((forward("critic", critic_cfg, critic_s, critic_gpus),
+                          forward("reward", critic_cfg, critic_s, critic_gpus)))))
+    training = Par((train("actor", cfg, actor_s, actor_gpus), train("critic", critic_cfg, critic_s, critic_gpus)))
+    return Seq((generate, inference, training))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+_PUBLISHED = {p.name: p for p in published.POINTS}
+
+
+def tree(point: vs.Point) -> Node:
+    """The phases of ``point`` under its system's plan."""
+    if point.reuses:
+        return _published_tree(_PUBLISHED[point.reuses])
+    if point.system == "torchtitan":
+        return _titan_tree(point)
+    if point.system == "verl":
+        return _verl_tree(point)
+    if point.system == "nemo-aligner":
+        return _aligner_tree(point)
+    raise KeyError(f"no predictor for {point.system} ({point.name}); the untouched set is predicted only with --final")
+
+
+def predictions(which: str, terms: ScaleTerms, trees: dict[str, Node] | None = None) -> dict[str, float]:
+    if which == "untouched":
+        raise PermissionError("the untouched set is predicted once, for the final figure (--final)")
+    trees = trees if trees is not None else {p.name: tree(p) for p in vs.points(which)}
+    return {name: evaluate(node, terms) for name, node in trees.items()}
+
+
+def _loss(trees: dict[str, Node], measured: dict[str, float], terms: ScaleTerms) -> float:
+    return statistics.median(abs(math.log(evaluate(trees[n], terms) / measured[n])) for n in trees)
+
+
+OVERLAP_GRID = tuple(i / 20 for i in range(21))
+SIGMA_GRID = tuple(i / 100 for i in range(31))
+
+
+def fit_terms(trees: dict[str, Node], measured: dict[str, float]) -> ScaleTerms:
+    """The (overlap, sigma) on the grids minimising the median |log(predicted / measured)|, tail on; ties go to the
+    smaller constants (the grids are walked upwards)."""
+    best = min(((_loss(trees, measured, ScaleTerms(o, s, tail=True)), o, s) for o in OVERLAP_GRID for s in SIGMA_GRID),
+               key=lambda t: t[0])
+    return ScaleTerms(best[1], best[2], tail=True)
+
+
+def halves(names: list[str]) -> tuple[list[str], list[str]]:
+    """Two disjoint halves of the fit set: alternate points by name."""
+    ordered = sorted(names)
+    return ordered[0::2], ordered[1::2]
+
+
+def _move(a: float, b: float) -> float:
+    """Relative move between two fits' constants, over the larger (0 when both are 0)."""
+    return abs(a - b) / max(abs(a), abs(b)) if max(abs(a), abs(b)) > 0 else 0.0
+
+
+def stability(trees: dict[str, Node], measured: dict[str, float]) -> dict:
+    first, second = halves(list(trees))
+    a = fit_terms({n: trees[n] for n in first}, measured)
+    b = fit_terms({n: trees[n] for n in second}, measured)
+    return {"halves": [first, second], "first": dataclasses.asdict(a), "second": dataclasses.asdict(b),
+            "move": {"overlap": _move(a.overlap, b.overlap), "straggler_sigma": _move(a.straggler_sigma, b.straggler_sigma)},
+            "target": 0.20}
+
+
+def _rows(which: str, trees: dict[str, Node], variants: dict[str, ScaleTerms]) -> list[dict]:
+    rows = []
+    for p in vs.points(which):
+        row = {"name": p.name, "system": p.system, "set": which, "gpus": p.gpus, "params_b": p.params_b,
+               "measured_seconds": p.measured_seconds, "source": p.source, "setup": f"{p.models}; {p.parallel}"}
+        for label, terms in variants.items():
+            seconds = evaluate(trees[p.name], terms)
+            row[label] = {"predicted_seconds": seconds, "ratio": seconds / p.measured_seconds}
+        row["phases"] = {leaf.label: leaf.seconds for leaf in leaves(trees[p.name])}
+        rows.append(row)
+    return rows
+
+
+def _figures(rows: list[dict], label: str) -> dict:
+    errs = [r[label]["ratio"] - 1 for r in rows]
+    return {"points": len(rows), "median_abs_error": statistics.median(abs(e) for e in errs),
+            "largest_ratio": max(max(1 + e, 1 / (1 + e)) for e in errs)}
+
+
+def run() -> dict:
+    vs.check()
+    trees = {p.name: tree(p) for which in ("fit", "held_out") for p in vs.points(which)}
+    measured = {p.name: p.measured_seconds for p in vs.POINTS}
+    fit_trees = {p.name: trees[p.name] for p in vs.points("fit")}
+    fitted = fit_terms(fit_trees, measured)
+    variants = {"estimator": ScaleTerms(), "tail": ScaleTerms(tail=True),
+                "overlap": dataclasses.replace(fitted, straggler_sigma=0.0),
+                "straggler": dataclasses.replace(fitted, overlap=0.0), "fitted": fitted}
+    out: dict = {"fixed_on": vs.FIXED_ON, "metric": vs.METRIC, "fitted_terms": dataclasses.asdict(fitted),
+                 "defaults": {k: dataclasses.asdict(d) for k, d in DEFAULTS.items()}, "sets": {}}
+    for which in ("fit", "held_out"):
+        rows = _rows(which, trees, variants)
+        out["sets"][which] = {"rows": rows, "figures": {label: _figures(rows, label) for label in variants}}
+    out["stability"] = stability(fit_trees, measured)
+    return out
+
+
+def _print(result: dict) -> None:
+    t = result["fitted_terms"]
+    print(f"scale terms fitted on the fit set: overlap {t['overlap']:.2f}, straggler sigma {t['straggler_sigma']:.2f}, "
+          f"tail {'on' if t['tail'] else 'off'}")
+    labels = ("estimator", "tail", "overlap", "straggler", "fitted")
+    for which, part in result["sets"].items():
+        print(f"\n== {which}: predicted / measured by terms ({', '.join(labels)})")
+        print(f"{'point':<50} {'GPUs':>5} {'measured s':>11} " + " ".join(f"{label:>9}" for label in labels))
+        for r in part["rows"]:
+            print(f"{r['name']:<50} {r['gpus']:>5} {r['measured_seconds']:>11.1f} "
+                  + " ".join(f"{r[label]['ratio']:>8.2f}x" for label in labels))
+        for label in labels:
+            f = part["figures"][label]
+            print(f"  {label:<10} median |error| {f['median_abs_error']:6.1%}, largest ratio {f['largest_ratio']:.2f}x")
+    s = result["stability"]
+    print(f"\nstability (two halves of the fit set): first {s['first']}, second {s['second']}; move overlap "
+          f"{s['move']['overlap']:.0%}, sigma {s['move']['straggler_sigma']:.0%} (target < 20%)")
+
+
+def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--final", action="store_true", help="predict the untouched set (refused until item 3's GPU runs)")
+    args = parser.parse_args(argv)
+    if args.final:
+        raise SystemExit("bench/validation.py: the untouched set is predicted once, with the final constants, after "
+                         "issue 30's GPU runs (scripts/gpu_check.sh sizes); run without --final")
+    result = run()
+    if args.json:
+        out(json.dumps(result, indent=1))
+    else:
+        _print(result)
+
+
+if __name__ == "__main__":
+    main()
