@@ -9,7 +9,7 @@ not state is taken from ``DEFAULTS``: each entry says what it fills and why, and
 script printed any prediction of a held-out point. A point's prediction is a tree of phases (``Seq``: one after the
 other; ``Par``: at once, the longest counts) whose leaves are estimates.
 
-* The two constants of the scale terms are fitted on the fit set only (``fit_terms``: the pair minimising the median
+* The two constants of the scale terms are fitted on the fit set only (``fit_terms``: the pair minimising the mean
   |log(predicted / measured)| over a grid), then again on each of two disjoint halves of it, alternate points by
   name (``stability``): issue 30's target is that the constants move less than 20% between the halves.
 * The held-out set is scored, never fitted on.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from restage.cluster import ClusterSpec, load_cluster
-from restage.graph import MFC
+from restage.graph import MFC, MFCKind
 from restage.layout import Layout, Strategy
 from restage.models.arch import ModelConfig
 from restage.models.presets import preset
@@ -195,7 +195,7 @@ def _role(name: str, arch: ModelConfig, trainable: bool, zero: int, checkpointin
 def _train(est: Estimator, role: ModelRole, strategy: Strategy, samples: int, minibatches: int, seq: int,
            micro: int) -> Estimate:
     per_rank = samples // (strategy.dp * minibatches)
-    mfc = MFC("train", "train_step", role.name, ("seqs",), (), samples, seq, 0, micro_batches=max(1, per_rank // micro),
+    mfc = MFC("train", MFCKind.TRAIN_STEP, role.name, ("seqs",), (), samples, seq, 0, micro_batches=max(1, per_rank // micro),
               minibatches=minibatches)
     return est.estimate(mfc, role, Layout.contiguous(0, strategy))
 
@@ -203,7 +203,7 @@ def _train(est: Estimator, role: ModelRole, strategy: Strategy, samples: int, mi
 def _forward(est: Estimator, role: ModelRole, strategy: Strategy, samples: int, prompt: int, answer: int,
              micro: int) -> Estimate:
     per_rank = samples // strategy.dp
-    mfc = MFC("score", "inference", role.name, ("seqs",), ("out",), samples, prompt, answer,
+    mfc = MFC("score", MFCKind.INFERENCE, role.name, ("seqs",), ("out",), samples, prompt, answer,
               micro_batches=max(1, per_rank // micro))
     return est.estimate(mfc, role, Layout.contiguous(0, strategy))
 
@@ -395,7 +395,9 @@ def predictions(which: str, terms: ScaleTerms, trees: dict[str, Node] | None = N
 
 
 def _loss(trees: dict[str, Node], measured: dict[str, float], terms: ScaleTerms) -> float:
-    return statistics.median(abs(math.log(evaluate(trees[n], terms) / measured[n])) for n in trees)
+    """The mean |log(predicted / measured)|: every point pulls. (The median was tried first: over a dozen points it is
+    flat in the overlap, and the two halves' fits landed at 0.05 and 0.85, a tie broken by the grid's order.)"""
+    return statistics.fmean(abs(math.log(evaluate(trees[n], terms) / measured[n])) for n in trees)
 
 
 OVERLAP_GRID = tuple(i / 20 for i in range(21))
@@ -403,8 +405,8 @@ SIGMA_GRID = tuple(i / 100 for i in range(31))
 
 
 def fit_terms(trees: dict[str, Node], measured: dict[str, float]) -> ScaleTerms:
-    """The (overlap, sigma) on the grids minimising the median |log(predicted / measured)|, tail on; ties go to the
-    smaller constants (the grids are walked upwards)."""
+    """The (overlap, sigma) on the grids minimising the mean |log(predicted / measured)| (``_loss``), tail on; ties go
+    to the smaller constants (the grids are walked upwards)."""
     best = min(((_loss(trees, measured, ScaleTerms(o, s, tail=True)), o, s) for o in OVERLAP_GRID for s in SIGMA_GRID),
                key=lambda t: t[0])
     return ScaleTerms(best[1], best[2], tail=True)

@@ -59,10 +59,10 @@ def slowest_rank_factor(ranks: int, sigma: float) -> float:
 
 
 def harmonic(n: int) -> float:
-    """H_n = 1 + 1/2 + ... + 1/n (exact below 1,000, else ln n + Euler's constant + 1/2n)."""
+    """H_n = 1 + 1/2 + ... + 1/n (summed below 1,000, else ln n + Euler's constant + 1/2n - 1/12n^2)."""
     if n < 1000:
         return sum(1.0 / k for k in range(1, n + 1))
-    return math.log(n) + 0.5772156649015329 + 1.0 / (2 * n)
+    return math.log(n) + 0.5772156649015329 + 1.0 / (2 * n) - 1.0 / (12 * n * n)
 
 
 def longest_answer(mean_tokens: float, cap_tokens: int, answers: int) -> float:
