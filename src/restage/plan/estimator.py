@@ -71,9 +71,13 @@ class Estimate:
 class Estimator:
     """Estimates MFCs for one cluster; ``compute_for(role)`` picks the profile or the roofline per model."""
 
-    def __init__(self, cluster: ClusterSpec, use_profiles: bool = True, engine: GenerationEngine = RestageEngine()):
-        """``engine``: what generate MFCs run on (restage's rollout engine with the config's settings)."""
+    def __init__(self, cluster: ClusterSpec, use_profiles: bool = True, engine: GenerationEngine = RestageEngine(),
+                 sequence_parallel: bool = False):
+        """``engine``: what generate MFCs run on (restage's rollout engine with the config's settings);
+        ``sequence_parallel``: cost TP as Megatron and torchtitan run it (``RooflineCompute``), for modelling those
+        systems (``bench/validation.py``); restage's own plans leave it off."""
         self.cluster = cluster
+        self.sequence_parallel = sequence_parallel
         self.use_profiles = use_profiles
         self.engine = engine
         self._compute: dict[tuple[ModelConfig, str], RooflineCompute | ProfiledCompute] = {}
@@ -83,7 +87,7 @@ class Estimator:
         """The profile measured for the role's architecture and dtype on this cluster, else the roofline."""
         key = (role.arch, role.dtype)
         if key not in self._compute:
-            roofline = RooflineCompute(self.cluster, role.arch, role.dtype)
+            roofline = RooflineCompute(self.cluster, role.arch, role.dtype, sequence_parallel=self.sequence_parallel)
             model: RooflineCompute | ProfiledCompute = roofline
             if self.use_profiles:
                 profile = find_profile(self.cluster.name, role.arch, role.dtype)
