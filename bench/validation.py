@@ -13,8 +13,9 @@ other; ``Par``: at once, the longest counts) whose leaves are estimates.
   |log(predicted / measured)| over a grid), then again on each of two disjoint halves of it, alternate points by
   name (``stability``): issue 30's target is that the constants move less than 20% between the halves.
 * The held-out set is scored, never fitted on.
-* The untouched set is not predicted here: ``--final`` refuses until issue 30's GPU runs (item 3) exist, because the
-  constants may still be fitted on those runs, and the untouched set is predicted once, with the final model.
+* The untouched set is predicted only with ``--final`` (``final``, with ``UNTOUCHED_DEFAULTS`` for what its sources
+  do not state), once, with the final model; ``--final`` refuses while issue 30's GPU runs (item 3, committed as
+  ``docs/gpu_sizes_*.json``) do not exist, because the constants may still be fitted on those runs.
 
 The points that ``bench/published.py`` holds (``Point.reuses``) are predicted from its setups, as
 ``bench/calibration.py`` does, with the estimates' breakdowns kept so the terms apply.
@@ -65,8 +66,9 @@ DEFAULTS: dict[str, Default] = {
                                 "Hopper die family, so the H100 file's compute, attention and memory efficiencies"),
     # Precision and compilers the estimator does not model.
     "float8": Default(2.0, "Float8 linears (torchtitan rows): the H100's dense FP8 rate is 2x its BF16 rate (H100 "
-                      "datasheet); costed as the cluster's BF16 peak x 2 for the whole step, attention included, "
-                      "so it overstates the gain"),
+                      "datasheet); the cluster's BF16 peak x 2 with its attention efficiency / 2, so attention (not a "
+                      "Linear; torchtitan's float8 converts nn.Linear only) keeps the BF16 rate (revised after the fit "
+                      "set's first run: the first version sped attention up too)"),
     "torch.compile": Default("not modelled", "predicted as the eager step: the estimator has no fusion term"),
     "context_parallel": Default("sequence split", "torchtitan's CP rows: a rank costs 1/cp of its sequence's step on "
                                 "the FSDP group of dp = gpus / cp; the ring's K/V exchange counted as hidden"),
@@ -187,7 +189,8 @@ def h20_cluster(nodes: int) -> ClusterSpec:
 
 def fp8(cluster: ClusterSpec) -> ClusterSpec:
     factor = float(DEFAULTS["float8"].value)
-    return dataclasses.replace(cluster, peak_bf16_flops_per_second=cluster.peak_bf16_flops_per_second * factor)
+    return dataclasses.replace(cluster, peak_bf16_flops_per_second=cluster.peak_bf16_flops_per_second * factor,
+                               attention_efficiency=cluster.attention_efficiency / factor)
 
 
 # https://huggingface.co/Qwen/Qwen2.5-Math-7B/blob/main/config.json, with the positions verl's 28K recipe extends to.
@@ -387,6 +390,137 @@ def _aligner_tree(point: vs.Point) -> Node:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Untouched set: NeMo-RL's GRPO summary and Megatron-Bridge's pre-training summary, predicted only with --final.
+
+def _moe(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, experts: int, active: int, expert_inter: int,
+         vocab: int) -> ModelConfig:
+    return ModelConfig.from_hf_dict({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": expert_inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_experts": experts, "num_experts_per_tok": active,
+        "moe_intermediate_size": expert_inter, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "max_position_embeddings": 131072, "rope_theta": 1e6, "rms_norm_eps": 1e-6, "router_aux_loss_coef": 0.001,
+        "use_sliding_window": False, "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 0,
+        "eos_token_id": 1}, source="preset")
+
+
+UNTOUCHED_DEFAULTS: dict[str, Default] = {
+    "qwen3-235b-a22b": Default("config.json", "https://huggingface.co/Qwen/Qwen3-235B-A22B config.json: hidden 4096, "
+                               "94 layers, 64 heads of 128, 4 KV heads, 128 experts of 1536, 8 active"),
+    "deepseek-v3": Default("as a Qwen3-style mixture", "DeepSeek-V3's config.json widths (hidden 7168, 61 layers, 128 "
+                           "heads, 256 routed experts of 2048 with 8 active) with its shared expert as a 9th active "
+                           "one, MLA costed as attention of 128 heads of 128 with as many KV heads, its 3 dense layers "
+                           "as mixture layers: the roofline has no MLA or shared-expert path"),
+    "gpt-oss-120b": Default("as a Qwen3-style mixture", "gpt-oss-120b's config.json widths (hidden 2880, 36 layers, 64 "
+                            "heads of 64, 8 KV heads, 128 experts of 2880, 4 active), every layer attending to the "
+                            "whole 4,096-token sequence (its alternate 128-token windows ignored)"),
+    "expert_parallel": Default("the largest divisor of dp up to the stated EP", "restage's Strategy splits experts over "
+                               "dp ranks only; Megatron's EP may span TP and CP ranks too"),
+    "megatron.optimizer": Default("ZeRO-1 (distributed optimizer), overlap on, sequence parallel under TP",
+                                  "Megatron-Bridge's performance recipes: use_distributed_optimizer, "
+                                  "overlap_grad_reduce, overlap_param_gather, sequence_parallel with TP > 1"),
+    "megatron.recompute": Default("none", "the summary does not state recomputation; costed without"),
+    "megatron.virtual_pipeline": Default("bubble / VP", "the interleaved schedule shortens the 1F1B fill and drain by "
+                                         "the virtual stages per rank"),
+    "megatron.fsdp_column": Default("FSDP 1 costed as ZeRO-3, 0 as the distributed optimizer", "the table's FSDP "
+                                    "column"),
+    "nemo_rl.prompt_tokens": Default(128, "OpenMathInstruct-2 problems: a hundred-odd tokens; not stated"),
+    "nemo_rl.average_includes_prompt": Default(True, "G-Average Seq len taken as prompt plus answer"),
+    "nemo_rl.reference": Default("a reference forward", "NeMo-RL's GRPO configs set reference_policy_kl_penalty 0.01: "
+                                 "a reference model's log-probs each step, on the training layout"),
+    "nemo_rl.colocated": Default("on policy: generation, log-probs and training in turn on every GPU; 1-step off: "
+                                 "generation on half the GPUs beside training on the other half, the slower side counts",
+                                 "the GPU split of the off-policy rows is not stated"),
+    "nemo_rl.micro_batch": Default(1, "micro-batches of one sequence; not stated"),
+    "nemo_rl.8b_training": Default("TP 1, CP 1, PP 1", "the 8B training cell has 7 entries for 5 columns; all 1 but the "
+                                   "sixth (2), read as no model parallelism"),
+}
+
+# name -> (model, generation (TP, PP), training (TP, CP, EP, PP), T-Max, G-Average, G-GBS, T-GBS, on policy)
+_NEMO_RL_SETUPS: dict[str, tuple[str, tuple[int, int], tuple[int, int, int, int], int, int, int, int, bool]] = {
+    "nemo-rl-llama3.1-8b-grpo-16gpu": ("llama-3.1-8b", (1, 1), (1, 1, 1, 1), 4096, 1060, 2048, 512, True),
+    "nemo-rl-llama3.1-8b-grpo-async-16gpu": ("llama-3.1-8b", (1, 1), (1, 1, 1, 1), 4096, 1129, 2048, 512, False),
+    "nemo-rl-deepseek-v3-grpo-256gpu": ("deepseek-v3", (32, 1), (1, 1, 16, 16), 1536, 745, 512, 512, True),
+    "nemo-rl-deepseek-v3-grpo-async-512gpu": ("deepseek-v3", (32, 1), (1, 1, 16, 16), 1536, 744, 512, 512, False),
+    "nemo-rl-qwen3-235b-grpo-128gpu": ("qwen3-235b-a22b", (16, 1), (2, 2, 16, 8), 8192, 5671, 512, 512, True),
+    "nemo-rl-qwen3-235b-grpo-async-256gpu": ("qwen3-235b-a22b", (8, 1), (4, 1, 16, 8), 8192, 5691, 512, 512, False),
+    "nemo-rl-qwen3-30b-a3b-grpo-32gpu": ("qwen3-30b-a3b", (4, 1), (2, 1, 8, 1), 4096, 3154, 2048, 512, True),
+    "nemo-rl-qwen3-30b-a3b-grpo-async-32gpu": ("qwen3-30b-a3b", (2, 1), (1, 1, 8, 2), 4096, 3158, 2048, 512, False),
+    "nemo-rl-qwen3-32b-grpo-32gpu": ("qwen3-32b", (4, 1), (4, 1, 1, 4), 4096, 3206, 2048, 512, True),
+    "nemo-rl-qwen3-32b-grpo-async-64gpu": ("qwen3-32b", (4, 1), (4, 1, 1, 4), 4096, 3207, 2048, 512, False),
+}
+
+# name -> (model, GBS, seq, FSDP, TP, PP, CP, VP, EP, fp8)
+_MBRIDGE_SETUPS: dict[str, tuple[str, int, int, int, int, int, int, int, int, bool]] = {
+    "megatron-bridge-llama3-8b-fp8-8gpu": ("llama-3.1-8b", 128, 8192, 1, 1, 1, 1, 1, 1, True),
+    "megatron-bridge-llama3-70b-fp8-64gpu": ("llama-3.1-70b", 256, 8192, 0, 4, 8, 1, 5, 1, True),
+    "megatron-bridge-llama3.1-405b-fp8-1024gpu": ("llama-3.1-405b", 1536, 8192, 0, 8, 8, 2, 8, 1, True),
+    "megatron-bridge-gpt-oss-120b-bf16-64gpu": ("gpt-oss-120b", 1280, 4096, 0, 1, 4, 1, 1, 8, False),
+    "megatron-bridge-qwen3-30b-a3b-fp8-16gpu": ("qwen3-30b-a3b", 1024, 4096, 0, 1, 2, 1, 12, 8, True),
+    "megatron-bridge-qwen3-235b-a22b-fp8-256gpu": ("qwen3-235b-a22b", 8192, 4096, 0, 2, 8, 1, 4, 32, True),
+}
+
+
+def _untouched_arch(name: str) -> ModelConfig:
+    match name:
+        case "qwen3-235b-a22b":
+            return _moe(4096, 94, 64, 4, 128, 128, 8, 1536, 151936)
+        case "deepseek-v3":
+            return _moe(7168, 61, 128, 128, 128, 256, 9, 2048, 129280)
+        case "gpt-oss-120b":
+            return _moe(2880, 36, 64, 8, 64, 128, 4, 2880, 201088)
+        case _:
+            return preset(name)
+
+
+def _expert_parallel(ep: int, dp: int) -> int:
+    return max(d for d in range(1, min(ep, dp) + 1) if dp % d == 0)  # UNTOUCHED_DEFAULTS expert_parallel
+
+
+def _pretrain_leaf(est: Estimator, cfg: ModelConfig, gpus: int, batch: int, seq: int, zero: int, tp: int, pp: int,
+                   cp: int, vp: int, ep: int, label: str = "train") -> Leaf:
+    """One pre-training step of ``batch`` sequences over ``gpus``: each CP group's ranks cost 1/cp of their sequences'
+    step, the interleaved schedule's bubble is 1/vp of 1F1B's."""
+    dp = gpus // (tp * pp * cp)
+    assert dp * tp * pp * cp == gpus, (gpus, tp, pp, cp)
+    role = _role("model", cfg, True, zero, False)
+    e = _train(est, role, Strategy(dp=dp, tp=tp, pp=pp, ep=_expert_parallel(ep, dp)), batch, 1, seq, 1)
+    leaf = _leaf(label, e, "train", gpus, 1.0 / cp)
+    bubble = dict(leaf.parts).get("pp_bubble_seconds", 0.0) * (1 - 1 / vp)
+    return dataclasses.replace(leaf, seconds=leaf.seconds - bubble)
+
+
+def _mbridge_tree(point: vs.Point) -> Node:
+    arch, gbs, seq, fsdp, tp, pp, cp, vp, ep, float8 = _MBRIDGE_SETUPS[point.name]
+    cluster = cluster_for("h100-80gb", max(1, point.gpus // 8))
+    est = Estimator(fp8(cluster) if float8 else cluster, use_profiles=False, sequence_parallel=True)
+    return _pretrain_leaf(est, _untouched_arch(arch), point.gpus, gbs, seq, 3 if fsdp else 1, tp, pp, cp, vp, ep)
+
+
+def _nemo_rl_tree(point: vs.Point) -> Node:
+    arch, (gen_tp, gen_pp), (tp, cp, ep, pp), cap, average, samples, train_batch, on_policy = _NEMO_RL_SETUPS[point.name]
+    cluster = cluster_for("h100-80gb", max(1, point.gpus // 8))
+    est = Estimator(cluster, use_profiles=False, sequence_parallel=True)
+    cfg = _untouched_arch(arch)
+    prompt = int(UNTOUCHED_DEFAULTS["nemo_rl.prompt_tokens"].value)
+    mean = average - prompt
+    micro = int(UNTOUCHED_DEFAULTS["nemo_rl.micro_batch"].value)
+    gen_gpus, train_gpus = (point.gpus, point.gpus) if on_policy else (point.gpus // 2, point.gpus // 2)
+    dp = train_gpus // (tp * pp * cp)
+    s = Strategy(dp=dp, tp=tp, pp=pp, ep=_expert_parallel(ep, dp))
+
+    def forward(name: str) -> Leaf:
+        e = _forward(est, _role(name, cfg, False, 1, False), s, samples, prompt, mean, micro)
+        return _leaf(name, e, "work", train_gpus, 1.0 / cp)
+
+    e = _train(est, _role("policy", cfg, True, 1, False), s, samples, max(1, samples // train_batch), average, micro)
+    train = Seq((forward("policy log-probs"), forward("reference log-probs"), _leaf("train", e, "train", train_gpus,
+                                                                                     1.0 / cp)))
+    generate = _generation(cluster, cfg, gen_gpus, gen_tp * gen_pp, samples, prompt, mean, cap)
+    return Seq((generate, train)) if on_policy else Par((generate, train))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 
 _PUBLISHED = {p.name: p for p in published.POINTS}
 
@@ -401,7 +535,16 @@ def tree(point: vs.Point) -> Node:
         return _verl_tree(point)
     if point.system == "nemo-aligner":
         return _aligner_tree(point)
-    raise KeyError(f"no predictor for {point.system} ({point.name}); the untouched set is predicted only with --final")
+    raise KeyError(f"{point.name} is in the untouched set: predicted only by final() (--final)")
+
+
+def untouched_tree(point: vs.Point) -> Node:
+    """The phases of an untouched point; only ``final`` calls it."""
+    if point.system == "nemo-rl":
+        return _nemo_rl_tree(point)
+    if point.system == "megatron-bridge":
+        return _mbridge_tree(point)
+    raise KeyError(f"{point.name} is not in the untouched set")
 
 
 def predictions(which: str, terms: ScaleTerms, trees: dict[str, Node] | None = None) -> dict[str, float]:
@@ -500,20 +643,52 @@ def _print(result: dict) -> None:
         for label in labels:
             f = part["figures"][label]
             print(f"  {label:<10} median |error| {f['median_abs_error']:6.1%}, largest ratio {f['largest_ratio']:.2f}x")
+    if "untouched" in result:
+        print("\n== untouched (predicted once, --final)")
+        for r in result["untouched"]["rows"]:
+            print(f"{r['name']:<50} {r['gpus']:>5} {r['measured_seconds']:>11.1f} {r['estimator']['ratio']:>8.2f}x "
+                  f"{r['fitted']['ratio']:>8.2f}x")
+        for label, f in result["untouched"]["figures"].items():
+            print(f"  {label:<10} median |error| {f['median_abs_error']:6.1%}, largest ratio {f['largest_ratio']:.2f}x")
     s = result["stability"]
     print(f"\nstability (two halves of the fit set): first {s['first']}, second {s['second']}; move overlap "
           f"{s['move']['overlap']:.0%}, sigma {s['move']['straggler_sigma']:.0%} (target < 20%)")
 
 
+GPU_RUNS = "docs/gpu_sizes_*.json"  # issue 30 item 3's committed runs (scripts/gpu_check.sh sizes)
+
+
+def final(fitted: ScaleTerms) -> dict:
+    """The untouched set predicted once, with the terms fitted on the fit set."""
+    rows = []
+    for p in vs.points("untouched"):
+        node = untouched_tree(p)
+        seconds = evaluate(node, fitted)
+        rows.append({"name": p.name, "system": p.system, "gpus": p.gpus, "params_b": p.params_b, "source": p.source,
+                     "setup": f"{p.models}; {p.parallel}", "measured_seconds": p.measured_seconds,
+                     "estimator": {"predicted_seconds": evaluate(node, ScaleTerms()),
+                                   "ratio": evaluate(node, ScaleTerms()) / p.measured_seconds},
+                     "fitted": {"predicted_seconds": seconds, "ratio": seconds / p.measured_seconds},
+                     "phases": {leaf.label: leaf.seconds for leaf in leaves(node)}})
+    return {"rows": rows, "figures": {label: _figures(rows, label) for label in ("estimator", "fitted")},
+            "targets": "median |error| <= 25%, no point beyond 2x", "terms": dataclasses.asdict(fitted),
+            "defaults": {k: dataclasses.asdict(d) for k, d in UNTOUCHED_DEFAULTS.items()}}
+
+
 def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--final", action="store_true", help="predict the untouched set (refused until item 3's GPU runs)")
+    parser.add_argument("--final", action="store_true",
+                        help=f"also predict the untouched set, once; refused while no {GPU_RUNS} exists")
     args = parser.parse_args(argv)
-    if args.final:
-        raise SystemExit("bench/validation.py: the untouched set is predicted once, with the final constants, after "
-                         "issue 30's GPU runs (scripts/gpu_check.sh sizes); run without --final")
+    root = Path(__file__).resolve().parents[1]
+    if args.final and not sorted(root.glob(GPU_RUNS)):
+        raise SystemExit(f"bench/validation.py --final: the untouched set is predicted once, with the final constants, "
+                         f"after issue 30's GPU runs; no {GPU_RUNS} is committed yet: run scripts/gpu_check.sh OUT "
+                         f"sizes on a lent GPU first, or run without --final")
     result = run()
+    if args.final:
+        result["untouched"] = final(ScaleTerms(**result["fitted_terms"]))
     if args.json:
         out(json.dumps(result, indent=1))
     else:

@@ -105,6 +105,22 @@ def test_every_fit_and_held_out_point_is_predicted_and_the_untouched_set_is_refu
         v.main(["--final"])
 
 
+def test_untouched_setups_build_without_being_shown(bench):
+    """Each untouched point's tree is built (its setup is consistent with the point) and no figure is read: the set is
+    predicted once, by --final."""
+    v, vs = bench[0], bench[1]
+    for p in vs.points("untouched"):
+        node = v.untouched_tree(p)
+        if p.system == "nemo-rl":
+            on_policy = v._NEMO_RL_SETUPS[p.name][-1]
+            assert isinstance(node, v.Seq if on_policy else v.Par), p.name
+            assert [leaf.label for leaf in v.leaves(node)] == ["generate", "tail", "policy log-probs",
+                                                               "reference log-probs", "train"]
+        else:
+            assert isinstance(node, v.Leaf) and node.kind == "train" and node.ranks == p.gpus, p.name
+    assert v._expert_parallel(32, 16) == 16 and v._expert_parallel(16, 4) == 4 and v._expert_parallel(8, 12) == 6
+
+
 def test_verl_setups_follow_their_points(bench):
     v, vs = bench[0], bench[1]
     for p in vs.points("held_out"):
