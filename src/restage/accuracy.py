@@ -1,8 +1,7 @@
 """How far restage's predictions are from measurements: the one place that holds the numbers, with their sources.
 
-* ``GPU_CALIBRATION``: the held-out points of ``bench/calibration.py`` (published measurements of
-  RLHF stages and LLM training on A100/H100, each predicted by restage's cost model under that
-  system's plan); the constant was fitted on the other points.
+* ``GPU_VALIDATION``: the held-out set of ``bench/validation.py`` (issue 30: published, measured RL steps of verl and
+  NeMo-Aligner, systems no constant was fitted on, each predicted by restage's estimator under that system's plan).
 * ``CPU_VALIDATION``: the held-out plans of ``bench/estimator.py`` (real runs of a small PPO job on
   this project's 2-core CPU machine, each predicted by the estimator and simulator with the cluster
   file's constants, as ``restage plan`` predicts).
@@ -10,15 +9,15 @@
   (``bench/process_baseline.py`` and a tiny job's run), which the estimator's per-MFC figures leave out.
 
 The uncertainty band of a prediction is the central ``BAND_QUANTILES`` of the measured / predicted
-ratios of the matching set (GPU clusters: ``GPU_CALIBRATION``; CPU clusters: ``CPU_VALIDATION``),
+ratios of the matching set (GPU clusters: ``GPU_VALIDATION``; CPU clusters: ``CPU_VALIDATION``),
 quantiles interpolated linearly between the sorted ratios, widened to the prediction itself where both
 quantiles fall on one side of it (ratio 1): a band is printed beside its point prediction, so it always
 contains it (the CPU set's ratios are all below 1: the estimator over-predicts there, and the band then
 runs from the 10% quantile up to the prediction). ``restage plan`` prints it beside the
 predicted iteration time and ``restage report`` sets the measured times against it. When the cost
 model changes, rerun the commands in ``source`` and replace the checks:
-``tests/unit/test_accuracy_on_cpu.py`` fails while the GPU checks differ from what
-``bench/calibration.py`` predicts now.
+``tests/plan/test_prediction_band_on_cpu.py`` fails while the GPU checks differ from what
+``bench/validation.py`` predicts now.
 """
 
 from __future__ import annotations
@@ -93,19 +92,28 @@ def band_of(checks: CheckSet) -> Band:
     return Band(min(1.0, q_low), max(1.0, q_high), len(ratios), checks.what, checks.source, (q_low, q_high))
 
 
-GPU_CALIBRATION = CheckSet(
-    what="held-out published GPU points (bench/calibration.py)",
-    source="python bench/calibration.py --json, 'calibrated' rows of set 'held-out' (sources of each point in "
-           "bench/published.py and docs/plan.md); cost model of a8c9649 (branch calib: the systems' own ZeRO stages and host "
-           "offload, vLLM 0.3's Ray TP step cost), 2026-11-26",
+GPU_VALIDATION = CheckSet(
+    what="held-out published GPU points (bench/validation.py)",
+    source="python bench/validation.py --json, 'estimator' predictions of set 'held_out' (docs/validation_2026-11-29.json: "
+           "verl's fully-async page, H20, 7B-30B, 16-128 GPUs; NeMo-Aligner's PPO tables, 70B-405B, 96-1,008 GPUs; each "
+           "point under its system's plan, unstated settings from the script's DEFAULTS), the estimator alone, as "
+           "restage plan predicts; 2026-11-29",
     checks=(
-        Check("openrlhf-ray-vllm-13b-generation", 2158.40, 1425.75),
-        Check("deepspeed-chat-7b-training", 239.44, 492.01),
-        Check("openrlhf-ray-7b-training", 459.81, 395.69),
-        Check("deepspeed-chat-13b-training", 492.07, 1218.76),
-        Check("openrlhf-ray-vllm-13b-training", 878.96, 967.15),
-        Check("torchtitan-llama3.1-8b-fsdp-8gpu", 2.75, 2.8435),
-        Check("deepspeed-chat-7b-training-no-offload", 236.91, 209.05),
+        Check("verl-qwen2.5-7b-dapo-colocate-32gpu", 1764.74, 790.1),
+        Check("verl-qwen2.5-7b-dapo-async-16x16", 2472.61, 294.77),
+        Check("verl-qwen2.5-7b-dapo-colocate-64gpu", 891.85, 365.28),
+        Check("verl-qwen2.5-7b-dapo-async-32x32", 1248.17, 189.26),
+        Check("verl-qwen2.5-7b-dapo-colocate-128gpu", 453.71, 356.3),
+        Check("verl-qwen2.5-7b-dapo-async-64x64", 629.28, 150.63),
+        Check("verl-qwen3-30b-a3b-grpo-colocate-128gpu", 146.68, 497.89),
+        Check("verl-qwen3-30b-a3b-grpo-async-96x32", 455.51, 282.75),
+        Check("verl-qwen2.5-7b-dapo-colocate-16gpu-10k", 1716.58, 484.623),
+        Check("verl-qwen2.5-7b-dapo-async-8x8-10k", 1670.80, 489.953),
+        Check("nemo-aligner-llama3-70b-ppo-8x4-nodes", 315.26, 366.7),
+        Check("nemo-aligner-llama3-70b-ppo-16x8-nodes", 161.12, 190.4),
+        Check("nemo-aligner-llama3-70b-ppo-32x16-nodes", 85.27, 108),
+        Check("nemo-aligner-llama3-70b-ppo-64x32-nodes", 47.20, 56.9),
+        Check("nemo-aligner-llama3.1-405b-ppo-84x42-nodes", 107.47, 164.6),
     ),
 )
 
@@ -170,7 +178,7 @@ def prediction_band(has_gpus: bool, profiled: bool = False) -> Band:
     """The band for a prediction: GPU clusters and CPU ranks apart, plans estimated from a measured profile apart from
     the roofline's where a held-out set of profiled plans exists (``CPU_PROFILED``; ``GPU_PROFILED`` not yet)."""
     measured = (GPU_PROFILED if has_gpus else CPU_PROFILED) if profiled else None
-    return band_of(measured or (GPU_CALIBRATION if has_gpus else CPU_VALIDATION))
+    return band_of(measured or (GPU_VALIDATION if has_gpus else CPU_VALIDATION))
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ def _by_hand(checks: accuracy.CheckSet) -> tuple[float, float]:
 
 def test_the_bands_are_the_quantiles_of_the_stored_errors():
     gpu, cpu = accuracy.prediction_band(True), accuracy.prediction_band(False)
-    assert (gpu.low_ratio, gpu.high_ratio) == pytest.approx(_by_hand(accuracy.GPU_CALIBRATION), rel=1e-12)
+    assert (gpu.low_ratio, gpu.high_ratio) == pytest.approx(_by_hand(accuracy.GPU_VALIDATION), rel=1e-12)
     assert (cpu.low_ratio, cpu.high_ratio) == pytest.approx(_by_hand(accuracy.CPU_VALIDATION), rel=1e-12)
-    assert (gpu.points, cpu.points) == (len(accuracy.GPU_CALIBRATION.checks), len(accuracy.CPU_VALIDATION.checks))
+    assert (gpu.points, cpu.points) == (len(accuracy.GPU_VALIDATION.checks), len(accuracy.CPU_VALIDATION.checks))
 
 
 def _checks(ratios: np.ndarray) -> accuracy.CheckSet:
@@ -69,19 +69,20 @@ def test_the_stored_bands_contain_their_prediction():
         assert band.low_ratio <= 1.0 <= band.high_ratio, band.describe()
 
 
-def test_the_stored_gpu_checks_are_what_bench_calibration_predicts_now():
+def test_the_stored_gpu_checks_are_what_bench_validation_predicts_now():
     """Fails when the cost model changes without the stored checks being replaced (restage/accuracy.py says how)."""
     sys.path.insert(0, str(BENCH))
     try:
-        import calibration
+        import validation
+        import validation_set
     finally:
         sys.path.remove(str(BENCH))
-    held_out = {r["name"]: r for r in calibration.evaluate()["rows"] if r["set"] == "held-out"}
-    assert set(held_out) == {c.name for c in accuracy.GPU_CALIBRATION.checks}
-    for check in accuracy.GPU_CALIBRATION.checks:
-        row = held_out[check.name]
-        assert round(row["predicted_seconds"], 2) == check.predicted_seconds, check.name
-        assert row["measured_seconds"] == pytest.approx(check.measured_seconds, rel=1e-4), check.name
+    predicted = validation.predictions("held_out", validation.ScaleTerms())  # the estimator alone, as restage plan
+    measured = {p.name: p.measured_seconds for p in validation_set.points("held_out")}
+    assert set(predicted) == {c.name for c in accuracy.GPU_VALIDATION.checks}
+    for check in accuracy.GPU_VALIDATION.checks:
+        assert round(predicted[check.name], 2) == check.predicted_seconds, check.name
+        assert measured[check.name] == pytest.approx(check.measured_seconds, rel=1e-12), check.name
 
 
 def _printed_band(text: str) -> tuple[float, float, float]:
@@ -99,7 +100,7 @@ def test_restage_plan_prints_the_band_of_the_stored_errors(name):
     outcome = make_plan(cfg, with_baselines=False)
     schedule = build_schedule(cfg, outcome)
     gpus = name.endswith("h100x8")
-    low_ratio, high_ratio = _by_hand(accuracy.GPU_CALIBRATION if gpus else accuracy.CPU_VALIDATION)
+    low_ratio, high_ratio = _by_hand(accuracy.GPU_VALIDATION if gpus else accuracy.CPU_VALIDATION)
     iteration = schedule.predicted.iteration_seconds
     printed, low, high = _printed_band(render(schedule, outcome))
     assert printed == round(iteration, 3)
