@@ -219,12 +219,13 @@ def test_graphs_mode_warms_up_captures_once_per_bucket_then_replays(monkeypatch)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", Capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool-1")
-    graphs = DecodeGraphs(4, torch.device("cpu"), "graphs")
+    graphs = DecodeGraphs(8, torch.device("cpu"), "graphs")
     assert graphs.fixed_span
     host = {4: [[7, 8, 0, 3], [1, 2, 0, 0], [0, 1, 9, 2]], 2: [[9, 10], [3, 4], [0, 1]]}
-    for bound, shift in ((4, 0), (4, 1), (2, 0), (4, 2), (2, 5)):
-        graphs.run(bound, torch.tensor(host[bound]) + shift, step)
-    shifted = {(bound, shift): (torch.tensor(host[bound]) + shift).tolist() for bound in host for shift in range(6)}
+    # (bound, shift, start): a pipelined micro-group's slots start at 4; its buckets are graphs of their own
+    for bound, shift, start in ((4, 0, 0), (4, 1, 0), (2, 0, 4), (4, 2, 0), (2, 5, 4), (2, 6, 0)):
+        graphs.run(bound, torch.tensor(host[bound]) + shift, step, start=start)
+    shifted = {(bound, shift): (torch.tensor(host[bound]) + shift).tolist() for bound in host for shift in range(7)}
     assert log == [
         ("wait", "side", "main"), ("run", 4, "side", shifted[4, 0]), ("wait", "main", "side"),  # warm-up
         ("capture", "pool-1", "thread_local"),
@@ -232,9 +233,12 @@ def test_graphs_mode_warms_up_captures_once_per_bucket_then_replays(monkeypatch)
         ("wait", "side", "main"), ("run", 2, "side", shifted[2, 0]), ("wait", "main", "side"),
         ("capture", "pool-1", "thread_local"),  # the same pool for every bucket
         ("replay", 4, shifted[4, 2]),
-        ("replay", 2, shifted[2, 5]),
+        ("replay", 2, shifted[2, 5]),  # the group at 4 replays its own bucket-2 graph ...
+        ("wait", "side", "main"), ("run", 2, "side", shifted[2, 6]), ("wait", "main", "side"),
+        ("capture", "pool-1", "thread_local"),  # ... and bucket 2 from slot 0 is captured anew
     ]
-    assert sorted(graphs.graphs) == [2, 4]
+    assert sorted(graphs.graphs) == [(0, 2), (0, 4), (4, 2)]
+    assert graphs.staged[:, 4:6].tolist() == shifted[2, 5] and graphs.staged[:, :2].tolist() == shifted[2, 6]
 
 
 def test_an_engine_is_freed_without_a_garbage_collection(llama):

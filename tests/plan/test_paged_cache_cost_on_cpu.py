@@ -176,8 +176,10 @@ def test_block_size_and_graphs_as_the_runtime_chooses_them(h100):
     assert block_tokens(h100, RestageEngine(), "bf16") == 16
     assert block_tokens(load_cluster("local-cpu"), RestageEngine(flash_attn=True), "fp32") == 16
     assert block_tokens(h100, RestageEngine(RolloutLimits(block_tokens=64), flash_attn=True), "bf16") == 64
-    # micro-groups in flight through a pipeline decode eagerly (RolloutEngine), whatever choose_decode_mode allows
-    assert not replays_graphs(h100, RestageEngine(), cfg, Strategy(pp=2), groups=2)
+    # under pp each stage replays a graph per micro-group and bucket (pipelined.py); pp_groups=1 (the stages one
+    # after another, each receiving and sending inside its step) decodes eagerly
+    assert replays_graphs(h100, RestageEngine(), cfg, Strategy(pp=2), groups=2)
+    assert not replays_graphs(h100, RestageEngine(), cfg, Strategy(pp=2), groups=1)
     assert replays_graphs(h100, RestageEngine(), cfg, Strategy(), groups=1)
 
 

@@ -124,9 +124,15 @@ def test_graphs_only_where_the_runtime_replays_them(h100):
     cfg = preset("llama-7b")
     role, mfc = ModelRole("actor", cfg), gen_mfc(16, 128, 128)
     on, off = Estimator(h100), Estimator(h100, engine=RestageEngine(cuda_graphs=False))
-    for strategy in (Strategy(pp=2), Strategy(tp=2, pp=2)):  # eager there, whatever generation.cuda_graphs says
-        a, b = (parts(e.estimate(mfc, role, Layout.contiguous(0, strategy))) for e in (on, off))
+    serial = RolloutLimits(pp_groups=1)  # the stages one after another: each receives and sends inside its step
+    serial_on, serial_off = (Estimator(h100, engine=RestageEngine(serial, cuda_graphs=g)) for g in (True, False))
+    for strategy in (Strategy(pp=2), Strategy(tp=2, pp=2)):
+        # eager there with pp_groups=1, whatever generation.cuda_graphs says
+        a, b = (parts(e.estimate(mfc, role, Layout.contiguous(0, strategy))) for e in (serial_on, serial_off))
         assert a == b and "graph_capture_seconds" not in a
+        # micro-groups in flight (the default): every stage replays its graphs
+        a, b = (parts(e.estimate(mfc, role, Layout.contiguous(0, strategy))) for e in (on, off))
+        assert a["decode_seconds"] < b["decode_seconds"] and a["graph_capture_seconds"] > 0
     # tp alone over NCCL: its collectives are captured, so its decode steps replay as graphs
     a, b = (parts(e.estimate(mfc, role, Layout.contiguous(0, Strategy(tp=2)))) for e in (on, off))
     assert a["decode_seconds"] < b["decode_seconds"] and a["graph_capture_seconds"] > 0
@@ -134,6 +140,32 @@ def test_graphs_only_where_the_runtime_replays_them(h100):
     a, b = (parts(Estimator(cpu, engine=e, use_profiles=False).estimate(mfc, role, one_rank()))
             for e in (RestageEngine(), RestageEngine(cuda_graphs=False)))
     assert a == b and "host_check_seconds" not in a  # a CPU runs every op synchronously: no graph, no drain
+
+
+def test_pipelined_micro_groups_are_costed_with_graphs_and_one_stage_layouts_are_unchanged(h100):
+    """pp = 2 with micro-groups in flight replays graphs (``rollout/pipelined.py``): llama-tiny at one sequence is
+    launch-bound, so its 2 ticks of one 1-block stage step a token save what one step of both blocks saves at pp = 1;
+    each stage captures its graphs once (2 eager stage steps per stage). pp = 1 layouts cost what they did before
+    (the figures pinned from the estimator before graphs under pp)."""
+    cfg = preset("llama-tiny")
+    role, gen = ModelRole("actor", cfg), 64
+    mfc, layout = gen_mfc(1, 32, gen), Layout.contiguous(0, Strategy(pp=2))
+    on, off = Estimator(h100), Estimator(h100, engine=RestageEngine(cuda_graphs=False))
+    graphs, eager = (parts(e.estimate(mfc, role, layout)) for e in (on, off))
+    launch_term = cfg.num_layers * (h100.block_overhead_seconds - GRAPH_BLOCK_SECONDS)
+    assert eager["decode_seconds"] - graphs["decode_seconds"] == pytest.approx(gen * launch_term, rel=1e-9)
+    compute = off.compute_for(role)
+    length = 32 + gen  # a graph's attention spans the whole slot
+    stage = compute.decode_block(1, length, 1) + max(compute.embed_forward(1), compute.head_forward(1, 1))
+    assert graphs["graph_capture_seconds"] == pytest.approx(2 * 2 * stage, rel=1e-12)
+    assert "graph_capture_seconds" not in eager
+    big = ModelRole("actor", preset("llama-7b"))
+    engine = Estimator(h100, engine=RestageEngine(RolloutLimits(max_slots=64)))
+    pinned = {Strategy(): 1.9677449785095078, Strategy(tp=2): 1.3754594087190903}
+    for strategy, seconds in pinned.items():
+        assert engine.estimate(gen_mfc(64, 128, 128), big, Layout.contiguous(0, strategy)).seconds == seconds
+    pp2 = engine.estimate(gen_mfc(64, 128, 128), big, Layout.contiguous(0, Strategy(pp=2)))
+    assert pp2.seconds < 0.5 * 5.3166828795019665  # eager micro-groups, as costed before: now replayed
 
 
 def test_one_batch_engine_decodes_every_request_at_once_with_its_whole_kv(h100):
@@ -217,7 +249,8 @@ def test_pipelined_generation_costs_micro_groups_through_busy_stages(h100):
     default, ``pp_groups`` None), against 2 stage steps over all 64 one after another (``pp_groups=1``)."""
     cfg = preset("llama-7b")
     role, mfc, layout = ModelRole("actor", cfg), gen_mfc(64, 128, 128), Layout.contiguous(0, Strategy(pp=2))
-    pipelined, serial = (Estimator(h100, engine=RestageEngine(RolloutLimits(max_slots=64, pp_groups=g, paged=False)))
+    pipelined, serial = (Estimator(h100, engine=RestageEngine(RolloutLimits(max_slots=64, pp_groups=g, paged=False),
+                                                              cuda_graphs=False))  # both eager: the same block costs
                          for g in (None, 1))
     compute = pipelined.compute_for(role)
     attended = 128 + 129 / 2  # eager: the average filled cache

@@ -21,10 +21,11 @@ a step costs and what a prefill covers:
   ``GPU_FREE_MEMORY_FRACTION`` of the memory the rank's weights leave; ``CPU_KV_CACHE_BYTES`` on a CPU).
   A group's prompt (``group_size``) is prefilled once (all but its last token) and its KV copied to
   the siblings (paged: only its partial last block); decode steps replayed as CUDA graphs where the
-  runtime replays them (``replays_graphs``: ``rollout.decode_graphs.choose_decode_mode``, and one
-  micro-group in flight): a block's kernels take at least ``GRAPH_BLOCK_SECONDS`` instead of the eager
-  ``block_overhead_seconds`` and each call captures its graph once (a warm-up step and a capture, each
-  costed as one eager step); eager elsewhere (per-block launch time). Attention reads, per sequence,
+  runtime replays them (``replays_graphs``: ``rollout.decode_graphs.choose_decode_mode``; under pp with
+  micro-groups in flight, a graph per micro-group and bucket on each stage, the sends between stages eager):
+  a block's kernels take at least ``GRAPH_BLOCK_SECONDS`` instead of the eager ``block_overhead_seconds``
+  and each call captures its graphs once (a warm-up step and a capture, each costed as one eager step per
+  stage call); eager elsewhere (per-block launch time). Attention reads, per sequence,
   its own cached tokens where flash-attn serves (``flash_decodes``, ``paged_flash``), and so does a paged
   cache's Triton kernel on a GPU without flash-attn's paged kernel (``paged_triton``: ``RestageEngine.triton``,
   blocks of ``DEFAULT_BLOCK_TOKENS``, no gather); else SDPA: over the filled prefix eagerly and the whole slot
@@ -203,12 +204,12 @@ def paged_occupancy(budget_bytes: int, token_bytes: float, prompt: int, answer: 
 
 
 def replays_graphs(cluster: ClusterSpec, engine: RestageEngine, cfg: ModelConfig, s: Strategy, groups: int = 1) -> bool:
-    """Whether the runtime replays this layout's decode steps as CUDA graphs: ``choose_decode_mode``'s rule, with
-    one micro-group in flight (``RolloutEngine``: ``groups`` > 1 under pp decodes eagerly)."""
+    """Whether the runtime replays this layout's decode steps as CUDA graphs: ``choose_decode_mode``'s rule with the
+    engine's ``groups`` micro-groups in flight (under pp, each stage replays one graph per micro-group and bucket,
+    its sends outside; ``pp_groups=1``, the stages one after another, decodes eagerly)."""
     device = torch.device("cuda" if cluster.has_gpus else "cpu")
-    return groups == 1 and choose_decode_mode(device, enabled=engine.cuda_graphs, tp_size=s.tp, pp_size=s.pp,
-                                              ep_size=s.ep, sparse=cfg.is_moe,
-                                              partitioned=engine.partitioned)[0] == "graphs"
+    return choose_decode_mode(device, enabled=engine.cuda_graphs, tp_size=s.tp, pp_size=s.pp, ep_size=s.ep,
+                              sparse=cfg.is_moe, partitioned=engine.partitioned, micro_groups=groups)[0] == "graphs"
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Decode steps over static buffers: eager, or captured as one CUDA graph per batch-size bucket and replayed.
+"""Decode steps over static buffers: eager, or captured as one CUDA graph per bucket (and micro-group) and replayed.
 
 A decode step of the rollout engine (``engine.py``) runs over the first ``bound`` cache slots,
 ``bound`` a bucket: a power of two, or the slot count (``buckets``). Everything the step reads
@@ -20,17 +20,37 @@ Three modes (``choose_decode_mode``):
   on a side stream (lazy initialisation, cuBLAS workspaces and flash-attn's kernel selection happen
   outside capture), then the same step is captured with ``torch.cuda.graph`` into a
   ``torch.cuda.CUDAGraph``; later steps of that bucket copy their staging rows in and ``replay()``.
-  The graphs of all buckets share one memory pool (``torch.cuda.graph_pool_handle``): a step's
-  intermediates die inside its graph and its results go to the engine's buffers (allocated before
-  any capture), so buckets may replay in any order over the same pool memory.
+  The graphs of all buckets (and micro-groups) share one memory pool (``torch.cuda.graph_pool_handle``):
+  a step's intermediates die inside its graph and its results go to the engine's buffers (allocated
+  before any capture), so buckets may replay in any order over the same pool memory.
 
 Under tp > 1 over NCCL the step's TP collectives (the row-parallel all-reduces, the logits' all-gather and
 the sampler's broadcast) are captured in the graph (NCCL >= 2.9.6 supports capture; ProcessGroupNCCL keeps
 work made during a capture out of its watchdog): every TP rank runs the same steps over the same buckets, so
 their warm-ups, captures and replays pair up, and the warm-up's collectives create the communicator before
-any capture. A TP group over gloo (CPU) never captures. Graphs stay off under pp (stages hand activations on
-with send/recv driven by the host, between and across ticks) and with mixtures of experts (the
-tokens-per-expert counts are read on the host); those layouts stay eager (same results, same buffers).
+any capture. A TP group over gloo (CPU) never captures.
+
+Under pp > 1 with micro-groups in flight (``pipelined.py``, ``pp_groups`` unset or >= pp) each stage captures
+its own part of a decode step, one graph per (micro-group, bucket): the key is ``(start, bound)``, ``start`` the
+group's first slot, since every group has its own rows in the static buffers (the staging buffer's columns, the
+KV cache rows, and ``pipelined.StageBuffers``: the hidden states received in, the stage's output to send on,
+the last stage's chosen tokens and log-probs). What is captured: the stage's layers (and its TP collectives), on
+the first stage the embedding, on the last the LM head, the sampler and the TP broadcast of its choice. What
+stays outside, issued by the host in the tick schedule's order: the send/recv of hidden states between
+stages, the per-tick broadcast of the chosen tokens over the pp group, the recording of those tokens, and the
+prefill. Why the sends are not captured (the issue asked for them in the graph):
+a stage's output of tick ``t`` goes out at tick ``t + 1``, in one grouped send/recv with the next event's
+input, after that tick's broadcast of tokens over the pp group; the receiver posts its matching receive in its
+own tick ``t + 1``, also after that broadcast. Captured at the end of tick ``t``'s graph, the send would be
+queued on the stream before this stage's broadcast of tick ``t + 1``, while the next stage's receive is
+queued after its own: on NCCL's blocking send/recv each stage's stream would wait on the other's (a cycle
+through the broadcast), unless the message happened to fit NCCL's buffers. Capturing the receive alone
+would save one launch, and the eager prefill's hidden states (their count changes with every admission)
+travel in the same grouped exchange. Kept outside, a tick adds one grouped p2p and one broadcast to the
+graph's replay, against the hundreds of kernel launches the graph removes. ``pp_groups=1`` (stages one after
+another, a stage's receive and send inside the step itself, ``engine._stage_step``) stays eager, and so do
+mixtures of experts (the tokens-per-expert counts are read on the host) and ZeRO-3 partitioned modules;
+those layouts run the same steps without graphs (same results, same buffers).
 """
 
 from __future__ import annotations
@@ -63,12 +83,15 @@ def stage_inputs(lengths: Sequence[int], steps: Sequence[int], requests: Sequenc
 
 
 def choose_decode_mode(device: torch.device, *, enabled: bool, tp_size: int, pp_size: int, ep_size: int,
-                       sparse: bool, partitioned: bool = False, tp_backend: str = "nccl") -> tuple[DecodeMode, str]:
+                       sparse: bool, partitioned: bool = False, tp_backend: str = "nccl",
+                       micro_groups: int = 1) -> tuple[DecodeMode, str]:
     """``graphs`` where CUDA graphs serve this decode, else ``eager``; and why, in a few words.
 
     ``partitioned``: the module's parameters are ZeRO-3 partitions (a model generating in its training
     layout), which DeepSpeed's forward hooks gather with collectives and host-side bookkeeping each forward.
     ``tp_backend``: the TP group's backend under tp > 1 (only NCCL's collectives can be captured).
+    ``micro_groups``: the engine's micro-groups of slots in flight (``budget.group_count``); under pp > 1 only
+    the pipelined schedule (more than one) hands activations on outside the step, so only it is captured.
     """
     if device.type != "cuda":
         return "eager", f"{device.type} device"
@@ -76,13 +99,16 @@ def choose_decode_mode(device: torch.device, *, enabled: bool, tp_size: int, pp_
         return "eager", "generation.cuda_graphs is off"
     if partitioned:
         return "eager", "ZeRO-3 partitioned parameters (DeepSpeed gathers them in each forward)"
-    if pp_size > 1:
-        return "eager", "pp > 1 (stages exchange activations with host-driven send/recv)"
+    if pp_size > 1 and micro_groups == 1:
+        return "eager", "pp > 1 with pp_groups=1 (each stage receives and sends inside its step)"
     if tp_size > 1 and tp_backend != "nccl":
         return "eager", f"tp > 1 over {tp_backend} (only NCCL collectives are captured)"
     if ep_size > 1 or sparse:
         return "eager", "mixture of experts (tokens per expert are read on the host)"
-    return "graphs", "one CUDA graph per batch bucket" + (" (TP collectives captured)" if tp_size > 1 else "")
+    reason = "one CUDA graph per batch bucket"
+    if micro_groups > 1:
+        reason = "one CUDA graph per micro-group and bucket on each stage (pp send/recv outside)"
+    return "graphs", reason + (" (TP collectives captured)" if tp_size > 1 else "")
 
 
 def mode_traits(mode: DecodeMode) -> tuple[bool, bool]:
@@ -100,30 +126,33 @@ def mode_traits(mode: DecodeMode) -> tuple[bool, bool]:
 
 
 class DecodeGraphs:
-    """The staging buffer and, in ``graphs`` mode, the captured graph of each bucket; ``run`` does one step."""
+    """The staging buffer and, in ``graphs`` mode, the captured graph of each ``(start, bound)``: a bucket of the
+    slots from ``start`` (0, or a pipelined micro-group's first slot); ``run`` does one step."""
 
     def __init__(self, slots: int, device: torch.device, mode: DecodeMode):
         self.mode, self.device = mode, device
         self.staged = torch.zeros(3, slots, dtype=torch.int64, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (start, bound) -> its graph
         self.captures, self.fixed_span = mode_traits(mode)
         self.pool = torch.cuda.graph_pool_handle() if self.captures else None  # one memory pool for every bucket
 
     @torch.no_grad()  # inference only: a capture must record no autograd state
-    def run(self, bound: int, host: torch.Tensor, step: StepFn) -> None:
-        """Copy ``host`` (``stage_inputs``) into the staging buffer and run ``step`` over ``bound`` slots.
+    def run(self, bound: int, host: torch.Tensor, step: StepFn, start: int = 0) -> None:
+        """Copy ``host`` (``stage_inputs``) into the staging buffer's columns ``start ..`` and run ``step`` over
+        ``bound`` slots from ``start``.
 
         ``step`` is passed per call, not kept: the engine owning this object owns the step, and a
         reference back would keep the engine (and its KV cache) alive until a garbage collection.
         """
-        staged = self.staged[:, :bound]
+        staged = self.staged[:, start:start + bound]
         staged.copy_(host, non_blocking=True)  # before the step, on the stream it runs on
+        key = (start, bound)
         if not self.captures:
             step(bound, staged)
-        elif bound in self.graphs:
-            self.graphs[bound].replay()
+        elif key in self.graphs:
+            self.graphs[key].replay()
         else:
-            self.graphs[bound] = self._warm_up_and_capture(bound, staged, step)
+            self.graphs[key] = self._warm_up_and_capture(bound, staged, step)
 
     def _warm_up_and_capture(self, bound: int, staged: torch.Tensor, step: StepFn) -> torch.cuda.CUDAGraph:
         """Run this step eagerly on a side stream (the warm-up), then capture it for the next ones."""

@@ -112,16 +112,16 @@ class RolloutEngine:
         self.decode_mode: DecodeMode
         if decode_mode is not None:
             self.decode_mode, self.decode_reason = decode_mode, "asked for"
-        elif self.num_groups > 1:
-            self.decode_mode, self.decode_reason = "eager", "micro-groups in flight (pipelined.py)"
         else:
             self.decode_mode, self.decode_reason = choose_decode_mode(
                 device, enabled=params.cuda_graphs, tp_size=ctx.tp_size, pp_size=ctx.pp_size, ep_size=ctx.ep_size,
                 sparse=any(cfg.is_sparse(i) for i in range(*module.layer_range)),
                 partitioned=is_partitioned(module),
-                tp_backend=str(dist.get_backend(ctx.tp_group)) if ctx.tp_size > 1 else "nccl")
-        if self.num_groups > 1 and mode_traits(self.decode_mode)[0]:
-            raise ConfigError("CUDA-graph decode steps all slots at once; use pp_groups=1 with decode_mode='graphs'")
+                tp_backend=str(dist.get_backend(ctx.tp_group)) if ctx.tp_size > 1 else "nccl",
+                micro_groups=self.num_groups)
+        if self.num_groups == 1 and ctx.pp_size > 1 and mode_traits(self.decode_mode)[0]:
+            raise ConfigError("CUDA-graph decode under pp > 1 needs micro-groups in flight (pipelined.py): leave "
+                              "pp_groups unset or at least pp, or use decode_mode='eager' with pp_groups=1")
         self.graphs = DecodeGraphs(slots, device, self.decode_mode)
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -306,7 +306,7 @@ class RolloutEngine:
         self.prefill_forward(slots, *pack(prefixes, device=self.device))
 
     # ---- decode steps --------------------------------------------------------------------------------------
-    def _host_rows(self, group: SlotGroup, bound: int) -> torch.Tensor:
+    def host_rows(self, group: SlotGroup, bound: int) -> torch.Tensor:
         """Give ``group``'s first ``bound`` slots room for a decode step; their ``stage_inputs`` rows."""
         self._grow(group.start, group.start + bound)
         return self.slots.stage_rows(group.start, bound, len(self.tokens) - 1)
@@ -337,7 +337,7 @@ class RolloutEngine:
     def stage_group(self, group: SlotGroup, bound: int) -> torch.Tensor:
         """Set up a decode step of ``group``'s first ``bound`` slots (eager); returns their staged rows."""
         staged = self.graphs.staged[:, group.start:group.start + bound]
-        staged.copy_(self._host_rows(group, bound), non_blocking=True)
+        staged.copy_(self.host_rows(group, bound), non_blocking=True)
         return staged
 
     def decode_group(self, group: SlotGroup, bound: int, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,7 +356,7 @@ class RolloutEngine:
     def _decode(self) -> None:
         """One token for every slot below the bound (free slots compute into their own unused rows)."""
         bound = self.bound()
-        self.graphs.run(bound, self._host_rows(self.whole, bound), self._decode_step)
+        self.graphs.run(bound, self.host_rows(self.whole, bound), self._decode_step)
         self.advance(self.whole, bound)
 
     def _decode_step(self, bound: int, staged: torch.Tensor) -> None:

@@ -39,11 +39,20 @@ event it decodes or joins, and "everyone done" is one all-reduce over the ep gro
 A ZeRO-3 partitioned module's dp replicas do the same over the dp group, their join a one-token
 forward (``lockstep.lockstep_group``, ``lockstep.join_step``).
 
-Decode steps stay eager (``decode_graphs.choose_decode_mode``): activations move between stages by
-host-driven send/recv. On a weight-bandwidth-bound GPU decode a stage's step costs about the same
-for ``S / G`` slots as for ``S``, so removing the bubble pays when a group's step is large enough
-to be compute-bound, or with more slots: a stage's KV cache per slot holds only its own layers,
-so the same memory budget gives ``pp`` times the slots (raise ``max_slots``).
+Decode steps over static buffers (``static`` and ``graphs`` modes, ``decode_graphs.py``): each stage's part of a
+decode event reads and writes only buffers allocated once per run (``StageBuffers``, each micro-group its own
+rows of them, as of the staging buffer and the cache), so on CUDA it is captured once per (micro-group, bucket)
+and replayed. The event's order on a stage: the host receives the previous stage's hidden states into the
+group's rows of ``StageBuffers.inputs`` (``_exchange``), the step runs (the stage's layers; on the last stage
+the LM head, the sampler and the TP broadcast of its choice, written into ``StageBuffers.chosen``; elsewhere the
+output written into ``StageBuffers.outputs``), and the next tick's exchange sends those rows on. A group's rows
+are written again only at its next event, ``G >= pp`` ticks later, after its send and its tokens' broadcast
+(ticks run in order on a stage; NCCL's send waits on the stream the step ran on), so no rows are overwritten
+while still being read. The send/recv, the broadcast and the prefill stay outside the graphs (why:
+``decode_graphs``'s module doc). On a weight-bandwidth-bound GPU decode a stage's step costs about the same
+for ``S / G`` slots as for ``S``, so removing the bubble pays when a group's step is large enough to be
+compute-bound, or with more slots: a stage's KV cache per slot holds only its own layers, so the same memory
+budget gives ``pp`` times the slots (raise ``max_slots``).
 """
 
 from __future__ import annotations
@@ -53,7 +62,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from restage.models.packing import pack
+from restage.models.packing import PackedBatch, pack
 from restage.models.pipeline import P2PKind, p2p
 from restage.rollout.engine import RolloutEngine
 from restage.rollout.lockstep import join_step, peers_done
@@ -75,6 +84,39 @@ class Event:
         return sum(len(p) for p in self.admission.prefixes) if self.admission else 0
 
 
+class StageBuffers:
+    """A stage's static buffers for decode steps a graph replays, a row per slot (a group uses its own rows): the
+    hidden states received (``inputs``; not on the first stage, whose inputs are the engine's next tokens), the
+    stage's output sent on (``outputs``; not on the last), and the last stage's chosen tokens and log-probs
+    (``chosen``, ``[2, slots]`` float64: both convert exactly, as the broadcast sends them)."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        module, ctx, rows = engine.module, engine.module.ctx, engine.num_slots
+
+        def hidden() -> torch.Tensor:
+            return torch.zeros(rows, module.cfg.hidden_size, dtype=module.dtype, device=engine.device)
+
+        self.inputs = None if ctx.is_first_stage else hidden()
+        self.outputs = None if ctx.is_last_stage else hidden()
+        self.chosen = torch.zeros(2, rows, dtype=torch.float64, device=engine.device) if ctx.is_last_stage else None
+
+    def step(self, engine: RolloutEngine, start: int, bound: int, staged: torch.Tensor) -> None:
+        """The device part of a decode event over slots ``start .. start + bound - 1`` (``decode_graphs.StepFn``):
+        it reads and writes only static buffers, so a CUDA graph replays it."""
+        rows = slice(start, start + bound)
+        inputs = engine.next_tokens[rows] if self.inputs is None else self.inputs[rows]
+        out = engine.module(inputs, PackedBatch.decode_step(staged[0]), cache=engine.cache,
+                            attn=engine.decode_metadata(start, staged[0]))
+        if self.outputs is not None:
+            self.outputs[rows].copy_(out)
+            return
+        assert self.chosen is not None  # the last stage
+        tokens, logprobs = engine.choose(out, start, staged)
+        engine.sampler.share_over_tp(tokens, logprobs)
+        self.chosen[0, rows].copy_(tokens)
+        self.chosen[1, rows].copy_(logprobs)
+
+
 @dataclass
 class ScheduleLog:
     """What one stage did (the bench's figure): its ticks, those with work, and the slots it decoded at each."""
@@ -93,6 +135,8 @@ class PipelinedRollout:
         self.decoded = [0] * len(self.groups)  # bound of each group's latest decode, not yet advanced on the host
         self.staged: dict[int, torch.Tensor] = {}  # event -> its decode's staged rows, until its tokens are recorded
         self.chosen: dict[int, torch.Tensor] = {}  # last stage: event -> [tokens; logprobs] float64, to deliver
+        # static/graphs modes: the stage's decode steps over static buffers (None: eager, fresh tensors each event)
+        self.buffers = StageBuffers(engine) if engine.graphs.fixed_span else None
         self.log = ScheduleLog()
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -154,13 +198,22 @@ class PipelinedRollout:
         ops: list[tuple[P2PKind, torch.Tensor, int | None]] = [("send", t.contiguous(), ctx.next_rank) for t in outbox]
         inputs: list[torch.Tensor] = []
         if not ctx.is_first_stage:
-            for tokens in (event.prefill_tokens, event.bound):
-                if tokens:
-                    inputs.append(torch.empty(tokens, module.cfg.hidden_size, dtype=module.dtype,
-                                              device=self.engine.device))
+            if event.prefill_tokens:
+                inputs.append(torch.empty(event.prefill_tokens, module.cfg.hidden_size, dtype=module.dtype,
+                                          device=self.engine.device))
+            if event.bound:
+                inputs.append(self._decode_inputs(event))
             ops += [("recv", t, ctx.prev_rank) for t in inputs]
         p2p([(kind, tensor, peer) for kind, tensor, peer in ops if peer is not None])
         return inputs
+
+    def _decode_inputs(self, event: Event) -> torch.Tensor:
+        """Where this stage receives the event's decode hidden states: its group's rows of the static buffer, or new."""
+        if self.buffers is not None:
+            assert self.buffers.inputs is not None  # not the first stage
+            return self.buffers.inputs[event.group.start:event.group.start + event.bound]
+        module = self.module
+        return torch.empty(event.bound, module.cfg.hidden_size, dtype=module.dtype, device=self.engine.device)
 
     def _forward(self, event: Event, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """This stage's prefill and decode of ``event``; returns what goes to the next stage (nothing from the last)."""
@@ -179,17 +232,36 @@ class PipelinedRollout:
         if event.admission is not None:
             engine.copy_prefixes(event.admission)
         if event.bound:
-            group = event.group
-            staged, out = engine.decode_group(group, event.bound, None if ctx.is_first_stage else next(received))
-            self.staged[event.index] = staged
-            outputs.append(out)
-            if ctx.is_last_stage:
-                tokens, logprobs = engine.choose(out, group.start, staged)
-                engine.sampler.share_over_tp(tokens, logprobs)
-                self.chosen[event.index] = torch.stack([tokens.double(), logprobs.double()])
+            if self.buffers is None:
+                self._decode_eager(event, None if ctx.is_first_stage else next(received), outputs)
+            else:  # its inputs were received into the buffers
+                self._decode_static(event, self.buffers, outputs)
         elif lockstep:
             join_step(module)
         return [] if ctx.is_last_stage else outputs
+
+    def _decode_eager(self, event: Event, hidden: torch.Tensor | None, outputs: list[torch.Tensor]) -> None:
+        """Event's decode step as plain PyTorch over fresh tensors (the eager mode)."""
+        engine, ctx, group = self.engine, self.module.ctx, event.group
+        staged, out = engine.decode_group(group, event.bound, hidden)
+        self.staged[event.index] = staged
+        outputs.append(out)
+        if ctx.is_last_stage:
+            tokens, logprobs = engine.choose(out, group.start, staged)
+            engine.sampler.share_over_tp(tokens, logprobs)
+            self.chosen[event.index] = torch.stack([tokens.double(), logprobs.double()])
+
+    def _decode_static(self, event: Event, buffers: StageBuffers, outputs: list[torch.Tensor]) -> None:
+        """Event's decode step over ``buffers`` (its inputs already received there): staged, then run or replayed."""
+        engine, group, bound = self.engine, event.group, event.bound
+        rows = slice(group.start, group.start + bound)
+        engine.graphs.run(bound, engine.host_rows(group, bound),
+                          lambda b, staged: buffers.step(engine, group.start, b, staged), start=group.start)
+        self.staged[event.index] = engine.graphs.staged[:, rows]
+        if buffers.outputs is not None:
+            outputs.append(buffers.outputs[rows])  # sent at the next tick, before this group's next step
+        if buffers.chosen is not None:  # a copy: the pp broadcast at the next tick needs a contiguous tensor
+            self.chosen[event.index] = buffers.chosen[:, rows].clone()
 
 
 def run_pipelined(engine: RolloutEngine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
