@@ -159,6 +159,12 @@ def test_pipelined_micro_groups_are_costed_with_graphs_and_one_stage_layouts_are
     stage = compute.decode_block(1, length, 1) + max(compute.embed_forward(1), compute.head_forward(1, 1))
     assert graphs["graph_capture_seconds"] == pytest.approx(2 * 2 * stage, rel=1e-12)
     assert "graph_capture_seconds" not in eager
+    # more micro-groups than stages: one graph per group on each stage, each over its group's rows
+    for groups, rows in ((2, 2), (3, 1)):  # 3 sequences in 2 or 3 groups
+        est = Estimator(h100, engine=RestageEngine(RolloutLimits(pp_groups=groups)))
+        got = parts(est.estimate(gen_mfc(3, 32, gen), role, layout))["graph_capture_seconds"]
+        step = compute.decode_block(rows, length, 1) + max(compute.embed_forward(rows), compute.head_forward(rows, 1))
+        assert got == pytest.approx(2 * groups * step, rel=1e-12), groups
     big = ModelRole("actor", preset("llama-7b"))
     engine = Estimator(h100, engine=RestageEngine(RolloutLimits(max_slots=64)))
     pinned = {Strategy(): 1.9677449785095078, Strategy(tp=2): 1.3754594087190903}

@@ -170,8 +170,9 @@ def generate_cost(cluster: ClusterSpec, compute: ComputeModel, graph_compute: Ro
     # one scratch block, which stays in the L2 cache) and writes the whole span side by side for SDPA.
     gather = batch * (filled + gathered) * kv_token_bytes / cluster.achievable_memory_bandwidth() if gathered else 0.0
     decode_stage = decode_stage_seconds(graph_compute if graphs else compute) + gather
-    # A call captures its bucket's graph once: a warm-up step and the capture, each as long as an eager step.
-    capture = 2 * s.pp * (decode_stage_seconds(compute) + gather) if graphs else 0.0
+    # Each stage call captures its bucket's graph once (under micro-groups one graph per group: ``DecodeGraphs`` keys
+    # them by (group start, bound)): a warm-up step and the capture, each as long as an eager stage step.
+    capture = 2 * calls * (decode_stage_seconds(compute) + gather) if graphs else 0.0
     # Per stage call, two all-reduces per block; per step, the sampler gathers the full-vocabulary logits over
     # TP, the hidden states cross the stage boundaries, and the chosen tokens and their log-probabilities are
     # broadcast over TP (unless greedy) and over the pipeline (once a step, or once a tick for its group).
