@@ -60,13 +60,18 @@ def waves_estimate(problem: PlanProblem, mfc: MFC, layout: Layout, waves: int) -
                                breakdown=tuple((k, v * waves) for k, v in one.breakdown))
 
 
+def layer_gathered(role: ModelRole) -> ModelRole:
+    """A trained model's forward on its ZeRO-3 / FSDP training engine: a frozen model partitioned the same way,
+    its layers gathered (and prefetched) one at a time."""
+    sharded = role.zero_stage == 3
+    return dataclasses.replace(role, trainable=False, shard_frozen=sharded, prefetch_gathers=sharded,
+                               offload_when_idle=False)
+
+
 def old_logprob_seconds(problem: PlanProblem, train: MFC, layout: Layout, micro_batches: int) -> float:
     """One forward of the trained model over the generation's sequences on its training layout."""
     gen = next(m for m in problem.mfcs if m.kind is MFCKind.GENERATE and m.model == train.model)
-    role = problem.role(train)
-    sharded = role.zero_stage == 3  # the peer's ZeRO-3 engine gathers (and prefetches) the parameters
-    frozen = dataclasses.replace(role, trainable=False, shard_frozen=sharded, prefetch_gathers=sharded,
-                                 offload_when_idle=False)
+    frozen = layer_gathered(problem.role(train))  # the peer's ZeRO-3 engine gathers (and prefetches) the parameters
     forward = MFC(f"{train.model}_old_logprobs", MFCKind.INFERENCE, train.model, (), (), gen.n_seqs, gen.prompt_tokens,
                   gen.gen_tokens, micro_batches=micro_batches)
     return problem.estimator.estimate(forward, frozen, layout, micro_batches).seconds
@@ -96,6 +101,21 @@ class PeerProblem(PlanProblem):
         super().__init__(graph, roles, cluster, estimator=estimator, samples_per_iteration=samples_per_iteration,
                          overlap_iterations=overlap_iterations, exact_realloc=exact_realloc, keep_per_size=keep_per_size)
         self.engine = engine
+
+    def role(self, mfc: MFC | str) -> ModelRole:
+        """An inference of a trained ZeRO-3 model (the critic's values) runs as a forward of its training engine,
+        which fetches each layer's partitions as the layer runs and frees them after (DeepSpeed ZeRO-3's module
+        hooks, ``deepspeed/runtime/zero/parameter_offload.py``, prefetching ``stage3_prefetch_bucket_size``; FSDP
+        per wrapped layer in verl): the cost and memory of a frozen model sharded the same way, not a gather of the
+        whole model (what restage's runtime does, ``simulator.zero3_in_place``). Sources: DeepSpeed-Chat
+        ``step3_rlhf_finetuning/ppo_trainer.py`` ``generate_experience`` (``self.critic_model.forward_value`` on the
+        critic's DeepSpeed engine), OpenRLHF's ``CriticModelActor.forward`` on its ZeRO-3 engine, verl's
+        ``DataParallelPPOCritic.compute_values`` on the FSDP module."""
+        mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
+        role = self.roles[mfc.model]
+        if mfc.kind is MFCKind.INFERENCE and role.trainable and role.zero_stage == 3:
+            return layer_gathered(role)
+        return role
 
     def candidate(self, mfc: MFC | str, layout: Layout, micro_batches: int | None = None) -> Candidate:
         mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
