@@ -11,11 +11,20 @@ heuristics), measured / predicted, the estimator's breakdown of its prediction, 
 (the runtime's own FLOP count per step over the median seconds), and the median |error| over the MFCs.
 ``scripts/gpu_check.sh OUT costs`` runs it on a GPU (docs/plan.md, "restage's runtime on a GPU against its
 estimator").
+
+    python bench/runtime_vs_estimate.py --sizes OUT --device cuda|cpu --cluster NAME
+
+gathers ``scripts/gpu_check.sh OUT sizes``' three runs (issue 30 item 3: ``OUT/sizes_status.txt``, one line per size
+``size job rc seconds budget``, and each size's ``sizes_<size>_model.txt`` and ``sizes_<size>_runtime.json``) into
+``OUT/sizes.json``: the date, device, torch; per size its parameters and, per MFC, measured and predicted seconds,
+their error (predicted / measured - 1) and memory; a size that failed is kept with its log's tail (and the figures
+of the steps it logged, if any).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import sys
@@ -110,11 +119,89 @@ def format_text(result: dict) -> str:
     return "\n".join(out)
 
 
+def model_params(path: Path) -> int:
+    """The number of parameters in a model directory's safetensors files (read from their headers)."""
+    from safetensors import safe_open  # only the sizes' gathering reads weight files
+
+    params = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as weights:
+            for name in weights.keys():
+                params += int(np.prod(weights.get_slice(name).get_shape(), dtype=np.int64))
+    return params
+
+
+SIZE_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "torch_dtype", "dtype")
+
+
+def size_entry(out: Path, size: str, job: str, rc: int, wall_seconds: int, budget_seconds: int) -> dict:
+    """One size of ``scripts/gpu_check.sh OUT sizes``: its model, and its run's figures or its failure."""
+    entry: dict = {"size": size, "job": job, "status": "ok" if rc == 0 else "failed", "rc": rc,
+                   "wall_seconds": wall_seconds, "budget_seconds": budget_seconds, "params": None}
+    model = out / f"sizes_{size}_model.txt"
+    lines = model.read_text().split() if model.is_file() else []
+    if lines and (Path(lines[-1]) / "config.json").is_file():
+        path = Path(lines[-1])
+        config = json.loads((path / "config.json").read_text())
+        entry |= {"model": str(path), "params": model_params(path),
+                  "model_config": {k: config[k] for k in SIZE_CONFIG_KEYS if k in config}}
+    runtime = out / f"sizes_{size}_runtime.json"
+    if runtime.is_file():  # a failed run's figures are kept too (the steps it logged), its status says failed
+        run = json.loads(runtime.read_text())
+        entry |= {"run": run["run"], "experiment": run["experiment"], "steps": run["steps"],
+                  "world_size": run["world_size"], "iteration": run["iteration"],
+                  "median_abs_mfc_error_percent": run["median_abs_mfc_error_percent"], "warnings": run["warnings"]}
+        entry["mfcs"] = [{
+            "name": m["name"], "model": m["model"], "kind": m["kind"], "measured_seconds": m["measured_seconds"],
+            "step_seconds": m["step_seconds"], "predicted_seconds": m["predicted_seconds"],
+            "error": (m["predicted_seconds"] / m["measured_seconds"] - 1
+                      if m["predicted_seconds"] is not None and m["measured_seconds"] > 0 else None),
+            "error_percent": m["error_percent"], "predicted_breakdown": m["predicted_breakdown"],
+            "achieved_tflops": m["achieved_tflops"], "peak_memory_bytes": m["peak_memory_bytes"],
+            "predicted_peak_memory_bytes": m["predicted_peak_memory_bytes"],
+            "memory_error_percent": m["memory_error_percent"]} for m in run["mfcs"]]
+    else:
+        entry["status"] = "failed"
+    if entry["status"] == "failed":
+        log = out / f"sizes_{size}_run.log"
+        entry["log_tail"] = log.read_text(errors="replace").splitlines()[-20:] if log.is_file() else []
+    return entry
+
+
+def gather_sizes(out: str | Path, device: str, cluster: str) -> dict:
+    """``scripts/gpu_check.sh OUT sizes``' runs as one record (written to ``OUT/sizes.json`` by ``--sizes``)."""
+    import torch  # the record names the torch and device the runs used
+
+    out = Path(out)
+    result: dict = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "device": device,
+                    "device_name": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                    "cluster": cluster, "torch": torch.__version__, "cuda": torch.version.cuda}
+    if device == "cuda":
+        result["total_memory_bytes"] = torch.cuda.mem_get_info(0)[1]
+    result["sizes"] = []
+    for line in (out / "sizes_status.txt").read_text().splitlines():
+        size, job, rc, wall_seconds, budget_seconds = line.split()
+        result["sizes"].append(size_entry(out, size, job, int(rc), int(wall_seconds), int(budget_seconds)))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("run_dir", help="a finished run's trial directory (or its log.h5)")
+    parser.add_argument("run_dir", nargs="?", help="a finished run's trial directory (or its log.h5)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--sizes", metavar="OUT", help="gather scripts/gpu_check.sh OUT sizes' runs into OUT/sizes.json")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="with --sizes: where they ran")
+    parser.add_argument("--cluster", default="", help="with --sizes: the cluster file they were costed as")
     args = parser.parse_args(argv)
+    if args.sizes:
+        sizes = gather_sizes(args.sizes, args.device, args.cluster)
+        (Path(args.sizes) / "sizes.json").write_text(json.dumps(json_ready(sizes), indent=1) + "\n")
+        print(f"sizes: {Path(args.sizes) / 'sizes.json'}: " + ", ".join(
+            f"{e['size']} {e['status']} ({e['wall_seconds']} s)" for e in sizes["sizes"]))
+        return 0
+    if not args.run_dir:
+        parser.error("a run directory, or --sizes OUT")
     result = compare(args.run_dir)
     print(json.dumps(json_ready(result), indent=1) if args.json else format_text(result))
     return 0

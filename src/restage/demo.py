@@ -82,6 +82,39 @@ def ensure_llama_1b(root: Path = Path("."), seed: int = 0) -> Path:
     return _ensure_sort_model(root / ASSETS / "llama-1b", root, seed, dtype=torch.bfloat16, **LLAMA_1B_SIZES)
 
 
+# The models of scripts/gpu_check.sh's `sizes` part (issue 30 item 3: restage's own measurements per MFC on one GPU
+# at three sizes; jobs/gpu_ppo_0p5b.yaml, gpu_ppo_1p5b.yaml, gpu_grpo_4b.yaml): random LLaMA-family decoders of Qwen
+# widths and depths, bf16, over the sort vocabulary (its 16 tokens add almost nothing, so the parameters are the
+# blocks'). 0p5b: Qwen3-0.6B's hidden 1024 with 32 layers, MLP 4096, 16 heads, 4 KV heads (0.49B); 1p5b:
+# Qwen2.5-1.5B's hidden 1536, MLP 8960, 12 heads, 2 KV heads, with 32 layers (1.50B); 4b: Qwen3-4B's hidden 2560 and
+# 20 heads of 128, 4 KV heads, MLP 11008, 40 layers (4.01B). Each head is hidden / heads wide (restage's LLaMA
+# blocks), so Qwen3's wider q projection is not copied.
+GPU_SIZE_MODELS = {
+    "0p5b": dict(hidden_size=1024, intermediate_size=4096, num_layers=32, num_heads=16, num_kv_heads=4,
+                 max_positions=512),
+    "1p5b": dict(hidden_size=1536, intermediate_size=8960, num_layers=32, num_heads=12, num_kv_heads=2,
+                 max_positions=512),
+    "4b": dict(hidden_size=2560, intermediate_size=11008, num_layers=40, num_heads=20, num_kv_heads=4,
+               max_positions=512),
+}
+# `sizes-cpu`'s stand-ins: the same jobs on a CPU over tiny widths (fp32), to check the part's paths and files.
+CPU_SIZE_MODELS = {
+    "0p5b": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=64),
+    "1p5b": dict(hidden_size=96, intermediate_size=192, num_layers=2, num_heads=4, num_kv_heads=2, max_positions=64),
+    "4b": dict(hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4, num_kv_heads=2, max_positions=64),
+}
+
+
+def ensure_size_model(size: str, cpu: bool = False, root: Path = Path("."), seed: int = 0) -> Path:
+    """The random model of ``sizes``' job for ``size`` (a key of ``GPU_SIZE_MODELS``), built once:
+    ``root/results/assets/llama-<size>`` in bf16, or with ``cpu`` the tiny fp32 stand-in ``tiny-llama-<size>``."""
+    if cpu:
+        return _ensure_sort_model(root / ASSETS / f"tiny-llama-{size}", root, seed, dtype=torch.float32,
+                                  **CPU_SIZE_MODELS[size])
+    return _ensure_sort_model(root / ASSETS / f"llama-{size}", root, seed, dtype=torch.bfloat16,
+                              **GPU_SIZE_MODELS[size])
+
+
 def _ensure_sort_model(path: Path, root: Path, seed: int, *, hidden_size: int, intermediate_size: int, num_layers: int,
                        num_heads: int, num_kv_heads: int, max_positions: int, dtype: torch.dtype = torch.float32) -> Path:
     """A random LLaMA of these sizes over the 16-token sort vocabulary at ``path``, built once (whole or absent)."""
