@@ -230,8 +230,9 @@ print('h200-141gb' if 'H200' in n else 'h100-80gb' if 'H100' in n else 'unknown'
     echo "$size $job $rc $((SECONDS - started)) $budget" >>"$out/sizes_status.txt"
     spare=$((budget > SECONDS - started ? budget - (SECONDS - started) : 0))
     clocks
+    # after every size, so that a call cut short keeps the sizes it finished
+    python3 bench/runtime_vs_estimate.py --sizes "$out" --device "$device" --cluster "$cluster"
   done
-  python3 bench/runtime_vs_estimate.py --sizes "$out" --device "$device" --cluster "$cluster"
 }
 
 if [[ $parts == *" sizes "* ]]; then
