@@ -106,16 +106,23 @@ clocks() {
     --format=csv$([[ -s "$out/costs_clocks.csv" ]] && echo ,noheader) >>"$out/costs_clocks.csv" 2>&1
 }
 
+# has_cuda: whether this python3's torch sees a CUDA device.
+has_cuda() { python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; }
+# device_cluster: the cluster file the CUDA device at hand is costed as (COSTS_CLUSTER=<name> overrides).
+device_cluster() {
+  echo "${COSTS_CLUSTER:-$(python3 -c "import torch; n = torch.cuda.get_device_name(0); \
+print('h200-141gb' if 'H200' in n else 'h100-80gb' if 'H100' in n else 'unknown')")}"
+}
+
 # costs DEVICE: the GEMM profile and restage's runtime against its estimator, files costs_* under $out.
 costs() {
   local device=$1 cluster job model steps gemm_args trial run_dir
   if [[ $device == cuda ]]; then
-    if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    if ! has_cuda; then
       echo "costs: no CUDA device here; scripts/gpu_check.sh OUT costs-cpu checks the same steps on a CPU"
       return 1
     fi
-    cluster=${COSTS_CLUSTER:-$(python3 -c "import torch; n = torch.cuda.get_device_name(0); \
-print('h200-141gb' if 'H200' in n else 'h100-80gb' if 'H100' in n else 'unknown')")}
+    cluster=$(device_cluster)
     job=jobs/gpu_ppo_300m.yaml model=ensure_llama_300m steps=8 trial=gpu-costs
     gemm_args="--device cuda --shapes models --max-seconds 90"
   else
@@ -179,12 +186,11 @@ sizes() {
   local device=$1 cluster cpu spec size job budget started rc left run_dir roles role model spare=0
   local -a specs extra over
   if [[ $device == cuda ]]; then
-    if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    if ! has_cuda; then
       echo "sizes: no CUDA device here; scripts/gpu_check.sh OUT sizes-cpu checks the same steps on a CPU"
       return 1
     fi
-    cluster=${COSTS_CLUSTER:-$(python3 -c "import torch; n = torch.cuda.get_device_name(0); \
-print('h200-141gb' if 'H200' in n else 'h100-80gb' if 'H100' in n else 'unknown')")}
+    cluster=$(device_cluster)
     # size:job:seconds for the model's build, start-up, 4 steps and the comparison (estimates in the jobs' comments)
     specs=(0p5b:jobs/gpu_ppo_0p5b.yaml:90 1p5b:jobs/gpu_ppo_1p5b.yaml:120 4b:jobs/gpu_grpo_4b.yaml:180)
     cpu=False extra=()
@@ -245,7 +251,7 @@ sizes cpu
 fi
 if [[ $parts == *" limits "* ]]; then
 echo "== 5. limits: decode against the HBM roofline, prefill, training MFU, a GRPO step against the estimator"
-if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if has_cuda; then
   limits_args=(--device cuda --dtype bf16 --size 1b)
 else
   echo "limits: no CUDA device here; the CPU dry run instead (--size tiny: paths and the JSON's shape, no GPU figures)"
