@@ -39,6 +39,18 @@ def sample_sequences(lengths: list[int], seed: int = 0, vocab: int = 257) -> lis
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
+ROLLOUT_EOS = tuple(range(3, 40))  # about one token in seven of sample_sequences' vocabulary stops an answer
+
+
+def rollout_params(mode: str):
+    """The multirank rollout tests' sampling (``greedy`` or seeded ``sampled``), 12 new tokens, ending at ROLLOUT_EOS."""
+    from restage.rollout.sampling import SamplingParams
+
+    if mode == "greedy":
+        return SamplingParams(max_new_tokens=12, greedy=True, eos_token_ids=ROLLOUT_EOS)
+    return SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.95, top_k=50, seed=11, eos_token_ids=ROLLOUT_EOS)
+
+
 # Two micro-batches of unequal sequences (lengths past Mistral's window of 8).
 MICRO_BATCHES = [sample_sequences([7, 20], seed=1), sample_sequences([13, 9, 3], seed=2)]
 PROMPTS = sample_sequences([5, 11, 8, 11], seed=3)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_cases import sample_sequences
+from model_cases import rollout_params, sample_sequences
 
 from restage.layout import Strategy
 from restage.runtime.control.spawn import spawn
@@ -22,17 +22,8 @@ LAYOUTS = {"pp1": Strategy(dp=4), "pp2": Strategy(dp=2, pp=2), "tp2pp2": Strateg
 PROMPTS = sample_sequences([5, 11, 1, 8, 3, 11], seed=7)
 GROUP = 2
 CAPS = [12, 3, 12, 7, 1, 12, 9, 12, 5, 12, 2, 10]  # per request (prompt i, sample j is request 2i + j)
-EOS = tuple(range(3, 40))  # about one token in seven stops an answer
 PP_GROUPS = {"pp1": (None,), "pp2": (None, 1, 3), "tp2pp2": (None, 1)}
 ALONE = [0, 3, 7, 11]  # sampled requests also generated alone under pp=2
-
-
-def _params(mode: str):
-    from restage.rollout.sampling import SamplingParams
-
-    if mode == "greedy":
-        return SamplingParams(max_new_tokens=12, greedy=True, eos_token_ids=EOS)
-    return SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.95, top_k=50, seed=11, eos_token_ids=EOS)
 
 
 def _run(rank, world_size, path):
@@ -63,12 +54,12 @@ def _run(rank, world_size, path):
             for pp_groups in PP_GROUPS[key]:
                 logs.clear()
                 limits = RolloutLimits(max_slots=4, check_every_steps=2, pp_groups=pp_groups)
-                gen = generate(module, PROMPTS, _params(mode), group_size=GROUP, max_new_tokens=CAPS, limits=limits)
+                gen = generate(module, PROMPTS, rollout_params(mode), group_size=GROUP, max_new_tokens=CAPS, limits=limits)
                 out["gen"][(key, mode, pp_groups, rank)] = (gen.sequences(), gen.logprobs, gen.lengths)
                 if logs:
                     out["ticks"][(key, mode, pp_groups, rank)] = (ctx.pp_stage, logs[0].ticks, logs[0].decoded_slots)
             # Teacher-forced log-probs of the answers under this layout (the sampled ones at their temperature).
-            params = _params(mode)
+            params = rollout_params(mode)
             answers = out["gen"][(key, mode, None, rank)][0]
             sequences = [PROMPTS[r // GROUP] + a for r, a in enumerate(answers)]
             forced = pipeline_forward(module, [MicroBatch(*pack(sequences))], post_fn=lambda o, mb, m=module, p=params:
@@ -77,7 +68,7 @@ def _run(rank, world_size, path):
             if forced is not None and ctx.tp_rank == 0:
                 out["forced"][(key, mode, rank)] = (forced[0], [len(s) for s in sequences])
         if key == "pp2":
-            params = _params("sampled")
+            params = rollout_params("sampled")
             for r in ALONE:
                 gen = generate(module, [PROMPTS[r // GROUP]], params, seeds=[request_seed(params.seed, r)],
                                max_new_tokens=[CAPS[r]])

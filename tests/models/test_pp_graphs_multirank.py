@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_cases import sample_sequences
+from model_cases import ROLLOUT_EOS, rollout_params, sample_sequences
 
 from restage.layout import Strategy
 from restage.runtime.control.spawn import spawn
@@ -22,17 +22,8 @@ LAYOUTS = {"pp2": Strategy(dp=2, pp=2), "tp2pp2": Strategy(tp=2, pp=2)}
 PROMPTS = sample_sequences([5, 11, 1, 8, 3, 11, 6], seed=7)
 GROUP = 2
 CAPS = [12, 3, 12, 7, 1, 12, 9, 12, 5, 12, 2, 10, 6, 12]  # per request (prompt i, sample j is request 2i + j)
-EOS = tuple(range(3, 40))  # about one token in seven stops an answer
 # (pp_groups, paged) per layout: micro-groups of 3 and 2 slots out of 6, both caches
 RUNS = {"pp2": ((None, False), (3, False), (None, True)), "tp2pp2": ((None, False), (None, True))}
-
-
-def _params(mode: str):
-    from restage.rollout.sampling import SamplingParams
-
-    if mode == "greedy":
-        return SamplingParams(max_new_tokens=12, greedy=True, eos_token_ids=EOS)
-    return SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.95, top_k=50, seed=11, eos_token_ids=EOS)
 
 
 def _run(rank, world_size, path):
@@ -51,12 +42,12 @@ def _run(rank, world_size, path):
     for key, layout in layouts.items():
         module = load_stage(path, layout, groups, rank)
         for mode in ("greedy", "sampled"):
-            params = _params(mode)
+            params = rollout_params(mode)
             for pp_groups, paged in RUNS[key]:
                 for decode_mode in ("eager", "static"):
                     engine = RolloutEngine(module, PROMPTS, [r // GROUP for r in range(requests)], CAPS,
                                            request_keys([request_seed(params.seed, r) for r in range(requests)]),
-                                           params, list(EOS), RolloutLimits(max_slots=6, check_every_steps=2,
+                                           params, list(ROLLOUT_EOS), RolloutLimits(max_slots=6, check_every_steps=2,
                                                                             pp_groups=pp_groups, paged=paged),
                                            decode_mode=decode_mode)
                     steps: list[tuple[int, int]] = []
