@@ -1,9 +1,6 @@
 """bench/cross_system.py builds the published comparisons' work as stated, its ratio arithmetic is right, and the
 peers' critic forward on a ZeRO-3 engine gathers layer by layer (issue 30 item 4)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 from plan_helpers import ppo_config
 
@@ -13,18 +10,10 @@ from restage.plan.model_state import stage_param_elements
 from restage.plan.peers.defaults import _with_stage, derived
 from restage.plan.planner import build_problem
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def cross_system():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import cross_system
-        import validation_set
-    finally:
-        sys.path.remove(str(BENCH))
-    return cross_system, validation_set
+def cross_system(bench_module):
+    return bench_module("cross_system"), bench_module("validation_set")
 
 
 def test_work_matches_each_entry(cross_system):

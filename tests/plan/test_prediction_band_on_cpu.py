@@ -8,8 +8,6 @@ not by calling the function under test.
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +18,6 @@ from restage.plan.cli import render, summary
 from restage.plan.planner import make_plan
 from restage.plan.schedule import build_schedule
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 GIB = 2**30
 
 
@@ -69,14 +66,9 @@ def test_the_stored_bands_contain_their_prediction():
         assert band.low_ratio <= 1.0 <= band.high_ratio, band.describe()
 
 
-def test_the_stored_gpu_checks_are_what_bench_validation_predicts_now():
+def test_the_stored_gpu_checks_are_what_bench_validation_predicts_now(bench_module):
     """Fails when the cost model changes without the stored checks being replaced (restage/accuracy.py says how)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import validation
-        import validation_set
-    finally:
-        sys.path.remove(str(BENCH))
+    validation, validation_set = bench_module("validation"), bench_module("validation_set")
     predicted = validation.predictions("held_out", validation.ScaleTerms())  # the estimator alone, as restage plan
     measured = {p.name: p.measured_seconds for p in validation_set.points("held_out")}
     assert set(predicted) == {c.name for c in accuracy.GPU_VALIDATION.checks}

@@ -6,8 +6,6 @@ known constants.
 """
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,20 +19,10 @@ from restage.plan.scale_terms import (
     train_seconds,
 )
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import calibration
-        import published
-        import validation
-        import validation_set
-    finally:
-        sys.path.remove(str(BENCH))
-    return validation, validation_set, calibration, published
+def bench(bench_module):
+    return tuple(bench_module(name) for name in ("validation", "validation_set", "calibration", "published"))
 
 
 def test_overlap_hides_at_most_the_compute():
