@@ -605,10 +605,9 @@ def _rows(which: str, trees: dict[str, Node], variants: dict[str, ScaleTerms]) -
     return rows
 
 
-def _figures(rows: list[dict], label: str) -> dict:
-    errs = [r[label]["ratio"] - 1 for r in rows]
-    return {"points": len(rows), "median_abs_error": statistics.median(abs(e) for e in errs),
-            "largest_ratio": max(max(1 + e, 1 / (1 + e)) for e in errs)}
+def _figures(rows: list[dict], label: str, which: str) -> dict:
+    """The set's metric (``validation_set.figures``) over the ``label`` predictions of its rows."""
+    return vs.figures({r["name"]: r[label]["predicted_seconds"] for r in rows}, which)
 
 
 def run() -> dict:
@@ -624,7 +623,7 @@ def run() -> dict:
                  "defaults": {k: dataclasses.asdict(d) for k, d in DEFAULTS.items()}, "sets": {}}
     for which in ("fit", "held_out"):
         rows = _rows(which, trees, variants)
-        out["sets"][which] = {"rows": rows, "figures": {label: _figures(rows, label) for label in variants}}
+        out["sets"][which] = {"rows": rows, "figures": {label: _figures(rows, label, which) for label in variants}}
     out["stability"] = stability(fit_trees, measured)
     return out
 
@@ -670,7 +669,7 @@ def final(fitted: ScaleTerms) -> dict:
                                    "ratio": evaluate(node, ScaleTerms()) / p.measured_seconds},
                      "fitted": {"predicted_seconds": seconds, "ratio": seconds / p.measured_seconds},
                      "phases": {leaf.label: leaf.seconds for leaf in leaves(node)}})
-    return {"rows": rows, "figures": {label: _figures(rows, label) for label in ("estimator", "fitted")},
+    return {"rows": rows, "figures": {label: _figures(rows, label, "untouched") for label in ("estimator", "fitted")},
             "targets": "median |error| <= 25%, no point beyond 2x", "terms": dataclasses.asdict(fitted),
             "defaults": {k: dataclasses.asdict(d) for k, d in UNTOUCHED_DEFAULTS.items()}}
 
