@@ -19,7 +19,12 @@ systems' generation is costed long), ``--rollout_batch_size 1024`` prompts, one 
 A800-80GB (A100 silicon, NVLink 200 GB/s each way), nodes of 8. One setting comes from the entry's own text, added
 after the first run (``HISTORY``): the README says both systems ran Adam on the host ("enabling Adam
 offload" for DeepSpeed-Chat; OpenRLHF "placing the Adam optimizer on the CPU"), so the trained models'
-optimizers are offloaded for every peer.
+optimizers are offloaded for every peer. One more, added after the third run (``HISTORY``), from the scripts the
+README's authors ran DeepSpeed-Chat with: ``--per_device_generation_batch_size 8`` in both, the benchmark branch's
+``benchmark/deepspeed-chat/llama_7b.sh`` (OpenRLHF, wuxibin/benchmark) and the same author's Hybrid Engine script
+``run_llama2_7b_ray.sh`` (wuxibin89/DeepSpeedExamples, ``--enable_hybrid_engine --inference_tp_size 1
+--release_inference_cache --offload``; issue OpenRLHF#327 names that fork as the README's DeepSpeed-Chat): the
+Hybrid Engine generates 8 prompts of a rank per call (``DSCHAT_ENGINE``), gathering the ZeRO-3 actor each call.
 
 ``openrlhf_2024``: the README measured OpenRLHF of May 2024 (vLLM 0.4.2 era), which had no hybrid engine
 (``--colocate_all_models`` came later): its arrangements were the Ray groups, separate or with
@@ -40,7 +45,8 @@ from calibration import _published_cluster
 from validation_set import CROSS_SYSTEM, CROSS_SYSTEM_TARGET, CrossSystem
 
 from restage.config.load import config_from_dict
-from restage.plan.peers.defaults import BUILDERS, _fastest, openrlhf_arrangements
+from restage.plan.peers.defaults import BUILDERS, _fastest, deepspeed_chat, openrlhf_arrangements
+from restage.plan.peers.peer_engines import HybridEngine
 from restage.plan.planner import build_problem
 from restage.plan.problem import PlanProblem
 
@@ -48,6 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # CROSS_SYSTEM's system names -> restage.plan.peers.defaults.BUILDERS' names.
 PEER_OF = {"openrlhf": "openrlhf", "deepspeed-chat": "deepspeed_chat", "verl": "verl", "nemo-aligner": "nemo_aligner"}
 OPENRLHF_2024 = ("colocate_actor_ref+critic_reward", "separate")  # the arrangements of the README's OpenRLHF
+# The README's DeepSpeed-Chat runs: 8 prompts a rank per generate call (the module docstring gives the scripts).
+DSCHAT_ENGINE = HybridEngine(batch_per_device=8)
 HYBRIDFLOW_CLUSTER = "a100-80gb"  # HybridFlow ran on A100s (issue 30's brief; not verified in the text reached)
 # The runs before this one, as they printed (modelled openrlhf/deepspeed-chat ratios; None: no plan fits a side).
 HISTORY = (
@@ -56,6 +64,10 @@ HISTORY = (
     {"run": "second (this script, Adam offload; before peer_engines.layer_gathered)",
      "ratios": {"openrlhf-readme-vs-dschat-7b": 1.17, "openrlhf-readme-vs-dschat-13b": 1.23,
                 "openrlhf-readme-vs-dschat-34b": 1.01, "openrlhf-readme-vs-dschat-70b": None}},
+    {"run": "third (peer_engines.layer_gathered; DeepSpeed-Chat generating the fewest waves that fit, one gather "
+            "a generation; docs/cross_system_2026-11-29.json)",
+     "ratios": {"openrlhf-readme-vs-dschat-7b": 1.17, "openrlhf-readme-vs-dschat-13b": 1.23,
+                "openrlhf-readme-vs-dschat-34b": 1.06, "openrlhf-readme-vs-dschat-70b": 1.11}},
 )
 
 
@@ -103,7 +115,7 @@ def seconds_by_system(problem: PlanProblem, systems: tuple[str, ...]) -> dict[st
     """Each system's default plan scored by the peer model (None where none fits), plus ``openrlhf_2024``."""
     out: dict[str, dict] = {}
     for system in systems:
-        found = BUILDERS[PEER_OF[system]](problem)
+        found = deepspeed_chat(problem, DSCHAT_ENGINE) if system == "deepspeed-chat" else BUILDERS[PEER_OF[system]](problem)
         out[system] = _row(found)
     if "openrlhf" in systems:
         arrangements = openrlhf_arrangements(problem)

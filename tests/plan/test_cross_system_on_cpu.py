@@ -1,5 +1,6 @@
 """bench/cross_system.py builds the published comparisons' work as stated, its ratio arithmetic is right, and the
-peers' critic forward on a ZeRO-3 engine gathers layer by layer (issue 30 item 4)."""
+peers' critic forward on a ZeRO-3 engine gathers layer by layer, and DeepSpeed-Chat's Hybrid Engine generates in
+its batches, gathering the actor each call (issue 30 item 4)."""
 
 import pytest
 from plan_helpers import ppo_config
@@ -7,8 +8,10 @@ from plan_helpers import ppo_config
 from restage.graph import MFCKind
 from restage.layout import Layout, Strategy
 from restage.plan.model_state import stage_param_elements
-from restage.plan.peers.defaults import _with_stage, derived
+from restage.plan.peers.defaults import _with_stage, deepspeed_chat, derived
+from restage.plan.peers.peer_engines import HybridEngine, waves_estimate
 from restage.plan.planner import build_problem
+from restage.plan.transfer_cost import zero3_gather_seconds
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +88,52 @@ def test_zero1_critic_keeps_its_role():
 
 def restage_param_bytes(problem, mfc, layout):
     return problem.candidate(mfc, layout).estimate.param_bytes
+
+
+def test_hybrid_engine_waves_follow_the_generation_batch():
+    """DeepSpeed-Chat takes a rank's prompts --per_device_generation_batch_size at a time; smaller batches (more
+    waves) only as fallbacks, never a larger batch than the setting."""
+    problem = build_problem(ppo_config("llama-7b", "llama-7b", batch=512, gen=128, zero=3))
+    gen = next(m for m in problem.mfcs if m.kind is MFCKind.GENERATE)
+    # 512 prompts on dp 8: 64 a rank
+    assert HybridEngine(batch_per_device=8).waves(gen, 8) == [8, 16, 32, 64]
+    assert HybridEngine(batch_per_device=16).waves(gen, 8) == [4, 8, 16, 32, 64]
+    assert HybridEngine(batch_per_device=100).waves(gen, 8) == [1, 2, 4, 8, 16, 32, 64]
+    assert HybridEngine(batch_per_device=24).waves(gen, 8) == [3, 6, 12, 24, 48]  # ceil(64 / 24) = 3
+
+
+def test_hybrid_engine_gathers_the_zero3_actor_once_per_call():
+    """Each generate call of DeepSpeed's Hybrid Engine gathers the whole ZeRO-3 actor: w waves cost w - 1 gathers
+    over the generation's ranks on top of the waves themselves (the plan's evaluation adds the first)."""
+    problem = build_problem(ppo_config("llama-7b", "llama-7b", batch=512, gen=128, zero=3))
+    gen = next(m for m in problem.mfcs if m.kind is MFCKind.GENERATE)
+    peer = derived(problem, _with_stage(3, shard_frozen=True), HybridEngine(batch_per_device=8))
+    layout = Layout.contiguous(0, Strategy(dp=8))
+    gather = zero3_gather_seconds(peer.roles["actor"].arch, layout, 2, peer.cluster)
+    assert gather > 0
+    for waves in (1, 8, 16):
+        est = peer.candidate(gen, layout, waves).estimate
+        plain = waves_estimate(peer, gen, layout, waves)
+        assert est.seconds == pytest.approx(plain.seconds + (waves - 1) * gather, rel=1e-12)
+    assert peer.candidate(gen, layout).micro_batches == 8  # no count given: the batch's waves
+    tp2 = Layout.contiguous(0, Strategy(dp=4, tp=2))  # --inference_tp_size 2: still the whole model, over all 8 ranks
+    est = peer.candidate(gen, tp2, 16).estimate
+    assert est.seconds == pytest.approx(waves_estimate(peer, gen, tp2, 16).seconds + 15 * gather, rel=1e-12)
+    assert [c.micro_batches for c in peer.options(gen, layout)] == [8, 16, 32, 64]  # the fewest waves fastest first
+
+
+def test_hybrid_engine_without_zero3_does_not_regather():
+    problem = build_problem(ppo_config("llama-7b", "llama-7b", batch=512, gen=128, zero=2))
+    gen = next(m for m in problem.mfcs if m.kind is MFCKind.GENERATE)
+    peer = derived(problem, _with_stage(2), HybridEngine(batch_per_device=8))
+    layout = Layout.contiguous(0, Strategy(dp=8))
+    assert peer.candidate(gen, layout, 8).estimate.seconds == pytest.approx(waves_estimate(peer, gen, layout, 8).seconds)
+
+
+def test_deepspeed_chat_rule_generates_in_its_batches(cross_system):
+    cs, vs = cross_system
+    problem = cs.problem_of(cs.work_of(vs.CROSS_SYSTEM[0]))  # 1,024 prompts on 16 GPUs: 64 a rank
+    plan, _ = deepspeed_chat(problem, cs.DSCHAT_ENGINE)
+    gen = next(c for c in plan if c.mfc == "actor_gen")
+    assert cs.DSCHAT_ENGINE.batch_per_device == 8
+    assert (gen.layout.strategy.dp, gen.micro_batches) == (16, 8)

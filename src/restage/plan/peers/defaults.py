@@ -8,8 +8,9 @@ model fits (a TP degree, a memory saver). Sources (docs/plan.md cites them in fu
   ``training_scripts/llama2/run_llama2_7b.sh``): all four models on every GPU; actor and critic
   trained data-parallel with ZeRO-3 (the LLaMA-2 scripts' stage), reference and reward ZeRO-3 too
   (``_init_ref`` / ``_init_reward`` follow the actor's / critic's stage 3); generation in the Hybrid
-  Engine with ``--inference_tp_size`` (default 1) on a gathered copy of the actor; the reference
-  model offloaded to the host (``--offload_reference_model``).
+  Engine with ``--inference_tp_size`` (default 1) on a copy of the actor gathered per ``generate`` call,
+  ``--per_device_generation_batch_size`` (default 16) prompts a call (``peer_engines.HybridEngine``); the
+  reference model offloaded to the host (``--offload_reference_model``).
 * ``openrlhf`` (OpenRLHF ``openrlhf/cli/train_ppo_ray.py``): the fastest of ``--colocate_all_models``
   (the hybrid engine: everything on all GPUs), ``--colocate_actor_ref --colocate_critic_reward`` groups
   1 : 1 : 1 with the vLLM engines, and ``examples/scripts/train_ppo_llama_ray_70b.sh``'s groups actor 4 :
@@ -44,7 +45,7 @@ from restage.layout import Layout, Strategy
 from restage.plan.generation_cost import VllmEngine
 from restage.plan.layout_cost import dp_size_ok
 from restage.plan.model_state import stage_param_elements
-from restage.plan.peers.peer_engines import PeerProblem
+from restage.plan.peers.peer_engines import HybridEngine, PeerEngine, PeerProblem
 from restage.plan.plan_score import PlanEvaluation, fit_plan
 from restage.plan.problem import Plan, PlanProblem
 from restage.plan.roles import ModelRole
@@ -65,7 +66,7 @@ VERL_GPU_MEMORY_UTILIZATION = 0.5
 OPENRLHF_COLOCATED_ENGINE = VllmEngine(gpu_memory_utilization=0.6)
 
 
-def derived(problem: PlanProblem, change: RoleChange, engine: VllmEngine | None = None) -> PlanProblem:
+def derived(problem: PlanProblem, change: RoleChange, engine: PeerEngine = HybridEngine()) -> PlanProblem:
     """The same problem with every model's role changed (a peer's memory strategy), scored as the peers' engines
     run it (``peer_engines.PeerProblem``, generating on ``engine``); the estimator's caches are shared."""
     roles = {name: change(role) for name, role in problem.roles.items()}
@@ -123,7 +124,7 @@ def _dp_ok(problem: PlanProblem, layouts: dict[str, Layout]) -> bool:
 
 
 def _first_fit(problem: PlanProblem, levels: list[RoleChange], options: LayoutOptions,
-               engine: VllmEngine | None) -> Found | None:
+               engine: PeerEngine) -> Found | None:
     """The first (memory level, layouts) in order that fits; ``options(p)`` yields layouts per level."""
     for change in levels:
         p = derived(problem, change, engine)
@@ -137,7 +138,7 @@ def _first_fit(problem: PlanProblem, levels: list[RoleChange], options: LayoutOp
 
 
 def _colocated_rule(problem: PlanProblem, first_tp: Callable[[ModelRole], int],
-                    engine: VllmEngine | None) -> Found | None:
+                    engine: PeerEngine) -> Found | None:
     """Every MFC on all devices data-parallel; generation on a copy with TP from ``first_tp`` upward."""
     world, per_node = problem.cluster.world_size, problem.cluster.devices_per_node
 
@@ -151,8 +152,8 @@ def _colocated_rule(problem: PlanProblem, first_tp: Callable[[ModelRole], int],
     return _first_fit(problem, _ladder(_with_stage(3, shard_frozen=True)), options, engine)
 
 
-def deepspeed_chat(problem: PlanProblem) -> Found | None:
-    return _colocated_rule(problem, lambda role: 1, None)  # its Hybrid Engine decodes eagerly, as restage does
+def deepspeed_chat(problem: PlanProblem, engine: HybridEngine = HybridEngine()) -> Found | None:
+    return _colocated_rule(problem, lambda role: 1, engine)  # its Hybrid Engine decodes eagerly, a batch at a time
 
 
 def verl(problem: PlanProblem) -> Found | None:

@@ -2,11 +2,12 @@
 
 * **Batched generation** (``waves``): vLLM (OpenRLHF, verl) and TensorRT-LLM (NeMo-Aligner) batch
   continuously and hold KV cache only for the sequences being decoded; DeepSpeed-Chat generates
-  ``--per_device_generation_batch_size`` prompts at a time. Modelled as a DP rank's prompts decoded in
-  ``w`` waves of ``ceil(b / w)`` sequences: KV cache and workspace of one wave, ``w`` times one wave's
+  ``--per_device_generation_batch_size`` prompts at a time (``HybridEngine``). Modelled as a DP rank's prompts
+  decoded in ``w`` waves of ``ceil(b / w)`` sequences: KV cache and workspace of one wave, ``w`` times one wave's
   time. With one generation length for every sequence (what restage's MFCs carry) continuous batching
-  is exactly this; with mixed lengths it would do better. The peer rule takes the fewest waves that fit
-  (``fit_plan`` tries micro-batch counts leanest-last; for a generation they are waves).
+  is exactly this; with mixed lengths it would do better. The vLLM-style peers take the fewest waves that fit
+  (``fit_plan`` tries micro-batch counts leanest-last; for a generation they are waves); DeepSpeed-Chat takes its
+  batch's waves (``HybridEngine.waves``), more only where they do not fit.
 * **The old-log-prob pass**: every peer recomputes the actor's log-probabilities of the rollout with a
   forward of its *training* engine after generation (the generation engine's own log-probs are not
   used): verl ``compute_log_prob`` (``actor_rollout_ref.actor``), OpenRLHF's experience maker,
@@ -28,16 +29,48 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import assert_never
 
 from restage.cluster import ClusterSpec
 from restage.graph import MFC, DataflowGraph, MFCKind
-from restage.layout import Layout
+from restage.layout import Layout, Strategy
 from restage.plan.estimator import Estimate, Estimator
 from restage.plan.generation_cost import OneBatchEngine, VllmEngine, vllm_generate_seconds
 from restage.plan.layout_cost import sequences_per_rank
 from restage.plan.problem import Candidate, PlanProblem
 from restage.plan.roles import ModelRole
+from restage.plan.transfer_cost import zero3_gather_seconds
+
+DSCHAT_GENERATION_BATCH = 16  # DeepSpeed-Chat step3 main.py: --per_device_generation_batch_size's default
+
+
+@dataclass(frozen=True)
+class HybridEngine:
+    """DeepSpeed-Chat's generation in DeepSpeed's Hybrid Engine (``deepspeed/runtime/hybrid_engine.py``).
+
+    ``ppo_trainer.generate_experience`` is called once per ``batch_per_device`` prompts of a rank
+    (``--per_device_generation_batch_size``), and each call is one ``generate``: under ZeRO-3 it first gathers the
+    whole actor (``DeepSpeedHybridEngine.generate`` wraps the decode in ``GatheredParameters`` over every layer when
+    ``hybrid_engine.pin_parameters``, true by default, sets ``gather_all_layers``; at ``inference_tp_size`` > 1 it
+    gathers ``tp_gather_partition_size`` layers at a time, the same bytes), decodes its batch eagerly to the end, and
+    frees the gathered copy (``release_inference_cache`` frees the KV workspace too). So a rank's prompts run in
+    ``ceil(prompts / batch_per_device)`` waves and the gather is paid once per wave, not once per generation."""
+
+    batch_per_device: int = DSCHAT_GENERATION_BATCH
+
+    def waves(self, mfc: MFC, dp: int) -> list[int]:
+        """The batch's wave count, then twice, four times, ... as many while a wave keeps a sequence: a user lowers
+        ``--per_device_generation_batch_size`` until the generation fits, never raises it past the setting."""
+        per_rank = max(int(sequences_per_rank(mfc, dp)), 1)
+        out, w = [], math.ceil(per_rank / self.batch_per_device)
+        while w <= per_rank:
+            out.append(w)
+            w *= 2
+        return out or [per_rank]
+
+
+PeerEngine = VllmEngine | HybridEngine
 
 
 def wave_counts(mfc: MFC, dp: int) -> list[int]:
@@ -48,6 +81,22 @@ def wave_counts(mfc: MFC, dp: int) -> list[int]:
         out.append(w)
         w *= 2
     return out
+
+
+def hybrid_engine_estimate(problem: PlanProblem, mfc: MFC, layout: Layout, waves: int) -> Estimate:
+    """DeepSpeed-Chat's generation (``HybridEngine``): ``waves`` eager batches, and under a ZeRO-3 actor the gathers
+    of every call after the first (the plan's evaluation adds one gather to a generation in place, or a
+    reallocation to one on a copy, already)."""
+    est = waves_estimate(problem, mfc, layout, waves)
+    role = problem.roles[mfc.model]
+    if not (role.trainable and role.zero_stage == 3) or waves == 1:
+        return est
+    # The partitions are spread over every rank of the generation's mesh (DeepSpeed-Chat trains data-parallel
+    # over all of them), whatever the generation's own tp: gather the whole model over that group.
+    trained_on = Layout(layout.mesh, Strategy(dp=layout.size))
+    regathers = (waves - 1) * zero3_gather_seconds(role.arch, trained_on, role.bytes_per_element, problem.cluster)
+    return dataclasses.replace(est, seconds=est.seconds + regathers,
+                               breakdown=est.breakdown + (("hybrid_engine_regather_seconds", regathers),))
 
 
 def waves_estimate(problem: PlanProblem, mfc: MFC, layout: Layout, waves: int) -> Estimate:
@@ -90,14 +139,14 @@ def engine_estimate(problem: PlanProblem, mfc: MFC, layout: Layout, waves: int, 
 
 
 class PeerProblem(PlanProblem):
-    """A problem scored the way the peers' engines run it: batched generation (on ``engine``, a vLLM-style
-    engine's settings, or waves of one eager batch each when None) and the old-log-prob pass."""
+    """A problem scored the way the peers' engines run it: batched generation on ``engine`` (a vLLM-style engine's
+    settings, or DeepSpeed's Hybrid Engine) and the old-log-prob pass."""
 
     zero3_lockstep = False  # the Hybrid Engine gathers once per generation (and vLLM holds its own copy)
 
     def __init__(self, graph: DataflowGraph, roles: dict[str, ModelRole], cluster: ClusterSpec, *, estimator: Estimator,
                  samples_per_iteration: int, overlap_iterations: bool, exact_realloc: bool, keep_per_size: int,
-                 engine: VllmEngine | None = None):
+                 engine: PeerEngine = HybridEngine()):
         super().__init__(graph, roles, cluster, estimator=estimator, samples_per_iteration=samples_per_iteration,
                          overlap_iterations=overlap_iterations, exact_realloc=exact_realloc, keep_per_size=keep_per_size)
         self.engine = engine
@@ -121,9 +170,14 @@ class PeerProblem(PlanProblem):
         mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
         match mfc.kind:
             case MFCKind.GENERATE:
-                waves = micro_batches or 1
-                est = (waves_estimate(self, mfc, layout, waves) if self.engine is None
-                       else engine_estimate(self, mfc, layout, waves, self.engine))
+                match self.engine:
+                    case HybridEngine():
+                        waves = micro_batches or self.engine.waves(mfc, layout.strategy.dp)[0]
+                        est = hybrid_engine_estimate(self, mfc, layout, waves)
+                    case VllmEngine():
+                        est = engine_estimate(self, mfc, layout, micro_batches or 1, self.engine)
+                    case _:
+                        assert_never(self.engine)
                 return Candidate(mfc.name, layout, est)
             case MFCKind.TRAIN_STEP if any(m.kind is MFCKind.GENERATE and m.model == mfc.model for m in self.mfcs):
                 cand = super().candidate(mfc, layout, micro_batches)
@@ -144,5 +198,6 @@ class PeerProblem(PlanProblem):
         mfc = self.graph[mfc] if isinstance(mfc, str) else mfc
         if mfc.kind is not MFCKind.GENERATE:
             return super().options(mfc, layout)
-        return sorted((self.candidate(mfc, layout, w) for w in wave_counts(mfc, layout.strategy.dp)),
-                      key=lambda c: c.seconds)
+        dp = layout.strategy.dp
+        waves = self.engine.waves(mfc, dp) if isinstance(self.engine, HybridEngine) else wave_counts(mfc, dp)
+        return sorted((self.candidate(mfc, layout, w) for w in waves), key=lambda c: c.seconds)
