@@ -14,8 +14,11 @@ other; ``Par``: at once, the longest counts) whose leaves are estimates.
   name (``stability``): issue 30's target is that the constants move less than 20% between the halves.
 * The held-out set is scored, never fitted on.
 * The untouched set is predicted only with ``--final`` (``final``, with ``UNTOUCHED_DEFAULTS`` for what its sources
-  do not state), once, with the final model; ``--final`` refuses while issue 30's GPU runs (item 3, committed as
-  ``docs/gpu_sizes_*.json``) do not exist, because the constants may still be fitted on those runs.
+  do not state), once, with the final model: ``--final`` writes its record, ``docs/validation_untouched_<date>.json``,
+  and refuses once such a record is there. It waited for issue 30's GPU runs (item 3, ``docs/gpu_sizes_*.json``),
+  which could still have moved the constants; this task is lent no GPU (a device is drawn once per task, and this
+  one's draw gave none), so the final constants are the fit set's alone, and the record lists the GPU runs it had
+  (none).
 
 The points that ``bench/published.py`` holds (``Point.reuses``) are predicted from its setups, as
 ``bench/calibration.py`` does, with the estimates' breakdowns kept so the terms apply.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import math
 import statistics
@@ -47,6 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import published  # noqa: E402  (bench/ is not a package)
 import validation_set as vs  # noqa: E402
 from calibration import cluster_for  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -655,6 +661,10 @@ def _print(result: dict) -> None:
 
 
 GPU_RUNS = "docs/gpu_sizes_*.json"  # issue 30 item 3's committed runs (scripts/gpu_check.sh sizes)
+UNTOUCHED_RECORD = "docs/validation_untouched_{date}.json"  # the untouched set's one prediction (--final writes it)
+WITHOUT_GPU_RUNS = ("issue 30 item 3's GPU runs were to come first, since they could move the constants; the task was "
+                    "lent no GPU (the device tool draws once per task; every session's status said 'not drawn'), so "
+                    "the final constants are those fitted on the fit set alone")
 
 
 def final(fitted: ScaleTerms) -> dict:
@@ -669,8 +679,10 @@ def final(fitted: ScaleTerms) -> dict:
                                    "ratio": evaluate(node, ScaleTerms()) / p.measured_seconds},
                      "fitted": {"predicted_seconds": seconds, "ratio": seconds / p.measured_seconds},
                      "phases": {leaf.label: leaf.seconds for leaf in leaves(node)}})
+    runs = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(GPU_RUNS))
     return {"rows": rows, "figures": {label: _figures(rows, label, "untouched") for label in ("estimator", "fitted")},
             "targets": "median |error| <= 25%, no point beyond 2x", "terms": dataclasses.asdict(fitted),
+            "gpu_runs": runs, "gpu_runs_note": "" if runs else WITHOUT_GPU_RUNS,
             "defaults": {k: dataclasses.asdict(d) for k, d in UNTOUCHED_DEFAULTS.items()}}
 
 
@@ -678,16 +690,19 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> N
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--final", action="store_true",
-                        help=f"also predict the untouched set, once; refused while no {GPU_RUNS} exists")
+                        help="also predict the untouched set, once, and write its record under docs/; refused once a "
+                             "record is there")
     args = parser.parse_args(argv)
-    root = Path(__file__).resolve().parents[1]
-    if args.final and not sorted(root.glob(GPU_RUNS)):
-        raise SystemExit(f"bench/validation.py --final: the untouched set is predicted once, with the final constants, "
-                         f"after issue 30's GPU runs; no {GPU_RUNS} is committed yet: run scripts/gpu_check.sh OUT "
-                         f"sizes on a lent GPU first, or run without --final")
+    done = sorted(ROOT.glob(UNTOUCHED_RECORD.format(date="*")))
+    if args.final and done:
+        raise SystemExit(f"bench/validation.py --final: the untouched set was predicted once already, and its figure is "
+                         f"{done[0].relative_to(ROOT)}; a second prediction would judge a model fitted after seeing it. "
+                         f"Run without --final")
     result = run()
     if args.final:
         result["untouched"] = final(ScaleTerms(**result["fitted_terms"]))
+        record = ROOT / UNTOUCHED_RECORD.format(date=datetime.date.today().isoformat())
+        record.write_text(json.dumps(result, indent=1) + "\n")
     if args.json:
         out(json.dumps(result, indent=1))
     else:
