@@ -1,8 +1,11 @@
 """Async mode in planning: the steady state the simulator predicts, and plan.execution auto's choice."""
 
+from pathlib import Path
+
 import pytest
 
 from restage.config.load import load_config
+from restage.demo import ensure_tiny_model
 from restage.errors import ConfigError
 from restage.plan.async_plan import best_async_plan, splits
 from restage.plan.cli import mode_line, render
@@ -12,7 +15,14 @@ from restage.plan.schedule import build_schedule
 from restage.plan.simulator import op_seconds, plan_program, refill_seconds
 from restage.schedule.ops import Generate, Push, Run, SendKey
 
-JOB = "jobs/grpo_tiny.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "jobs" / "grpo_tiny.yaml"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def tiny_model():
+    """The job's model directory (results/assets/tiny-llama), built as `make demo` builds it: a fresh clone has none."""
+    ensure_tiny_model(ROOT)
 
 
 def async_problem(staleness=1, push_every=1, steps=60):
