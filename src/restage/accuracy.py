@@ -1,7 +1,8 @@
 """How far restage's predictions are from measurements: the one place that holds the numbers, with their sources.
 
-* ``GPU_VALIDATION``: the held-out set of ``bench/validation.py`` (issue 30: published, measured RL steps of verl and
-  NeMo-Aligner, systems no constant was fitted on, each predicted by restage's estimator under that system's plan).
+* ``GPU_VALIDATION``: the held-out and untouched sets of ``bench/validation.py`` (issue 30: published, measured RL steps
+  of verl, NeMo-Aligner and NeMo-RL and pre-training steps of Megatron-Bridge, systems no constant was fitted on, each
+  predicted by restage's estimator under that system's plan; the untouched set's figures are its one prediction).
 * ``CPU_VALIDATION``: the held-out plans of ``bench/estimator.py`` (real runs of a small PPO job on
   this project's 2-core CPU machine, each predicted by the estimator and simulator with the cluster
   file's constants, as ``restage plan`` predicts).
@@ -93,11 +94,13 @@ def band_of(checks: CheckSet) -> Band:
 
 
 GPU_VALIDATION = CheckSet(
-    what="held-out published GPU points (bench/validation.py)",
+    what="held-out and untouched published GPU points (bench/validation.py)",
     source="python bench/validation.py --json, 'estimator' predictions of set 'held_out' (docs/validation_2026-11-29.json: "
-           "verl's fully-async page, H20, 7B-30B, 16-128 GPUs; NeMo-Aligner's PPO tables, 70B-405B, 96-1,008 GPUs; each "
-           "point under its system's plan, unstated settings from the script's DEFAULTS), the estimator alone, as "
-           "restage plan predicts; 2026-11-29",
+           "verl's fully-async page, H20, 7B-30B, 16-128 GPUs; NeMo-Aligner's PPO tables, 70B-405B, 96-1,008 GPUs), then "
+           "of set 'untouched', predicted once (bench/validation.py --final, docs/validation_untouched_2026-11-29.json: "
+           "NeMo-RL's GRPO summary, 8B-671B, 16-512 H100s; Megatron-Bridge's pre-training summary, 8B-405B, 8-1,024 "
+           "H100s); each point under its system's plan, unstated settings from the script's DEFAULTS, the estimator "
+           "alone, as restage plan predicts; 2026-11-29",
     checks=(
         Check("verl-qwen2.5-7b-dapo-colocate-32gpu", 1764.74, 790.1),
         Check("verl-qwen2.5-7b-dapo-async-16x16", 2472.61, 294.77),
@@ -114,6 +117,22 @@ GPU_VALIDATION = CheckSet(
         Check("nemo-aligner-llama3-70b-ppo-32x16-nodes", 85.27, 108),
         Check("nemo-aligner-llama3-70b-ppo-64x32-nodes", 47.20, 56.9),
         Check("nemo-aligner-llama3.1-405b-ppo-84x42-nodes", 107.47, 164.6),
+        Check("nemo-rl-llama3.1-8b-grpo-16gpu", 57.75, 97.7),
+        Check("nemo-rl-llama3.1-8b-grpo-async-16gpu", 93.12, 74.6),
+        Check("nemo-rl-deepseek-v3-grpo-256gpu", 30.01, 154),
+        Check("nemo-rl-deepseek-v3-grpo-async-512gpu", 22.51, 77.9),
+        Check("nemo-rl-qwen3-235b-grpo-128gpu", 204.88, 506),
+        Check("nemo-rl-qwen3-235b-grpo-async-256gpu", 151.91, 241),
+        Check("nemo-rl-qwen3-30b-a3b-grpo-32gpu", 200.09, 225),
+        Check("nemo-rl-qwen3-30b-a3b-grpo-async-32gpu", 85.13, 244),
+        Check("nemo-rl-qwen3-32b-grpo-32gpu", 364.91, 393),
+        Check("nemo-rl-qwen3-32b-grpo-async-64gpu", 285.42, 215),
+        Check("megatron-bridge-llama3-8b-fp8-8gpu", 14.05, 9.070098955089613),
+        Check("megatron-bridge-llama3-70b-fp8-64gpu", 29.95, 20.214682294879704),
+        Check("megatron-bridge-llama3.1-405b-fp8-1024gpu", 54.15, 39.51125401929261),
+        Check("megatron-bridge-gpt-oss-120b-bf16-64gpu", 12.63, 13.669280827632237),
+        Check("megatron-bridge-qwen3-30b-a3b-fp8-16gpu", 23.93, 102.52014078998826),
+        Check("megatron-bridge-qwen3-235b-a22b-fp8-256gpu", 202.91, 80.2645437844458),
     ),
 )
 
