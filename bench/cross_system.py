@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ PEER_OF = {"openrlhf": "openrlhf", "deepspeed-chat": "deepspeed_chat", "verl": "
 OPENRLHF_2024 = ("colocate_actor_ref+critic_reward", "separate")  # the arrangements of the README's OpenRLHF
 # The README's DeepSpeed-Chat runs: 8 prompts a rank per generate call (the module docstring gives the scripts).
 DSCHAT_ENGINE = HybridEngine(batch_per_device=8)
+README_BUILDERS = {**BUILDERS, "deepspeed_chat": functools.partial(deepspeed_chat, engine=DSCHAT_ENGINE)}
 HYBRIDFLOW_CLUSTER = "a100-80gb"  # HybridFlow ran on A100s (issue 30's brief; not verified in the text reached)
 # The runs before this one, as they printed (modelled openrlhf/deepspeed-chat ratios; None: no plan fits a side).
 HISTORY = (
@@ -115,7 +117,7 @@ def seconds_by_system(problem: PlanProblem, systems: tuple[str, ...]) -> dict[st
     """Each system's default plan scored by the peer model (None where none fits), plus ``openrlhf_2024``."""
     out: dict[str, dict] = {}
     for system in systems:
-        found = deepspeed_chat(problem, DSCHAT_ENGINE) if system == "deepspeed-chat" else BUILDERS[PEER_OF[system]](problem)
+        found = README_BUILDERS[PEER_OF[system]](problem)
         out[system] = _row(found)
     if "openrlhf" in systems:
         arrangements = openrlhf_arrangements(problem)

@@ -667,6 +667,11 @@ WITHOUT_GPU_RUNS = ("issue 30 item 3's GPU runs were to come first, since they c
                     "the final constants are those fitted on the fit set alone")
 
 
+def untouched_records() -> list[Path]:
+    """The committed record of the untouched set's one prediction (``--final`` writes it), if there is one."""
+    return sorted(ROOT.glob(UNTOUCHED_RECORD.format(date="*")))
+
+
 def final(fitted: ScaleTerms) -> dict:
     """The untouched set predicted once, with the terms fitted on the fit set."""
     rows = []
@@ -693,8 +698,7 @@ def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> N
                         help="also predict the untouched set, once, and write its record under docs/; refused once a "
                              "record is there")
     args = parser.parse_args(argv)
-    done = sorted(ROOT.glob(UNTOUCHED_RECORD.format(date="*")))
-    if args.final and done:
+    if args.final and (done := untouched_records()):
         raise SystemExit(f"bench/validation.py --final: the untouched set was predicted once already, and its figure is "
                          f"{done[0].relative_to(ROOT)}; a second prediction would judge a model fitted after seeing it. "
                          f"Run without --final")

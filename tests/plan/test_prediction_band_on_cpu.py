@@ -72,7 +72,7 @@ def test_the_stored_gpu_checks_are_what_bench_validation_predicts_now(bench_modu
     The untouched set's checks are its one prediction, so they are checked against its record, not predicted again."""
     validation, validation_set = bench_module("validation"), bench_module("validation_set")
     predicted = validation.predictions("held_out", validation.ScaleTerms())  # the estimator alone, as restage plan
-    (record,) = validation.ROOT.glob(validation.UNTOUCHED_RECORD.format(date="*"))
+    (record,) = validation.untouched_records()
     untouched = {r["name"]: r["estimator"]["predicted_seconds"] for r in json.loads(record.read_text())["untouched"]["rows"]}
     predicted.update(untouched)
     measured = {p.name: p.measured_seconds for which in ("held_out", "untouched") for p in validation_set.points(which)}

@@ -62,22 +62,20 @@ class HybridEngine:
     def waves(self, mfc: MFC, dp: int) -> list[int]:
         """The batch's wave count, then twice, four times, ... as many while a wave keeps a sequence: a user lowers
         ``--per_device_generation_batch_size`` until the generation fits, never raises it past the setting."""
-        per_rank = max(int(sequences_per_rank(mfc, dp)), 1)
-        out, w = [], math.ceil(per_rank / self.batch_per_device)
-        while w <= per_rank:
-            out.append(w)
-            w *= 2
-        return out or [per_rank]
+        return wave_counts(mfc, dp, fewest=math.ceil(_per_rank(mfc, dp) / self.batch_per_device))
 
 
 PeerEngine = VllmEngine | HybridEngine
 
 
-def wave_counts(mfc: MFC, dp: int) -> list[int]:
-    """1, 2, 4, ... waves, while each wave keeps at least one sequence per rank."""
-    per_rank = int(sequences_per_rank(mfc, dp))
-    out, w = [], 1
-    while w <= max(per_rank, 1):
+def _per_rank(mfc: MFC, dp: int) -> int:
+    return max(int(sequences_per_rank(mfc, dp)), 1)
+
+
+def wave_counts(mfc: MFC, dp: int, fewest: int = 1) -> list[int]:
+    """``fewest``, twice, four times, ... as many waves, while each wave keeps at least one sequence per rank."""
+    out, w = [], fewest
+    while w <= _per_rank(mfc, dp):
         out.append(w)
         w *= 2
     return out
@@ -142,7 +140,8 @@ class PeerProblem(PlanProblem):
     """A problem scored the way the peers' engines run it: batched generation on ``engine`` (a vLLM-style engine's
     settings, or DeepSpeed's Hybrid Engine) and the old-log-prob pass."""
 
-    zero3_lockstep = False  # the Hybrid Engine gathers once per generation (and vLLM holds its own copy)
+    zero3_lockstep = False  # gathered before generating (vLLM holds its own copy; the Hybrid Engine regathers each
+    # call after the first, hybrid_engine_estimate)
 
     def __init__(self, graph: DataflowGraph, roles: dict[str, ModelRole], cluster: ClusterSpec, *, estimator: Estimator,
                  samples_per_iteration: int, overlap_iterations: bool, exact_realloc: bool, keep_per_size: int,
