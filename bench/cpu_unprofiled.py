@@ -1,11 +1,19 @@
 """A held-out check of the CPU roofline for models without a measured profile: ten PPO jobs of widths, depths and
 layouts that neither the calibration nor the evaluation of ``bench/estimator.py`` ran.
 
-    python bench/cpu_unprofiled.py [--rounds R] [--steps N] [--warmup K] [--nice -19] [--reuse] [--run-only]
-                                   [--profiles DIR] [--json]
+    python bench/cpu_unprofiled.py [--set NAME] [--rounds R] [--steps N] [--warmup K] [--nice -19] [--reuse]
+                                   [--run-only] [--profiles DIR] [--json]
 
-The set (``JOBS``) was fixed and committed before any of its jobs was run or predicted; it is not changed after
-its result is seen. Each job is a real run of jobs/ppo_tiny.yaml (actor, critic, reference; the synthetic task)
+Two sets (``SETS``), each fixed and committed before any of its jobs was run or predicted, and not changed after its
+result is seen. ``2026-11-28`` (the default; ``MODELS``, ``JOBS``, ``SIZE``) was predicted once by the roofline of
+781df7b and missed the per-MFC target; its runs and its models' profiles then became fit data for the roofline's
+CPU terms (``bench/cpu_roofline_fit.py``). ``2026-11-29`` (``FRESH_MODELS``, ``FRESH_JOBS``, ``FRESH_SIZE``) is the
+fresh held-out set for that roofline: ten other widths and depths (144-768 wide, 2-8 layers), the same six kinds of
+layout on other models, the same job size but with PPO's early stop off (``algo.early_stop_ratio=0``: under
+jobs/ppo_tiny.yaml's 3.0 a random actor's ratio stops its later minibatches, so actor training did less work than
+any estimate assumes, which the first set's actor_train errors show).
+
+Each job is a real run of jobs/ppo_tiny.yaml (actor, critic, reference; the synthetic task)
 under ``restage run`` with ``plan.mode=manual``, on a random LLaMA of the job's shape built once under
 results/assets/ (no profile exists for it, so every estimate is the roofline's). Measured as ``bench/estimator.py``
 measures (per MFC the median over the steps after the warm-up of its slowest rank; per iteration the median step
@@ -77,6 +85,37 @@ JOBS: dict[str, tuple[str, dict[str, str], int]] = {
 # The job size: batch 32, answers always 16 tokens, 2 PPO epochs over 2 minibatches.
 SIZE = {"run.batch_size": 32, "generation.max_new_tokens": 16, "generation.min_new_tokens": 16,
         "run.micro_batches": 1, "algo.minibatches": 2, "algo.ppo_epochs": 2}
+
+# The fresh set (2026-11-29): widths and depths that neither the first set, the calibration (64 x 2) nor the
+# evaluation (96 x 3) ran. Heads and KV heads divide by 2 (tp2).
+FRESH_MODELS = {
+    "w144-l8": (144, 8, 4, 2, 384),
+    "w224-l5": (224, 5, 4, 2, 608),
+    "w288-l2": (288, 2, 6, 2, 768),
+    "w352-l4": (352, 4, 8, 4, 960),
+    "w416-l3": (416, 3, 8, 2, 1120),
+    "w480-l2": (480, 2, 10, 10, 1280),
+    "w544-l3": (544, 3, 8, 4, 1472),
+    "w608-l2": (608, 2, 8, 2, 1632),
+    "w704-l3": (704, 3, 8, 4, 1888),
+    "w768-l2": (768, 2, 12, 4, 2048),
+}
+FRESH_JOBS: dict[str, tuple[str, dict[str, str], int]] = {
+    "w144-l8-pp2": ("w144-l8", PP2, 2),
+    "w224-l5-one-rank": ("w224-l5", ONE_RANK, 1),
+    "w288-l2-gen-tp2": ("w288-l2", GEN_TP2, 2),
+    "w352-l4-apart": ("w352-l4", APART, 2),
+    "w416-l3-dp2": ("w416-l3", DP2, 2),
+    "w480-l2-tp2": ("w480-l2", TP2, 2),
+    "w544-l3-one-rank": ("w544-l3", ONE_RANK, 1),
+    "w608-l2-dp2": ("w608-l2", DP2, 2),
+    "w704-l3-apart": ("w704-l3", APART, 2),
+    "w768-l2-tp2": ("w768-l2", TP2, 2),
+}
+FRESH_SIZE = {**SIZE, "algo.early_stop_ratio": 0}
+# name: (models, jobs, size, experiment under results/)
+SETS = {"2026-11-28": (MODELS, JOBS, SIZE, EXPERIMENT),
+        "2026-11-29": (FRESH_MODELS, FRESH_JOBS, FRESH_SIZE, f"{EXPERIMENT}-2026-11-29")}
 # restage profile's grid for --profiles: covers the jobs' per-rank batches (1-32) and sequences (prompt + 16 tokens).
 PROFILE_GRID = ["--batches", "1,4,16,32", "--seqs", "8,16,32,64", "--tp", "1,2", "--repeats", "9"]
 TARGET_MFC_ERROR = 0.25
@@ -88,15 +127,17 @@ def model_path(model: str) -> str:
 
 
 def ensure_job_model(model: str) -> Path:
-    """A random LLaMA of ``MODELS[model]``'s shape over the synthetic task's tokenizer (built once)."""
-    width, layers, heads, kv_heads, inter = MODELS[model]
+    """A random LLaMA of ``model``'s shape (``MODELS`` or ``FRESH_MODELS``) over the synthetic task's tokenizer (built
+    once)."""
+    width, layers, heads, kv_heads, inter = {**MODELS, **FRESH_MODELS}[model]
     return ensure_model(model_path(model), 2, hidden_size=width, num_layers=layers, num_heads=heads,
                         num_kv_heads=kv_heads, intermediate_size=inter)
 
 
-def size_of(name: str) -> dict:
-    model, _, ranks = JOBS[name]
-    size = {**SIZE, **{f"models.{m}.path": model_path(model) for m in ("actor", "critic", "ref")}}
+def size_of(name: str, chosen: str = "2026-11-28") -> dict:
+    _, jobs, base, _ = SETS[chosen]
+    model, _, ranks = jobs[name]
+    size = {**base, **{f"models.{m}.path": model_path(model) for m in ("actor", "critic", "ref")}}
     if ranks == 1:
         size["run.threads_per_rank"] = 2
     return size
@@ -157,6 +198,7 @@ def render(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", default="2026-11-28", choices=sorted(SETS), help="which held-out set")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every job; figures are medians over rounds")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
@@ -171,23 +213,25 @@ def main(argv: list[str] | None = None) -> int:
     from restage.demo import ensure_tiny_model
 
     ensure_tiny_model()
+    _, jobs, _, experiment = SETS[args.set]
     started, rows = time.time(), []
-    runs: dict[str, list[dict]] = {name: [] for name in JOBS}
+    runs: dict[str, list[dict]] = {name: [] for name in jobs}
     for k in range(args.rounds):
-        for name, (model, layouts, ranks) in JOBS.items():
+        for name, (model, layouts, ranks) in jobs.items():
             trial = f"{name}-r{k}"
             if not args.reuse:
                 ensure_job_model(model)
-                run_job(trial, size_of(name), layouts, args.steps, args.nice, ranks=ranks, experiment=EXPERIMENT)
+                run_job(trial, size_of(name, args.set), layouts, args.steps, args.nice, ranks=ranks,
+                        experiment=experiment)
                 print(f"cpu_unprofiled: ran {trial} ({time.time() - started:.0f} s, load average "
                       f"{os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
             if not args.run_only:
-                runs[name].append(measure(ROOT / "results" / EXPERIMENT / trial, args.warmup))
+                runs[name].append(measure(ROOT / "results" / experiment / trial, args.warmup))
     if args.run_only:
         return 0
     if args.profiles:
         directory = Path(args.profiles).resolve()
-        for model in sorted({model for model, _, _ in JOBS.values()}):
+        for model in sorted({model for model, _, _ in jobs.values()}):
             ensure_profile(model, directory)
             print(f"cpu_unprofiled: profile of {model} ready", file=sys.stderr, flush=True)
         os.environ["RESTAGE_CLUSTER_DIR"] = str(directory)
@@ -195,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         measured = {**got[0], "iteration_seconds": statistics.median(g["iteration_seconds"] for g in got),
                     "mfc_seconds": {m: statistics.median(g["mfc_seconds"][m] for g in got) for m in MFCS}}
         rows.append(score(name, measured))
-    result = {"jobs": rows, "summary": summarise(rows), "rounds": args.rounds, "load_average_after": os.getloadavg()}
+    result = {"set": args.set, "jobs": rows, "summary": summarise(rows), "rounds": args.rounds,
+              "load_average_after": os.getloadavg()}
     print(json.dumps(result, indent=1) if args.json else render(result))
     return 0
 
