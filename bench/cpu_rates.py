@@ -14,7 +14,14 @@ Measured, never fitted to a job:
   ``CACHE_FRACTION`` of the fastest size's rate (every size between them too): the largest tensor an op may hold
   and stay in the cache with its two companions; the cache rate is the median over the sizes at that share or more.
   The largest size gives memory's rate, printed beside the cluster file's ``memory_bandwidth_bytes_per_second`` x
-  efficiency.
+  efficiency;
+* ``gemm_half_rows``: one thread's ``F.linear`` of ``ROWS`` rows through a warm ``ROWS_WEIGHT`` weight; the ``h`` of
+  ``rows / (rows + h)``, normalised to 1 at ``CPU_REFERENCE_ROWS``, that fits the rates over the largest (least
+  squares of the logs, rows >= 4: fewer rows are bound by the weight's bytes, which the roofline counts apart);
+* ``weight_read_bytes_per_second``: the same product with a cold weight (each call a different one of a pool of
+  ``COLD_POOL_BYTES``, more than the last-level cache) takes longer than with a warm one by a time that hardly
+  depends on the rows: the BLAS reading and packing the weight. Its rate is the pooled bytes over the pooled extra
+  seconds of ``WEIGHT_SHAPES`` at 1 and 16 rows.
 
 The numbers are only as good as the machine is quiet: run it alone. Progress goes to stderr, one line a measurement.
 """
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -30,12 +38,18 @@ import time
 from datetime import date
 
 import torch
+import torch.nn.functional as F
 
 from restage.cluster import load_cluster
+from restage.plan.gemm import CPU_REFERENCE_ROWS
 
 GEMM_SIZES = (256, 512, 1024)
 STREAM_SIZES = tuple(2 ** k for k in range(14, 29))  # 16 KiB .. 256 MiB per tensor
 CACHE_FRACTION = 0.5  # a size streams "from the cache" while it reaches this share of the small sizes' rate
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, CPU_REFERENCE_ROWS)
+ROWS_WEIGHT = (1376, 512)  # (out, in): a 512-wide LLaMA's gate projection
+WEIGHT_SHAPES = ((704, 256), (1376, 512), (1728, 640), (2048, 1024))  # MLP weights of 256-1024-wide models
+COLD_POOL_BYTES = 256 << 20
 
 
 def _best_seconds(fn, repeats: int, min_seconds: float = 0.05) -> float:
@@ -70,6 +84,44 @@ def stream_rate(nbytes: int, repeats: int) -> float:
     return 3 * nbytes / _best_seconds(lambda: torch.add(a, b, out=c), repeats)
 
 
+def linear_rate(rows: int, repeats: int) -> float:
+    """FLOP/s of one thread's ``F.linear`` of ``rows`` rows through a warm ``ROWS_WEIGHT`` weight."""
+    torch.set_num_threads(1)
+    out_features, in_features = ROWS_WEIGHT
+    x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features)
+    return 2 * rows * out_features * in_features / _best_seconds(lambda: F.linear(x, w), repeats)
+
+
+def half_rows(rates: dict[int, float]) -> float:
+    """The ``h`` (0.25 steps up to 64) whose ``rows / (rows + h)``, over its value at the largest rows, best fits
+    ``rates`` over the largest's rate (least squares of the logs over rows >= 4)."""
+    top = max(rates)
+    used = [r for r in rates if r >= 4]
+
+    def misfit(h: float) -> float:
+        return sum((math.log((r / (r + h)) / (top / (top + h))) - math.log(rates[r] / rates[top])) ** 2 for r in used)
+
+    return min((k / 4 for k in range(1, 257)), key=misfit)
+
+
+def cold_extra_seconds(out_features: int, in_features: int, rows: int, repeats: int) -> float:
+    """Seconds a cold weight adds to one thread's ``F.linear`` of ``rows`` rows: a pass over a pool of distinct
+    weights (``COLD_POOL_BYTES``) per call, the fastest of ``repeats`` passes, less the warm call's best."""
+    torch.set_num_threads(1)
+    pool = [torch.randn(out_features, in_features)
+            for _ in range(max(8, COLD_POOL_BYTES // (4 * out_features * in_features)))]
+    x = torch.randn(rows, in_features)
+    for w in pool:
+        F.linear(x, w)
+    cold = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for w in pool:
+            F.linear(x, w)
+        cold = min(cold, (time.perf_counter() - start) / len(pool))
+    return max(cold - _best_seconds(lambda: F.linear(x, pool[0]), repeats), 0.0)
+
+
 def cache_edge(rates: dict[int, float]) -> tuple[int, float]:
     """(cache_bytes, cache rate). The sizes "in the cache" run from the fastest size up to the last size before the
     rate first falls below ``CACHE_FRACTION`` of the fastest; ``cache_bytes`` is the largest of them and the rate
@@ -100,6 +152,13 @@ def measure(cluster_name: str, repeats: int) -> dict:
     for size in STREAM_SIZES:
         streams[size] = stream_rate(size, repeats)
         print(f"cpu_rates: stream 3 x {size} B: {streams[size] / 1e9:.2f} GB/s", file=sys.stderr)
+    by_rows = {rows: linear_rate(rows, repeats) for rows in ROWS}
+    print("cpu_rates: F.linear by rows: " + ", ".join(f"{r} {v / 1e9:.0f}" for r, v in by_rows.items()) + " GFLOP/s",
+          file=sys.stderr)
+    extra = {f"{o}x{i}x{rows}": cold_extra_seconds(o, i, rows, repeats) for o, i in WEIGHT_SHAPES for rows in (1, 16)}
+    print("cpu_rates: a cold weight adds " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in extra.items()),
+          file=sys.stderr)
+    read_bytes = sum(4 * o * i for o, i in WEIGHT_SHAPES for _ in (1, 16))
     speedup = statistics.median(many[n] / one[n] for n in GEMM_SIZES)
     cache_bytes, cache_rate = cache_edge(streams)
     memory_rate = streams[max(STREAM_SIZES)]
@@ -110,12 +169,16 @@ def measure(cluster_name: str, repeats: int) -> dict:
         "stream_bytes_per_second": {str(s): streams[s] for s in STREAM_SIZES},
         "memory_bytes_per_second_measured": memory_rate,
         "memory_bytes_per_second_cluster_file": cluster.achievable_memory_bandwidth(),
+        "linear_flops_per_second_by_rows": {str(r): v for r, v in by_rows.items()},
+        "cold_weight_extra_seconds": extra,
         "cluster_values": {
             "cores_per_node": cores,
             "compute_efficiency": round(statistics.median(one.values()) / peak, 3),
             "thread_efficiency": round((speedup - 1) / (cores - 1), 3) if cores > 1 else 1.0,
             "cache_bytes": cache_bytes,
             "cache_bandwidth_bytes_per_second": float(f"{cache_rate:.3g}"),
+            "gemm_half_rows": half_rows(by_rows),
+            "weight_read_bytes_per_second": float(f"{read_bytes / sum(extra.values()):.3g}"),
         },
     }
 

@@ -23,6 +23,7 @@ _FLOAT_FIELDS = (
     "inter_node_bandwidth_bytes_per_second", "inter_node_latency_seconds", "compute_efficiency",
     "memory_efficiency", "network_efficiency", "usable_memory_fraction", "block_overhead_seconds", "attention_efficiency",
     "host_bandwidth_bytes_per_second", "thread_efficiency", "cache_bandwidth_bytes_per_second",
+    "gemm_half_rows", "weight_read_bytes_per_second",
     *(f"{name}_overhead_seconds" for name in (
         "mfc", "sequence", "forward", "backward", "decode_step", "optimizer_step", "dp_step", "transfer", "realloc")),
 )
@@ -87,6 +88,12 @@ class ClusterSpec:
     thread_efficiency: float = 1.0
     cache_bytes: int = 0
     cache_bandwidth_bytes_per_second: float = 0.0
+    # CPU ranks only, fitted by ``bench/cpu_roofline_fit.py`` on measured profiles (0: the term is off). A CPU BLAS
+    # GEMM of few rows reaches less of ``compute_efficiency``: ``rows / (rows + gemm_half_rows)``, normalised to 1 at
+    # ``CPU_REFERENCE_ROWS`` (``plan/gemm.py``); and it reads its weight matrix (packing it into panels) at
+    # ``weight_read_bytes_per_second`` before computing, a cost added to its FLOP time rather than overlapped with it.
+    gemm_half_rows: float = 0.0
+    weight_read_bytes_per_second: float = 0.0
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:

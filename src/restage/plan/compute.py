@@ -15,7 +15,11 @@ kernels: each kernel takes the larger of its device time and its share of the ho
 decoding steps are launch-bound while a long attention still adds its time. On a CPU, where ops run
 synchronously, the overhead adds; a CPU rank also computes and streams at its threads' speedup, and an op
 whose largest tensor fits the cache streams at the cache's rate (``ClusterSpec.thread_speedup`` and
-``stream_bandwidth``, measured by ``bench/cpu_rates.py``; GPU clusters leave both at memory's rate x 1).
+``stream_bandwidth``, measured by ``bench/cpu_rates.py``; GPU clusters leave both at memory's rate x 1). A CPU
+GEMM of few rows runs below its square rate (``gemm_half_rows``, ``gemm.py``), and a CPU BLAS reads its weights
+(``weight_read_bytes_per_second``) before computing, so the two times add there rather than overlap (both measured
+by ``bench/cpu_rates.py``; ``block_overhead_seconds`` and ``compute_efficiency`` then fitted on measured block
+profiles by ``bench/cpu_roofline_fit.py``).
 
 A mixture's expert GEMMs: a block's tokens are spread over its experts, each expert multiplying
 only the rows routed to it, so on a small batch the experts are memory-bound and only those some
@@ -120,6 +124,8 @@ class RooflineCompute:
         self.cache_bytes_per_second = cluster.stream_bandwidth(0.0)  # memory's rate where no cache term applies
         self.launch_overhead_seconds = (cluster.block_overhead_seconds if launch_overhead_seconds is None
                                         else launch_overhead_seconds)
+        self.weight_read_bytes_per_second = (0.0 if cluster.has_gpus
+                                             else cluster.weight_read_bytes_per_second * cluster.thread_speedup)
 
     def _stream(self, nbytes: float, largest_elements: float) -> float:
         """Seconds an op takes to move ``nbytes`` when its largest tensor holds ``largest_elements`` of the model's
@@ -140,6 +146,8 @@ class RooflineCompute:
         flops_seconds = sum(2 * tokens * cols * depth / (self.peak_flops_per_second
                                                          * gemm_efficiency(self.cluster, tokens, cols, depth))
                             for _, cols, depth in gemms)
+        if self.weight_read_bytes_per_second:  # a CPU BLAS packs the weights, then computes: the two add
+            return flops_seconds + weights * self.bytes / self.weight_read_bytes_per_second
         largest = max(max(cols * depth for _, cols, depth in gemms), tokens * max(s.hidden, s.inter))
         return max(flops_seconds, self._stream((weights + tokens * (s.hidden + s.inter)) * self.bytes, largest))
 

@@ -27,6 +27,10 @@ MAMF_EFFICIENCY = {"A100": 267.9 / 312, "A800": 267.9 / 312, "H100": 792.1 / 989
 MAMF_SHAPES = {"A100": (6912, 16384, 2048), "A800": (6912, 16384, 2048), "H100": (6144, 17920, 2816),
                "H200": (6144, 17920, 2816)}
 _DEFAULT_SHAPE = (8192, 8192, 8192)
+# A CPU cluster's ``compute_efficiency`` is measured on square GEMMs of 256-1024 (``bench/cpu_rates.py``): the rows
+# factor is 1 there. A CPU's BLAS is not tile-quantised in N and K (a GEMM of 128 x 128 weights runs within 10% of a
+# 1024 x 1024 one on this project's machines), so only the rows count, with the cluster's ``gemm_half_rows``.
+CPU_REFERENCE_ROWS = 1024
 
 
 def _dim_factor(dim: float, half: float = HALF_EFFICIENCY_DIM) -> float:
@@ -52,8 +56,12 @@ def mamf_shape(cluster: ClusterSpec) -> tuple[int, int, int]:
 def gemm_efficiency(cluster: ClusterSpec, rows: float, cols: float, depth: float) -> float:
     """Fraction of peak FLOP/s a (rows x depth) @ (depth x cols) GEMM reaches: ``compute_efficiency`` at the
     measured shape, lower for smaller dimensions, never above it."""
-    if not cluster.has_gpus:  # a CPU's BLAS is not tile-quantised; the profile carries its shape effects
-        return cluster.compute_efficiency
+    if not cluster.has_gpus:
+        half = cluster.gemm_half_rows
+        if not half:
+            return cluster.compute_efficiency
+        factor = _dim_factor(max(rows, 1.0), half) / _dim_factor(CPU_REFERENCE_ROWS, half)
+        return cluster.compute_efficiency * min(1.0, factor)
     m, n, k = mamf_shape(cluster)
     reference = _dim_factor(m, HALF_EFFICIENCY_ROWS) * _dim_factor(n) * _dim_factor(k)
     shape = _dim_factor(max(rows, 1.0), HALF_EFFICIENCY_ROWS) * _dim_factor(max(cols, 1.0)) * _dim_factor(max(depth, 1.0))
