@@ -3,9 +3,9 @@
 * ``GPU_VALIDATION``: the held-out and untouched sets of ``bench/validation.py`` (issue 30: published, measured RL steps
   of verl, NeMo-Aligner and NeMo-RL and pre-training steps of Megatron-Bridge, systems no constant was fitted on, each
   predicted by restage's estimator under that system's plan; the untouched set's figures are its one prediction).
-* ``CPU_VALIDATION``: the held-out plans of ``bench/estimator.py`` (real runs of a small PPO job on
-  this project's 2-core CPU machine, each predicted by the estimator and simulator with the cluster
-  file's constants, as ``restage plan`` predicts).
+* ``CPU_VALIDATION``: the held-out plans of ``bench/estimator.py`` and the fresh held-out set of
+  ``bench/cpu_unprofiled.py`` (real runs of small PPO jobs on this project's 2-core CPU machine, each
+  predicted by the estimator and simulator with the cluster file's constants, as ``restage plan`` predicts).
 * ``PROCESS_BASELINES``: the memory a rank process holds before its plan puts anything on the device
   (``bench/process_baseline.py`` and a tiny job's run), which the estimator's per-MFC figures leave out.
 
@@ -137,14 +137,17 @@ GPU_VALIDATION = CheckSet(
 )
 
 CPU_VALIDATION = CheckSet(
-    what="held-out CPU plans (bench/estimator.py)",
+    what="held-out CPU plans (bench/estimator.py, bench/cpu_unprofiled.py's fresh set)",
     source="OMP_NUM_THREADS=1 python bench/estimator.py --both --rounds 1 --steps 10 --nice -19, then bench/estimator.py "
            "--reuse with cluster/local-cpu.yaml holding that day's rates (bench/cpu_rates.py), profile and overheads "
            "(fitted on the calibration set of the same runs): 'evaluation', iteration seconds of the 11 evaluated "
            "plans (another model and job size than the calibration's, no profile: the roofline with its CPU thread "
            "and cache terms, as restage plan predicts); 2026-11-28, the 2-core Zen 4 machine (load average 1.5-1.9); "
            "predicted again (--reuse) on 2026-11-29 by the roofline with its GEMM-rows and weight-read terms and "
-           "the block overhead and efficiency of bench/cpu_roofline_fit.py",
+           "the block overhead and efficiency of bench/cpu_roofline_fit.py; then the ten jobs of bench/cpu_unprofiled.py's "
+           "fresh set, 144-768 wide, fixed and run before that fit and predicted once after it (--set 2026-11-29 "
+           "--reuse --json, docs/cpu_check_2026-11-29_fresh.json; its in-band count was taken against the 11 plans "
+           "alone, before its own runs joined the set)",
     checks=(
         Check("colocated-pp2", 0.4706, 0.4172),
         Check("separated", 0.1975, 0.2661),
@@ -157,6 +160,16 @@ CPU_VALIDATION = CheckSet(
         Check("inference-split", 0.3933, 0.3694),
         Check("trains-apart", 0.1875, 0.1915),
         Check("gen-tp2-train-pp2", 0.7077, 0.6091),
+        Check("w144-l8-pp2", 0.9026, 0.8679),
+        Check("w224-l5-one-rank", 0.6617, 0.6673),
+        Check("w288-l2-gen-tp2", 0.8072, 0.8352),
+        Check("w352-l4-apart", 1.2466, 1.1994),
+        Check("w416-l3-dp2", 1.3610, 1.7274),
+        Check("w480-l2-tp2", 1.3986, 1.9583),
+        Check("w544-l3-one-rank", 1.8489, 1.8043),
+        Check("w608-l2-dp2", 1.7840, 2.3256),
+        Check("w704-l3-apart", 3.4016, 3.0287),
+        Check("w768-l2-tp2", 2.6010, 2.7451),
     ),
 )
 

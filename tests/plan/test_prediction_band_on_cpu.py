@@ -83,6 +83,21 @@ def test_the_stored_gpu_checks_are_what_bench_validation_predicts_now(bench_modu
         assert measured[check.name] == pytest.approx(check.measured_seconds, rel=1e-12), check.name
 
 
+def test_the_stored_cpu_checks_are_the_evaluated_plans_and_the_fresh_set_s_one_prediction(bench_module):
+    """The CPU band's points: bench/estimator.py's evaluated plans and bench/cpu_unprofiled.py's fresh set, whose checks
+    are its record (predicted once; its runs' logs stay on the machine that ran them)."""
+    estimator, unprofiled = bench_module("estimator"), bench_module("cpu_unprofiled")
+    _, fresh_jobs, _, _ = unprofiled.SETS["2026-11-29"]
+    record = json.loads((unprofiled.ROOT / "docs" / "cpu_check_2026-11-29_fresh.json").read_text())
+    assert record["set"] == "2026-11-29" and [r["job"] for r in record["jobs"]] == list(fresh_jobs)
+    stored = {c.name: c for c in accuracy.CPU_VALIDATION.checks}
+    assert set(stored) == set(estimator.PLANS) | set(fresh_jobs)
+    for row in record["jobs"]:
+        check = stored[row["job"]]
+        assert check.predicted_seconds == round(row["predicted_iteration_seconds"], 4), row["job"]
+        assert check.measured_seconds == round(row["measured_iteration_seconds"], 4), row["job"]
+
+
 def _printed_band(text: str) -> tuple[float, float, float]:
     found = re.search(r"iteration (\d+\.\d+) s \(likely (\d+\.\d+)-(\d+\.\d+) s\)", text)
     assert found, text
