@@ -11,7 +11,10 @@ CPU terms (``bench/cpu_roofline_fit.py``). ``2026-11-29`` (``FRESH_MODELS``, ``F
 fresh held-out set for that roofline: ten other widths and depths (144-768 wide, 2-8 layers), the same six kinds of
 layout on other models, the same job size but with PPO's early stop off (``algo.early_stop_ratio=0``: under
 jobs/ppo_tiny.yaml's 3.0 a random actor's ratio stops its later minibatches, so actor training did less work than
-any estimate assumes, which the first set's actor_train errors show).
+any estimate assumes, which the first set's actor_train errors show). ``2026-11-29-b`` (``THIRD_MODELS``,
+``THIRD_JOBS``, the fresh set's size) was fixed after the fresh set's profiled prediction showed one-rank runs 73-74%
+faster than their one-thread profiles, and before restage changed how a profile's threads count: the held-out set for
+that change, and a second one for the roofline of ea5992e.
 
 Each job is a real run of jobs/ppo_tiny.yaml (actor, critic, reference; the synthetic task)
 under ``restage run`` with ``plan.mode=manual``, on a random LLaMA of the job's shape built once under
@@ -113,9 +116,36 @@ FRESH_JOBS: dict[str, tuple[str, dict[str, str], int]] = {
     "w768-l2-tp2": ("w768-l2", TP2, 2),
 }
 FRESH_SIZE = {**SIZE, "algo.early_stop_ratio": 0}
+# The third set (2026-11-29-b), fixed after the fresh set's profiled prediction and before the change it prompted (a
+# profile taken on one thread applied to a rank of two): other widths and depths again, three one-rank jobs.
+THIRD_MODELS = {
+    "w176-l4": (176, 4, 4, 2, 480),
+    "w208-l10": (208, 10, 4, 2, 576),
+    "w240-l6": (240, 6, 6, 2, 640),
+    "w272-l3": (272, 3, 8, 4, 736),
+    "w336-l2": (336, 2, 6, 6, 896),
+    "w400-l4": (400, 4, 8, 4, 1088),
+    "w464-l2": (464, 2, 8, 2, 1248),
+    "w528-l4": (528, 4, 8, 4, 1408),
+    "w592-l3": (592, 3, 8, 4, 1600),
+    "w656-l2": (656, 2, 8, 2, 1760),
+}
+THIRD_JOBS: dict[str, tuple[str, dict[str, str], int]] = {
+    "w176-l4-one-rank": ("w176-l4", ONE_RANK, 1),
+    "w208-l10-pp2": ("w208-l10", PP2, 2),
+    "w240-l6-dp2": ("w240-l6", DP2, 2),
+    "w272-l3-gen-tp2": ("w272-l3", GEN_TP2, 2),
+    "w336-l2-tp2": ("w336-l2", TP2, 2),
+    "w400-l4-one-rank": ("w400-l4", ONE_RANK, 1),
+    "w464-l2-apart": ("w464-l2", APART, 2),
+    "w528-l4-dp2": ("w528-l4", DP2, 2),
+    "w592-l3-tp2": ("w592-l3", TP2, 2),
+    "w656-l2-one-rank": ("w656-l2", ONE_RANK, 1),
+}
 # name: (models, jobs, size, experiment under results/)
 SETS = {"2026-11-28": (MODELS, JOBS, SIZE, EXPERIMENT),
-        "2026-11-29": (FRESH_MODELS, FRESH_JOBS, FRESH_SIZE, f"{EXPERIMENT}-2026-11-29")}
+        "2026-11-29": (FRESH_MODELS, FRESH_JOBS, FRESH_SIZE, f"{EXPERIMENT}-2026-11-29"),
+        "2026-11-29-b": (THIRD_MODELS, THIRD_JOBS, FRESH_SIZE, f"{EXPERIMENT}-2026-11-29-b")}
 # restage profile's grid for --profiles: covers the jobs' per-rank batches (1-32) and sequences (prompt + 16 tokens).
 PROFILE_GRID = ["--batches", "1,4,16,32", "--seqs", "8,16,32,64", "--tp", "1,2", "--repeats", "9"]
 TARGET_MFC_ERROR = 0.25
@@ -127,9 +157,9 @@ def model_path(model: str) -> str:
 
 
 def ensure_job_model(model: str) -> Path:
-    """A random LLaMA of ``model``'s shape (``MODELS`` or ``FRESH_MODELS``) over the synthetic task's tokenizer (built
-    once)."""
-    width, layers, heads, kv_heads, inter = {**MODELS, **FRESH_MODELS}[model]
+    """A random LLaMA of ``model``'s shape (``MODELS``, ``FRESH_MODELS`` or ``THIRD_MODELS``) over the synthetic task's
+    tokenizer (built once)."""
+    width, layers, heads, kv_heads, inter = {**MODELS, **FRESH_MODELS, **THIRD_MODELS}[model]
     return ensure_model(model_path(model), 2, hidden_size=width, num_layers=layers, num_heads=heads,
                         num_kv_heads=kv_heads, intermediate_size=inter)
 
