@@ -14,8 +14,9 @@ from restage.config.load import load_config
 from restage.errors import ConfigError
 from restage.models.arch import ModelConfig
 from restage.models.flops import block_shape
-from restage.plan.compute import DTYPE_BYTES, RooflineCompute, elementwise_elements_per_token
+from restage.plan.compute import DTYPE_BYTES, ProfiledCompute, RooflineCompute, elementwise_elements_per_token, thread_scale
 from restage.plan.gemm import CPU_REFERENCE_ROWS, gemm_efficiency
+from restage.plan.profile import Profile, ProfileEntry
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -173,3 +174,22 @@ def test_cpu_rates_reads_the_rows_half_point_from_the_linear_rates():
     assert cpu_rates.half_rows(rates) == 5.0
     rates[1] = rates[2] = 1.0  # the weight-bound rows do not move it
     assert cpu_rates.half_rows(rates) == 5.0
+
+
+def test_a_profile_is_scaled_from_its_threads_to_the_rank_s():
+    entries = [ProfileEntry("block_forward", 1, b, q, 1e-3 * b * q) for b in (1, 8) for q in (8, 64)]
+    entries.append(ProfileEntry("optimizer_step_per_param", 1, 1, 1, 2e-9))
+    one_thread = Profile("p", "local-cpu", "fp32", MODEL, entries, {"threads": 1})
+    two_ranks, one_rank = _cpu(cores_per_node=2), _cpu(cores_per_node=2).with_size(devices_per_node=1)
+    assert (two_ranks.rank_threads, one_rank.rank_threads) == (1, 2)
+    assert thread_scale(one_thread, two_ranks) == 1.0
+    assert thread_scale(one_thread, one_rank) == pytest.approx(1 / 1.5)  # thread_efficiency 0.5
+    two_threads = dataclasses.replace(one_thread, meta={"threads": 2})
+    assert thread_scale(two_threads, one_rank) == pytest.approx(1.0)
+    assert thread_scale(two_threads, two_ranks) == pytest.approx(1.5)
+    assert thread_scale(dataclasses.replace(one_thread, meta={}), one_rank) == pytest.approx(1 / 1.5)  # unrecorded: 1
+    h100 = load_cluster("h100-80gb")
+    assert thread_scale(two_threads, dataclasses.replace(h100, threads_per_rank=8)) == 1.0  # GPU ranks: as measured
+    priced = ProfiledCompute(one_thread, RooflineCompute(one_rank, MODEL, "fp32"))
+    assert priced.block_forward(8, 64, 1) == pytest.approx(1e-3 * 8 * 64 / 1.5)
+    assert priced.optimizer_step(1e6) == pytest.approx(2e-9 * 1e6 / 1.5)

@@ -241,6 +241,19 @@ class RooflineCompute:
         return self.source
 
 
+def thread_scale(profile: Profile, cluster: ClusterSpec) -> float:
+    """What a profile's seconds are multiplied by on ``cluster``'s ranks: on CPU ranks, the thread speedup of the threads
+    the profile was measured with (``meta["threads"]``, 1 where unrecorded) over the rank's own
+    (``ClusterSpec.thread_speedup``: each thread beyond the first adds ``thread_efficiency``); 1 on GPUs. Without it, a
+    one-thread profile priced a two-thread rank's work at one thread's speed (the fresh held-out set's one-rank runs
+    were 73-74% faster than so predicted, docs/cpu_check_2026-11-29_fresh_profiled.json)."""
+    if cluster.has_gpus:
+        return 1.0
+    recorded = profile.meta.get("threads", 1)
+    threads = max(int(recorded), 1) if isinstance(recorded, (int, float, str)) else 1
+    return float((1.0 + (threads - 1) * cluster.thread_efficiency) / cluster.thread_speedup)
+
+
 # A block op's second argument: a sequence length (forward, backward, prefill) or a cached context (decode).
 _Seq = TypeVar("_Seq", int, float)
 
@@ -249,13 +262,15 @@ class ProfiledCompute:
     """Compute time interpolated from a measured profile; pieces the profile lacks fall back to the roofline.
 
     ``used`` records which source answered, so an estimate can say whether it came from a
-    measurement, the roofline, or both.
+    measurement, the roofline, or both. On a CPU rank a profile's seconds are scaled from the threads it was
+    measured with (its ``meta["threads"]``) to the rank's, by the cluster's thread speedup (``thread_scale``).
     """
 
     def __init__(self, profile: Profile, roofline: RooflineCompute):
         self.profile, self.roofline = profile, roofline
         self.source = f"profile:{profile.name}"
         self.used: set[str] = set()
+        self.scale = thread_scale(profile, roofline.cluster)
 
     def _ask(self, op: str, batch: float, seq: float, tp: int, fallback: Callable[[], float]) -> float:
         seconds = self.profile.lookup(op, batch, seq, tp)
@@ -263,7 +278,7 @@ class ProfiledCompute:
             self.used.add("roofline")
             return fallback()
         self.used.add("profile")
-        return seconds
+        return seconds * self.scale
 
     def _block(self, op: str, batch: float, seq: _Seq, tp: int, ep: int,
                roofline: Callable[[float, _Seq, int, int], float]) -> float:
@@ -307,7 +322,7 @@ class ProfiledCompute:
             self.used.add("roofline")
             return self.roofline.optimizer_step(params)
         self.used.add("profile")
-        return per_param * params
+        return per_param * params * self.scale
 
     def begin_estimate(self) -> None:
         self.used.clear()
