@@ -137,7 +137,7 @@ GPU_VALIDATION = CheckSet(
 )
 
 CPU_VALIDATION = CheckSet(
-    what="held-out CPU plans (bench/estimator.py, bench/cpu_unprofiled.py's fresh set)",
+    what="held-out CPU plans (bench/estimator.py, bench/cpu_unprofiled.py's fresh and third sets)",
     source="OMP_NUM_THREADS=1 python bench/estimator.py --both --rounds 1 --steps 10 --nice -19, then bench/estimator.py "
            "--reuse with cluster/local-cpu.yaml holding that day's rates (bench/cpu_rates.py), profile and overheads "
            "(fitted on the calibration set of the same runs): 'evaluation', iteration seconds of the 11 evaluated "
@@ -147,7 +147,9 @@ CPU_VALIDATION = CheckSet(
            "the block overhead and efficiency of bench/cpu_roofline_fit.py; then the ten jobs of bench/cpu_unprofiled.py's "
            "fresh set, 144-768 wide, fixed and run before that fit and predicted once after it (--set 2026-11-29 "
            "--reuse --json, docs/cpu_check_2026-11-29_fresh.json; its in-band count was taken against the 11 plans "
-           "alone, before its own runs joined the set)",
+           "alone, before its own runs joined the set); then the ten jobs of its third set (--set 2026-11-29-b, fixed "
+           "after those, run and predicted once by the same roofline, docs/cpu_check_2026-11-29-b_heldout.json; its "
+           "in-band count was taken against the 21 points before it)",
     checks=(
         Check("colocated-pp2", 0.4706, 0.4172),
         Check("separated", 0.1975, 0.2661),
@@ -170,6 +172,16 @@ CPU_VALIDATION = CheckSet(
         Check("w608-l2-dp2", 1.7840, 2.3256),
         Check("w704-l3-apart", 3.4016, 3.0287),
         Check("w768-l2-tp2", 2.6010, 2.7451),
+        Check("w176-l4-one-rank", 0.3808, 0.5453),
+        Check("w208-l10-pp2", 1.7781, 1.7940),
+        Check("w240-l6-dp2", 1.0802, 1.2584),
+        Check("w272-l3-gen-tp2", 1.0384, 1.3274),
+        Check("w336-l2-tp2", 0.9063, 1.2495),
+        Check("w400-l4-one-rank", 1.4010, 1.7754),
+        Check("w464-l2-apart", 1.0019, 1.1057),
+        Check("w528-l4-dp2", 2.7184, 4.2102),
+        Check("w592-l3-tp2", 2.6384, 3.3849),
+        Check("w656-l2-one-rank", 1.6794, 1.9543),
     ),
 )
 
@@ -180,22 +192,25 @@ CPU_VALIDATION = CheckSet(
 # to the roofline, as they do in every PPO plan.
 GPU_PROFILED: CheckSet | None = None
 CPU_PROFILED: CheckSet | None = CheckSet(
-    what="held-out profiled CPU plans (bench/cpu_unprofiled.py --profiles)",
-    source="OMP_NUM_THREADS=1 python bench/cpu_unprofiled.py --steps 8 --nice -19 --run-only, then --reuse --profiles "
-           "results/cpu-unprofiled-profiles --json (docs/cpu_check_2026-11-28_heldout_profiled.json): iteration "
-           "seconds of its 10 jobs, each model profiled on the machine (restage profile, one thread); 2026-11-28, "
-           "the 2-core Zen 4 machine",
+    what="held-out profiled CPU plans (bench/cpu_unprofiled.py --set 2026-11-29-b --profiles)",
+    source="OMP_NUM_THREADS=1 python bench/cpu_unprofiled.py --set 2026-11-29-b --steps 8 --nice -19 --run-only, then "
+           "--reuse --profiles results/cpu-unprofiled-2026-11-29-b-profiles --json "
+           "(docs/cpu_check_2026-11-29-b_heldout_profiled.json): iteration seconds of its 10 jobs, each model profiled "
+           "on the machine (restage profile, one thread) and scaled to the rank's threads (compute.thread_scale, "
+           "bbd5fa0, made before the set was predicted); 2026-11-29, the 2-core Zen 4 machine. Before: the first set's "
+           "runs (docs/cpu_check_2026-11-28_heldout_profiled.json, band x0.69..x1.00), whose actor training PPO's "
+           "early stop cut short and whose one-rank profiles were not scaled",
     checks=(
-        Check("w128-l2-one-rank", 0.2589, 0.1945),
-        Check("w160-l6-dp2", 0.7289, 0.7022),
-        Check("w192-l3-apart", 0.3656, 0.3517),
-        Check("w256-l4-one-rank", 1.2256, 0.8551),
-        Check("w320-l2-tp2", 1.0556, 0.9442),
-        Check("w384-l5-pp2", 2.9742, 1.9291),
-        Check("w448-l3-gen-tp2", 2.0178, 1.7643),
-        Check("w512-l6-dp2", 3.9876, 4.5617),
-        Check("w576-l2-apart", 1.4760, 1.3265),
-        Check("w640-l4-tp2", 4.5550, 3.6676),
+        Check("w176-l4-one-rank", 0.3538, 0.5453),
+        Check("w208-l10-pp2", 1.9139, 1.7940),
+        Check("w240-l6-dp2", 1.1626, 1.2584),
+        Check("w272-l3-gen-tp2", 1.1217, 1.3274),
+        Check("w336-l2-tp2", 0.9794, 1.2495),
+        Check("w400-l4-one-rank", 1.4000, 1.7754),
+        Check("w464-l2-apart", 1.0064, 1.1057),
+        Check("w528-l4-dp2", 2.6826, 4.2102),
+        Check("w592-l3-tp2", 2.7638, 3.3849),
+        Check("w656-l2-one-rank", 1.5530, 1.9543),
     ),
 )
 

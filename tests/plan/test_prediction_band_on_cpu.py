@@ -83,19 +83,34 @@ def test_the_stored_gpu_checks_are_what_bench_validation_predicts_now(bench_modu
         assert measured[check.name] == pytest.approx(check.measured_seconds, rel=1e-12), check.name
 
 
-def test_the_stored_cpu_checks_are_the_evaluated_plans_and_the_fresh_set_s_one_prediction(bench_module):
-    """The CPU band's points: bench/estimator.py's evaluated plans and bench/cpu_unprofiled.py's fresh set, whose checks
-    are its record (predicted once; its runs' logs stay on the machine that ran them)."""
+def test_the_stored_cpu_checks_are_the_evaluated_plans_and_the_held_out_sets_one_predictions(bench_module):
+    """The CPU bands' points: bench/estimator.py's evaluated plans and bench/cpu_unprofiled.py's fresh and third sets
+    (unprofiled), and the third set predicted as profiled plans; each set's checks are its record (predicted once; its
+    runs' logs stay on the machine that ran them)."""
     estimator, unprofiled = bench_module("estimator"), bench_module("cpu_unprofiled")
-    _, fresh_jobs, _, _ = unprofiled.SETS["2026-11-29"]
-    record = json.loads((unprofiled.ROOT / "docs" / "cpu_check_2026-11-29_fresh.json").read_text())
-    assert record["set"] == "2026-11-29" and [r["job"] for r in record["jobs"]] == list(fresh_jobs)
+
+    def record(name: str, chosen: str) -> list[dict]:
+        rows = json.loads((unprofiled.ROOT / "docs" / name).read_text())
+        assert rows["set"] == chosen and [r["job"] for r in rows["jobs"]] == list(unprofiled.SETS[chosen][1])
+        return rows["jobs"]
+
+    def holds(stored: dict[str, accuracy.Check], rows: list[dict]) -> None:
+        for row in rows:
+            check = stored[row["job"]]
+            assert check.predicted_seconds == round(row["predicted_iteration_seconds"], 4), row["job"]
+            assert check.measured_seconds == round(row["measured_iteration_seconds"], 4), row["job"]
+
+    fresh = record("cpu_check_2026-11-29_fresh.json", "2026-11-29")
+    third = record("cpu_check_2026-11-29-b_heldout.json", "2026-11-29-b")
     stored = {c.name: c for c in accuracy.CPU_VALIDATION.checks}
-    assert set(stored) == set(estimator.PLANS) | set(fresh_jobs)
-    for row in record["jobs"]:
-        check = stored[row["job"]]
-        assert check.predicted_seconds == round(row["predicted_iteration_seconds"], 4), row["job"]
-        assert check.measured_seconds == round(row["measured_iteration_seconds"], 4), row["job"]
+    assert set(stored) == set(estimator.PLANS) | {r["job"] for r in fresh + third}
+    holds(stored, fresh + third)
+    assert accuracy.CPU_PROFILED is not None
+    profiled = record("cpu_check_2026-11-29-b_heldout_profiled.json", "2026-11-29-b")
+    assert all(r["sources"] and all(s.startswith("profile:") for s in r["sources"]) for r in profiled)
+    stored = {c.name: c for c in accuracy.CPU_PROFILED.checks}
+    assert set(stored) == {r["job"] for r in profiled}
+    holds(stored, profiled)
 
 
 def _printed_band(text: str) -> tuple[float, float, float]:
