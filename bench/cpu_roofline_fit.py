@@ -1,6 +1,6 @@
 """The CPU roofline's fitted terms, from measured block profiles of the models the first CPU held-out set ran.
 
-    python bench/cpu_roofline_fit.py [--cluster local-cpu] [--json]
+    python bench/cpu_roofline_fit.py [--cluster local-cpu] [--profiles DIR] [--json]
 
 The roofline of a CPU rank (``restage.plan.compute.RooflineCompute``) missed the first held-out set of
 ``bench/cpu_unprofiled.py`` (``--set 2026-11-28``, predicted once by 781df7b): it put every MFC 15-60% under its
@@ -22,11 +22,15 @@ measured time. Those ten models' profiles (``restage profile``, one thread, roun
 Fitting all four on the profiles alone was tried first and is not identifiable: the rows term and the weight read
 both penalise small batches, and the two halves' fits differed by 120-200% in them; measured apart, they leave two
 constants to fit. Fitted by grid search (``GRID``) for the least mean |log(predicted / measured)| over every tp-1
-block entry of ``FIT_PROFILES`` (forward, backward, prefill, decoding step; batch 1-32, 8-64 tokens). ``stability``
-fits the two disjoint halves of the models (alternate widths) alone: each constant's relative spread between them.
-tp-2 entries are scored, not fitted (a one-process TP group in the profiler). The fresh held-out set
-(``bench/cpu_unprofiled.py --set 2026-11-29``) was committed (49fad0f) before this fit and before any of its jobs
-was predicted.
+block entry of the profiles (``FIT_PROFILES_DIR`` and ``TINY_PROFILE``; forward, backward, prefill, decoding step;
+batch 1-32, 8-64 tokens). ``stability`` fits the two disjoint halves of the models (alternate widths) alone: each
+constant's relative spread between them. tp-2 entries are scored, not fitted (a one-process TP group in the
+profiler). The fresh held-out set (``bench/cpu_unprofiled.py --set 2026-11-29``) was committed (49fad0f) before this
+fit and before any of its jobs was predicted.
+
+On another machine, measure the rates first (``bench/cpu_rates.py``), then profile the same models there (``restage
+profile --model results/assets/cpu-unprofiled-<model>`` with ``bench/cpu_unprofiled.py``'s ``PROFILE_GRID``, the
+models built by its ``ensure_job_model``) into a directory and fit on it with ``--profiles DIR``.
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ from restage.models.arch import ModelConfig
 from restage.plan.compute import RooflineCompute
 
 ROOT = Path(__file__).resolve().parents[1]
-FIT_PROFILES = sorted((ROOT / "bench" / "fit_profiles").glob("*.json")) + [
-    ROOT / "cluster" / "profiles" / "local-cpu--tiny-llama--fp32.json"]
+FIT_PROFILES_DIR = ROOT / "bench" / "fit_profiles"
+TINY_PROFILE = ROOT / "cluster" / "profiles" / "local-cpu--tiny-llama--fp32.json"
 # profile op: the roofline's method for it
 OPS = {"block_forward": "block_forward", "block_backward": "block_backward", "prefill": "block_prefill",
        "decode_step": "decode_block"}
@@ -108,10 +112,12 @@ def stability(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", default="local-cpu")
+    parser.add_argument("--profiles", default=str(FIT_PROFILES_DIR), help="directory of the models' block profiles "
+                        "(the calibration's tiny model's is added from cluster/profiles)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     base = load_cluster(args.cluster)
-    profiles = load_profiles(FIT_PROFILES)
+    profiles = load_profiles(sorted(Path(args.profiles).glob("*.json")) + [TINY_PROFILE])
     off = dataclasses.replace(base, gemm_half_rows=0, weight_read_bytes_per_second=0, block_overhead_seconds=3.5e-4,
                               compute_efficiency=0.834)  # the file before these terms (781df7b)
     print(f"cpu_roofline_fit: {len(profiles)} profiles; fitting all, then each half", file=sys.stderr, flush=True)

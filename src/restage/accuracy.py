@@ -3,7 +3,7 @@
 * ``GPU_VALIDATION``: the held-out and untouched sets of ``bench/validation.py`` (issue 30: published, measured RL steps
   of verl, NeMo-Aligner and NeMo-RL and pre-training steps of Megatron-Bridge, systems no constant was fitted on, each
   predicted by restage's estimator under that system's plan; the untouched set's figures are its one prediction).
-* ``CPU_VALIDATION``: the held-out plans of ``bench/estimator.py`` and the fresh held-out set of
+* ``CPU_VALIDATION``: the held-out plans of ``bench/estimator.py`` and the fresh and third held-out sets of
   ``bench/cpu_unprofiled.py`` (real runs of small PPO jobs on this project's 2-core CPU machine, each
   predicted by the estimator and simulator with the cluster file's constants, as ``restage plan`` predicts).
 * ``PROCESS_BASELINES``: the memory a rank process holds before its plan puts anything on the device

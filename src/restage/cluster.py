@@ -88,7 +88,7 @@ class ClusterSpec:
     thread_efficiency: float = 1.0
     cache_bytes: int = 0
     cache_bandwidth_bytes_per_second: float = 0.0
-    # CPU ranks only, fitted by ``bench/cpu_roofline_fit.py`` on measured profiles (0: the term is off). A CPU BLAS
+    # CPU ranks only, measured by ``bench/cpu_rates.py`` (0: the term is off). A CPU BLAS
     # GEMM of few rows reaches less of ``compute_efficiency``: ``rows / (rows + gemm_half_rows)``, normalised to 1 at
     # ``CPU_REFERENCE_ROWS`` (``plan/gemm.py``); and it reads its weight matrix (packing it into panels) at
     # ``weight_read_bytes_per_second`` before computing, a cost added to its FLOP time rather than overlapped with it.
