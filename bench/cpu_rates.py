@@ -21,7 +21,7 @@ Measured, never fitted to a job:
 * ``weight_read_bytes_per_second``: the same product with a cold weight (each call a different one of a pool of
   ``COLD_POOL_BYTES``, more than the last-level cache) takes longer than with a warm one by a time that hardly
   depends on the rows: the BLAS reading and packing the weight. Its rate is the pooled bytes over the pooled extra
-  seconds of ``WEIGHT_SHAPES`` at 1 and 16 rows.
+  seconds of ``WEIGHT_SHAPES`` at ``COLD_ROWS`` rows.
 
 The numbers are only as good as the machine is quiet: run it alone. Progress goes to stderr, one line a measurement.
 """
@@ -50,6 +50,7 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, CPU_REFERENCE_ROWS)
 ROWS_WEIGHT = (1376, 512)  # (out, in): a 512-wide LLaMA's gate projection
 WEIGHT_SHAPES = ((704, 256), (1376, 512), (1728, 640), (2048, 1024))  # MLP weights of 256-1024-wide models
 COLD_POOL_BYTES = 256 << 20
+COLD_ROWS = (1, 16)  # rows of the cold-weight products
 
 
 def _best_seconds(fn, repeats: int, min_seconds: float = 0.05) -> float:
@@ -155,10 +156,10 @@ def measure(cluster_name: str, repeats: int) -> dict:
     by_rows = {rows: linear_rate(rows, repeats) for rows in ROWS}
     print("cpu_rates: F.linear by rows: " + ", ".join(f"{r} {v / 1e9:.0f}" for r, v in by_rows.items()) + " GFLOP/s",
           file=sys.stderr)
-    extra = {f"{o}x{i}x{rows}": cold_extra_seconds(o, i, rows, repeats) for o, i in WEIGHT_SHAPES for rows in (1, 16)}
+    extra = {f"{o}x{i}x{rows}": cold_extra_seconds(o, i, rows, repeats) for o, i in WEIGHT_SHAPES for rows in COLD_ROWS}
     print("cpu_rates: a cold weight adds " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in extra.items()),
           file=sys.stderr)
-    read_bytes = sum(4 * o * i for o, i in WEIGHT_SHAPES for _ in (1, 16))
+    read_bytes = len(COLD_ROWS) * sum(4 * o * i for o, i in WEIGHT_SHAPES)
     speedup = statistics.median(many[n] / one[n] for n in GEMM_SIZES)
     cache_bytes, cache_rate = cache_edge(streams)
     memory_rate = streams[max(STREAM_SIZES)]

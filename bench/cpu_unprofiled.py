@@ -4,7 +4,7 @@ layouts that neither the calibration nor the evaluation of ``bench/estimator.py`
     python bench/cpu_unprofiled.py [--set NAME] [--rounds R] [--steps N] [--warmup K] [--nice -19] [--reuse]
                                    [--run-only] [--profiles DIR] [--json]
 
-Two sets (``SETS``), each fixed and committed before any of its jobs was run or predicted, and not changed after its
+Three sets (``SETS``), each fixed and committed before any of its jobs was run or predicted, and not changed after its
 result is seen. ``2026-11-28`` (the default; ``MODELS``, ``JOBS``, ``SIZE``) was predicted once by the roofline of
 781df7b and missed the per-MFC target; its runs and its models' profiles then became fit data for the roofline's
 CPU terms (``bench/cpu_roofline_fit.py``). ``2026-11-29`` (``FRESH_MODELS``, ``FRESH_JOBS``, ``FRESH_SIZE``) is the
@@ -146,6 +146,8 @@ THIRD_JOBS: dict[str, tuple[str, dict[str, str], int]] = {
 SETS = {"2026-11-28": (MODELS, JOBS, SIZE, EXPERIMENT),
         "2026-11-29": (FRESH_MODELS, FRESH_JOBS, FRESH_SIZE, f"{EXPERIMENT}-2026-11-29"),
         "2026-11-29-b": (THIRD_MODELS, THIRD_JOBS, FRESH_SIZE, f"{EXPERIMENT}-2026-11-29-b")}
+DEFAULT_SET = "2026-11-28"
+ALL_MODELS = {name: shape for models, _, _, _ in SETS.values() for name, shape in models.items()}
 # restage profile's grid for --profiles: covers the jobs' per-rank batches (1-32) and sequences (prompt + 16 tokens).
 PROFILE_GRID = ["--batches", "1,4,16,32", "--seqs", "8,16,32,64", "--tp", "1,2", "--repeats", "9"]
 TARGET_MFC_ERROR = 0.25
@@ -157,14 +159,14 @@ def model_path(model: str) -> str:
 
 
 def ensure_job_model(model: str) -> Path:
-    """A random LLaMA of ``model``'s shape (``MODELS``, ``FRESH_MODELS`` or ``THIRD_MODELS``) over the synthetic task's
-    tokenizer (built once)."""
-    width, layers, heads, kv_heads, inter = {**MODELS, **FRESH_MODELS, **THIRD_MODELS}[model]
+    """A random LLaMA of ``model``'s shape (a model of any of ``SETS``) over the synthetic task's tokenizer (built
+    once)."""
+    width, layers, heads, kv_heads, inter = ALL_MODELS[model]
     return ensure_model(model_path(model), 2, hidden_size=width, num_layers=layers, num_heads=heads,
                         num_kv_heads=kv_heads, intermediate_size=inter)
 
 
-def size_of(name: str, chosen: str = "2026-11-28") -> dict:
+def size_of(name: str, chosen: str = DEFAULT_SET) -> dict:
     _, jobs, base, _ = SETS[chosen]
     model, _, ranks = jobs[name]
     size = {**base, **{f"models.{m}.path": model_path(model) for m in ("actor", "critic", "ref")}}
@@ -228,7 +230,7 @@ def render(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--set", default="2026-11-28", choices=sorted(SETS), help="which held-out set")
+    parser.add_argument("--set", default=DEFAULT_SET, choices=sorted(SETS), help="which held-out set")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every job; figures are medians over rounds")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")

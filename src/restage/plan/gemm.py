@@ -27,9 +27,10 @@ MAMF_EFFICIENCY = {"A100": 267.9 / 312, "A800": 267.9 / 312, "H100": 792.1 / 989
 MAMF_SHAPES = {"A100": (6912, 16384, 2048), "A800": (6912, 16384, 2048), "H100": (6144, 17920, 2816),
                "H200": (6144, 17920, 2816)}
 _DEFAULT_SHAPE = (8192, 8192, 8192)
-# A CPU cluster's ``compute_efficiency`` is measured on square GEMMs of 256-1024 (``bench/cpu_rates.py``): the rows
-# factor is 1 there. A CPU's BLAS is not tile-quantised in N and K (a GEMM of 128 x 128 weights runs within 10% of a
-# 1024 x 1024 one on this project's machines), so only the rows count, with the cluster's ``gemm_half_rows``.
+# A CPU cluster's ``compute_efficiency`` is the rate of many rows (square GEMMs of 256-1024 in ``bench/cpu_rates.py``,
+# or a block's GEMMs refitted by ``bench/cpu_roofline_fit.py``): the rows factor is 1 at this many. A CPU's BLAS is
+# not tile-quantised in N and K (a GEMM of 128 x 128 weights runs within 10% of a 1024 x 1024 one on this project's
+# machines), so only the rows count, with the cluster's ``gemm_half_rows``.
 CPU_REFERENCE_ROWS = 1024
 
 
